@@ -1,0 +1,243 @@
+"""``PagedKVCacheCollection``: the 6-D blocks tensor (and scales) plus one step's metadata.
+
+Layout (MAX, row-major): ``blocks[N, KVD, L, P, H, D]``; ``scales[N, KVD, L, P, H, G]`` with
+``G = ceil(D / quantization_granularity)``. A page ``n`` is the slab ``blocks[n]`` holding ``P`` tokens for
+every layer, K and V. ``get_key_cache(l)`` / ``get_value_cache(l)`` return per-layer ``PagedKVCache`` views.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
+from cute_kv.params import KVCacheParams
+from cute_kv.validate import check_tensor, check_uint32_scalar
+
+
+class PagedKVCacheCollection:
+    name_str = "paged"
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        cache_lengths: torch.Tensor,
+        lookup_table: torch.Tensor,
+        max_seq_length: int,
+        max_cache_length: int,
+        scales: Optional[torch.Tensor] = None,
+        *,
+        quantization_granularity: Optional[int] = None,
+        validate: bool = True,
+    ):
+        """Wrap existing tensors (nothing is copied).
+
+        ``validate=False`` skips the lookup-table scan (a device sync on GPU) for callers that built the
+        metadata themselves, such as the block manager; shapes and dtypes are always checked.
+        """
+        check_tensor("blocks", blocks, dtype=KV_DTYPES, ndim=6, contiguous=True)
+        n, kvd, nl, p, h, d = blocks.shape
+        if kvd not in (1, 2):
+            raise ValueError(f"blocks.shape[1] (KVD) must be 2 (K and V) or 1 (MLA), got {kvd}")
+        if min(n, nl, p, h, d) <= 0:
+            raise ValueError(f"blocks must have no empty dimension, got shape {list(blocks.shape)}")
+        dev = blocks.device
+        check_tensor("cache_lengths", cache_lengths, dtype=torch.uint32, ndim=1, device=dev)
+        bsz = cache_lengths.shape[0]
+        check_tensor("lookup_table", lookup_table, dtype=torch.uint32, ndim=2, device=dev)
+        if lookup_table.shape[0] != bsz:
+            raise ValueError(
+                f"lookup_table must have one row per request ({bsz}), got shape {list(lookup_table.shape)}"
+            )
+        if lookup_table.stride(1) != 1:
+            raise ValueError("lookup_table must be row-major (stride 1 along its columns)")
+        self.max_seq_length = check_uint32_scalar("max_seq_length", max_seq_length)
+        self.max_cache_length = check_uint32_scalar("max_cache_length", max_cache_length)
+        if self.max_cache_length > lookup_table.shape[1] * p:
+            raise ValueError(
+                f"lookup_table has {lookup_table.shape[1]} columns ({lookup_table.shape[1] * p} tokens at "
+                f"page_size {p}), fewer than max_cache_length={self.max_cache_length}"
+            )
+        self.blocks = blocks
+        self.cache_lengths = cache_lengths
+        self.lookup_table = lookup_table
+        self.num_pages, self.kv_dim, self.num_layers, self.page_size, self.num_heads, self.head_size = (
+            n, kvd, nl, p, h, d)
+        self.is_mla = kvd == 1
+        # Per-layer 4-D view [N, P, H, D]: stride[0] is the full page pitch, not P*H*D (MAX's dim-skipping rule).
+        self.kv_cache_dynamic_shape = (n, p, h, d)
+        self.kv_cache_dynamic_strides = (kvd * nl * p * h * d, h * d, d, 1)
+        self.scales = scales
+        self.quantization_granularity = 1
+        self.kv_cache_scales_dynamic_shape = (0, 0, 0, 0)
+        self.kv_cache_scales_dynamic_strides = (0, 0, 0, 0)
+        if scales is not None:
+            self._init_scales(scales, quantization_granularity)
+        elif quantization_granularity is not None:
+            raise ValueError("quantization_granularity given without scales")
+        if validate:
+            self.check_metadata()
+
+    def _init_scales(self, scales: torch.Tensor, granularity: Optional[int]):
+        n, kvd, nl, p, h, d = self.blocks.shape
+        if not is_fp8(self.blocks.dtype):
+            raise TypeError(f"scales need an fp8 blocks tensor, got blocks dtype {self.blocks.dtype}")
+        check_tensor("scales", scales, dtype=SCALE_DTYPES, ndim=6, device=self.blocks.device, contiguous=True)
+        g = scales.shape[5]
+        if granularity is None:
+            if g <= 0 or d % g:
+                raise ValueError(
+                    f"cannot infer quantization_granularity from scales.shape[5]={g} and head_size={d}; pass it"
+                )
+            granularity = d // g
+        if not isinstance(granularity, int) or granularity <= 0:
+            raise ValueError(f"quantization_granularity must be a positive int, got {granularity!r}")
+        if list(scales.shape) != [n, kvd, nl, p, h, math.ceil(d / granularity)]:
+            raise ValueError(
+                f"scales must have shape {[n, kvd, nl, p, h, math.ceil(d / granularity)]} for "
+                f"quantization_granularity={granularity}, got {list(scales.shape)}"
+            )
+        self.quantization_granularity = granularity
+        self.kv_cache_scales_dynamic_shape = (n, p, h, g)
+        self.kv_cache_scales_dynamic_strides = (kvd * nl * p * h * g, h * g, g, 1)
+
+    # -- construction helpers ---------------------------------------------------------------------
+
+    @staticmethod
+    def allocate_blocks(params: KVCacheParams, total_num_pages: int, device=None, *, zero: bool = True):
+        """``(blocks, scales|None)`` for ``params``: ``[N, KVD, L, P, H_per_dev, D]`` on ``device``."""
+        if not isinstance(total_num_pages, int) or total_num_pages <= 0:
+            raise ValueError(f"total_num_pages must be a positive int, got {total_num_pages!r}")
+        alloc = torch.zeros if zero else torch.empty
+        blocks = alloc([total_num_pages, *params.shape_per_block], dtype=params.dtype, device=device)
+        scales = None
+        if params.quantized_kv_cache:
+            scales = torch.ones([total_num_pages, *params.shape_per_scale_block],
+                                dtype=params.kvcache_quant_config.scale_dtype, device=device)
+        return blocks, scales
+
+    def with_metadata(self, cache_lengths, lookup_table, max_seq_length, max_cache_length, *, validate=True):
+        """A collection over the same blocks/scales with another step's metadata."""
+        return PagedKVCacheCollection(
+            self.blocks, cache_lengths, lookup_table, max_seq_length, max_cache_length, self.scales,
+            quantization_granularity=self.quantization_granularity if self.scales is not None else None,
+            validate=validate,
+        )
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache_lengths.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def scale_dtype(self) -> Optional[torch.dtype]:
+        return None if self.scales is None else self.scales.dtype
+
+    @property
+    def quantization_enabled(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def head_dim_granularity(self) -> int:
+        return math.ceil(self.head_size / self.quantization_granularity)
+
+    @property
+    def sentinel(self) -> int:
+        """Lookup entries ``>= num_pages`` name no page of this tensor (MAX fills unused entries with N)."""
+        return self.num_pages
+
+    def cache_length(self, batch_idx: int) -> int:
+        self._check_batch(batch_idx)
+        return int(self.cache_lengths[batch_idx])
+
+    def pages_owned(self, batch_idx: int) -> int:
+        """Leading lookup entries of request ``batch_idx`` that name real pages (the pages it owns)."""
+        self._check_batch(batch_idx)
+        row = self.lookup_table[batch_idx].to(torch.int64)
+        bad = (row >= self.num_pages).nonzero()
+        return int(bad[0]) if bad.numel() else row.shape[0]
+
+    def check_metadata(self) -> None:
+        """Every cached token's page is a real page; no entry past the sentinel."""
+        lut = self.lookup_table.to(torch.int64)
+        if lut.numel() and int(lut.max()) > self.num_pages:
+            raise ValueError(
+                f"lookup_table entries must be < num_pages ({self.num_pages}) or the sentinel {self.num_pages}; "
+                f"found {int(lut.max())}"
+            )
+        cl = self.cache_lengths.to(torch.int64)
+        if cl.numel() and int(cl.max()) > self.max_cache_length:
+            raise ValueError(
+                f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry ({int(cl.max())})"
+            )
+        need = (cl + self.page_size - 1) // self.page_size
+        cols = torch.arange(lut.shape[1], device=lut.device)
+        bad = (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"lookup_table[{b}, {j}] is the sentinel but request {b} has {int(cl[b])} cached tokens "
+                f"(needs {int(need[b])} pages)"
+            )
+
+    def check_writable(self, name: str, new_lengths: torch.Tensor) -> None:
+        """Raise unless every request owns the pages its ``new_lengths`` tokens will be written to."""
+        cl = self.cache_lengths.to(torch.int64)
+        end = cl + new_lengths.to(device=cl.device, dtype=torch.int64)
+        if end.numel() and int(end.max()) > self.lookup_table.shape[1] * self.page_size:
+            b = int(end.argmax())
+            raise ValueError(
+                f"{name}: request {b} would write up to position {int(end[b])}, past the "
+                f"{self.lookup_table.shape[1]} lookup_table columns (page_size {self.page_size})"
+            )
+        need = (end + self.page_size - 1) // self.page_size
+        lut = self.lookup_table.to(torch.int64)
+        cols = torch.arange(lut.shape[1], device=lut.device)
+        bad = (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"{name}: request {b} writes tokens [{int(cl[b])}, {int(end[b])}) but owns only {j} pages "
+                f"(lookup_table[{b}, {j}] is the sentinel)"
+            )
+
+    # -- per-layer views -------------------------------------------------------------------------
+
+    def get_key_cache(self, layer_idx: int):
+        return self._get_cache(0, layer_idx)
+
+    def get_value_cache(self, layer_idx: int):
+        if self.is_mla:
+            raise ValueError("an MLA cache (KVD=1) stores no value cache; use get_key_cache")
+        return self._get_cache(1, layer_idx)
+
+    def _get_cache(self, kv_idx: int, layer_idx: int):
+        from cute_kv.paged_cache import PagedKVCache
+
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        return PagedKVCache(self, kv_idx, layer_idx)
+
+    def _check_batch(self, batch_idx: int):
+        if not 0 <= batch_idx < self.batch_size:
+            raise IndexError(f"batch_idx must be in [0, {self.batch_size}), got {batch_idx}")
+
+    def __repr__(self) -> str:
+        n, kvd, nl, p, h, d = self.blocks.shape
+        q = f", scales={self.scale_dtype} gran={self.quantization_granularity}" if self.scales is not None else ""
+        return (
+            f"PagedKVCacheCollection(blocks[N={n}, KVD={kvd}, L={nl}, P={p}, H={h}, D={d}] {self.dtype} "
+            f"on {self.device}{q}, batch={self.batch_size}, lut_cols={self.lookup_table.shape[1]}, "
+            f"max_seq_length={self.max_seq_length}, max_cache_length={self.max_cache_length})"
+        )

@@ -1,0 +1,67 @@
+"""Argument checks shared by every public entry point: fail before any launch, naming the argument."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtype: Optional[torch.dtype | Iterable[torch.dtype]] = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``t`` is a tensor as described.
+
+    ``shape`` entries of ``None`` match any extent.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != e for s, e in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major)")
+    return t
+
+
+def check_uint32_scalar(name: str, value) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise ValueError(f"{name} must be an int in [0, 2**32), got {value!r}")
+    return value
+
+
+def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows: int, device) -> torch.Tensor:
+    """``input_row_offsets``: uint32 ``[B+1]``, starts at 0, non-decreasing, ends at ``total_rows``.
+
+    Returns the offsets as int64 (torch's uint32 supports few ops).
+    """
+    check_tensor(name, input_row_offsets, dtype=torch.uint32, shape=[batch_size + 1], device=device)
+    ro = input_row_offsets.to(torch.int64)
+    if int(ro[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(ro[0])}")
+    if bool((ro[1:] < ro[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing")
+    if int(ro[-1]) != total_rows:
+        raise ValueError(f"{name}[-1] ({int(ro[-1])}) must equal the number of rows ({total_rows})")
+    return ro

@@ -1,0 +1,19 @@
+"""Markers: ``compile`` (CuTe DSL compiles with fake tensors, no GPU) and ``gpu`` (skipped without CUDA)."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """A fresh, seeded generator per test: random inputs, never zeros, reproducible on failure."""
+    return torch.Generator().manual_seed(0x5EED)
