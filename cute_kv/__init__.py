@@ -2,23 +2,36 @@
 
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.dtypes import parse_dtype
+from cute_kv.manager import InsufficientBlocksError, KVCacheMetrics, PagedKVCacheManager, StepInputs
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths, padded_lut_cols
+from cute_kv.ops.fused_qkv import fused_qkv_matmul_kv_cache
+from cute_kv.ops.paged_attention import paged_attention
+from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig, KVCacheStrategy
+from cute_kv.reference.rope import RopeConfig
 from cute_kv.row_indices import PagedRowIndices
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InsufficientBlocksError",
+    "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheQuantizationConfig",
     "KVCacheStrategy",
     "PagedKVCache",
     "PagedKVCacheCollection",
+    "PagedKVCacheManager",
     "PagedRowIndices",
+    "RopeConfig",
+    "StepInputs",
+    "fused_qkv_matmul_kv_cache",
     "input_row_offsets",
     "make_lookup_table",
     "max_lengths",
     "padded_lut_cols",
+    "paged_attention",
     "parse_dtype",
+    "store_kv",
 ]

@@ -192,7 +192,10 @@ class PagedKVCacheCollection:
             )
 
     def check_writable(self, name: str, new_lengths: torch.Tensor) -> None:
-        """Raise unless every request owns the pages its ``new_lengths`` tokens will be written to."""
+        """Raise unless every request owns the pages of positions ``[0, cache_length + new_lengths)``.
+
+        Those are the pages an op writes this step's tokens to and reads the context from.
+        """
         cl = self.cache_lengths.to(torch.int64)
         end = cl + new_lengths.to(device=cl.device, dtype=torch.int64)
         if end.numel() and int(end.max()) > self.lookup_table.shape[1] * self.page_size:
@@ -208,8 +211,8 @@ class PagedKVCacheCollection:
         if bool(bad.any()):
             b, j = (int(x) for x in bad.nonzero()[0])
             raise ValueError(
-                f"{name}: request {b} writes tokens [{int(cl[b])}, {int(end[b])}) but owns only {j} pages "
-                f"(lookup_table[{b}, {j}] is the sentinel)"
+                f"{name}: request {b} needs positions [0, {int(end[b])}) ({int(cl[b])} cached + {int(end[b] - cl[b])} "
+                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {int(lut[b, j])} names no page < {self.num_pages})"
             )
 
     # -- per-layer views -------------------------------------------------------------------------

@@ -6,6 +6,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from cute_kv.dtypes import is_fp8
+
 
 def check_tensor(
     name: str,
@@ -65,3 +67,30 @@ def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows:
     if int(ro[-1]) != total_rows:
         raise ValueError(f"{name}[-1] ({int(ro[-1])}) must equal the number of rows ({total_rows})")
     return ro
+
+
+def check_activation(name: str, t, collection, *, ndim: int) -> torch.Tensor:
+    """Activations of a cache op: on the cache's device, in the cache dtype (bf16/fp16/fp32 for fp8 caches)."""
+    allowed = (torch.bfloat16, torch.float16, torch.float32) if is_fp8(collection.dtype) else (collection.dtype,)
+    return check_tensor(name, t, dtype=allowed, ndim=ndim, device=collection.device)
+
+
+def check_step(collection, input_row_offsets, total_rows: int) -> torch.Tensor:
+    """A ragged step of ``total_rows`` new tokens over ``collection``; returns the new lengths (int64 ``[B]``).
+
+    Each request must own the pages of positions ``[0, cache_length + new)`` (what an op reads or writes)
+    and fit ``max_seq_length`` / ``max_cache_length``, which kernels size their grids from.
+    """
+    ro = check_row_offsets("input_row_offsets", input_row_offsets, collection.batch_size, total_rows,
+                           collection.device)
+    lengths = ro[1:] - ro[:-1]
+    if lengths.numel():
+        ends = collection.cache_lengths.to(torch.int64) + lengths
+        for what, values, limit in (("new tokens", lengths, "max_seq_length"),
+                                    ("tokens in context", ends, "max_cache_length")):
+            if int(values.max()) > getattr(collection, limit):
+                b = int(values.argmax())
+                raise ValueError(f"input_row_offsets: request {b} has {int(values[b])} {what}, more than the "
+                                 f"collection's {limit} ({getattr(collection, limit)})")
+    collection.check_writable("input_row_offsets", lengths)
+    return lengths

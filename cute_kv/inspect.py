@@ -1,0 +1,331 @@
+"""``cute-kv inspect``: a paged cache's shapes, strides, sizes and CuTe layouts; coordinate <-> offset; a
+sample request's tokens mapped to pages and rows (optionally drawn to a PNG).
+
+Sizes come from ``KVCacheParams``; shapes, strides and view offsets from a ``PagedKVCacheCollection`` on the
+meta device (nothing is allocated, so real model sizes are fine); coordinates, offsets and rows are
+evaluated through the CuTe layouts of ``cute_kv.layouts`` (imported only here: ``import cute_kv`` stays light).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.dtypes import dtype_name, parse_dtype
+from cute_kv.metadata import make_lookup_table
+from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig
+
+PRESETS = {
+    "llama3-8b": dict(layers=32, kv_heads=8, head_dim=128, dtype="bf16", mla=False),
+    "deepseek-mla": dict(layers=61, kv_heads=1, head_dim=576, dtype="bf16", mla=True),
+}
+SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.float8_e8m0fnu}
+# Requests longer than this many pages print their head and tail only.
+MAX_PAGE_LINES = 32
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "inspect", help="shapes, strides, sizes and CuTe layouts of a paged KV cache",
+        description="Describe a paged KV cache blocks[N, KVD, L, P, H, D] (and scales[N, KVD, L, P, H, G]).")
+    g = p.add_argument_group("geometry (a preset fills what is not given)")
+    g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument("--layers", type=int, help="L")
+    g.add_argument("--kv-heads", type=int, help="H, KV heads (1 with --mla)")
+    g.add_argument("--head-dim", type=int, help="D")
+    g.add_argument("--page-size", type=int, default=16, help="P, tokens per page (default 16)")
+    g.add_argument("--pages", type=int, default=64, help="N, physical pages (default 64)")
+    g.add_argument("--dtype", help="bf16 (default), f16, f32 or fp8")
+    g.add_argument("--mla", action="store_true", default=None, help="K only (KVD=1)")
+    g.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), help="fp8 scales (default f32 with --granularity)")
+    g.add_argument("--granularity", type=int, help="head dims per scale (default 128 with --scale-dtype)")
+    q = p.add_argument_group("queries")
+    q.add_argument("--layer", type=int, default=0, help="layer of the views and the request map (default 0)")
+    q.add_argument("--tensor", choices=("blocks", "scales"), default="blocks", help="tensor of --coord/--offset")
+    q.add_argument("--coord", action="append", default=[], metavar="n,k,l,p,h,d", help="element -> offset")
+    q.add_argument("--offset", action="append", default=[], type=int, metavar="X", help="offset -> element")
+    q.add_argument("--request-len", type=int, metavar="T", help="map a T-token request on shuffled pages")
+    q.add_argument("--seed", type=int, default=0, help="page shuffle of --request-len (default 0)")
+    q.add_argument("--png", metavar="FILE", help="draw the request's page map (needs matplotlib)")
+    p.set_defaults(func=run, error=p.error)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        name, params = _params(args)
+        coll = _collection(params, args.pages)
+        if not 0 <= args.layer < params.num_layers:
+            raise ValueError(f"--layer must be in [0, {params.num_layers}), got {args.layer}")
+        tensor = coll.scales if args.tensor == "scales" else coll.blocks
+        if tensor is None:
+            raise ValueError("--tensor scales needs a quantized cache (--dtype fp8 with --scale-dtype/--granularity)")
+        last = "g" if args.tensor == "scales" else "d"
+        coords = [_parse_coord(text, tuple(tensor.shape), last) for text in args.coord]
+        for x in args.offset:
+            if not 0 <= x < tensor.numel():
+                raise ValueError(f"--offset {x} is outside {args.tensor} ({tensor.numel()} elements)")
+        pages = _request_pages(args, coll)
+        if args.png and pages is None:
+            raise ValueError("--png draws a request's page map: give --request-len")
+        plot = _figure_class() if args.png else None
+    except ValueError as e:
+        args.error(str(e))
+
+    from cute_kv import layouts  # imports cutlass
+
+    title = _title(name, params, coll)
+    print(title)
+    _print_tensors(coll, args.layer)
+    _print_sizes(params, coll.num_pages)
+    _print_layouts(layouts, coll, args.layer)
+    shape, stride_rows = tuple(tensor.shape), coll.get_key_cache(0).stride_rows
+    if coords:
+        for c, off in zip(coords, layouts.offsets("cache", shape, coords)):
+            _print_element(layouts, args.tensor, tensor, stride_rows, c, int(off))
+    if args.offset:
+        for c, off in zip(layouts.coordinates("cache", shape, args.offset), args.offset):
+            _print_element(layouts, args.tensor, tensor, stride_rows, tuple(int(x) for x in c), off)
+    if pages is not None:
+        rows = _print_request(layouts, coll, args, pages)
+        if args.png:
+            _draw_page_map(plot, args.png, title, coll, pages, rows)
+            print(f"\npage map written to {args.png}")
+    return 0
+
+
+# -- arguments --------------------------------------------------------------------------------------
+
+
+def _params(args) -> tuple[str, KVCacheParams]:
+    preset = PRESETS.get(args.preset, {})
+    mla = bool(args.mla or preset.get("mla"))
+
+    def pick(flag, key, default=None):
+        value = getattr(args, key)
+        value = preset.get(key, default) if value is None else value
+        if value is None:
+            raise ValueError(f"--{flag} is required (or pick a --preset: {', '.join(sorted(PRESETS))})")
+        return value
+
+    layers = pick("layers", "layers")
+    kv_heads = pick("kv-heads", "kv_heads", 1 if mla else None)
+    head_dim = pick("head-dim", "head_dim")
+    try:
+        dtype = parse_dtype(pick("dtype", "dtype", "bf16"))
+    except ValueError as e:
+        raise ValueError(f"--dtype: {e}") from None
+    if not isinstance(args.pages, int) or args.pages <= 0:
+        raise ValueError(f"--pages must be a positive int, got {args.pages}")
+    quant = {}  # either flag asks for scales; the other keeps MAX's default
+    if args.scale_dtype:
+        quant["scale_dtype"] = SCALE_DTYPES[args.scale_dtype]
+    if args.granularity is not None:
+        quant["quantization_granularity"] = args.granularity
+    params = KVCacheParams(dtype, kv_heads, head_dim, page_size=args.page_size, total_num_layers=layers,
+                           is_mla=mla, kvcache_quant_config=KVCacheQuantizationConfig(**quant) if quant else None)
+    return args.preset or "custom", params
+
+
+def _collection(params: KVCacheParams, num_pages: int) -> PagedKVCacheCollection:
+    """The cache on the meta device: shapes, strides and offsets of any size, nothing allocated or read."""
+    blocks, scales = PagedKVCacheCollection.allocate_blocks(params, num_pages, device="meta")
+    return PagedKVCacheCollection(
+        blocks, torch.empty(1, dtype=torch.uint32, device="meta"),
+        torch.empty(1, 1, dtype=torch.uint32, device="meta"), 0, 0, scales,
+        quantization_granularity=params.kvcache_quant_config and params.kvcache_quant_config.quantization_granularity,
+        validate=False)
+
+
+def _parse_coord(text: str, shape: tuple[int, ...], last: str) -> tuple[int, ...]:
+    names = ("n", "k", "l", "p", "h", last)
+    try:
+        coord = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        coord = ()
+    if len(coord) != 6:
+        raise ValueError(f"--coord {text!r} must be 6 comma-separated ints n,k,l,p,h,{last}")
+    for name, c, extent in zip(names, coord, shape):
+        if not 0 <= c < extent:
+            raise ValueError(f"--coord {text}: {name}={c} is outside [0, {extent})")
+    return coord
+
+
+def _request_pages(args, coll: PagedKVCacheCollection):
+    """Physical pages of the sample request: the first ``ceil(T/P)`` of a seeded shuffle of all pages."""
+    if args.request_len is None:
+        return None
+    if args.request_len < 0:
+        raise ValueError(f"--request-len must be >= 0, got {args.request_len}")
+    need = -(-args.request_len // coll.page_size)
+    if need > coll.num_pages:
+        raise ValueError(f"--request-len {args.request_len} needs {need} pages of {coll.page_size}; "
+                         f"--pages is {coll.num_pages}")
+    perm = torch.randperm(coll.num_pages, generator=torch.Generator().manual_seed(args.seed))
+    return perm[:need].tolist()
+
+
+def _figure_class():
+    try:
+        from matplotlib.figure import Figure  # Agg canvas, no pyplot global state
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'cute-kv[plot]'") from None
+    return Figure
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def _title(name: str, params: KVCacheParams, coll: PagedKVCacheCollection) -> str:
+    kind = "MLA (KVD=1)" if params.is_mla else "MHA (KVD=2)"
+    quant = ""
+    if params.quantized_kv_cache:
+        q = params.kvcache_quant_config
+        quant = (f" | scales {dtype_name(q.scale_dtype)} per {q.quantization_granularity} dims "
+                 f"(G={params.head_dim_granularity})")
+    return (f"{name}: {params.dtype_shorthand} {kind} | {params.num_layers} layers x {params.n_kv_heads} KV heads "
+            f"x head_dim {params.head_dim} | page_size {params.page_size} | {coll.num_pages} pages{quant}")
+
+
+def _print_tensors(coll: PagedKVCacheCollection, layer: int) -> None:
+    rows = []
+    for what, full in (("blocks", coll.blocks), ("scales", coll.scales)):
+        if full is None:
+            continue
+        rows.append((what, full))
+        for kv in range(coll.kv_dim):
+            plane = coll._get_cache(kv, layer)
+            which = "KV"[kv]
+            if what == "blocks":
+                rows += [(f"{which} cache l={layer} .blocks", plane.blocks), (f"{which} .row_view()", plane.row_view())]
+            else:
+                rows += [(f"{which} cache l={layer} .scales", plane.scales),
+                         (f"{which} .scales_row_view()", plane.scales_row_view())]
+    cells = [(n, str(list(t.shape)), str(list(t.stride())), str(t.storage_offset())) for n, t in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    print("\ntensor (elements)")
+    for n, shape, stride, off in cells:
+        print(f"  {n:<{widths[0]}}  shape {shape:<{widths[1]}}  stride {stride:<{widths[2]}}  offset {off}")
+    plane = coll.get_key_cache(layer)
+    print(f"  row pitch between pages {plane.stride_rows} rows (KVD*L*P); num_kv_rows {plane.num_kv_rows()}")
+
+
+def _print_sizes(params: KVCacheParams, num_pages: int) -> None:
+    nl, page = params.num_layers, params.bytes_per_block
+    total = page * num_pages
+    print(f"\nbytes (K{'' if params.is_mla else ' and V'}{', scales' if params.quantized_kv_cache else ''})")
+    print(f"  per token  {params.bytes_per_token:,} ({params.bytes_per_token // nl:,} per layer)")
+    print(f"  per page   {page:,} ({page // nl:,} per layer)")
+    print(f"  cache      {total:,} = {_human(total)} ({_human(total // nl)} per layer)")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def _print_layouts(layouts, coll: PagedKVCacheCollection, layer: int) -> None:
+    for what, full in (("blocks", coll.blocks), ("scales", coll.scales)):
+        if full is None:
+            continue
+        shape = tuple(full.shape)
+        planes = [layouts.layout_strings(shape, kv, layer) for kv in range(coll.kv_dim)]
+        kernel = layouts.layout_strings(shape, 0, layer, kernel=True)
+        print(f"\nCuTe layouts of {what}, this cache (layer {layer})")
+        _print_layout_rows(planes[0], [(f"{'KV'[kv]} plane", s) for kv, s in enumerate(planes)])
+        print(f"CuTe layouts of {what} as a kernel traces them (N, L, kv, layer runtime; KVD, P, H, D static)")
+        _print_layout_rows(kernel, [("plane", kernel)])
+
+
+def _print_layout_rows(strings: dict, planes: list) -> None:
+    """Plane-independent views from ``strings``; one line per plane with its base offset."""
+    rows = [("cache", strings["cache"])]
+    rows += [(label, f"{s['plane']} + {s['plane_offset']}") for label, s in planes]
+    rows += [("row view", strings["row_view"]), ("TMA page view (P,D,H,N)", strings["tma_page_view"]),
+             ("(page, slot) -> row", strings["token_row"])]
+    width = max(len(label) for label, _ in rows)
+    for label, text in rows:
+        print(f"  {label:<{width}}  {text}")
+
+
+def _print_element(layouts, what: str, tensor: torch.Tensor, stride_rows: int, coord: tuple, offset: int) -> None:
+    shape = tuple(tensor.shape)
+    n, kv, layer, p, h, d = coord
+    last = "g" if what == "scales" else "d"
+    plane = layouts.coordinates("plane", shape, [offset], kv, layer)[0]
+    row = layouts.coordinates("row_view", shape, [offset], kv, layer)[0]
+    tma = layouts.coordinates("tma_page_view", shape, [offset], kv, layer)[0]
+    print(f"\n{what}[{n}, {kv}, {layer}, {p}, {h}, {d}] <-> offset {offset} (byte {offset * tensor.element_size()})")
+    print(f"  {'KV'[kv]} cache layer {layer}: (n, p, h, {last}) = {_tuple(plane)}")
+    print(f"  row view: (row, h, {last}) = {_tuple(row)}  [row = page {n} * {stride_rows} + slot {p}]")
+    print(f"  TMA page view: (p, {last}, h, n) = {_tuple(tma)}")
+
+
+def _tuple(a) -> str:
+    return "(" + ", ".join(str(int(x)) for x in a) + ")"
+
+
+def _print_request(layouts, coll: PagedKVCacheCollection, args, pages: list[int]):
+    """Print the request's pages and rows; return each token's physical row (int64 numpy)."""
+    import numpy as np
+
+    t_len, p, layer = args.request_len, coll.page_size, args.layer
+    lut = make_lookup_table([pages], sentinel=coll.num_pages)
+    shown = lut[0, : min(len(pages) + 1, 16)].tolist()
+    print(f"\nrequest: {t_len} tokens on {len(pages)} pages (seed {args.seed}); layer {layer}")
+    print(f"  lookup_table[0] = {shown}{' ...' if lut.shape[1] > len(shown) else ''} "
+          f"({lut.shape[1]} columns, sentinel {coll.num_pages})")
+    if not t_len:
+        return np.zeros(0, np.int64)
+    shape = tuple(coll.blocks.shape)
+    tok = np.arange(t_len)
+    page_of = lut[0].to(torch.int64).numpy()[tok // p]
+    rows = layouts.offsets("token_row", shape, np.stack([page_of, tok % p], 1))
+    firsts = np.arange(0, t_len, p)  # row of each page's first token, head 0, dim 0
+    zeros = np.zeros_like(firsts)
+    starts = {kv: layouts.offsets("row_view", shape, np.stack([rows[firsts], zeros, zeros], 1), kv, layer)
+              for kv in range(coll.kv_dim)}
+    print("  tokens         page  physical  rows (row_idx)          " +
+          "  ".join(f"{'KV'[kv]} offset" for kv in range(coll.kv_dim)))
+    lines = range(len(pages))
+    if len(pages) > MAX_PAGE_LINES:
+        lines = [*range(MAX_PAGE_LINES - 8), None, *range(len(pages) - 8, len(pages))]
+    for j in lines:
+        if j is None:
+            print("  ...")
+            continue
+        a, b = j * p, min((j + 1) * p, t_len) - 1
+        offs = "  ".join(f"{int(starts[kv][j]):>8}" for kv in range(coll.kv_dim))
+        print(f"  {f'{a}-{b}':<14} {j:>4}  {pages[j]:>8}  {f'{int(rows[a])}-{int(rows[b])}':<22}  {offs}")
+    return rows
+
+
+def _draw_page_map(figure_cls, path: str, title: str, coll: PagedKVCacheCollection, pages, rows) -> None:
+    """Left: the physical pages, coloured by the request's logical page. Right: token -> physical row."""
+    import numpy as np
+
+    width = math.ceil(math.sqrt(coll.num_pages))
+    height = -(-coll.num_pages // width)
+    grid = np.full(width * height, np.nan)
+    grid[pages] = np.arange(len(pages))
+    fig = figure_cls(figsize=(12, 5.5), layout="constrained")
+    ax_map, ax_rows = fig.subplots(1, 2)
+    ax_map.set_facecolor("0.88")
+    im = ax_map.imshow(grid.reshape(height, width), cmap="viridis", interpolation="nearest")
+    if coll.num_pages <= 256:
+        for logical, phys in enumerate(pages):
+            ax_map.text(phys % width, phys // width, str(logical), ha="center", va="center", fontsize=7, color="w")
+    ax_map.set_title("physical pages (grey: not the request's)")
+    ax_map.set_xlabel(f"page % {width}")
+    ax_map.set_ylabel(f"page // {width}")
+    fig.colorbar(im, ax=ax_map, label="logical page")
+    ax_rows.plot(np.arange(len(rows)), rows, ".", markersize=2)
+    ax_rows.set_xlabel("token")
+    ax_rows.set_ylabel("physical row (row_idx)")
+    ax_rows.set_title(f"token -> row ({coll.page_size} tokens per page)")
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=100)

@@ -1,0 +1,115 @@
+"""Random ragged steps over shuffled paged caches: inputs for the reference and kernel tests and benchmarks.
+
+``PagedBatch.tokens`` reads the cache back by plain 6-D indexing through the page lists (not the lookup
+table, not ``PagedKVCache``), so tests can check the cache ops against it independently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.dtypes import is_fp8
+from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths
+from cute_kv.paged_cache import _raw
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    collection: PagedKVCacheCollection
+    input_row_offsets: torch.Tensor
+    cache_lengths: list[int]
+    new_lengths: list[int]
+    pages: list[list[int]]  # pages[b][j]: the physical page of request b's tokens [j*P, (j+1)*P)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.new_lengths)
+
+    def rows(self, b: int) -> slice:
+        """Request ``b``'s rows of the ragged ``[T, ...]`` inputs."""
+        start = sum(self.new_lengths[:b])
+        return slice(start, start + self.new_lengths[b])
+
+    def slots(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page, in-page slot)`` of request ``b``'s tokens ``[start, stop)``."""
+        dev = self.collection.device
+        pos = torch.arange(start, stop, device=dev)
+        p = self.collection.page_size
+        return torch.tensor(self.pages[b], dtype=torch.int64, device=dev)[pos // p], pos % p
+
+    def step_mask(self, layer_idx: int, *, context: bool = False) -> torch.Tensor:
+        """bool ``[N, KVD, L, P]``: the slots of layer ``layer_idx`` (K and V) of this step's new tokens, or with
+        ``context`` of each request's whole context ``[0, cache_length + new)`` (what attention reads)."""
+        c = self.collection
+        mask = torch.zeros(c.blocks.shape[:4], dtype=torch.bool, device=c.device)
+        for b, (cache_length, n) in enumerate(zip(self.cache_lengths, self.new_lengths)):
+            page, slot = self.slots(b, 0 if context else cache_length, cache_length + n)
+            mask[page, :, layer_idx, slot] = True
+        return mask
+
+    def poison_unread(self, layer_idx: int) -> None:
+        """NaN into every slot (values and scales) outside the contexts of layer ``layer_idx``: other layers,
+        pages nobody owns, and the unwritten tail of each request's last page. A reader that touches one shows."""
+        unread = ~self.step_mask(layer_idx, context=True)
+        for t in (self.collection.blocks, self.collection.scales):
+            if t is not None:
+                nan = torch.full((), float("nan"), dtype=t.dtype, device=t.device)
+                _raw(t)[unread] = _raw(nan.reshape(1))  # byte view: fp8 tensors lack masked_fill
+
+    def tokens(self, kv_idx: int, layer_idx: int, b: int, start: int, stop: int):
+        """Stored ``(values [n, H, D], scales [n, H, G] or None)`` of tokens ``[start, stop)`` (cache dtypes)."""
+        page, slot = self.slots(b, start, stop)
+        c = self.collection
+        values = _raw(c.blocks)[page, kv_idx, layer_idx, slot].view(c.dtype)
+        scales = None if c.scales is None else _raw(c.scales)[page, kv_idx, layer_idx, slot].view(c.scale_dtype)
+        return values, scales
+
+    def dense(self, kv_idx: int, layer_idx: int, b: int, stop: int) -> torch.Tensor:
+        """Tokens ``[0, stop)`` of request ``b`` as float64 ``[n, H, D]``, dequantized (``q * scale``)."""
+        values, scales = self.tokens(kv_idx, layer_idx, b, 0, stop)
+        x = values.to(torch.float64)
+        if scales is not None:
+            gran = self.collection.quantization_granularity
+            x = x * scales.to(torch.float64).repeat_interleave(gran, dim=-1)[..., : x.shape[-1]]
+        return x
+
+
+def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *, num_heads: int, head_size: int,
+                       page_size: int, generator: torch.Generator, num_layers: int = 2, is_mla: bool = False,
+                       dtype: torch.dtype = torch.bfloat16, scale_dtype: Optional[torch.dtype] = None,
+                       quantization_granularity: Optional[int] = None, spare_pages: int = 3,
+                       device=None) -> PagedBatch:
+    """A collection whose requests own pages in random order, with ``spare_pages`` pages nobody owns.
+
+    Every stored value (and scale) is random, including the slots this step will write. ``scale_dtype``
+    (fp8 ``dtype`` only) adds scales with ``quantization_granularity`` (default ``head_size``).
+    """
+    g = generator
+    need = [math.ceil((c + n) / page_size) for c, n in zip(cache_lengths, new_lengths)]
+    n_pages = sum(need) + spare_pages
+    perm = torch.randperm(n_pages, generator=g).tolist()
+    pages = [perm[sum(need[:b]):sum(need[:b + 1])] for b in range(len(need))]
+    shape = (n_pages, 1 if is_mla else 2, num_layers, page_size, num_heads, head_size)
+    blocks = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    scales = None
+    if scale_dtype is not None:
+        if not is_fp8(dtype):
+            raise ValueError(f"scale_dtype needs an fp8 dtype, got {dtype}")
+        quantization_granularity = quantization_granularity or head_size
+        g_dims = math.ceil(head_size / quantization_granularity)
+        # Powers of two in [1/4, 2]: exact in both float32 and float8_e8m0fnu.
+        scales = torch.exp2(torch.randint(-2, 2, (*shape[:-1], g_dims), generator=g).to(torch.float32))
+        scales = scales.to(device=device, dtype=scale_dtype)
+    max_seq, max_ctx = max_lengths(cache_lengths, new_lengths)
+    collection = PagedKVCacheCollection(
+        blocks, torch.tensor(list(cache_lengths), dtype=torch.int64).to(device=device, dtype=torch.uint32),
+        make_lookup_table(pages, sentinel=n_pages, device=device), max_seq, max_ctx, scales,
+        quantization_granularity=quantization_granularity if scales is not None else None,
+    )
+    return PagedBatch(collection, input_row_offsets(new_lengths, device), list(cache_lengths), list(new_lengths), pages)
+

@@ -1,0 +1,41 @@
+"""Reference ragged KV store: new token ``i`` of request ``b`` goes to position ``cache_lengths[b] + i``.
+
+Values are converted to the cache dtype as a kernel epilogue would: a plain cast for bf16/fp16/fp32
+caches, a saturating cast for fp8 caches without scales, and per-granule quantization (``quant.py``)
+when the collection has scales. ``cache_lengths`` is never modified.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cute_kv.dtypes import is_fp8
+from cute_kv.paged_cache import PagedKVCache
+from cute_kv.reference.quant import quantize_fp8, saturating_cast_fp8
+from cute_kv.reference.ragged import requests
+
+
+def to_cache_dtype(x: torch.Tensor, cache: PagedKVCache) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``x [..., H, D]`` (any float dtype) -> ``(values in the cache dtype, scales or None)``."""
+    if cache.quantization_enabled:
+        return quantize_fp8(x, cache.quantization_granularity, cache.scale_dtype)
+    if is_fp8(cache.dtype):
+        return saturating_cast_fp8(x), None
+    return x.to(cache.dtype), None
+
+
+def write_rows(cache: PagedKVCache, input_row_offsets: torch.Tensor, x: torch.Tensor) -> None:
+    """Write the ragged rows ``x [T, H, D]`` of every request into ``cache`` (converted once, scattered per request)."""
+    values, scales = to_cache_dtype(x, cache)
+    for b, start, stop, cache_length in requests(input_row_offsets, cache.cache_lengths):
+        cache.scatter(b, cache_length, values[start:stop], None if scales is None else scales[start:stop])
+
+
+def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, collection,
+             layer_idx: int) -> None:
+    """Store ``k`` (and ``v``; ``None`` for an MLA cache) ``[T, H, D]`` into layer ``layer_idx`` of ``collection``."""
+    write_rows(collection.get_key_cache(layer_idx), input_row_offsets, k)
+    if v is not None:
+        write_rows(collection.get_value_cache(layer_idx), input_row_offsets, v)
