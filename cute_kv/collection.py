@@ -181,14 +181,12 @@ class PagedKVCacheCollection:
             raise ValueError(
                 f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry ({int(cl.max())})"
             )
-        need = (cl + self.page_size - 1) // self.page_size
-        cols = torch.arange(lut.shape[1], device=lut.device)
-        bad = (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
-        if bool(bad.any()):
-            b, j = (int(x) for x in bad.nonzero()[0])
+        unowned = self._first_unowned(cl)
+        if unowned:
+            b, j, entry = unowned
             raise ValueError(
-                f"lookup_table[{b}, {j}] is the sentinel but request {b} has {int(cl[b])} cached tokens "
-                f"(needs {int(need[b])} pages)"
+                f"lookup_table[{b}, {j}] = {entry} names no page but request {b} has {int(cl[b])} cached tokens "
+                f"(needs {int(-(-cl[b] // self.page_size))} pages)"
             )
 
     def check_writable(self, name: str, new_lengths: torch.Tensor) -> None:
@@ -204,16 +202,24 @@ class PagedKVCacheCollection:
                 f"{name}: request {b} would write up to position {int(end[b])}, past the "
                 f"{self.lookup_table.shape[1]} lookup_table columns (page_size {self.page_size})"
             )
-        need = (end + self.page_size - 1) // self.page_size
-        lut = self.lookup_table.to(torch.int64)
-        cols = torch.arange(lut.shape[1], device=lut.device)
-        bad = (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
-        if bool(bad.any()):
-            b, j = (int(x) for x in bad.nonzero()[0])
+        unowned = self._first_unowned(end)
+        if unowned:
+            b, j, entry = unowned
             raise ValueError(
                 f"{name}: request {b} needs positions [0, {int(end[b])}) ({int(cl[b])} cached + {int(end[b] - cl[b])} "
-                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {int(lut[b, j])} names no page < {self.num_pages})"
+                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {entry} names no page < {self.num_pages})"
             )
+
+    def _first_unowned(self, end: torch.Tensor) -> Optional[tuple[int, int, int]]:
+        """``(b, column, entry)`` of the first lookup entry below ``ceil(end[b] / P)`` that is not a page."""
+        lut = self.lookup_table.to(torch.int64)
+        need = (end + self.page_size - 1) // self.page_size
+        cols = torch.arange(lut.shape[1], device=lut.device)
+        bad = (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
+        if not bool(bad.any()):
+            return None
+        b, j = (int(x) for x in bad.nonzero()[0])
+        return b, j, int(lut[b, j])
 
     # -- per-layer views -------------------------------------------------------------------------
 

@@ -19,13 +19,15 @@ from cute_kv.ops.store_kv import store_kv
 from cute_kv.params import KVCacheParams
 
 # (request, new tokens) per step: ragged prefill incl. a 1-token prompt, decode, then a chunked extend beside
-# decodes, a request that sits a step out (0 tokens), and a late arrival.
+# decodes, a request that sits a step out (0 tokens), and late arrivals; "e" repeats the first 100 prompt
+# tokens of "c" and then 5 of its own, so the prefix cache serves its first 6 pages.
 STEPS = (
     {"a": 37, "b": 1, "c": 100},
     {"a": 1, "b": 1, "c": 1},
     {"a": 1, "b": 0, "c": 40, "d": 17},
-    {"a": 1, "b": 1, "c": 1, "d": 1},
+    {"a": 1, "b": 1, "c": 1, "d": 1, "e": 105},
 )
+SHARED_PREFIX = ("e", "c", 100)
 
 
 def add_parser(commands) -> None:
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     params = KVCacheParams(torch.bfloat16, n_kv_heads=8, head_dim=128, page_size=args.page_size,
-                           total_num_layers=args.layers)
+                           total_num_layers=args.layers, enable_prefix_caching=True)
     layers = sorted({int(x) % args.layers for x in args.check_layers.split(",")})
     n_q_heads, d = 32, params.head_dim
     g = torch.Generator().manual_seed(args.seed)
@@ -51,14 +53,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"cute-kv demo on {device}: Llama-3-8B-like cache, {n_q_heads} q heads / {params.n_kv_heads} kv heads, "
           f"head_dim {d}, bf16, page {params.page_size}, {args.pages} pages x "
           f"{params.bytes_per_block / 2**20:.1f} MiB, running layers {layers} of {args.layers}")
-    history = {}  # (request, layer) -> dense [K, V] float32 of every token written so far
+    history = {}  # (request, layer) -> dense (K, V) float64 of every token written so far
+    tokens = {}  # request -> token ids so far (the prefix cache hashes them)
     worst = 0.0
     for step, counts in enumerate(STEPS):
         for rid in counts:
             if rid not in mgr:
                 mgr.claim(rid)
         rids = list(counts)
-        inputs = mgr.allocate(rids, [counts[r] for r in rids])
+        new_ids = [_token_ids(rid, counts[rid], tokens, g) for rid in rids]
+        inputs = mgr.allocate(rids, token_ids=new_ids)
+        for rid, skipped in zip(rids, inputs.skipped_tokens):
+            if skipped:  # served by the prefix cache: its K/V is the donor's
+                donor = SHARED_PREFIX[1]
+                for layer in layers:
+                    history[(rid, layer)] = tuple(x[:skipped] for x in history[(donor, layer)])
+                print(f"  prefix cache: request {rid} reuses {skipped} tokens ({skipped // params.page_size} pages) "
+                      f"of request {donor}")
         coll, ro = inputs.collections[0], inputs.input_row_offsets[0]
         t = int(ro[-1])
         start = time.perf_counter()
@@ -79,6 +90,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"attention vs dense float64 reference: max relative error {worst:.2e} -> {'OK' if ok else 'FAILED'}")
     _print_layout(params, args.pages, layers[-1])
     return 0 if ok else 1
+
+
+def _token_ids(rid: str, count: int, tokens: dict, g: torch.Generator) -> list[int]:
+    """Random ids for ``count`` new tokens of ``rid``; the late request copies its donor's prompt prefix."""
+    ids = torch.randint(0, 128_000, (count,), generator=g).tolist()
+    if rid == SHARED_PREFIX[0] and rid not in tokens:
+        ids[: SHARED_PREFIX[2]] = tokens[SHARED_PREFIX[1]][: SHARED_PREFIX[2]]
+    tokens.setdefault(rid, []).extend(ids)
+    return ids
 
 
 def _check(out, q, k, v, ro, rids, layer, history) -> float:

@@ -244,7 +244,7 @@ def test_scales_of_adjacent_pages_never_alias(rng):
         (lambda a: a.update(max_cache_length=10**6), ValueError, "max_cache_length"),
         (lambda a: a.update(max_cache_length=5), ValueError, "max_cache_length"),
         (lambda a: a["lookup_table"].__setitem__((0, 0), 99), ValueError, "lookup_table entries"),
-        (lambda a: a["lookup_table"].__setitem__((3, 2), 12), ValueError, r"lookup_table\[3, 2\] is the sentinel"),
+        (lambda a: a["lookup_table"].__setitem__((3, 2), 12), ValueError, r"lookup_table\[3, 2\] = 12 names no page"),
     ],
 )
 def test_constructor_rejects_bad_input(rng, mutate, exc, match):
