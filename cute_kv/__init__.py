@@ -5,6 +5,7 @@ from cute_kv.dtypes import parse_dtype
 from cute_kv.manager import InsufficientBlocksError, KVCacheMetrics, PagedKVCacheManager, StepInputs
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths, padded_lut_cols
 from cute_kv.ops.fused_qkv import fused_qkv_matmul_kv_cache
+from cute_kv.ops.gather_kv import gather_kv
 from cute_kv.ops.paged_attention import paged_attention
 from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
@@ -27,6 +28,7 @@ __all__ = [
     "RopeConfig",
     "StepInputs",
     "fused_qkv_matmul_kv_cache",
+    "gather_kv",
     "input_row_offsets",
     "make_lookup_table",
     "max_lengths",
