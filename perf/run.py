@@ -1,0 +1,65 @@
+"""Run a benchmark by name and write its records, with the machine's facts, to JSON.
+
+    python perf/run.py list
+    python perf/run.py ceilings --out perf/results/ceilings.json
+    python perf/run.py manager-step --out perf/results/manager.json -- --requests 256 --steps 512
+
+A benchmark is a module of this folder whose ``main(argv) -> list[dict]`` prints one JSON line per record and
+returns the records; register it in ``BENCHMARKS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    module: str
+    needs_cuda: bool
+    help: str
+
+
+BENCHMARKS = {
+    "ceilings": Benchmark("ceilings", True, "copy bandwidth and bf16 GEMM rate of this GPU"),
+    "manager-step": Benchmark("bench_manager_step", False,
+                              "block manager allocate+commit for 256 requests x 4k tokens (host, one core)"),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="perf/run.py", description="cute-kv benchmarks",
+                                 epilog="arguments after '--' go to the benchmark")
+    ap.add_argument("name", help="a benchmark name, or 'list'")
+    ap.add_argument("--out", help="JSON file for the records (default: print only)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, rest = ap.parse_args(argv[:split]), argv[split + 1:]  # after '--': the benchmark's own arguments
+    if args.name == "list":
+        for name, b in BENCHMARKS.items():
+            print(f"{name:14s} {'cuda' if b.needs_cuda else 'cpu ':4s}  {b.help}")
+        return 0
+    bench = BENCHMARKS.get(args.name)
+    if bench is None:
+        print(f"perf/run.py: unknown benchmark {args.name!r} (try: list)", file=sys.stderr)
+        return 2
+    if bench.needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"perf/run.py: {args.name} needs a CUDA GPU and torch sees none", file=sys.stderr)
+            return 2
+    records = importlib.import_module(bench.module).main(rest)  # benchmarks print their own JSON lines
+    if args.out:
+        from report import write_json
+
+        write_json(args.out, records)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
