@@ -68,5 +68,47 @@ def _check_rope(rope, collection, q_dim: int, lengths: torch.Tensor) -> None:
 
 
 def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
-    """The GPU kernel serving these arguments, or None for the reference (no kernel exists yet)."""
-    return None
+    """The SM90 ``FusedQKVMatmul`` launcher for these arguments, or None for the reference: CPU tensors, SM100
+    (no tcgen05 mainloop yet), fp8 caches, or a shape the kernel cannot tile (``fused_qkv_matmul.supported``)."""
+    if collection.device.type != "cuda":
+        return None
+    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.kernels.fused_qkv_matmul import DTYPES, FusedQKVMatmul, supported
+
+    arch = target_arch(collection.device)
+    dtype_name = str(collection.dtype).removeprefix("torch.")
+    t, k = hidden.shape
+    if arch != "sm_90a" or dtype_name not in DTYPES or k == 0 or not (_rows_aligned(hidden) and _rows_aligned(weight)):
+        return None
+    if rope is not None and (rope.freqs_cis.stride(1) != 1 or rope.freqs_cis.device != collection.device):
+        return None
+    q_dim = weight.shape[0] - kv_columns(collection)
+    rope_key = None if rope is None else (rope.rope_dim, rope.interleaved, rope.q_head_dim or collection.head_size)
+    tile_m = 64 if t < 2048 else 128  # small steps: more CTAs to stream the weight with
+    c = collection
+    if supported(q_dim, c.kv_dim, c.num_heads, c.head_size, rope_key, tile_m) or c.blocks.data_ptr() % 16:
+        return None
+    geometry = (dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size)
+
+    def build(has_bias):
+        kernel = FusedQKVMatmul(*geometry, has_bias, rope_key, tile_m)
+        return kernel, *kernel.fake_args()
+
+    def run(hidden, input_row_offsets, weight, collection, layer_idx, *, bias=None, rope=None, output=None):
+        out = output if output is not None and _rows_aligned(output) else torch.empty(
+            (t, q_dim), dtype=hidden.dtype, device=hidden.device)
+        if t:  # a grid of zero CTAs is a launch error
+            has_bias = bias is not None
+            fn = compiled(("fused_qkv_matmul", *geometry, has_bias, rope_key, tile_m), lambda: build(has_bias), arch)
+            fn(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(), collection.cache_lengths,
+               collection.lookup_table, None if bias is None else bias.contiguous(),
+               None if rope is None else rope.freqs_cis, layer_idx)
+        return out if output is None or out is output else output.copy_(out)
+
+    return run
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    """Row-major 2-D with 16-byte aligned rows: what TMA boxes and 16-byte stores need."""
+    return x.stride(1) == 1 and x.stride(0) % (16 // x.element_size()) == 0 and x.data_ptr() % 16 == 0

@@ -38,5 +38,36 @@ def _check(k, v, input_row_offsets, collection, layer_idx) -> None:
 
 
 def _kernel_for(collection, k) -> Optional[Callable]:
-    """The GPU kernel serving these arguments, or None for the reference (no kernel exists yet)."""
-    return None
+    """The compiled ``PagedKVStore`` for this cache, or None where it does not apply (CPU, fp8 cache, geometry)."""
+    if collection.device.type != "cuda":
+        return None
+    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.kernels.paged_kv_store import DTYPES, PagedKVStore
+
+    dtype_name = str(collection.dtype).removeprefix("torch.")
+    vec = 16 // k.element_size()
+    if dtype_name not in DTYPES or collection.head_size % vec or collection.blocks.data_ptr() % 16:
+        return None
+    key = ("paged_kv_store", dtype_name, collection.kv_dim, collection.page_size, collection.num_heads,
+           collection.head_size)
+
+    def build():
+        kernel = PagedKVStore(dtype_name, *key[2:])
+        return kernel, *kernel.fake_args()
+
+    fn = compiled(key, build, target_arch(collection.device))
+
+    def rows(x):
+        """``x`` itself when the kernel can read it in 16-byte vectors (heads packed, rows aligned), else a copy."""
+        if x is None or (x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) % vec == 0
+                         and x.data_ptr() % 16 == 0):
+            return x
+        return x.clone(memory_format=torch.contiguous_format)
+
+    def run(k, v, input_row_offsets, collection, layer_idx):
+        if k.shape[0]:  # a grid of zero CTAs is a launch error
+            fn(rows(k), rows(v), input_row_offsets.contiguous(), collection.blocks, collection.cache_lengths,
+               collection.lookup_table, layer_idx)
+
+    return run

@@ -1,0 +1,53 @@
+"""Where a ragged batch's row goes in the paged cache: the device-side half of MAX's ``input_row_offsets`` contract.
+
+Row ``m`` of a step belongs to request ``b`` with ``ro[b] <= m < ro[b+1]`` and is token ``m - ro[b]`` of its new
+tokens, so it lands at position ``cache_lengths[b] + m - ro[b]``: slot ``pos % P`` of page ``lut[b, pos // P]``.
+Kernels that write rows (the KV store, the fused QKV epilogue) resolve a tile's rows once into shared memory,
+one thread per row, so the binary searches run in parallel instead of in every thread that touches the row.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+# ``uint32`` offsets with B < 2^31 requests: the search halves [0, B) at most 31 times.
+_MAX_SEARCH_STEPS = 31
+
+
+@cute.jit
+def request_of_row(m: Int32, input_row_offsets: cute.Tensor, batch: Int32) -> Int32:
+    """The request ``b`` owning row ``m < ro[batch]``: the last ``b`` with ``ro[b] <= m`` (skips empty requests)."""
+    lo = Int32(0)  # invariant: ro[lo] <= m < ro[hi]
+    hi = batch
+    for _ in cutlass.range(_MAX_SEARCH_STEPS, unroll=1):
+        if hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if Int32(input_row_offsets[mid]) <= m:
+                lo = mid
+            else:
+                hi = mid
+    return lo
+
+
+@cute.jit
+def resolve_rows(s_page: cute.Tensor, s_pos: cute.Tensor, first_row: Int32, num_rows: Int32,
+                 input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
+                 page_size: cutlass.Constexpr[int]):
+    """Thread ``t < size(s_page)`` writes row ``first_row + t``'s page and position to shared memory (page -1: no
+    row); its slot is ``pos % page_size``, and the position is also what RoPE needs.
+
+    The caller synchronizes the CTA before reading them.
+    """
+    t, _, _ = cute.arch.thread_idx()
+    if t < cute.size(s_page):
+        m = first_row + t
+        page = Int32(-1)
+        pos = Int32(0)
+        if m < num_rows:
+            b = request_of_row(m, input_row_offsets, cache_lengths.shape[0])
+            pos = Int32(cache_lengths[b]) + m - Int32(input_row_offsets[b])
+            page = Int32(lookup_table[b, pos // page_size])
+        s_page[t] = page
+        s_pos[t] = pos

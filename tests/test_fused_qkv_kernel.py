@@ -1,0 +1,97 @@
+"""``FusedQKVMatmul`` (``gpu`` marker, SM90): against the reference on the same random batch.
+
+The reference runs on a CPU copy of the batch (same seed). Q is written into a NaN-poisoned ``output``; the step's
+K/V slots are poisoned too, so anything the kernel leaves unwritten shows; every slot outside them must keep
+its bits.
+"""
+
+import pytest
+import torch
+
+import cute_kv
+from cute_kv import RopeConfig
+from cute_kv import reference as ref
+from cute_kv.reference.batch import random_paged_batch
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+CACHED = [0, 37, 5, 130, 1, 64]
+NEW = [3, 1, 0, 17, 1, 90]
+CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (R, interleaved, q_head_dim), MLA)
+    (torch.bfloat16, 2, 8, 128, 16, 256, False, None, False),
+    (torch.bfloat16, 2, 8, 128, 64, 200, True, (128, False, None), False),  # ragged last k-tile, neox
+    (torch.float16, 1, 4, 64, 128, 512, True, (32, True, None), False),  # partial GPT-J RoPE
+    (torch.bfloat16, 4, 4, 64, 16, 128, False, (64, False, None), False),  # MHA, two heads per tile
+    (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True),  # MLA: [Q | latent K], rope last 64
+]
+
+
+def rel_err(got, want):
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    return float((got - want).norm() / want.norm())
+
+
+def _inputs(case, cached, new, seed):
+    dtype, h, qh, d, p, k, with_bias, rope, mla = case
+    batches = [random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=p, num_layers=2, is_mla=mla,
+                                  dtype=dtype, generator=torch.Generator().manual_seed(seed), device=dev)
+               for dev in ("cpu", "cuda")]
+    for pb in batches:
+        pb.collection.blocks[pb.step_mask(1)] = float("nan")
+    g = torch.Generator().manual_seed(seed + 1)
+    q_head_dim = (rope[2] if rope else None) or d
+    n_tot = qh * q_head_dim + (1 if mla else 2) * h * d
+    t = sum(new)
+    hidden = torch.randn(t, k, generator=g).to(dtype)
+    weight = (torch.randn(n_tot, k, generator=g) / k**0.5).to(dtype)
+    bias = torch.randn(n_tot, generator=g).to(dtype) if with_bias else None
+    cfg = None
+    if rope:
+        cfg = RopeConfig.from_theta(rope[0], max(c + n for c, n in zip(cached, new)) + 1, interleaved=rope[1],
+                                    q_head_dim=rope[2])
+    return batches, hidden, weight, bias, cfg, qh * q_head_dim
+
+
+def _run_case(case, cached, new, seed):
+    from cute_kv.kernels.compile_cache import cache_info
+
+    (cpu, gpu), hidden, weight, bias, rope, q_dim = _inputs(case, cached, new, seed)
+    want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
+                                         rope=rope)
+    cuda = lambda x: None if x is None else x.cuda()  # noqa: E731
+    out = torch.full((hidden.shape[0], q_dim), float("nan"), dtype=hidden.dtype, device="cuda")
+    compiles = cache_info()["compiles"]
+    got = cute_kv.fused_qkv_matmul_kv_cache(
+        cuda(hidden), gpu.input_row_offsets, cuda(weight), gpu.collection, 1, output=out, bias=cuda(bias),
+        rope=None if rope is None else RopeConfig(rope.freqs_cis.cuda(), rope.interleaved, rope.q_head_dim))
+    torch.cuda.synchronize()
+    assert got is out and not out.isnan().any()
+    assert cache_info()["compiles"] - compiles <= 1  # the kernel served the call (compiled at most once)
+    tol = TOL[hidden.dtype]
+    assert rel_err(out.cpu(), want) < tol
+    step = cpu.step_mask(1)
+    blocks, want_blocks = gpu.collection.blocks.cpu(), cpu.collection.blocks
+    assert not blocks[step].isnan().any()
+    assert rel_err(blocks[step], want_blocks[step]) < tol
+    int_view = torch.int16
+    assert torch.equal(blocks[~step].view(int_view), want_blocks[~step].view(int_view))
+    return cache_info()["compiles"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}-q{c[2]}-d{c[3]}-p{c[4]}-k{c[5]}"
+                         f"{'-bias' * c[6]}{'-rope' + str(c[7][:2]) if c[7] else ''}{'-mla' * c[8]}")
+def test_fused_qkv_kernel_matches_reference(case):
+    compiles = _run_case(case, CACHED, NEW, seed=3)
+    from cute_kv.kernels.compile_cache import cache_info
+
+    _run_case(case, CACHED, NEW, seed=4)  # same geometry: no recompile
+    assert cache_info()["compiles"] == compiles
+
+
+def test_fused_qkv_kernel_large_step_and_empty_step():
+    case = CASES[1]
+    _run_case(case, [7, 0, 300], [2500, 1, 40], seed=5)  # 128-row tiles, many of them
+    (cpu, gpu), hidden, weight, bias, rope, q_dim = _inputs(case, [4, 9], [0, 0], seed=6)
+    q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, weight.cuda(), gpu.collection, 1)
+    assert q.shape == (0, q_dim)
