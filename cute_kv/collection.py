@@ -231,11 +231,15 @@ class PagedKVCacheCollection:
             raise ValueError("an MLA cache (KVD=1) stores no value cache; use get_key_cache")
         return self._get_cache(1, layer_idx)
 
+    def check_layer(self, layer_idx: int) -> None:
+        """Raise unless ``0 <= layer_idx < num_layers`` (host-only, unlike building a view: torch.compile traces it)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+
     def _get_cache(self, kv_idx: int, layer_idx: int):
         from cute_kv.paged_cache import PagedKVCache
 
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        self.check_layer(layer_idx)
         return PagedKVCache(self, kv_idx, layer_idx)
 
     def _check_batch(self, batch_idx: int):

@@ -53,12 +53,16 @@ def check_uint32_scalar(name: str, value) -> int:
     return value
 
 
-def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows: int, device) -> torch.Tensor:
+def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows: int, device, *,
+                      data_checks: bool = True) -> Optional[torch.Tensor]:
     """``input_row_offsets``: uint32 ``[B+1]``, starts at 0, non-decreasing, ends at ``total_rows``.
 
-    Returns the offsets as int64 (torch's uint32 supports few ops).
+    Returns the offsets as int64 (torch's uint32 supports few ops). ``data_checks=False`` checks the dtype,
+    shape and device only (the value checks read device memory) and returns None.
     """
     check_tensor(name, input_row_offsets, dtype=torch.uint32, shape=[batch_size + 1], device=device)
+    if not data_checks:
+        return None
     ro = input_row_offsets.to(torch.int64)
     if int(ro[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(ro[0])}")
@@ -75,14 +79,18 @@ def check_activation(name: str, t, collection, *, ndim: int) -> torch.Tensor:
     return check_tensor(name, t, dtype=allowed, ndim=ndim, device=collection.device)
 
 
-def check_step(collection, input_row_offsets, total_rows: int) -> torch.Tensor:
+def check_step(collection, input_row_offsets, total_rows: int, *, data_checks: bool = True) -> Optional[torch.Tensor]:
     """A ragged step of ``total_rows`` new tokens over ``collection``; returns the new lengths (int64 ``[B]``).
 
     Each request must own the pages of positions ``[0, cache_length + new)`` (what an op reads or writes)
     and fit ``max_seq_length`` / ``max_cache_length``, which kernels size their grids from.
+    ``data_checks=False`` checks only the offsets' dtype, shape and device and returns None: the other checks
+    read device values, host syncs that CUDA-graph capture forbids.
     """
     ro = check_row_offsets("input_row_offsets", input_row_offsets, collection.batch_size, total_rows,
-                           collection.device)
+                           collection.device, data_checks=data_checks)
+    if ro is None:
+        return None
     lengths = ro[1:] - ro[:-1]
     if lengths.numel():
         ends = collection.cache_lengths.to(torch.int64) + lengths

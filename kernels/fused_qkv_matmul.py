@@ -157,12 +157,7 @@ class FusedQKVMatmul:
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         if warp_idx == 0:
             for _ in cutlass.range(cutlass.min(STAGES, k_tiles), unroll=1):
-                pipe.producer_acquire(prod)
-                cute.copy(tma_a, t_ag[None, prod.count], t_as[None, prod.index],
-                          tma_bar_ptr=pipe.producer_get_barrier(prod))
-                cute.copy(tma_b, t_bg[None, prod.count], t_bs[None, prod.index],
-                          tma_bar_ptr=pipe.producer_get_barrier(prod))
-                pipe.producer_commit(prod)
+                self.load_k_tile(pipe, prod, tma_a, t_ag, t_as, tma_b, t_bg, t_bs)
                 prod.advance()
 
         # While the first stages land: where each of the tile's rows goes (read only after the mainloop's sync).
@@ -192,12 +187,7 @@ class FusedQKVMatmul:
             read.advance()
             release.advance()
             if warp_idx == 0 and prod.count < k_tiles:
-                pipe.producer_acquire(prod)
-                cute.copy(tma_a, t_ag[None, prod.count], t_as[None, prod.index],
-                          tma_bar_ptr=pipe.producer_get_barrier(prod))
-                cute.copy(tma_b, t_bg[None, prod.count], t_bs[None, prod.index],
-                          tma_bar_ptr=pipe.producer_get_barrier(prod))
-                pipe.producer_commit(prod)
+                self.load_k_tile(pipe, prod, tma_a, t_ag, t_as, tma_b, t_bg, t_bs)
                 prod.advance()
         warpgroup.wait_group(0)
         cute.arch.sync_threads()  # every warp is done reading the ring before it becomes the C tile
@@ -208,6 +198,16 @@ class FusedQKVMatmul:
         cute.arch.sync_threads()
         self.epilogue(s_c, s_page, s_pos, output, blocks, bias, freqs_cis, layer_idx, tile_m_idx * bm,
                       tile_n_idx * BN, num_rows)
+
+    @cute.jit
+    def load_k_tile(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_a: cute.CopyAtom,
+                    t_ag: cute.Tensor, t_as: cute.Tensor, tma_b: cute.CopyAtom, t_bg: cute.Tensor, t_bs: cute.Tensor):
+        """Producer: wait for stage ``prod.index`` to be free, then TMA k-tile ``prod.count`` of A and B into it."""
+        pipe.producer_acquire(prod)
+        bar = pipe.producer_get_barrier(prod)
+        cute.copy(tma_a, t_ag[None, prod.count], t_as[None, prod.index], tma_bar_ptr=bar)
+        cute.copy(tma_b, t_bg[None, prod.count], t_bs[None, prod.index], tma_bar_ptr=bar)
+        pipe.producer_commit(prod)
 
     @cute.jit
     def epilogue(self, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, output: cute.Tensor,

@@ -6,33 +6,52 @@ issuing all its loads before its stores so each has ``VECS_PER_THREAD`` requests
 bound by how many bytes are in flight, not by instructions). Rows past the step are never read or written, and
 a row's destination is ``blocks[page, kv, layer, slot, :, :]``, contiguous ``H*D`` elements, so the stores of a
 row coalesce.
+
+FP8 caches with float32 scales (``granularity`` set): a vector is 8 input elements (bf16/fp16/fp32), the lanes
+holding one (token, head, granule) reduce its absolute maximum with warp shuffles, and each element is stored as
+``saturate(x / scale)`` in e4m3 with ``scale = max(amax / 448, FLT_MIN)`` (``reference/quant.py``); the granule's
+first lane writes the scale.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.ragged_rows import resolve_rows
 
 THREADS = 128
-VECS_PER_THREAD = 16  # 16-byte vectors in flight per thread: 32 KiB per CTA
+VECS_PER_THREAD = 16  # vectors in flight per thread
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+FP8_E4M3_MAX = 448.0
+FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
 
 
 class PagedKVStore:
-    def __init__(self, dtype_name: str, kv_dim: int, page_size: int, num_heads: int, head_dim: int):
-        self.dtype = DTYPES[dtype_name]
+    """``dtype_name``: the cache dtype, or with ``granularity`` the input dtype of an e4m3 cache with float32
+    scales over ``granularity`` head dims (a power of two in [8, 256] dividing ``head_dim``)."""
+
+    def __init__(self, dtype_name: str, kv_dim: int, page_size: int, num_heads: int, head_dim: int,
+                 granularity: Optional[int] = None):
+        self.in_dtype = DTYPES[dtype_name]
         self.kv_dim, self.page_size, self.num_heads, self.head_dim = kv_dim, page_size, num_heads, head_dim
-        self.vec = 16 // (self.dtype.width // 8)
+        self.granularity = granularity
+        if granularity is None:
+            self.dtype, self.vec = self.in_dtype, 16 // (self.in_dtype.width // 8)
+        else:
+            if granularity & (granularity - 1) or not 8 <= granularity <= 256 or head_dim % granularity:
+                raise ValueError(f"granularity {granularity} must be a power of two in [8, 256] dividing head_dim "
+                                 f"{head_dim}")
+            self.dtype, self.vec = cutlass.Float8E4M3FN, 8  # 8 values: 8 bytes stored, one lane of a granule
         if head_dim % self.vec:
-            raise ValueError(f"head_dim {head_dim} is not a multiple of {self.vec} ({dtype_name} 16-byte vectors)")
+            raise ValueError(f"head_dim {head_dim} is not a multiple of {self.vec} ({dtype_name} vectors)")
         self.row_vecs = num_heads * head_dim // self.vec  # vectors per row of K (or V)
         # Enough rows per CTA to give every thread VECS_PER_THREAD vectors (K and V together), at most THREADS
         # (one resolving thread per row).
@@ -45,33 +64,37 @@ class PagedKVStore:
         """Fake tensors with MAX's contract; the row strides of ``k``/``v`` are runtime (views of a QKV output)."""
         kvd, p, h, d, vec = self.kv_dim, self.page_size, self.num_heads, self.head_dim, self.vec
         n, nl, b, cols, t = (cute.sym_int32() for _ in range(5))
-        plane = cute.sym_int64(divisibility=p * h * d)
-        pitch = cute.sym_int64(divisibility=kvd * p * h * d)
-        blocks = make_fake_tensor(self.dtype, (n, kvd, nl, p, h, d),
-                                  stride=(pitch, plane, p * h * d, h * d, d, 1), assumed_align=16)
+
+        def cache(dtype, depth):
+            return make_fake_tensor(dtype, (n, kvd, nl, p, h, depth), stride=(
+                cute.sym_int64(divisibility=kvd * p * h * depth), cute.sym_int64(divisibility=p * h * depth),
+                p * h * depth, h * depth, depth, 1), assumed_align=16 if depth * dtype.width % 128 == 0 else 4)
 
         def rows():
-            return make_fake_tensor(self.dtype, (t, h, d), stride=(cute.sym_int64(divisibility=vec), d, 1),
+            return make_fake_tensor(self.in_dtype, (t, h, d), stride=(cute.sym_int64(divisibility=vec), d, 1),
                                     assumed_align=16)
 
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
-        return (rows(), rows() if kvd == 2 else None, offsets, blocks, lengths, lut, Int32(0),
+        scales = None if self.granularity is None else cache(cutlass.Float32, d // self.granularity)
+        return (rows(), rows() if kvd == 2 else None, offsets, cache(self.dtype, d), scales, lengths, lut, Int32(0),
                 make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
-    def __call__(self, k: cute.Tensor, v: cute.Tensor, input_row_offsets: cute.Tensor, blocks: cute.Tensor,
-                 cache_lengths: cute.Tensor, lookup_table: cute.Tensor, layer_idx: Int32, stream: cuda.CUstream):
+    def __call__(self, k: cute.Tensor, v: Optional[cute.Tensor], input_row_offsets: cute.Tensor,
+                 blocks: cute.Tensor, scales: Optional[cute.Tensor], cache_lengths: cute.Tensor,
+                 lookup_table: cute.Tensor, layer_idx: Int32, stream: cuda.CUstream):
         grid = (cute.ceil_div(k.shape[0], self.rows), 1, 1)
-        self.kernel(k, v, input_row_offsets, blocks, cache_lengths, lookup_table, layer_idx).launch(
+        self.kernel(k, v, input_row_offsets, blocks, scales, cache_lengths, lookup_table, layer_idx).launch(
             grid=grid, block=(THREADS, 1, 1), stream=stream)
 
     # -- device ----------------------------------------------------------------------------------
 
     @cute.kernel
-    def kernel(self, k: cute.Tensor, v: cute.Tensor, input_row_offsets: cute.Tensor, blocks: cute.Tensor,
-               cache_lengths: cute.Tensor, lookup_table: cute.Tensor, layer_idx: Int32):
+    def kernel(self, k: cute.Tensor, v: Optional[cute.Tensor], input_row_offsets: cute.Tensor, blocks: cute.Tensor,
+               scales: Optional[cute.Tensor], cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
+               layer_idx: Int32):
         vec, rows, row_vecs = self.vec, self.rows, self.row_vecs
         d_vecs = self.head_dim // vec
         tidx, _, _ = cute.arch.thread_idx()
@@ -88,17 +111,45 @@ class PagedKVStore:
 
         for kv in cutlass.range_constexpr(self.kv_dim):
             src = k if cutlass.const_expr(kv == 0) else v
-            frags = [cute.make_rmem_tensor((vec,), self.dtype) for _ in range(self.vecs_per_thread)]
+            frags = [cute.make_rmem_tensor((vec,), self.in_dtype) for _ in range(self.vecs_per_thread)]
             for j in cutlass.range_constexpr(self.vecs_per_thread):
-                i = tidx + j * THREADS  # vector i of the tile: row i // row_vecs, head, 16-byte chunk
+                i = tidx + j * THREADS  # vector i of the tile: row i // row_vecs, head, vector within the head
                 r = i // row_vecs
+                if cutlass.const_expr(self.granularity is not None):
+                    frags[j].fill(0.0)  # idle lanes still join their granule's shuffles
                 if i < rows * row_vecs and first_row + r < num_rows:
                     h = (i % row_vecs) // d_vecs
                     cute.autovec_copy(cute.local_tile(src[first_row + r, h, None], (vec,), (i % d_vecs,)), frags[j])
             for j in cutlass.range_constexpr(self.vecs_per_thread):
                 i = tidx + j * THREADS
                 r = i // row_vecs
+                out = frags[j]
+                scale = Float32(0.0)
+                if cutlass.const_expr(self.granularity is not None):
+                    out, scale = self.quantize(frags[j])
                 if i < rows * row_vecs and first_row + r < num_rows:
                     h = (i % row_vecs) // d_vecs
-                    dst = blocks[s_page[r], kv, layer_idx, s_pos[r] % self.page_size, h, None]
-                    cute.autovec_copy(frags[j], cute.local_tile(dst, (vec,), (i % d_vecs,)))
+                    slot = s_pos[r] % self.page_size
+                    dst = blocks[s_page[r], kv, layer_idx, slot, h, None]
+                    cute.autovec_copy(out, cute.local_tile(dst, (vec,), (i % d_vecs,)))
+                    if cutlass.const_expr(self.granularity is not None):
+                        lanes = self.granularity // vec
+                        if i % lanes == 0:
+                            scales[s_page[r], kv, layer_idx, slot, h, (i % d_vecs) // lanes] = scale
+
+    @cute.jit
+    def quantize(self, frag: cute.Tensor):
+        """``(e4m3 values, scale)`` of this lane's 8 values; the scale is shared by the granule's lanes."""
+        x = frag.load().to(Float32)
+        amax = Float32(0.0)
+        for e in cutlass.range_constexpr(self.vec):
+            amax = cute.arch.fmax(amax, cute.arch.fmax(x[e], -x[e]))
+        amax = cute.arch.warp_reduction_max(amax, threads_in_group=self.granularity // self.vec)
+        scale = cute.arch.fmax(amax / Float32(FP8_E4M3_MAX), Float32(FLT_MIN))
+        q = cute.make_rmem_tensor((self.vec,), Float32)
+        for e in cutlass.range_constexpr(self.vec):
+            # e4m3fn has no infinity: clamp first so the conversion saturates like the reference.
+            q[e] = cute.arch.fmax(cute.arch.fmin(x[e] / scale, Float32(FP8_E4M3_MAX)), Float32(-FP8_E4M3_MAX))
+        out = cute.make_rmem_tensor((self.vec,), self.dtype)
+        out.store(q.load().to(self.dtype))
+        return out, scale

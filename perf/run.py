@@ -27,6 +27,10 @@ BENCHMARKS = {
     "ceilings": Benchmark("ceilings", True, "copy bandwidth and bf16 GEMM rate of this GPU"),
     "manager-step": Benchmark("bench_manager_step", False,
                               "block manager allocate+commit for 256 requests x 4k tokens (host, one core)"),
+    "store-kv": Benchmark("bench_store_kv", True,
+                          "store_kv ragged K/V writes (decode, prefill, 32k rows) vs FlashInfer append, index_copy_"),
+    "fused-qkv": Benchmark("bench_fused_qkv", True,
+                           "QKV GEMM + K/V cache write (T=128, 8192) vs GEMM alone, + FlashInfer, + index_copy_"),
 }
 
 

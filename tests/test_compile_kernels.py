@@ -1,5 +1,6 @@
 """Every CuTe DSL kernel compiles for sm_90a and sm_100a from fake tensors (no GPU) and emits what it claims."""
 
+import math
 import re
 
 import pytest
@@ -45,9 +46,30 @@ def test_paged_kv_store_ptx(arch, case):
     assert "bar.sync" in ptx  # rows resolved once per CTA, then shared
 
 
-def test_paged_kv_store_rejects_unvectorizable_head_dim():
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64),
+                                  ("float16", 2, 128, 2, 64, 8)], ids=lambda c: "-".join(map(str, c)))
+def test_paged_kv_store_fp8_ptx(arch, case):
+    kernel = PagedKVStore(*case)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    vectors = kernel.kv_dim * kernel.vecs_per_thread  # 8 values each
+    lanes = case[-1] // 8  # lanes per granule: log2 butterfly steps for its amax
+    assert ptx.count("shfl.sync.bfly.b32") == vectors * int(math.log2(lanes))
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == vectors * 4
+    assert ptx.count("div.rn.f32") == vectors * 9  # x / scale as the reference divides, and amax / 448
+    assert _count(r"st\.global\.v2\.b32", ptx) == vectors  # 8 fp8 bytes per vector
+    assert _count(r"st\.global\.(?:b32|f32)", ptx) == vectors  # the granule's scale (first lane stores it)
+
+
+def test_paged_kv_store_rejects_unsupported_geometry():
     with pytest.raises(ValueError, match="head_dim 100"):
         PagedKVStore("bfloat16", 2, 16, 1, 100)
+    with pytest.raises(ValueError, match="granularity 48"):
+        PagedKVStore("bfloat16", 2, 16, 1, 96, 48)
+
+
+def _count(pattern, text):
+    return len(re.findall(pattern, text))
 
 
 QKV_CASES = [  # (dtype, q_dim, KVD, P, H, D, bias, rope (R, interleaved, q_head_dim), tile_m)

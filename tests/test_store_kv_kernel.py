@@ -76,3 +76,28 @@ def test_store_kernel_large_and_empty_steps():
         cute_kv.store_kv(k.cuda(), v.cuda(), gpu.input_row_offsets, gpu.collection, 1)
         torch.cuda.synchronize()
         assert torch.equal(_bits(gpu.collection.blocks.cpu()), _bits(cpu.collection.blocks))
+
+
+@pytest.mark.parametrize("in_dtype,granularity,heads,head_size", [(torch.bfloat16, 128, 8, 128),
+                                                                  (torch.float32, 64, 1, 576),
+                                                                  (torch.float16, 8, 2, 64)])
+def test_store_kernel_fp8_quantizes_like_reference(in_dtype, granularity, heads, head_size):
+    """Per-granule amax, scale = max(amax / 448, FLT_MIN), saturate(x / scale): the same bits as the reference."""
+    from cute_kv.paged_cache import _raw
+
+    batches = [random_paged_batch(CACHED, NEW, num_heads=heads, head_size=head_size, page_size=16, num_layers=2,
+                                  is_mla=head_size == 576, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32,
+                                  quantization_granularity=granularity, generator=torch.Generator().manual_seed(5),
+                                  device=dev) for dev in ("cpu", "cuda")]
+    g = torch.Generator().manual_seed(6)
+    shape = (sum(NEW), heads, head_size)
+    # Mixed magnitudes, one all-zero granule (the scale floor) and values that saturate nothing.
+    k = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[0])[:, None, None]).to(in_dtype)
+    k[0, 0, :granularity] = 0
+    v = None if head_size == 576 else torch.randn(shape, generator=g).to(in_dtype)
+    ref.store_kv(k, v, batches[0].input_row_offsets, batches[0].collection, 1)
+    cute_kv.store_kv(k.cuda(), None if v is None else v.cuda(), batches[1].input_row_offsets, batches[1].collection, 1)
+    torch.cuda.synchronize()
+    for t in ("blocks", "scales"):
+        got, want = _raw(getattr(batches[1].collection, t)).cpu(), _raw(getattr(batches[0].collection, t))
+        assert torch.equal(_bits(got), _bits(want)), t

@@ -6,7 +6,6 @@ from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.rope import RopeConfig
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -14,7 +13,8 @@ from cute_kv.validate import check_activation, check_step, check_tensor
 
 def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight: torch.Tensor,
                               collection, layer_idx: int, *, output: Optional[torch.Tensor] = None,
-                              bias: Optional[torch.Tensor] = None, rope: Optional[RopeConfig] = None) -> torch.Tensor:
+                              bias: Optional[torch.Tensor] = None, rope: Optional[RopeConfig] = None,
+                              validate: bool = True) -> torch.Tensor:
     """``C = hidden @ weight^T (+ bias)``: returns Q = ``C[:, :q_dim]``, stores K and V of layer ``layer_idx``.
 
     ``hidden [T, K]`` (bf16/fp16/fp32; the cache dtype unless the cache is fp8), ``weight [N_tot, K]`` and
@@ -23,14 +23,25 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     request ``b`` is stored at ``cache_lengths[b] + i`` (quantized for fp8 caches with scales). ``rope``
     rotates Q (heads of ``rope.q_head_dim``, default ``D``) and K at that position (``reference/rope.py``).
     Q is written into ``output [T, q_dim]`` when given. Float32 accumulation; nothing is written on bad input.
+
+    ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, each
+    request's pages and lengths against the collection, RoPE positions against ``rope.freqs_cis``), so the caller
+    guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked.
     """
-    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope)
-    run = _kernel_for(collection, hidden, weight, rope) or reference.fused_qkv_matmul_kv_cache
-    return run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
+    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
+    if output is None:
+        output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
+    c = collection
+    torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
+        hidden, input_row_offsets, weight, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
+        None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
+        None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
+        c.quantization_granularity)
+    return output
 
 
-def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope) -> None:
-    collection.get_key_cache(layer_idx)  # raises unless 0 <= layer_idx < num_layers
+def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate) -> None:
+    collection.check_layer(layer_idx)
     dev = collection.device
     check_activation("hidden", hidden, collection, ndim=2)
     t, k = hidden.shape
@@ -46,12 +57,12 @@ def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bia
         check_tensor("bias", bias, dtype=hidden.dtype, shape=[weight.shape[0]], device=dev)
     if output is not None:
         check_tensor("output", output, dtype=hidden.dtype, shape=[t, q_dim], device=dev)
-    lengths = check_step(collection, input_row_offsets, t)
+    lengths = check_step(collection, input_row_offsets, t, data_checks=validate)
     if rope is not None:
         _check_rope(rope, collection, q_dim, lengths)
 
 
-def _check_rope(rope, collection, q_dim: int, lengths: torch.Tensor) -> None:
+def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -> None:
     if not isinstance(rope, RopeConfig):
         raise TypeError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
     check_tensor("rope.freqs_cis", rope.freqs_cis, device=collection.device)
@@ -60,6 +71,8 @@ def _check_rope(rope, collection, q_dim: int, lengths: torch.Tensor) -> None:
         raise ValueError(f"q_dim ({q_dim}) must be a multiple of the Q head size ({qh}; set rope.q_head_dim)")
     if r > min(d, qh):
         raise ValueError(f"rope.freqs_cis width (rope_dim={r}) exceeds the head size (K {d}, Q {qh})")
+    if lengths is None:  # validate=False: positions are device values
+        return
     ends = torch.where(lengths > 0, collection.cache_lengths.to(torch.int64) + lengths, 0)
     if ends.numel() and int(ends.max()) > rope.freqs_cis.shape[0]:
         b = int(ends.argmax())

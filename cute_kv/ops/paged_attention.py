@@ -30,7 +30,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out) -> None:
-    collection.get_key_cache(layer_idx)  # raises unless 0 <= layer_idx < num_layers
+    collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
     t, hq, d = q.shape
     h = collection.num_heads

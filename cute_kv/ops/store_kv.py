@@ -6,26 +6,30 @@ from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
 from cute_kv.validate import check_activation, check_step, check_tensor
 
 
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, collection,
-             layer_idx: int) -> None:
+             layer_idx: int, *, validate: bool = True) -> None:
     """Write new token ``i`` of request ``b`` (row ``ro[b] + i`` of ``k``/``v``) at position ``cache_lengths[b] + i``.
 
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
     ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 ``[B+1]``. ``cache_lengths`` is not
     modified. Every argument is checked before anything is written.
+
+    ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
+    each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
+    Shapes, dtypes and devices are still checked.
     """
-    _check(k, v, input_row_offsets, collection, layer_idx)
-    run = _kernel_for(collection, k) or reference.store_kv
-    run(k, v, input_row_offsets, collection, layer_idx)
+    _check(k, v, input_row_offsets, collection, layer_idx, validate)
+    c = collection
+    torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
+                               layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity)
 
 
-def _check(k, v, input_row_offsets, collection, layer_idx) -> None:
-    collection.get_key_cache(layer_idx)  # raises unless 0 <= layer_idx < num_layers
+def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
+    collection.check_layer(layer_idx)
     rows = [None, collection.num_heads, collection.head_size]
     check_activation("k", k, collection, ndim=3)
     check_tensor("k", k, shape=rows)
@@ -34,29 +38,39 @@ def _check(k, v, input_row_offsets, collection, layer_idx) -> None:
             raise ValueError("v must be None for an MLA cache (KVD=1 stores K only)")
     else:
         check_tensor("v", v, dtype=k.dtype, shape=[k.shape[0], *rows[1:]], device=collection.device)
-    check_step(collection, input_row_offsets, k.shape[0])
+    check_step(collection, input_row_offsets, k.shape[0], data_checks=validate)
 
 
 def _kernel_for(collection, k) -> Optional[Callable]:
-    """The compiled ``PagedKVStore`` for this cache, or None where it does not apply (CPU, fp8 cache, geometry)."""
+    """The compiled ``PagedKVStore`` for this cache, or None where it does not apply: CPU, an fp8 cache without
+    float32 scales (saturating cast) or whose granule the kernel cannot reduce in one warp, head dims that are not
+    whole vectors."""
     if collection.device.type != "cuda":
         return None
     from cute_kv.kernels.arch import target_arch
     from cute_kv.kernels.compile_cache import compiled
     from cute_kv.kernels.paged_kv_store import DTYPES, PagedKVStore
 
-    dtype_name = str(collection.dtype).removeprefix("torch.")
-    vec = 16 // k.element_size()
-    if dtype_name not in DTYPES or collection.head_size % vec or collection.blocks.data_ptr() % 16:
+    c = collection
+    dtype_name = str(k.dtype).removeprefix("torch.")
+    granularity = None
+    if c.dtype == torch.float8_e4m3fn:
+        granularity = c.quantization_granularity
+        if (c.scales is None or c.scale_dtype != torch.float32 or granularity & (granularity - 1)
+                or not 8 <= granularity <= 256 or c.head_size % granularity):
+            return None
+    elif c.dtype != k.dtype:
         return None
-    key = ("paged_kv_store", dtype_name, collection.kv_dim, collection.page_size, collection.num_heads,
-           collection.head_size)
+    vec = 8 if granularity else 16 // k.element_size()
+    if dtype_name not in DTYPES or c.head_size % vec or c.blocks.data_ptr() % 16:
+        return None
+    key = ("paged_kv_store", dtype_name, c.kv_dim, c.page_size, c.num_heads, c.head_size, granularity)
 
     def build():
-        kernel = PagedKVStore(dtype_name, *key[2:])
+        kernel = PagedKVStore(*key[1:])
         return kernel, *kernel.fake_args()
 
-    fn = compiled(key, build, target_arch(collection.device))
+    fn = compiled(key, build, target_arch(c.device))
 
     def rows(x):
         """``x`` itself when the kernel can read it in 16-byte vectors (heads packed, rows aligned), else a copy."""
@@ -67,7 +81,7 @@ def _kernel_for(collection, k) -> Optional[Callable]:
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
-            fn(rows(k), rows(v), input_row_offsets.contiguous(), collection.blocks, collection.cache_lengths,
-               collection.lookup_table, layer_idx)
+            fn(rows(k), rows(v), input_row_offsets.contiguous(), collection.blocks, collection.scales,
+               collection.cache_lengths, collection.lookup_table, layer_idx)
 
     return run

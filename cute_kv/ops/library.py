@@ -1,0 +1,58 @@
+"""``torch.ops.cute_kv``: the cache-writing entry points as ``torch.library`` custom ops.
+
+The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
+``output``) and return nothing, so torch.compile traces through them and CUDA graphs capture them. They expect
+arguments already validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``), and
+dispatch to the entry point's kernel where one applies, else to the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cute_kv import reference
+from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.ops import fused_qkv as fused_qkv_entry
+from cute_kv.ops import store_kv as store_kv_entry
+from cute_kv.reference.rope import RopeConfig
+
+
+def _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
+                quantization_granularity) -> PagedKVCacheCollection:
+    # validate=False: the entry point checked the metadata, and the lookup-table scan is a device sync.
+    return PagedKVCacheCollection(blocks, cache_lengths, lookup_table, max_seq_length, max_cache_length, scales,
+                                  quantization_granularity=None if scales is None else quantization_granularity,
+                                  validate=False)
+
+
+@torch.library.custom_op("cute_kv::store_kv", mutates_args=("blocks", "scales"))
+def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, blocks: torch.Tensor,
+             cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor], layer_idx: int,
+             max_seq_length: int, max_cache_length: int, quantization_granularity: int) -> None:
+    collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
+                             quantization_granularity)
+    run = store_kv_entry._kernel_for(collection, k) or reference.store_kv
+    run(k, v, input_row_offsets, collection, layer_idx)
+
+
+@torch.library.custom_op("cute_kv::fused_qkv_matmul_kv_cache", mutates_args=("blocks", "scales", "output"))
+def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight: torch.Tensor,
+                              blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+                              scales: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                              freqs_cis: Optional[torch.Tensor], rope_interleaved: bool,
+                              rope_q_head_dim: Optional[int], output: torch.Tensor, layer_idx: int,
+                              max_seq_length: int, max_cache_length: int, quantization_granularity: int) -> None:
+    """Q goes into ``output`` (a custom op may not return an alias of an input); no ``freqs_cis``: no RoPE."""
+    collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
+                             quantization_granularity)
+    rope = None if freqs_cis is None else RopeConfig(freqs_cis, rope_interleaved, rope_q_head_dim)
+    run = fused_qkv_entry._kernel_for(collection, hidden, weight, rope) or reference.fused_qkv_matmul_kv_cache
+    run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
+
+
+@store_kv.register_fake
+@fused_qkv_matmul_kv_cache.register_fake
+def _writes_in_place_only(*args) -> None:
+    """Nothing to describe to fake-tensor tracing: the ops only write into arguments (declared in mutates_args)."""

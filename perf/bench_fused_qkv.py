@@ -1,0 +1,122 @@
+"""Llama-3-8B QKV projection with the K/V columns written into a paged cache: ``cute_kv.fused_qkv_matmul_kv_cache``.
+
+``hidden [T, 4096] @ weight[6144, 4096]^T`` -> Q 4096 | K 1024 | V 1024 (bf16), K/V stored into one layer
+(8 x 128, page 16 and 64). Cases: ``decode`` T=128 (128 requests x 1 token after 1-4k cached) and ``prefill``
+T=8192 (8 x 1024). Ours without and with RoPE (``RopeConfig``, theta 500000). In the same process on the same
+inputs: torch GEMM alone (``hidden @ weight.T``, the lower bound), GEMM + FlashInfer ``append_paged_kv_cache`` on
+the output's K/V column views, GEMM + torch ``index_copy_`` (rows computed once per step). The rows each
+implementation writes are checked against a float32 GEMM (RoPE'd for ours with RoPE) before it is timed.
+Figures: ``tflops``, ``roofline_fraction`` of the bf16 GEMM rate measured at start, ``ratio_to_gemm`` (goal <= 1.03)
+and ``speedup_vs_torch_gemm_flashinfer`` (goal >= 1.05).
+
+    python perf/run.py fused-qkv [--out perf/results/fused_qkv.json] [-- --cases decode,prefill --page-sizes 16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+
+import torch
+
+import cute_kv
+import cases
+import ceilings
+import harness
+import report
+from cute_kv.reference import apply_rope
+
+Q_DIM, KV_DIM = cases.Q_HEADS * cases.HEAD_DIM, cases.KV_HEADS * cases.HEAD_DIM
+N_OUT = Q_DIM + 2 * KV_DIM
+GOAL_RATIO_TO_GEMM, GOAL_SPEEDUP_VS_FLASHINFER = 1.03, 1.05
+
+
+def qkv_flops(rows: int, hidden: int = cases.HIDDEN, n_out: int = N_OUT) -> int:
+    return 2 * rows * hidden * n_out
+
+
+def qkv_bytes(rows: int, hidden: int = cases.HIDDEN, n_out: int = N_OUT, element_size: int = 2) -> int:
+    """HBM bytes of the fused call at best: weight and hidden read, Q | K | V written once."""
+    return (n_out * hidden + rows * hidden + rows * n_out) * element_size
+
+
+def split_kv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[T, H, D]`` views of the GEMM output's columns (no copy: both peers take strided rows)."""
+    heads = (cases.KV_HEADS, cases.HEAD_DIM)
+    return qkv[:, Q_DIM:Q_DIM + KV_DIM].unflatten(1, heads), qkv[:, Q_DIM + KV_DIM:].unflatten(1, heads)
+
+
+def bench_case(args, gemm_tflops: float, l2: int, name: str, page_size: int, fi, fi_why) -> list[dict]:
+    step = cases.STEPS[name]
+    t = step.rows
+    # A weight per set (an engine's layers differ): prefill spans 3x L2 in one set, decode takes 3.
+    n_rot = harness.rotation_count(qkv_bytes(t), l2, max_sets=8)
+    gen = torch.Generator().manual_seed(page_size)
+    sets = cases.PagedSets(step, page_size=page_size, num_layers=args.layers, n_sets=n_rot, generator=gen,
+                           device="cuda")
+    hidden = torch.randn((n_rot, t, cases.HIDDEN), dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn((n_rot, N_OUT, cases.HIDDEN), dtype=torch.bfloat16, device="cuda") / math.sqrt(cases.HIDDEN)
+    rope = cute_kv.RopeConfig.from_theta(cases.HEAD_DIM, step.max_context, cases.ROPE_THETA, device="cuda")
+    k_exact, v_exact = split_kv(hidden[0].float() @ weight[0].float().T)
+    k_roped = apply_rope(k_exact, sets.positions, rope)
+
+    def check(fn):
+        return sets.write_error(fn, k_exact, v_exact)
+
+    def check_rope(fn):
+        return sets.write_error(fn, k_roped, v_exact)
+
+    def ours(r, with_rope=False):
+        return cute_kv.fused_qkv_matmul_kv_cache(hidden[r], sets.input_row_offsets, weight[r], sets.collections[r],
+                                                 sets.layer(r), rope=rope if with_rope else None, validate=False)
+
+    def gemm(r):
+        return hidden[r] @ weight[r].T
+
+    def gemm_index_copy(r):
+        cases.index_copy_store(sets.flat, *sets.rows[r], *split_kv(gemm(r)))
+
+    def gemm_flashinfer(r):
+        fi.append_paged_kv_cache(*split_kv(gemm(r)), sets.fi_batch, sets.fi_positions, sets.planes[sets.layer(r)],
+                                 *sets.fi_pages[r], "NHD")
+
+    impls = [cases.Impl("cute_kv", "ours", ours, check),
+             cases.Impl("cute_kv_rope", "ours", lambda r: ours(r, with_rope=True), check_rope),
+             cases.Impl("torch_gemm", "bound", gemm),
+             cases.Impl("torch_gemm_flashinfer", "peer", gemm_flashinfer, check, absent=fi_why),
+             cases.Impl("torch_gemm_index_copy", "peer", gemm_index_copy, check)]
+    flops = qkv_flops(t)
+    base = {"bench": "fused_qkv", "case": name, "page_size": page_size, "requests": step.requests, "rows": t,
+            "max_context": step.max_context, "shape": [t, N_OUT, cases.HIDDEN], "layers": args.layers,
+            "flops": flops, "gemm_tflops": gemm_tflops}
+    # bf16 outputs against a float32 GEMM: rounding alone is ~4e-3.
+    records = [{**base, **cases.measure(i, n_rot, tol=2e-2, samples=args.samples, host_iters=args.host_iters)}
+               for i in impls]
+    for r in records:
+        if r["status"] == "ok":
+            r["tflops"] = flops / (r["median_us"] * 1e-6) / 1e12
+            r["roofline_fraction"] = report.compute_fraction(flops, r["median_us"] * 1e-6, gemm_tflops)
+    cases.add_speedups(records)
+    for r in records:
+        if "speedup_vs_torch_gemm" in r:
+            r["ratio_to_gemm"] = 1 / r["speedup_vs_torch_gemm"]
+            r["goal_ratio_to_gemm"], r["goal_speedup_vs_flashinfer"] = GOAL_RATIO_TO_GEMM, GOAL_SPEEDUP_VS_FLASHINFER
+            r["meets_goals"] = (r["ratio_to_gemm"] <= GOAL_RATIO_TO_GEMM and
+                                r.get("speedup_vs_torch_gemm_flashinfer", 0.0) >= GOAL_SPEEDUP_VS_FLASHINFER)
+    return records
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="decode,prefill", help="comma list of decode,prefill")
+    cases.common_args(ap)
+    args = ap.parse_args(argv)
+    gemm = ceilings.gemm_tflops(8192, 8192, 8192)
+    print(json.dumps(gemm), flush=True)
+    return [gemm, *cases.run_grid(args, functools.partial(bench_case, args, gemm["tflops"], harness.l2_bytes()))]
+
+
+if __name__ == "__main__":
+    main()

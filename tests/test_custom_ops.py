@@ -1,0 +1,257 @@
+"""``torch.ops.cute_kv`` custom ops: opcheck, entry points equal to the references, ``validate=False``, torch.compile
+and CUDA-graph capture."""
+
+import pytest
+import torch
+
+import cute_kv
+from cute_kv import RopeConfig
+from cute_kv import reference as ref
+from cute_kv.dtypes import is_fp8
+from cute_kv.paged_cache import _raw
+from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.qkv import kv_columns
+
+CACHED = [0, 37, 5, 9]
+NEW = [5, 1, 0, 3]
+FP8 = torch.float8_e4m3fn
+CACHES = {
+    "bf16": {},
+    "fp8 scales": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 8},
+    "fp8 e8m0 scales": {"dtype": FP8, "scale_dtype": torch.float8_e8m0fnu},
+    "fp8 cast": {"dtype": FP8},
+    "mla": {"num_heads": 1, "is_mla": True},
+}
+QKV_CACHES = ["bf16", "fp8 scales", "mla"]
+ROPES = {"no rope": None, "neox": RopeConfig.from_theta(16, 64),
+         "gptj partial q32": RopeConfig.from_theta(8, 64, interleaved=True, q_head_dim=32)}
+Q_DIM, HIDDEN = 64, 32
+
+
+def _batch(cache="bf16", device=None):
+    """The same random batch on every call: one for the entry point, a twin for the reference."""
+    kw = {"num_heads": 2, "head_size": 16, "page_size": 16, **CACHES[cache]}
+    return random_paged_batch(CACHED, NEW, generator=torch.Generator().manual_seed(0x5EED), device=device, **kw)
+
+
+def _assert_same_cache(a, b):
+    assert torch.equal(_raw(a.blocks), _raw(b.blocks))
+    assert (a.scales is None) == (b.scales is None)
+    if a.scales is not None:
+        assert torch.equal(_raw(a.scales), _raw(b.scales))
+
+
+def _collection_args(c):
+    """The collection as the ops take it: its tensors, then (after ``layer_idx``) its sizes."""
+    return (c.blocks, c.cache_lengths, c.lookup_table, c.scales), (c.max_seq_length, c.max_cache_length,
+                                                                  c.quantization_granularity)
+
+
+def _opcheck(op, args, collection):
+    # test_schema compares the mutated tensors with allclose, which CPU fp8 tensors lack; bf16 cases cover it.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(op, args, test_utils=utils if is_fp8(collection.dtype) else ("test_schema", *utils))
+
+
+def _kv(pb, rng, dtype=torch.bfloat16):
+    c = pb.collection
+    k = torch.randn(pb.total_rows, c.num_heads, c.head_size, generator=rng).to(dtype)
+    return k, None if c.is_mla else torch.randn(k.shape, generator=rng).to(dtype)
+
+
+def _qkv_inputs(pb, rng, with_bias):
+    n_tot = Q_DIM + kv_columns(pb.collection)
+    hidden = torch.randn(pb.total_rows, HIDDEN, generator=rng).to(torch.bfloat16)
+    weight = (torch.randn(n_tot, HIDDEN, generator=rng) / HIDDEN**0.5).to(torch.bfloat16)
+    bias = torch.randn(n_tot, generator=rng).to(torch.bfloat16) if with_bias else None
+    return hidden, weight, bias
+
+
+# -- opcheck ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_store_kv_opcheck(rng, cache):
+    pb = _batch(cache)
+    k, v = _kv(pb, rng)
+    tensors, sizes = _collection_args(pb.collection)
+    _opcheck(torch.ops.cute_kv.store_kv.default, (k, v, pb.input_row_offsets, *tensors, 1, *sizes), pb.collection)
+
+
+@pytest.mark.parametrize("cache", QKV_CACHES)
+@pytest.mark.parametrize("with_bias,rope", [(False, "no rope"), (True, "neox"), (False, "gptj partial q32")])
+def test_fused_qkv_opcheck(rng, cache, with_bias, rope):
+    pb = _batch(cache)
+    hidden, weight, bias = _qkv_inputs(pb, rng, with_bias)
+    r = ROPES[rope]
+    output = torch.empty(pb.total_rows, Q_DIM, dtype=torch.bfloat16)
+    tensors, sizes = _collection_args(pb.collection)
+    args = (hidden, pb.input_row_offsets, weight, *tensors, bias, None if r is None else r.freqs_cis,
+            r is not None and r.interleaved, None if r is None else r.q_head_dim, output, 0, *sizes)
+    _opcheck(torch.ops.cute_kv.fused_qkv_matmul_kv_cache.default, args, pb.collection)
+
+
+@pytest.mark.parametrize("op,written", [(torch.ops.cute_kv.store_kv, {"blocks", "scales"}),
+                                        (torch.ops.cute_kv.fused_qkv_matmul_kv_cache, {"blocks", "scales", "output"})])
+def test_ops_declare_what_they_write(op, written):
+    """Functionalization and CUDA graphs trust these declarations; opcheck's test_schema cannot check ``scales``."""
+    schema = op.default._schema
+    assert {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write} == written
+    assert not schema.returns
+
+
+# -- entry points through the ops == references ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_store_kv_entry_matches_reference(rng, cache):
+    pb, twin = _batch(cache), _batch(cache)
+    k, v = _kv(pb, rng, torch.float32 if is_fp8(pb.collection.dtype) else torch.bfloat16)
+    cute_kv.store_kv(k, v, pb.input_row_offsets, pb.collection, 1)
+    ref.store_kv(k, v, twin.input_row_offsets, twin.collection, 1)
+    _assert_same_cache(pb.collection, twin.collection)
+
+
+@pytest.mark.parametrize("cache", QKV_CACHES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("with_output", [False, True])
+def test_fused_qkv_entry_matches_reference(rng, cache, with_bias, rope, with_output):
+    pb, twin = _batch(cache), _batch(cache)
+    hidden, weight, bias = _qkv_inputs(pb, rng, with_bias)
+    output = torch.full((pb.total_rows, Q_DIM), float("nan"), dtype=torch.bfloat16) if with_output else None
+    q = cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 1, output=output,
+                                          bias=bias, rope=ROPES[rope])
+    want = ref.fused_qkv_matmul_kv_cache(hidden, twin.input_row_offsets, weight, twin.collection, 1, bias=bias,
+                                         rope=ROPES[rope])
+    assert q is output if with_output else q.shape == (pb.total_rows, Q_DIM)
+    assert torch.equal(q, want)
+    _assert_same_cache(pb.collection, twin.collection)
+
+
+# -- validate=False --------------------------------------------------------------------------------------------------
+
+def _store(pb, rng, collection, **kw):
+    k, v = _kv(pb, rng)
+    cute_kv.store_kv(k, v, pb.input_row_offsets, collection, 1, **kw)
+    return lambda twin: ref.store_kv(k, v, twin.input_row_offsets, twin.collection, 1)
+
+
+def _fused_qkv(pb, rng, collection, **kw):
+    hidden, weight, bias = _qkv_inputs(pb, rng, True)
+    cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, collection, 1, bias=bias,
+                                      rope=ROPES["neox"], **kw)
+    return lambda twin: ref.fused_qkv_matmul_kv_cache(hidden, twin.input_row_offsets, weight, twin.collection, 1,
+                                                      bias=bias, rope=ROPES["neox"])
+
+
+@pytest.mark.parametrize("call", [_store, _fused_qkv], ids=["store_kv", "fused_qkv"])
+def test_validate_false_skips_data_checks(rng, call):
+    """Request 0 brings 5 new tokens but the collection claims ``max_seq_length`` 4: only reading the offsets
+    tells. The write itself stays in the request's pages, so the unchecked call can run and match the reference."""
+    pb, twin = _batch(), _batch()
+    c = pb.collection
+    short = c.with_metadata(c.cache_lengths, c.lookup_table, 4, c.max_cache_length)
+    with pytest.raises(ValueError, match="request 0 has 5 new tokens.*max_seq_length"):
+        call(pb, rng, short)
+    call(pb, rng, short, validate=False)(twin)
+    _assert_same_cache(c, twin.collection)
+
+
+STILL_CHECKED = {
+    "offsets dtype": (lambda a: a.update(input_row_offsets=a["input_row_offsets"].int()), TypeError,
+                      "input_row_offsets must have dtype torch.uint32"),
+    "offsets batch": (lambda a: a.update(input_row_offsets=a["input_row_offsets"][:-1]), ValueError,
+                      r"input_row_offsets must have shape \[5\]"),
+    "k dtype": (lambda a: a.update(k=a["k"].half()), TypeError, "k must have dtype torch.bfloat16"),
+    "layer": (lambda a: a.update(layer_idx=2), ValueError, r"layer_idx must be in \[0, 2\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(STILL_CHECKED))
+def test_validate_false_keeps_shape_checks(rng, case):
+    pb = _batch()
+    k, v = _kv(pb, rng)
+    args = {"k": k, "v": v, "input_row_offsets": pb.input_row_offsets, "layer_idx": 1}
+    mutate, exc, match = STILL_CHECKED[case]
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        cute_kv.store_kv(args["k"], args["v"], args["input_row_offsets"], pb.collection, args["layer_idx"],
+                         validate=False)
+
+
+def test_validate_false_keeps_rope_shape_checks(rng):
+    pb = _batch()
+    hidden, weight, _ = _qkv_inputs(pb, rng, False)
+    with pytest.raises(ValueError, match=r"rope_dim=32\) exceeds the head size"):
+        cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 0,
+                                          rope=RopeConfig.from_theta(32, 64), validate=False)
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------------------
+
+# Inductor imports torch.utils.mkldnn, which warns about its own use of torch.jit.script_method.
+inductor_noise = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+@inductor_noise
+def test_store_kv_compiles_fullgraph(rng):
+    """With ``validate=False`` nothing reads device values, so the entry point traces into one graph."""
+    pb, twin = _batch(), _batch()
+    step = torch.compile(lambda k, v: cute_kv.store_kv(k, v, pb.input_row_offsets, pb.collection, 1, validate=False),
+                         fullgraph=True)
+    for _ in range(2):  # the second call writes new values: the compiled graph runs the op every time
+        k, v = _kv(pb, rng)
+        step(k, v)
+        cute_kv.store_kv(k, v, twin.input_row_offsets, twin.collection, 1)
+        _assert_same_cache(pb.collection, twin.collection)
+
+
+def test_data_checks_break_fullgraph(rng):
+    """Why ``validate=False`` exists: the data checks read device values (``int(offsets[0])``), a graph break."""
+    pb = _batch()
+    k, v = _kv(pb, rng)
+    step = torch.compile(lambda k, v: cute_kv.store_kv(k, v, pb.input_row_offsets, pb.collection, 1), fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        step(k, v)
+
+
+@inductor_noise
+def test_fused_qkv_compiles_fullgraph(rng):
+    pb, twin = _batch(), _batch()
+    hidden, weight, bias = _qkv_inputs(pb, rng, True)
+    rope = ROPES["gptj partial q32"]
+    step = torch.compile(lambda h: cute_kv.fused_qkv_matmul_kv_cache(h, pb.input_row_offsets, weight, pb.collection, 0,
+                                                                     bias=bias, rope=rope, validate=False),
+                         fullgraph=True)
+    q = step(hidden)
+    want = cute_kv.fused_qkv_matmul_kv_cache(hidden, twin.input_row_offsets, weight, twin.collection, 0, bias=bias,
+                                             rope=rope)
+    assert torch.equal(q, want)
+    _assert_same_cache(pb.collection, twin.collection)
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_store_kv_cuda_graph_replay(rng):
+    """Captured once with ``validate=False``, replayed on new values written into the captured inputs."""
+    pb, twin = _batch(device="cuda"), _batch(device="cuda")
+    k, v = (x.cuda() for x in _kv(pb, rng))
+
+    def step():
+        cute_kv.store_kv(k, v, pb.input_row_offsets, pb.collection, 1, validate=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (kernel compile) off the capture stream, as torch's graph docs require
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_k, new_v = (x.cuda() for x in _kv(pb, rng))
+    k.copy_(new_k)
+    v.copy_(new_v)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref.store_kv(new_k, new_v, twin.input_row_offsets, twin.collection, 1)
+    _assert_same_cache(pb.collection, twin.collection)
