@@ -34,6 +34,11 @@ FP8_E4M3_MAX = 448.0
 FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
 
 
+def quantizable(granularity: int, head_dim: int) -> bool:
+    """Whether a granule fits the in-kernel reduction: lanes of one warp, whole granules per head."""
+    return granularity & (granularity - 1) == 0 and 8 <= granularity <= 256 and head_dim % granularity == 0
+
+
 class PagedKVStore:
     """``dtype_name``: the cache dtype, or with ``granularity`` the input dtype of an e4m3 cache with float32
     scales over ``granularity`` head dims (a power of two in [8, 256] dividing ``head_dim``)."""
@@ -46,7 +51,7 @@ class PagedKVStore:
         if granularity is None:
             self.dtype, self.vec = self.in_dtype, 16 // (self.in_dtype.width // 8)
         else:
-            if granularity & (granularity - 1) or not 8 <= granularity <= 256 or head_dim % granularity:
+            if not quantizable(granularity, head_dim):
                 raise ValueError(f"granularity {granularity} must be a power of two in [8, 256] dividing head_dim "
                                  f"{head_dim}")
             self.dtype, self.vec = cutlass.Float8E4M3FN, 8  # 8 values: 8 bytes stored, one lane of a granule

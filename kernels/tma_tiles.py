@@ -100,12 +100,7 @@ def ragged_view(rows: cute.Tensor) -> cute.Tensor:
 def create_ragged_tma_tile(rows: cute.Tensor, tile_rows: int, depth: int, swizzle_bytes: int = 128, *,
                            store: bool = False):
     """Ragged ``[total, H, D]`` tile; ``ragged_window(coords, offset, length)`` selects a request."""
-    dtype = rows.element_type
-    bk = padded_depth(dtype, swizzle_bytes, depth)
-    smem = smem_tile_layout(dtype, tile_rows, bk, swizzle_bytes)
-    op = cpasync.CopyBulkTensorTileS2GOp() if store else cpasync.CopyBulkTensorTileG2SOp()
-    atom, coords = cpasync.make_tiled_tma_atom(op, tma_order(ragged_view(rows)), smem, (tile_rows, bk))
-    return atom, coords, smem
+    return create_tma_tile(ragged_view(rows), tile_rows, depth, swizzle_bytes, store=store)
 
 
 def ragged_window(coords: cute.Tensor, offset, length) -> cute.Tensor:

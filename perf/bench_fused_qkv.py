@@ -92,13 +92,8 @@ def bench_case(args, gemm_tflops: float, l2: int, name: str, page_size: int, fi,
             "max_context": step.max_context, "shape": [t, N_OUT, cases.HIDDEN], "layers": args.layers,
             "flops": flops, "gemm_tflops": gemm_tflops}
     # bf16 outputs against a float32 GEMM: rounding alone is ~4e-3.
-    records = [{**base, **cases.measure(i, n_rot, tol=2e-2, samples=args.samples, host_iters=args.host_iters)}
-               for i in impls]
-    for r in records:
-        if r["status"] == "ok":
-            r["tflops"] = flops / (r["median_us"] * 1e-6) / 1e12
-            r["roofline_fraction"] = report.compute_fraction(flops, r["median_us"] * 1e-6, gemm_tflops)
-    cases.add_speedups(records)
+    records = cases.measure_case(base, impls, n_rot, args, tol=2e-2, figures=lambda s: {
+        "tflops": flops / s / 1e12, "roofline_fraction": report.compute_fraction(flops, s, gemm_tflops)})
     for r in records:
         if "speedup_vs_torch_gemm" in r:
             r["ratio_to_gemm"] = 1 / r["speedup_vs_torch_gemm"]

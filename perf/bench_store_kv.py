@@ -62,14 +62,8 @@ def bench_case(args, copy_gbps: float, l2: int, name: str, page_size: int, fi, f
     base = {"bench": "store_kv", "case": name, "page_size": page_size, "requests": step.requests,
             "rows": step.rows, "max_context": step.max_context,
             "layers": args.layers, "hbm_bytes": nbytes, "copy_gbps": copy_gbps}
-    records = [{**base, **cases.measure(i, n_rot, tol=0.0, samples=args.samples, host_iters=args.host_iters)}
-               for i in impls]
-    for r in records:
-        if r["status"] == "ok":
-            r["gbps"] = nbytes / (r["median_us"] * 1e-6) / 1e9
-            r["roofline_fraction"] = report.bandwidth_fraction(nbytes, r["median_us"] * 1e-6, copy_gbps)
-    cases.add_speedups(records)
-    return records
+    return cases.measure_case(base, impls, n_rot, args, tol=0.0, figures=lambda s: {
+        "gbps": nbytes / s / 1e9, "roofline_fraction": report.bandwidth_fraction(nbytes, s, copy_gbps)})
 
 
 def main(argv=None) -> list[dict]:

@@ -20,6 +20,7 @@ import torch
 
 from cute_kv import PagedKVCacheCollection
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths
+from cute_kv.reference.ragged import ragged_coords
 
 import harness
 import report
@@ -64,14 +65,6 @@ STEPS = {
     "prefill": prefill_step(8, 1024),  # T=8192
     "bulk": prefill_step(32, 1024),    # T=32768: bandwidth-bound
 }
-
-
-def ragged_coords(row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``(request, position)`` of each ragged row: row ``ro[b] + i`` is token ``cache_lengths[b] + i`` of b."""
-    ro = row_offsets.to(torch.int64)
-    batch = torch.repeat_interleave(torch.arange(ro.shape[0] - 1, device=ro.device), ro[1:] - ro[:-1])
-    pos = cache_lengths.to(torch.int64)[batch] + torch.arange(batch.shape[0], device=ro.device) - ro[batch]
-    return batch, pos
 
 
 def flat_rows(collection, row_offsets: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +212,19 @@ def measure(impl: Impl, n_rot: int, *, tol: float, samples: int, host_iters: int
     except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others' figures
         rec.update(status="error", error=f"{type(e).__name__}: {e}"[:1000])
     return rec
+
+
+def measure_case(base: dict, impls: Sequence[Impl], n_rot: int, args, *, tol: float,
+                 figures: Callable[[float], dict]) -> list[dict]:
+    """One record per implementation (``base`` + ``measure``); an ok one also gets ``figures(seconds per call)``,
+    and ours get their speed-ups."""
+    records = [{**base, **measure(i, n_rot, tol=tol, samples=args.samples, host_iters=args.host_iters)}
+               for i in impls]
+    for r in records:
+        if r["status"] == "ok":
+            r.update(figures(r["median_us"] * 1e-6))
+    add_speedups(records)
+    return records
 
 
 def add_speedups(records: list[dict]) -> None:

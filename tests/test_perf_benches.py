@@ -19,7 +19,7 @@ import bench_store_kv  # noqa: E402
 import cases  # noqa: E402
 from cute_kv import reference  # noqa: E402
 from cute_kv.reference.batch import random_paged_batch  # noqa: E402
-from cute_kv.reference.ragged import positions  # noqa: E402
+from cute_kv.reference.ragged import positions, ragged_coords  # noqa: E402
 
 # Ragged on purpose: an empty cache, a partial last page, new tokens crossing pages, a request with none.
 CACHED, NEW = [0, 5, 9, 3], [6, 1, 0, 11]
@@ -44,10 +44,10 @@ def test_steps():
     assert (prefill.rows, prefill.max_context) == (8192, 1024) and bulk.rows == 32768
 
 
-def test_ragged_coords_match_reference_positions():
+def test_ragged_coords_match_positions():
     ro = torch.tensor([0, 6, 7, 7, 18], dtype=torch.int64).to(torch.uint32)
     cl = torch.tensor(CACHED, dtype=torch.int64).to(torch.uint32)
-    batch, pos = cases.ragged_coords(ro, cl)
+    batch, pos = ragged_coords(ro, cl)
     assert batch.tolist() == [0] * 6 + [1] + [3] * 11
     assert torch.equal(pos, positions(ro, cl))
 

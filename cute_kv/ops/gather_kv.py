@@ -53,5 +53,9 @@ def _kernel_for(collection, out: torch.Tensor) -> Optional[Callable]:
         return None
     key = ("paged_kv_gather", dtype_name, collection.kv_dim, collection.page_size, collection.num_heads,
            collection.head_size)
-    kernel = PagedKVGather(dtype_name, *key[2:])
-    return compiled(key, lambda: (kernel, *kernel.fake_args()), target_arch(collection.device))
+
+    def build():
+        kernel = PagedKVGather(*key[1:])
+        return kernel, *kernel.fake_args()
+
+    return compiled(key, build, target_arch(collection.device))

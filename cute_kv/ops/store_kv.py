@@ -49,15 +49,14 @@ def _kernel_for(collection, k) -> Optional[Callable]:
         return None
     from cute_kv.kernels.arch import target_arch
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_kv_store import DTYPES, PagedKVStore
+    from cute_kv.kernels.paged_kv_store import DTYPES, PagedKVStore, quantizable
 
     c = collection
     dtype_name = str(k.dtype).removeprefix("torch.")
     granularity = None
     if c.dtype == torch.float8_e4m3fn:
         granularity = c.quantization_granularity
-        if (c.scales is None or c.scale_dtype != torch.float32 or granularity & (granularity - 1)
-                or not 8 <= granularity <= 256 or c.head_size % granularity):
+        if c.scales is None or c.scale_dtype != torch.float32 or not quantizable(granularity, c.head_size):
             return None
     elif c.dtype != k.dtype:
         return None

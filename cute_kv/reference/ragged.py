@@ -16,10 +16,15 @@ def requests(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> It
             yield b, ro[b], ro[b + 1], cache_length
 
 
-def positions(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> torch.Tensor:
-    """int64 ``[T]``: the absolute position ``cache_lengths[b] + i`` of every ragged row."""
+def ragged_coords(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``([T], [T])``: the request ``b`` of every ragged row and its position ``cache_lengths[b] + i``."""
     ro = input_row_offsets.to(torch.int64)
     lengths = ro[1:] - ro[:-1]
     batch = torch.repeat_interleave(torch.arange(lengths.shape[0], device=ro.device), lengths)
     rows = torch.arange(batch.shape[0], device=ro.device)
-    return cache_lengths.to(torch.int64)[batch] + rows - ro[batch]
+    return batch, cache_lengths.to(torch.int64)[batch] + rows - ro[batch]
+
+
+def positions(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> torch.Tensor:
+    """int64 ``[T]``: the absolute position ``cache_lengths[b] + i`` of every ragged row."""
+    return ragged_coords(input_row_offsets, cache_lengths)[1]
