@@ -22,29 +22,62 @@ def populate_rows(bn: int, page_size: int) -> cute.Tensor:
 @cute.jit
 def populate(rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, base_kv_row: Int32,
              rows_per_page: Int32, bn: cutlass.Constexpr[int], page_size: cutlass.Constexpr[int],
-             base_alignment: cutlass.Constexpr[int]):
+             base_alignment: cutlass.Constexpr[int], num_tokens: Int32 = None, oob_row: Int32 = None):
     """Fill ``rows`` for tokens ``[base_kv_row, base_kv_row + bn)`` of request ``batch_idx``.
 
     ``rows_per_page``: the page pitch in rows, ``KVD*L*P``. ``base_alignment``: compile-time promise that
     ``base_kv_row`` is a multiple of it (MAX's ``start_column_alignment``); a multi-page tile needs it ``>= P``
     (its first token starts a page), and the lookup table's row stride must be a multiple of the vector width.
+
+    With ``num_tokens`` (the request's length), a page slot starting at or past it gets ``oob_row`` (a row past the
+    descriptor, which TMA zero-fills) and its lookup entries are not read: a tile's last pages may lie past the
+    pages the request owns, or past the end of the lookup table's row. A vector is read when its first entry is
+    needed, so the row length must then be a multiple of the vector width too.
     """
     eff_page, num_pages = tile_geometry(bn, page_size)
     lut = lookup_table[batch_idx, None]
     first = base_kv_row // page_size
     if cutlass.const_expr(num_pages == 1):
-        row = Int32(lut[first]) * rows_per_page
-        if cutlass.const_expr(base_alignment % page_size != 0):  # the tile may start inside its page
-            row = row + base_kv_row % page_size
-        rows[0] = row
+        if cutlass.const_expr(num_tokens is None):
+            rows[0] = _page_row(lut, first, rows_per_page, base_kv_row, page_size, base_alignment)
+        else:
+            rows[0] = oob_row
+            if base_kv_row < num_tokens:
+                rows[0] = _page_row(lut, first, rows_per_page, base_kv_row, page_size, base_alignment)
     else:
         if cutlass.const_expr(base_alignment < page_size):
             raise ValueError(f"a tile of {num_pages} pages needs base_alignment >= page_size ({page_size}), "
                              f"got {base_alignment}")
         chunk = lut_chunk(num_pages, base_alignment, page_size)
-        entries = cute.make_rmem_tensor((chunk,), lookup_table.element_type)
         for c in cutlass.range_constexpr(num_pages // chunk):
-            # first % chunk == 0 (from base_alignment), so this is the aligned chunk-th vector of the row.
-            cute.autovec_copy(cute.local_tile(lut, (chunk,), (first // chunk + c,)), entries)
-            for i in cutlass.range_constexpr(chunk):
-                rows[c * chunk + i] = Int32(entries[i]) * rows_per_page
+            if cutlass.const_expr(num_tokens is None):
+                _read_vector(rows, lut, first, c, chunk, rows_per_page)
+            else:
+                for i in cutlass.range_constexpr(chunk):
+                    rows[c * chunk + i] = oob_row
+                if base_kv_row + c * chunk * page_size < num_tokens:
+                    _read_vector(rows, lut, first, c, chunk, rows_per_page)
+                    for i in cutlass.range_constexpr(chunk):
+                        if base_kv_row + (c * chunk + i) * page_size >= num_tokens:
+                            rows[c * chunk + i] = oob_row
+
+
+@cute.jit
+def _page_row(lut: cute.Tensor, first: Int32, rows_per_page: Int32, base_kv_row: Int32,
+              page_size: cutlass.Constexpr[int], base_alignment: cutlass.Constexpr[int]) -> Int32:
+    """Row of token ``base_kv_row`` for a tile inside one page."""
+    row = Int32(lut[first]) * rows_per_page
+    if cutlass.const_expr(base_alignment % page_size != 0):  # the tile may start inside its page
+        row = row + base_kv_row % page_size
+    return row
+
+
+@cute.jit
+def _read_vector(rows: cute.Tensor, lut: cute.Tensor, first: Int32, c: cutlass.Constexpr[int],
+                 chunk: cutlass.Constexpr[int], rows_per_page: Int32):
+    """Rows of the ``c``-th ``chunk`` of the tile's pages, from one aligned vector load of lookup entries."""
+    entries = cute.make_rmem_tensor((chunk,), lut.element_type)
+    # first % chunk == 0 (from base_alignment), so this is the aligned chunk-th vector of the row.
+    cute.autovec_copy(cute.local_tile(lut, (chunk,), (first // chunk + c,)), entries)
+    for i in cutlass.range_constexpr(chunk):
+        rows[c * chunk + i] = Int32(entries[i]) * rows_per_page

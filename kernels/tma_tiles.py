@@ -42,9 +42,12 @@ def padded_depth(dtype, swizzle_bytes: int, depth: int) -> int:
     return -(-depth // gran) * gran
 
 
-def smem_tile_layout(dtype, rows: int, depth: int, swizzle_bytes: int = 128) -> cute.ComposedLayout:
-    """K-major ``(rows, depth)`` shared-memory tile in the swizzle the MMA atoms read."""
+def smem_tile_layout(dtype, rows: int, depth: int, swizzle_bytes: int = 128, stages: int = 0) -> cute.ComposedLayout:
+    """K-major ``(rows, depth)`` shared-memory tile in the swizzle the MMA atoms read (``(rows, depth, stages)``
+    for a ring of ``stages`` tiles)."""
     atom = warpgroup.make_smem_layout_atom(_SWIZZLE[swizzle_bytes], dtype)
+    if stages:
+        return cute.tile_to_shape(atom, (rows, depth, stages), order=(0, 1, 2))
     return cute.tile_to_shape(atom, (rows, depth), order=(0, 1))
 
 

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
+from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.rope import RopeConfig
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -92,7 +93,7 @@ def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
     arch = target_arch(collection.device)
     dtype_name = str(collection.dtype).removeprefix("torch.")
     t, k = hidden.shape
-    if arch != "sm_90a" or dtype_name not in DTYPES or k == 0 or not (_rows_aligned(hidden) and _rows_aligned(weight)):
+    if arch != "sm_90a" or dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
         return None
     if rope is not None and (rope.freqs_cis.stride(1) != 1 or rope.freqs_cis.device != collection.device):
         return None
@@ -109,7 +110,7 @@ def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
         return kernel, *kernel.fake_args()
 
     def run(hidden, input_row_offsets, weight, collection, layer_idx, *, bias=None, rope=None, output=None):
-        out = output if output is not None and _rows_aligned(output) else torch.empty(
+        out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
         if t:  # a grid of zero CTAs is a launch error
             has_bias = bias is not None
@@ -120,8 +121,3 @@ def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
         return out if output is None or out is output else output.copy_(out)
 
     return run
-
-
-def _rows_aligned(x: torch.Tensor) -> bool:
-    """Row-major 2-D with 16-byte aligned rows: what TMA boxes and 16-byte stores need."""
-    return x.stride(1) == 1 and x.stride(0) % (16 // x.element_size()) == 0 and x.data_ptr() % 16 == 0

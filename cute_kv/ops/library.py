@@ -1,9 +1,10 @@
-"""``torch.ops.cute_kv``: the cache-writing entry points as ``torch.library`` custom ops.
+"""``torch.ops.cute_kv``: the entry points as ``torch.library`` custom ops.
 
 The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
-``output``) and return nothing, so torch.compile traces through them and CUDA graphs capture them. They expect
-arguments already validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``), and
-dispatch to the entry point's kernel where one applies, else to the reference.
+``output``, ``out``) and return nothing, so torch.compile traces through them and CUDA graphs capture them. They
+expect arguments already validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
+``cute_kv/ops/paged_attention.py``), and dispatch to the entry point's kernel where one applies, else to the
+reference.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from cute_kv import reference
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.ops import fused_qkv as fused_qkv_entry
+from cute_kv.ops import paged_attention as paged_attention_entry
 from cute_kv.ops import store_kv as store_kv_entry
 from cute_kv.reference.rope import RopeConfig
 
@@ -52,7 +54,21 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
 
 
+@torch.library.custom_op("cute_kv::paged_attention", mutates_args=("out",))
+def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, blocks: torch.Tensor,
+                    cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor],
+                    layer_idx: int, max_seq_length: int, max_cache_length: int, quantization_granularity: int,
+                    causal: bool, window: Optional[int], scale: Optional[float], mla_v_dim: Optional[int],
+                    out: torch.Tensor) -> None:
+    collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
+                             quantization_granularity)
+    run = paged_attention_entry._kernel_for(collection, q, window, mla_v_dim) or reference.paged_attention
+    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, mla_v_dim=mla_v_dim,
+        out=out)
+
+
 @store_kv.register_fake
 @fused_qkv_matmul_kv_cache.register_fake
+@paged_attention.register_fake
 def _writes_in_place_only(*args) -> None:
     """Nothing to describe to fake-tensor tracing: the ops only write into arguments (declared in mutates_args)."""

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
+from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.validate import check_activation, check_step, check_tensor
+
+LOG2E = math.log2(math.e)
+MAX_SPLITS = 32
 
 
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
                     causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None,
-                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                    validate: bool = True) -> torch.Tensor:
     """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``).
 
     Query ``i`` of request ``b`` is at position ``p = cache_lengths[b] + i`` and sees keys ``j`` in
@@ -22,14 +27,23 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     head ``hq`` reads KV head ``hq // (Hq // H)``. ``scale`` defaults to ``1/sqrt(D)``. ``q`` is in the cache
     dtype (bf16/fp16/fp32 for fp8 caches, which are dequantized with their scales). An MLA cache needs
     ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``).
+
+    On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
+    the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
+    CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
     """
-    _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out)
-    run = _kernel_for(collection, q, window, mla_v_dim) or reference.paged_attention
-    return run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale,
-               mla_v_dim=mla_v_dim, out=out)
+    _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
+    d_v = _check_mla_v_dim(mla_v_dim, collection)
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
+    c = collection
+    torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
+                                      layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity,
+                                      causal, window, scale, mla_v_dim, out)
+    return out
 
 
-def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out) -> None:
+def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> None:
     collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
     t, hq, d = q.shape
@@ -51,7 +65,7 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, m
     d_v = _check_mla_v_dim(mla_v_dim, collection)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=[t, hq, d_v], device=collection.device)
-    check_step(collection, input_row_offsets, t)
+    check_step(collection, input_row_offsets, t, data_checks=validate)
 
 
 def _check_mla_v_dim(mla_v_dim, collection) -> int:
@@ -67,5 +81,75 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 
 def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
-    """The GPU kernel serving these arguments, or None for the reference (no kernel exists yet)."""
-    return None
+    """The SM90 ``PagedAttention`` launcher for these arguments, or None for the reference: CPU tensors, SM100
+    (no tcgen05 kernel yet), MLA and fp8 caches, q in another dtype than the cache, head dims or page sizes the
+    kernel cannot tile (``paged_attention.supported``)."""
+    c = collection
+    if c.device.type != "cuda" or c.is_mla or q.dtype != c.dtype:
+        return None
+    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.kernels.paged_attention import BM, DTYPES, VEC, key_tile, supported
+    from cute_kv.row_indices import lut_chunk, tile_geometry
+
+    arch = target_arch(c.device)
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
+    if arch != "sm_90a" or dtype_name not in DTYPES or supported(hq, h, d, p) or c.blocks.data_ptr() % 16:
+        return None
+    bn = key_tile(d)
+    chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
+    lut = c.lookup_table
+    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
+    key = ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector)
+
+    def build():
+        from cute_kv.kernels.paged_attention import PagedAttention
+
+        kernel = PagedAttention(*key[1:])
+        return kernel, *kernel.fake_args()
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, mla_v_dim=None,
+            out=None):
+        t = q.shape[0]
+        if t == 0:  # a grid of zero CTAs is a launch error
+            return out
+        c = collection
+        m_blocks = -(-c.max_seq_length * (hq // h) // BM)
+        splits = num_splits(c.batch_size * h * m_blocks, -(-c.max_cache_length // bn), _sm_count(q.device))
+        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        # With one split the partials are not touched; the kernel's signature still takes them.
+        rows = t if splits > 1 else 1
+        o_part = torch.empty((splits, rows, hq, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((splits, rows, hq), dtype=torch.float32, device=q.device)
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
+                                   input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,
+                                   m_blocks, splits, int(causal), window or 0, scale * LOG2E)
+        if splits > 1:
+            combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
+                               arch)
+            combine(dst, o_part, lse_part, splits)
+        return out if dst is out else out.copy_(dst)
+
+    return run
+
+
+def num_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
+    """Key splits per (query block, KV head, request): none once the grid covers every SM (a CTA fills an SM's
+    shared memory), else enough to cover them, keeping at least two key tiles per split (the ring's depth)."""
+    if ctas >= sm_count or key_tiles < 4:
+        return 1
+    return max(1, min(-(-sm_count // ctas), key_tiles // 2, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _build_combine(dtype_name: str, num_q_heads: int, head_dim: int):
+    from cute_kv.kernels.attention_combine import AttentionCombine
+
+    kernel = AttentionCombine(dtype_name, num_q_heads, head_dim)
+    return kernel, *kernel.fake_args()

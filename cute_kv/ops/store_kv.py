@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
+from cute_kv.ops.vectors import packed_heads
 from cute_kv.validate import check_activation, check_step, check_tensor
 
 
@@ -71,16 +72,9 @@ def _kernel_for(collection, k) -> Optional[Callable]:
 
     fn = compiled(key, build, target_arch(c.device))
 
-    def rows(x):
-        """``x`` itself when the kernel can read it in 16-byte vectors (heads packed, rows aligned), else a copy."""
-        if x is None or (x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) % vec == 0
-                         and x.data_ptr() % 16 == 0):
-            return x
-        return x.clone(memory_format=torch.contiguous_format)
-
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
-            fn(rows(k), rows(v), input_row_offsets.contiguous(), collection.blocks, collection.scales,
+            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks, collection.scales,
                collection.cache_lengths, collection.lookup_table, layer_idx)
 
     return run

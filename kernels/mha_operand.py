@@ -1,0 +1,70 @@
+"""What an attention kernel needs from a KV source (MAX's ``MHAOperand``): a row view TMA can load, the rows of a
+BN-token tile (``populate``), and where a request's keys end.
+
+Two sources, one kernel: ``KVCacheMHAOperand`` reads one K or V plane of a paged cache through the lookup table;
+``DenseMHAOperand`` reads a contiguous ``[B, S, H, D]`` cache (MAX's ``LayoutTensorMHAOperand``: token ``t`` of
+request ``b`` is row ``b*S + t``). Both are compile-time objects: the kernel calls ``row_view`` and
+``rows_per_page`` while tracing its host side and ``populate`` in the producer warp. A tile row past the request's
+keys gets the view's row count, a row TMA zero-fills, so no page the request does not own is read.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from cute_kv.kernels.paged_row_indices import populate
+from cute_kv.kernels.tma_tiles import kv_row_view
+from cute_kv.row_indices import tile_geometry
+
+
+class KVCacheMHAOperand:
+    """Plane ``kv_idx`` (0: K, 1: V) of a paged cache ``blocks [N, KVD, L, P, H, D]``, tiles of ``bn`` tokens.
+
+    ``lut_vector``: the lookup table's rows are padded and aligned for vector reads of a tile's entries (else one
+    entry at a time).
+    """
+
+    def __init__(self, kv_idx: int, page_size: int, bn: int, lut_vector: bool):
+        self.kv_idx, self.page_size, self.bn = kv_idx, page_size, bn
+        self.rows_per_copy, self.copies_per_tile = tile_geometry(bn, page_size)
+        # A multi-page tile starts on a page; base_alignment = P makes populate read entries one by one.
+        self.base_alignment = bn if lut_vector else page_size
+
+    def row_view(self, blocks: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
+        return kv_row_view(blocks, self.kv_idx, layer_idx)
+
+    def rows_per_page(self, blocks: cute.Tensor):
+        """Row pitch of a page in the row view: ``KVD*L*P``."""
+        return blocks.shape[1] * blocks.shape[2] * self.page_size
+
+    @cute.jit
+    def populate(self, rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, base_kv_row: Int32,
+                 num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        populate(rows, lookup_table, batch_idx, base_kv_row, rows_per_page, self.bn, self.page_size,
+                 self.base_alignment, num_keys, oob_row)
+
+
+class DenseMHAOperand:
+    """A contiguous ``[B, S, H, D]`` K or V cache (rows of one request back to back), tiles of ``bn`` tokens."""
+
+    def __init__(self, bn: int):
+        self.bn = bn
+        self.rows_per_copy, self.copies_per_tile = bn, 1
+
+    def row_view(self, cache: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
+        b, s, h, d = cache.shape
+        return cute.make_tensor(cache.iterator, cute.make_layout((b * s, h, d), stride=(cache.stride[1],
+                                                                                         cache.stride[2], 1)))
+
+    def rows_per_page(self, cache: cute.Tensor):
+        """Rows per request: ``S``."""
+        return cache.shape[1]
+
+    @cute.jit
+    def populate(self, rows: cute.Tensor, lookup_table: cutlass.Constexpr, batch_idx: Int32, base_kv_row: Int32,
+                 num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        rows[0] = oob_row
+        if base_kv_row < num_keys:
+            rows[0] = batch_idx * rows_per_page + base_kv_row
