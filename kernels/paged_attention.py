@@ -258,7 +258,7 @@ class PagedAttention:
                 # Online softmax of this thread's half row, in base 2.
                 cute.autovec_copy(cute.local_tile(s_s[r, None], (bn // 2,), (half,)), scores)
                 tile_max = NEG_INF
-                for c in cutlass.range_constexpr(bn // 2):
+                for c in cutlass.range(bn // 2, unroll_full=True):
                     key = tile_base + half * (bn // 2) + c
                     x = scores[c] * scale_log2
                     if key < row_begin:
@@ -274,7 +274,7 @@ class PagedAttention:
                     ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
                 corr = cute.math.exp2(row_max - ref, fastmath=True)
                 tile_sum = Float32(0.0)
-                for c in cutlass.range_constexpr(bn // 2):
+                for c in cutlass.range(bn // 2, unroll_full=True):
                     p = cute.math.exp2(scores[c] - ref, fastmath=True)
                     tile_sum = tile_sum + p
                     scores[c] = p
@@ -288,7 +288,7 @@ class PagedAttention:
                 cute.arch.fence_view_async_shared()  # P (and zeroed V rows) are read by wgmma next
                 cute.arch.sync_threads()
 
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                for i in cutlass.range(cute.size(acc_o), unroll_full=True):
                     acc_o[i] = acc_o[i] * s_corr[rows_o[i][0]]
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(pv_blocks):

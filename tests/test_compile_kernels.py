@@ -6,7 +6,10 @@ import re
 import pytest
 
 from cute_kv.kernels import compile_cache
+from cute_kv.kernels.attention_combine import AttentionCombine
 from cute_kv.kernels.fused_qkv_matmul import BK, FusedQKVMatmul, supported
+from cute_kv.kernels.paged_attention import PagedAttention
+from cute_kv.kernels.paged_attention import supported as attention_supported
 from cute_kv.kernels.paged_kv_gather import PagedKVGather
 from cute_kv.kernels.paged_kv_store import PagedKVStore
 
@@ -129,3 +132,75 @@ def test_target_arch_from_environment(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
     with pytest.raises(RuntimeError, match="sm_80"):
         target_arch()
+
+
+ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads)
+    ("bfloat16", 32, 8, 128, 16, 2, True),  # Llama-3-8B: 8 pages per 128-key tile, two 4-entry lookup vectors
+    ("bfloat16", 32, 4, 128, 64, 2, False),  # GQA 8, lookup entries read one by one
+    ("float16", 8, 8, 64, 128, 2, True),  # MHA, a page holds the whole tile: one copy
+    ("bfloat16", 16, 2, 256, 16, 2, True),  # head dim 256: 64-key tiles, four 128-byte boxes per row
+    ("bfloat16", 32, 8, 128, None, 2, True),  # contiguous [B, S, H, D] operand
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_paged_attention_ptx(case):
+    kernel = PagedAttention(*case)
+    d, bn = kernel.head_dim, kernel.bn
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    # S = Q K^T: D/16 wgmmas of N = BN; O += P V: BN/16 wgmmas of N = D (V read MN-major).
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.([a-z0-9]+)\.\2", ptx)
+    assert {n for n, _ in shapes} == {str(bn), str(d)}
+    assert len(shapes) == d // 16 + bn // 16
+    assert ptx.count("wgmma.wait_group.sync.aligned") == 2
+    # K and V of a tile: one TMA per page slot and 128-byte box, issued in the prologue and in the loop.
+    boxes = d * 2 // 128
+    loads = _count(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
+    assert loads == 2 * 2 * kernel.k_op.copies_per_tile * boxes
+    assert "mbarrier.try_wait" in ptx
+    assert ptx.count("fence.proxy.async.shared::cta") == 2  # Q, then P (and zeroed V rows), before wgmma reads
+    # Online softmax: one exp2 per score of the thread's half row plus the rescale; max and sum over the pair.
+    assert ptx.count("ex2.approx") == bn // 2 + 1
+    assert ptx.count("shfl.sync.bfly.b32") == 2
+    assert ptx.count("lg2.approx") == 1  # a split's log-sum-exp
+    assert _count(r"st\.shared\.v4\.b32", ptx) == (bn // 2) // 8 + 2  # P rows, Q, zeroed V rows: 16-byte stores
+    assert _count(r"st\.global\.v4\.b32", ptx) == 3  # 16-bit output, or a float32 partial (two vectors)
+    # A tile's lookup entries as 16-byte vectors (4 entries each) at both call sites, unless read one by one.
+    lookup_vectors = 2 * (kernel.k_op.copies_per_tile // 4) if case[4] and case[6] else 0
+    assert _count(r"ld\.global\.v4\.b32", ptx) == 1 + lookup_vectors  # + one 16-byte Q load
+
+
+def test_paged_attention_rejects_what_it_cannot_tile():
+    assert attention_supported(32, 8, 128, 16) is None
+    assert "head_dim must be one of" in attention_supported(32, 8, 96, 16)
+    assert "multiple of the KV heads" in attention_supported(12, 8, 128, 16)
+    assert "exceeds the 64-row tile" in attention_supported(128, 1, 128, 16)
+    assert "page_size (8)" in attention_supported(32, 8, 128, 8)
+    assert "page_size (48)" in attention_supported(32, 8, 128, 48)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        PagedAttention("bfloat16", 8, 8, 80, 16)
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES[:3], ids=lambda c: "-".join(map(str, c)))
+def test_paged_attention_fits_shared_memory(case):
+    """At least two K/V stages beside Q, S and P, within the 227 KiB a CTA may use."""
+    kernel = PagedAttention(*case)
+    assert kernel.stages >= 2 and kernel.smem_bytes() <= 227 * 1024
+
+
+def test_paged_attention_is_sm90_only():
+    """wgmma does not exist on sm_100a: the kernel does not compile there (the op runs the reference instead)."""
+    kernel = PagedAttention(*ATTENTION_CASES[0])
+    with pytest.raises(Exception, match="sm_90a"):
+        compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_attention_combine_ptx(arch, head_dim):
+    kernel = AttentionCombine("bfloat16", 32, head_dim)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    assert f".target {arch}" in ptx
+    assert _count(r"ld\.global\.v4\.(?:b32|f32)", ptx) == 1  # 16 bytes of a split's partial per thread
+    assert _count(r"st\.global\.v2\.b32", ptx) == 1  # four 16-bit outputs
+    assert ptx.count("ex2.approx") == 1

@@ -90,8 +90,29 @@ def test_fused_qkv_opcheck(rng, cache, with_bias, rope):
     _opcheck(torch.ops.cute_kv.fused_qkv_matmul_kv_cache.default, args, pb.collection)
 
 
+def _attention_args(pb, rng, out=None):
+    """``(q, out, mla_v_dim)`` for layer 1 of ``pb``; q in bf16 (the dtype an fp8 cache is read in)."""
+    c = pb.collection
+    q = torch.randn(pb.total_rows, 4, c.head_size, generator=rng).to(torch.bfloat16)
+    mla_v_dim = 8 if c.is_mla else None
+    if out is None:
+        out = torch.full((*q.shape[:2], mla_v_dim or c.head_size), float("nan"), dtype=q.dtype, device=q.device)
+    return q, out, mla_v_dim
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_opcheck(rng, cache, window):
+    pb = _batch(cache)
+    q, out, mla_v_dim = _attention_args(pb, rng)
+    tensors, sizes = _collection_args(pb.collection)
+    args = (q, pb.input_row_offsets, *tensors, 1, *sizes, True, window, 0.3, mla_v_dim, out)
+    _opcheck(torch.ops.cute_kv.paged_attention.default, args, pb.collection)
+
+
 @pytest.mark.parametrize("op,written", [(torch.ops.cute_kv.store_kv, {"blocks", "scales"}),
-                                        (torch.ops.cute_kv.fused_qkv_matmul_kv_cache, {"blocks", "scales", "output"})])
+                                        (torch.ops.cute_kv.fused_qkv_matmul_kv_cache, {"blocks", "scales", "output"}),
+                                        (torch.ops.cute_kv.paged_attention, {"out"})])
 def test_ops_declare_what_they_write(op, written):
     """Functionalization and CUDA graphs trust these declarations; opcheck's test_schema cannot check ``scales``."""
     schema = op.default._schema
@@ -125,6 +146,18 @@ def test_fused_qkv_entry_matches_reference(rng, cache, with_bias, rope, with_out
     assert q is output if with_output else q.shape == (pb.total_rows, Q_DIM)
     assert torch.equal(q, want)
     _assert_same_cache(pb.collection, twin.collection)
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("with_out", [False, True])
+def test_paged_attention_entry_matches_reference(rng, cache, with_out):
+    pb = _batch(cache)
+    q, out, mla_v_dim = _attention_args(pb, rng)
+    got = cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=mla_v_dim, window=4,
+                                  out=out if with_out else None)
+    want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=mla_v_dim, window=4)
+    assert got is out if with_out else got.shape == out.shape
+    assert torch.equal(got, want)
 
 
 # -- validate=False --------------------------------------------------------------------------------------------------
@@ -164,6 +197,19 @@ STILL_CHECKED = {
     "k dtype": (lambda a: a.update(k=a["k"].half()), TypeError, "k must have dtype torch.bfloat16"),
     "layer": (lambda a: a.update(layer_idx=2), ValueError, r"layer_idx must be in \[0, 2\)"),
 }
+
+
+def test_paged_attention_validate_false_skips_data_checks(rng):
+    pb = _batch()
+    c = pb.collection
+    short = c.with_metadata(c.cache_lengths, c.lookup_table, 4, c.max_cache_length)
+    q, _, _ = _attention_args(pb, rng)
+    with pytest.raises(ValueError, match="request 0 has 5 new tokens.*max_seq_length"):
+        cute_kv.paged_attention(q, pb.input_row_offsets, short, 1)
+    got = cute_kv.paged_attention(q, pb.input_row_offsets, short, 1, validate=False)
+    assert torch.equal(got, ref.paged_attention(q, pb.input_row_offsets, c, 1))
+    with pytest.raises(ValueError, match="q head dim"):  # shapes are still checked
+        cute_kv.paged_attention(q[..., :8], pb.input_row_offsets, short, 1, validate=False)
 
 
 @pytest.mark.parametrize("case", list(STILL_CHECKED))
@@ -229,6 +275,16 @@ def test_fused_qkv_compiles_fullgraph(rng):
     _assert_same_cache(pb.collection, twin.collection)
 
 
+@inductor_noise
+def test_paged_attention_compiles_fullgraph(rng):
+    pb = _batch()
+    step = torch.compile(lambda q: cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, window=6,
+                                                           validate=False), fullgraph=True)
+    for _ in range(2):
+        q, _, _ = _attention_args(pb, rng)
+        assert torch.equal(step(q), ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, window=6))
+
+
 # -- CUDA graphs -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -255,3 +311,31 @@ def test_store_kv_cuda_graph_replay(rng):
     torch.cuda.synchronize()
     ref.store_kv(new_k, new_v, twin.input_row_offsets, twin.collection, 1)
     _assert_same_cache(pb.collection, twin.collection)
+
+
+@pytest.mark.gpu
+def test_paged_attention_cuda_graph_replay(rng):
+    """Captured once with ``validate=False`` (kernel, split-KV workspace and combine inside the graph), replayed on
+    new queries written into the captured input."""
+    pb = random_paged_batch([3000, 0, 17], [1, 6, 2], num_heads=2, head_size=128, page_size=64,
+                            generator=torch.Generator().manual_seed(1), device="cuda")
+    q = torch.randn(pb.total_rows, 8, 128, generator=rng).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+
+    def step():
+        cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, out=out, validate=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_q = torch.randn(q.shape, generator=rng).to(torch.bfloat16)
+    q.copy_(new_q)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.paged_attention(new_q.cuda(), pb.input_row_offsets, pb.collection, 1)
+    assert float((out.double() - want.double()).norm() / want.double().norm()) < 2e-2
