@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import types
 from typing import Callable, Optional, Sequence
 
@@ -159,6 +160,15 @@ def flashinfer_or_reason():
         import flashinfer
     except Exception as e:  # noqa: BLE001 - a broken install fails at import in many ways
         return None, f"flashinfer import failed: {type(e).__name__}: {e}"
+    peers = peers_module()
+    if peers is not None:
+        peers.Env.prepare_flashinfer_toolchain(types.SimpleNamespace(dev=torch.device("cuda"), meta={}))
+    return flashinfer, None
+
+
+def peers_module():
+    """The peers' benchmark (``bench_peers.py``) as a module, from ``$PEERS_DIR``, ``.peers/`` or
+    ``../shared/peers/``; None where none of them has it."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for folder in (os.environ.get("PEERS_DIR", ""), os.path.join(repo, ".peers"),
                    os.path.join(repo, "..", "shared", "peers")):
@@ -166,10 +176,10 @@ def flashinfer_or_reason():
         if folder and os.path.exists(path):
             spec = importlib.util.spec_from_file_location("bench_peers", path)
             peers = importlib.util.module_from_spec(spec)
+            sys.modules["bench_peers"] = peers  # its dataclasses look their module up while the class is made
             spec.loader.exec_module(peers)
-            peers.Env.prepare_flashinfer_toolchain(types.SimpleNamespace(dev=torch.device("cuda"), meta={}))
-            break
-    return flashinfer, None
+            return peers
+    return None
 
 
 @dataclasses.dataclass

@@ -148,3 +148,20 @@ def test_bench_runs_on_gpu(bench, argv):
     timed = [r for r in records if "impl" in r]
     assert {r["status"] for r in timed} <= {"ok", "absent"}, [r.get("error") for r in timed]
     assert all(r["median_us"] > 0 for r in timed if r["status"] == "ok")
+
+
+@pytest.mark.skipif(cases.peers_module() is None, reason="bench_peers.py (../shared/peers) is not beside this checkout")
+def test_paged_attention_bench_runs_cute_kv_as_a_peer(capsys):
+    """CPU smoke of the peers' harness with cute-kv in it: on the peers' own pages, page tables and queries (copied
+    into a [N, 2, 1, P, H, D] cache) cute-kv must pass their float32 check in every section, ragged lengths too."""
+    import bench_paged_attention
+
+    records = bench_paged_attention.main(["--cpu-smoke", "--samples", "1", "--warmup", "1", "--batches", "3",
+                                          "--contexts", "70", "--page-sizes", "16",
+                                          "--peers", "cute-kv,torch-sdpa-gather"])
+    ours = [r for r in records if r.get("peer") == "cute-kv"]
+    assert {r["section"] for r in ours} == {"decode", "ragged", "prefill"}
+    assert all(r["status"] == "ok" and r["rel_err"] < 1e-2 for r in ours)
+    summary = [r for r in records if r.get("summary") in ("decode", "prefill")]
+    assert summary and all(r["best_peer"] == "torch-sdpa-gather" and r["speedup_vs_best_peer"] > 0 for r in summary)
+    assert any(r.get("summary") == "decode-geomean" for r in records)
