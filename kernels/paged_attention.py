@@ -42,6 +42,7 @@ SMEM_BYTES = 227 * 1024
 HEAD_DIMS = (64, 128, 256)
 NEG_INF = Float32(float("-inf"))
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+FP8 = "float8_e4m3fn"
 
 
 def key_tile(head_dim: int) -> int:
@@ -50,15 +51,26 @@ def key_tile(head_dim: int) -> int:
 
 
 class PagedAttention:
-    """Compile-time key: dtype, heads (Hq, H), head dim, the operand (``page_size``, None for a dense
-    ``[B, S, H, D]`` cache), KVD of a paged cache, and whether the lookup table takes vector reads."""
+    """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, the operand (``page_size``, None for
+    a dense ``[B, S, H, D]`` cache), KVD of a paged cache, whether the lookup table takes vector reads, and an fp8
+    cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with float32 scales over ``granularity`` head dims (None: unscaled).
+
+    An fp8 tile lands in a staging ring and is dequantized (``x * scale``, rounded to ``dtype``) into one 16-bit
+    K/V tile that the MMAs read; its stage is released as soon as it is converted.
+    """
 
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True):
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size)
+                 page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True,
+                 kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None):
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
+        self.kv_fp8 = kv_dtype_name == FP8
+        self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
+        self.granularity = granularity
+        # A staged row is padded to the 128-byte swizzle width (TMA zero-fills past the head dim).
+        self.kv_depth = tma_tiles.padded_depth(self.kv_dtype, 128, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -68,12 +80,17 @@ class PagedAttention:
         else:
             self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
             self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
-        self.stages = min(3, (SMEM_BYTES - self.fixed_bytes() - 1024) // self.stage_bytes())
+        self.stages = min(3, (SMEM_BYTES - self.fixed_bytes() - self.mma_tile_bytes() - 1024) // self.stage_bytes())
 
     # -- host ------------------------------------------------------------------------------------
 
     def stage_bytes(self) -> int:
-        return 2 * self.bn * self.head_dim * self.dtype.width // 8
+        """K and V of one tile as loaded (in the cache dtype)."""
+        return 2 * self.bn * self.kv_depth * self.kv_dtype.width // 8
+
+    def mma_tile_bytes(self) -> int:
+        """The dequantized K and V tiles of an fp8 cache (a 16-bit cache's MMAs read the ring itself)."""
+        return 2 * self.bn * self.head_dim * self.dtype.width // 8 if self.kv_fp8 else 0
 
     def fixed_bytes(self) -> int:
         """Q, staged S, P, per-row statistics and barriers."""
@@ -82,8 +99,8 @@ class PagedAttention:
                 + 2 * 3 * 8 + 3 * 1024)
 
     def ring_bytes(self) -> int:
-        """The K/V ring, reused after the last tile to stage the fp32 O tile."""
-        return max(self.stages * self.stage_bytes(), BM * (self.head_dim + S_PAD) * 4)
+        """The K/V ring (and the dequantized tiles), reused after the last tile to stage the fp32 O tile."""
+        return max(self.stages * self.stage_bytes() + self.mma_tile_bytes(), BM * (self.head_dim + S_PAD) * 4)
 
     def smem_bytes(self) -> int:
         return self.fixed_bytes() + self.ring_bytes()
@@ -100,28 +117,35 @@ class PagedAttention:
                                             stride_order=(2, 1, 0), assumed_align=4)
         b = cute.sym_int32()
         h = self.num_kv_heads
+        scales = None
         if self.page_size is None:
             cache = lambda: make_fake_tensor(dt, (cute.sym_int32(), cute.sym_int32(), h, d), stride=(  # noqa: E731
                 cute.sym_int64(divisibility=h * d), h * d, d, 1), assumed_align=16)
             k_src, v_src, lut = cache(), cache(), None
         else:
             kvd, p = self.kv_dim, self.page_size
-            k_src = v_src = make_fake_tensor(dt, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
+            k_src = v_src = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
                 cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
                 h * d, d, 1), assumed_align=16)
+            if self.granularity:
+                g = d // self.granularity
+                scales = make_fake_tensor(Float32, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
+                    cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=4)
             lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=8), 1),
                                    assumed_align=32)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
-        return (q, out, o_part, lse_part, k_src, v_src, offsets, lengths, lut, Int32(0), Int32(1), Int32(1),
+        return (q, out, o_part, lse_part, k_src, v_src, offsets, lengths, lut, scales, Int32(0), Int32(1), Int32(1),
                 Int32(1), Int32(0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
                  k_src: cute.Tensor, v_src: cute.Tensor, input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
-                 lookup_table: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32,
-                 causal: Int32, window: Int32, scale_log2: Float32, stream: cuda.CUstream):
-        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none; ``scale_log2``: scale * log2(e)."""
+                 lookup_table: Optional[cute.Tensor], scales: Optional[cute.Tensor], layer_idx: Int32,
+                 m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32, scale_log2: Float32,
+                 stream: cuda.CUstream):
+        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none; ``scale_log2``: scale * log2(e);
+        ``scales``: the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
         dt, d, bn = self.dtype, self.head_dim, self.bn
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                          (1, 1, 1), (BM, bn))
@@ -130,10 +154,14 @@ class PagedAttention:
         k_rows = self.k_op.row_view(k_src, layer_idx)
         tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
         tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d)
+        k_scales = v_scales = None
+        if cutlass.const_expr(scales is not None):  # [rows, H, G], rows numbered as the K/V row views
+            k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
+            v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part,
-                    input_row_offsets, cache_lengths, lookup_table, self.k_op.rows_per_page(k_src), k_rows.shape[0],
-                    num_splits, causal, window, scale_log2).launch(
+                    input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
+                    self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, scale_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream)
 
     # -- device ----------------------------------------------------------------------------------
@@ -142,8 +170,9 @@ class PagedAttention:
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
                g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
                out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, input_row_offsets: cute.Tensor,
-               cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor], rows_per_page: Int32,
-               oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32, scale_log2: Float32):
+               cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor],
+               v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32, num_splits: Int32,
+               causal: Int32, window: Int32, scale_log2: Float32):
         dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head_split, b = cute.arch.block_idx()
@@ -181,17 +210,25 @@ class PagedAttention:
             s_sum = smem.allocate_tensor(Float32, cute.make_layout(BM), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
             sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
-            kv_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=stages)
+            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, self.kv_depth, stages=stages)
+            mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1 if self.kv_fp8 else stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
             s_s = smem.allocate_tensor(Float32, cute.make_layout((BM, bn), stride=(bn + S_PAD, 1)),
                                        byte_alignment=16)
             ring = smem.allocate(self.ring_bytes(), byte_alignment=1024)
-            s_k = cute.make_tensor(cute.recast_ptr(ring, kv_layout.inner, dtype=dt), kv_layout.outer)
-            s_v = cute.make_tensor(cute.recast_ptr(ring + stages * self.stage_bytes() // 2, kv_layout.inner,
-                                                   dtype=dt), kv_layout.outer)
+            kv_bytes = stages * self.stage_bytes() // 2
+            ring_k = cute.make_tensor(cute.recast_ptr(ring, ring_layout.inner, dtype=self.kv_dtype), ring_layout.outer)
+            ring_v = cute.make_tensor(cute.recast_ptr(ring + kv_bytes, ring_layout.inner, dtype=self.kv_dtype),
+                                      ring_layout.outer)
+            s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles after it
+            if cutlass.const_expr(self.kv_fp8):
+                s_k = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes, mma_layout.inner, dtype=dt),
+                                       mma_layout.outer)
+                s_v = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes + self.mma_tile_bytes() // 2,
+                                                       mma_layout.inner, dtype=dt), mma_layout.outer)
             # V as the MMA's B operand: (D, BN) with D contiguous (MN-major), the same bytes.
-            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, stages), order=(1, 0, 2)))
+            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, cute.size(s_v, mode=[2])), order=(1, 0, 2)))
 
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbars, num_stages=stages,
@@ -201,8 +238,8 @@ class PagedAttention:
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             if warp_idx == 0:
                 for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                    self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot,
-                                   lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                    self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v, ring_v,
+                                   s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     prod.advance()
 
             self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
@@ -243,16 +280,32 @@ class PagedAttention:
             for _ in cutlass.range(n_tiles, unroll=1):
                 tile_base = (first_tile + read.count) * bn
                 pipe.consumer_wait(read)
+                mma_stage = read.index
+                if cutlass.const_expr(self.kv_fp8):
+                    mma_stage = Int32(0)
+                    cute.arch.sync_threads()  # the previous tile's MMAs are done with the 16-bit tiles
+                    rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+                    self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+                    self.dequantize(ring_k, s_k, read.index, k_scales, rows, tile_base, num_keys, kv_head)
+                    self.dequantize(ring_v, s_v, read.index, v_scales, rows, tile_base, num_keys, kv_head)
+                    pipe.consumer_release(read)  # converted: the stage can take the next tile already
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()
+                    if warp_idx == 0 and prod.count < n_tiles:
+                        self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v, ring_v,
+                                       s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                        prod.advance()
                 tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, read.index], acc_s)
+                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, mma_stage], acc_s)
                     tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 thr_qk.partition_C(s_s).store(acc_s.load())
-                if tile_base + bn > num_keys:
-                    self.zero_stale_rows(s_v, read.index, num_keys - tile_base)
+                if cutlass.const_expr(not self.kv_fp8):  # (dequantize wrote those rows as zeros)
+                    if tile_base + bn > num_keys:
+                        self.zero_stale_rows(s_v, read.index, num_keys - tile_base)
                 cute.arch.sync_threads()
 
                 # Online softmax of this thread's half row, in base 2.
@@ -292,15 +345,16 @@ class PagedAttention:
                     acc_o[i] = acc_o[i] * s_corr[rows_o[i][0]]
                 warpgroup.fence()
                 for kb in cutlass.range_constexpr(pv_blocks):
-                    cute.gemm(tiled_mma_pv, acc_o, t_rp[None, None, kb], t_rv[None, None, kb, read.index], acc_o)
+                    cute.gemm(tiled_mma_pv, acc_o, t_rp[None, None, kb], t_rv[None, None, kb, mma_stage], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                pipe.consumer_release(read)
+                if cutlass.const_expr(not self.kv_fp8):
+                    pipe.consumer_release(read)
+                    if warp_idx == 0 and prod.count < n_tiles:
+                        self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v, ring_v,
+                                       s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                        prod.advance()
                 read.advance()
-                if warp_idx == 0 and prod.count < n_tiles:
-                    self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot,
-                                   lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
-                    prod.advance()
 
             if half == 0:
                 s_max[r] = row_max
@@ -354,6 +408,29 @@ class PagedAttention:
         cute.arch.sync_threads()
 
     @cute.jit
+    def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
+                   rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
+        granule (``scales[row, kv_head, dim // granularity]``, the row from the tile's ``populate``), rounded once.
+        Rows past the request's keys are written as zeros."""
+        d, per_copy = self.head_dim, self.k_op.rows_per_copy
+        chunks = d // VEC
+        tidx, _, _ = cute.arch.thread_idx()
+        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for idx in cutlass.range(tidx, self.bn * chunks, THREADS, unroll=1):
+            r = idx // chunks
+            c = idx % chunks
+            vals.fill(0.0)
+            if tile_base + r < num_keys:
+                cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
+                x = raw.load().to(Float32)
+                if cutlass.const_expr(scales is not None):
+                    x = x * scales[rows[r // per_copy] + r % per_copy, kv_head, c * VEC // self.granularity]
+                vals.store(x.to(self.dtype))
+            cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
+
+    @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
         """Zero V rows ``[first_row, BN)`` of ``stage``: past the request's keys (P is 0 there, but 0 * NaN is not)."""
         d = self.head_dim
@@ -402,8 +479,17 @@ class PagedAttention:
                         lse_part[split, row, head] = lse
 
 
-def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int]) -> Optional[str]:
+def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
+              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
     """Why this kernel cannot take the problem, or None."""
+    if kv_dtype_name not in (None, FP8, *DTYPES):
+        return f"the cache dtype must be 16-bit or {FP8}, got {kv_dtype_name}"
+    if kv_dtype_name == FP8 and page_size is None:
+        return "an fp8 cache must be paged"
+    if granularity is not None and (kv_dtype_name != FP8 or granularity < VEC or granularity & (granularity - 1)
+                                    or head_dim % granularity):
+        return (f"scales need an fp8 cache and a power-of-two granularity >= {VEC} dividing head_dim, "
+                f"got {granularity}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
     if num_q_heads // num_kv_heads > BM:

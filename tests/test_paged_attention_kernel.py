@@ -1,6 +1,7 @@
 """``PagedAttention`` (``gpu`` marker, SM90): against the float32 reference on the same random batch.
 
-The reference runs on a CPU copy of the batch (same seed). Every slot attention must not read is NaN on both
+The reference runs on a CPU copy of the batch (same seed); an fp8 cache is dequantized by both (the kernel rounds the
+dequantized values to the 16-bit MMA dtype, hence the same tolerance). Every slot attention must not read is NaN on both
 copies (other layers, unowned pages, the unwritten tail of each last page), the output is NaN-poisoned before the
 call, and the cache must keep its bits.
 """
@@ -13,7 +14,6 @@ import torch
 import cute_kv
 from cute_kv import reference as ref
 from cute_kv.ops.paged_attention import num_splits
-from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 
 pytestmark = pytest.mark.gpu
@@ -22,13 +22,22 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # Mixed step: fresh prefill, decode, empty request, prefill after a multi-page prefix, decode, a long prefill.
 CACHED = [0, 37, 5, 130, 1, 300]
 NEW = [3, 1, 0, 17, 1, 90]
-CASES = [  # (dtype, kv heads, q heads, D, page)
+FP8 = torch.float8_e4m3fn
+CASES = [  # (dtype, kv heads, q heads, D, page[, fp8 cache: {scale dtype, granularity}])
     (torch.bfloat16, 8, 32, 128, 16),  # Llama-3-8B heads
     (torch.bfloat16, 2, 16, 128, 64),  # GQA 8
     (torch.float16, 4, 4, 64, 128),  # MHA, one page per tile
     (torch.bfloat16, 1, 4, 256, 16),  # head dim 256
     (torch.float16, 2, 8, 64, 32),
+    (torch.bfloat16, 2, 8, 128, 16, {"scale_dtype": torch.float32, "quantization_granularity": 16}),
+    (torch.float16, 1, 8, 256, 128, {"scale_dtype": torch.float32, "quantization_granularity": 256}),
+    (torch.bfloat16, 2, 4, 64, 64, {}),  # fp8 without scales: a saturating cast
 ]
+
+
+def _bits(t):
+    """Bit patterns, so the NaN-poisoned slots compare equal to themselves."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def rel_err(got, want):
@@ -37,9 +46,10 @@ def rel_err(got, want):
 
 
 def _pair(case, cached, new, seed):
-    dtype, h, hq, d, p = case
-    batches = [random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=p, num_layers=2, dtype=dtype,
-                                  generator=torch.Generator().manual_seed(seed), device=dev)
+    dtype, h, hq, d, p, *fp8 = case
+    cache = {"dtype": FP8, **fp8[0]} if fp8 else {"dtype": dtype}
+    batches = [random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=p, num_layers=2,
+                                  generator=torch.Generator().manual_seed(seed), device=dev, **cache)
                for dev in ("cpu", "cuda")]
     for pb in batches:
         pb.poison_unread(1)
@@ -52,19 +62,20 @@ def _run(case, cached, new, seed, **kw):
 
     (cpu, gpu), q = _pair(case, cached, new, seed)
     want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, **kw)
-    blocks = _raw(gpu.collection.blocks).clone()
+    blocks = _bits(gpu.collection.blocks).clone()
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
     compiles = cache_info()["compiles"]
     got = cute_kv.paged_attention(q.cuda(), gpu.input_row_offsets, gpu.collection, 1, out=out, **kw)
     torch.cuda.synchronize()
     assert got is out and not out.isnan().any()  # every row written, no stale (NaN) key or value reached it
     assert rel_err(out.cpu(), want) < TOL[q.dtype]
-    assert torch.equal(_raw(gpu.collection.blocks), blocks)
+    assert torch.equal(_bits(gpu.collection.blocks), blocks)
     assert cache_info()["compiles"] - compiles <= 2  # the kernel (and the split combine) served the call
     return cache_info()["compiles"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}-q{c[2]}-d{c[3]}-p{c[4]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}-q{c[2]}-d{c[3]}-p{c[4]}"
+                         f"{'-fp8' + str(c[5].get('quantization_granularity', '')) if len(c) > 5 else ''}")
 def test_attention_kernel_matches_reference(case):
     from cute_kv.kernels.compile_cache import cache_info
 

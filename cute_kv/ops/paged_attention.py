@@ -82,26 +82,35 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
     """The SM90 ``PagedAttention`` launcher for these arguments, or None for the reference: CPU tensors, SM100
-    (no tcgen05 kernel yet), MLA and fp8 caches, q in another dtype than the cache, head dims or page sizes the
-    kernel cannot tile (``paged_attention.supported``)."""
+    (no tcgen05 kernel yet), MLA caches, fp8 caches with e8m0 scales, q in another dtype than a 16-bit cache,
+    head dims, page sizes or granules the kernel cannot tile (``paged_attention.supported``)."""
     c = collection
-    if c.device.type != "cuda" or c.is_mla or q.dtype != c.dtype:
+    if c.device.type != "cuda" or c.is_mla:
         return None
     from cute_kv.kernels.arch import target_arch
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_attention import BM, DTYPES, VEC, key_tile, supported
+    from cute_kv.kernels.paged_attention import BM, DTYPES, FP8, VEC, key_tile, supported
     from cute_kv.row_indices import lut_chunk, tile_geometry
 
     arch = target_arch(c.device)
     dtype_name = str(q.dtype).removeprefix("torch.")
+    kv_dtype_name = str(c.dtype).removeprefix("torch.")
+    granularity = None
+    if kv_dtype_name == FP8 and c.scales is not None:
+        if c.scale_dtype != torch.float32:
+            return None
+        granularity = c.quantization_granularity
+    elif kv_dtype_name != FP8 and c.dtype != q.dtype:
+        return None
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    if arch != "sm_90a" or dtype_name not in DTYPES or supported(hq, h, d, p) or c.blocks.data_ptr() % 16:
+    if (arch != "sm_90a" or dtype_name not in DTYPES or supported(hq, h, d, p, kv_dtype_name, granularity)
+            or c.blocks.data_ptr() % 16):
         return None
     bn = key_tile(d)
     chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
     lut = c.lookup_table
     lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    key = ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector)
+    key = ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity)
 
     def build():
         from cute_kv.kernels.paged_attention import PagedAttention
@@ -124,8 +133,9 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         lse_part = torch.empty((splits, rows, hq), dtype=torch.float32, device=q.device)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
-                                   input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,
-                                   m_blocks, splits, int(causal), window or 0, scale * LOG2E)
+                                   input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+                                   c.scales if granularity else None, layer_idx, m_blocks, splits, int(causal),
+                                   window or 0, scale * LOG2E)
         if splits > 1:
             combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
                                arch)
