@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
+from cute_kv import reference
 from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.rope import RopeConfig
@@ -33,12 +34,21 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     if output is None:
         output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
     c = collection
-    torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
-        hidden, input_row_offsets, weight, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
-        None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
-        None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
-        c.quantization_granularity)
+    if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
+            hidden, input_row_offsets, weight, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
+            None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
+            None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
+            c.quantization_granularity)
+    else:  # eager: skip the op's dispatcher (host time)
+        dispatch(hidden, input_row_offsets, weight, c, layer_idx, bias, rope, output)
     return output
+
+
+def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output) -> None:
+    """Checked arguments to the kernel serving them, else to the reference; Q goes into ``output``."""
+    run = _kernel_for(collection, hidden, weight, rope) or reference.fused_qkv_matmul_kv_cache
+    run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
 
 
 def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate) -> None:

@@ -1,10 +1,11 @@
 """``torch.ops.cute_kv``: the entry points as ``torch.library`` custom ops.
 
 The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
-``output``, ``out``) and return nothing, so torch.compile traces through them and CUDA graphs capture them. They
-expect arguments already validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
-``cute_kv/ops/paged_attention.py``), and dispatch to the entry point's kernel where one applies, else to the
-reference.
+``output``, ``out``) and return nothing, so torch.compile traces through them. They expect arguments already
+validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
+``cute_kv/ops/paged_attention.py``) and run the entry point's ``dispatch`` (its kernel where one applies, else the
+reference). The entry points call these ops only while torch.compile traces; an eager call (CUDA-graph capture
+included) goes straight to ``dispatch``, without the dispatcher's host time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from cute_kv import reference
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.ops import fused_qkv as fused_qkv_entry
 from cute_kv.ops import paged_attention as paged_attention_entry
@@ -35,8 +35,7 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
              max_seq_length: int, max_cache_length: int, quantization_granularity: int) -> None:
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity)
-    run = store_kv_entry._kernel_for(collection, k) or reference.store_kv
-    run(k, v, input_row_offsets, collection, layer_idx)
+    store_kv_entry.dispatch(k, v, input_row_offsets, collection, layer_idx)
 
 
 @torch.library.custom_op("cute_kv::fused_qkv_matmul_kv_cache", mutates_args=("blocks", "scales", "output"))
@@ -50,8 +49,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity)
     rope = None if freqs_cis is None else RopeConfig(freqs_cis, rope_interleaved, rope_q_head_dim)
-    run = fused_qkv_entry._kernel_for(collection, hidden, weight, rope) or reference.fused_qkv_matmul_kv_cache
-    run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
+    fused_qkv_entry.dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output)
 
 
 @torch.library.custom_op("cute_kv::paged_attention", mutates_args=("out",))
@@ -62,9 +60,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, blocks: to
                     out: torch.Tensor) -> None:
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity)
-    run = paged_attention_entry._kernel_for(collection, q, window, mla_v_dim) or reference.paged_attention
-    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, mla_v_dim=mla_v_dim,
-        out=out)
+    paged_attention_entry.dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out)
 
 
 @store_kv.register_fake

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from cute_kv import reference
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.validate import check_activation, check_step, check_tensor
 
@@ -37,10 +38,20 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
     c = collection
-    torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                      layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity,
-                                      causal, window, scale, mla_v_dim, out)
+    if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
+                                          layer_idx, c.max_seq_length, c.max_cache_length,
+                                          c.quantization_granularity, causal, window, scale, mla_v_dim, out)
+    else:  # eager: skip the op's dispatcher (host time)
+        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, mla_v_dim, out)
     return out
+
+
+def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out) -> None:
+    """Checked arguments to the kernel serving them, else to the reference, writing ``out``."""
+    run = _kernel_for(collection, q, window, mla_v_dim) or reference.paged_attention
+    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, mla_v_dim=mla_v_dim,
+        out=out)
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> None:
@@ -104,8 +115,8 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         return None
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
     if (arch != "sm_90a" or dtype_name not in DTYPES or supported(hq, h, d, p, kv_dtype_name, granularity)
-            or c.blocks.data_ptr() % 16):
-        return None
+            or c.blocks.data_ptr() % 16 or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
+        return None  # (TMA row coordinates are int32)
     bn = key_tile(d)
     chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
     lut = c.lookup_table
@@ -127,15 +138,16 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         m_blocks = -(-c.max_seq_length * (hq // h) // BM)
         splits = num_splits(c.batch_size * h * m_blocks, -(-c.max_cache_length // bn), _sm_count(q.device))
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        # With one split the partials are not touched; the kernel's signature still takes them.
-        rows = t if splits > 1 else 1
-        o_part = torch.empty((splits, rows, hq, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((splits, rows, hq), dtype=torch.float32, device=q.device)
+        if splits > 1:
+            o_part = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+            lse_part = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        else:  # one split writes the output itself; the kernel's signature still takes partials
+            o_part, lse_part = _unused_partials(q.device, hq, d)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
                                    c.scales if granularity else None, layer_idx, m_blocks, splits, int(causal),
-                                   window or 0, scale * LOG2E)
+                                   _window_arg(window, c.max_cache_length), scale * LOG2E)
         if splits > 1:
             combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
                                arch)
@@ -151,6 +163,18 @@ def num_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
     if ctas >= sm_count or key_tiles < 4:
         return 1
     return max(1, min(-(-sm_count // ctas), key_tiles // 2, MAX_SPLITS))
+
+
+def _window_arg(window: Optional[int], max_cache_length: int) -> int:
+    """The kernel's int32 ``window``: 0 for none, as is any window wider than every context (it masks nothing)."""
+    return 0 if window is None or window > max_cache_length else window
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholder partials for single-split launches (never written), allocated once per device and shape."""
+    return (torch.empty((1, 1, num_q_heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((1, 1, num_q_heads), dtype=torch.float32, device=device))
 
 
 @functools.lru_cache(maxsize=None)
