@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
@@ -53,7 +53,8 @@ def key_tile(head_dim: int) -> int:
 class PagedAttention:
     """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, the operand (``page_size``, None for
     a dense ``[B, S, H, D]`` cache), KVD of a paged cache, whether the lookup table takes vector reads, and an fp8
-    cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with float32 scales over ``granularity`` head dims (None: unscaled).
+    cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32
+    or, with ``e8m0_scales``, float8_e8m0fnu (passed as their uint8 bits: the scale is ``2^(bits - 127)``).
 
     An fp8 tile lands in a staging ring and is dequantized (``x * scale``, rounded to ``dtype``) into one 16-bit
     K/V tile that the MMAs read; its stage is released as soon as it is converted.
@@ -61,14 +62,14 @@ class PagedAttention:
 
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True,
-                 kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None):
+                 kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None, e8m0_scales: bool = False):
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.kv_fp8 = kv_dtype_name == FP8
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
-        self.granularity = granularity
+        self.granularity, self.e8m0_scales = granularity, e8m0_scales
         # A staged row is padded to the 128-byte swizzle width (TMA zero-fills past the head dim).
         self.kv_depth = tma_tiles.padded_depth(self.kv_dtype, 128, head_dim)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -129,8 +130,9 @@ class PagedAttention:
                 h * d, d, 1), assumed_align=16)
             if self.granularity:
                 g = d // self.granularity
-                scales = make_fake_tensor(Float32, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
-                    cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=4)
+                scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
+                    cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
+                    cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=1)
             lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=8), 1),
                                    assumed_align=32)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
@@ -426,7 +428,12 @@ class PagedAttention:
                 cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
                 x = raw.load().to(Float32)
                 if cutlass.const_expr(scales is not None):
-                    x = x * scales[rows[r // per_copy] + r % per_copy, kv_head, c * VEC // self.granularity]
+                    scale = scales[rows[r // per_copy] + r % per_copy, kv_head, c * VEC // self.granularity]
+                    if cutlass.const_expr(self.e8m0_scales):  # 2^(e - 127): e is a float32's exponent field
+                        bits = cute.make_rmem_tensor((1,), Uint32)
+                        bits[0] = Uint32(scale) << 23
+                        scale = cute.recast_tensor(bits, Float32)[0]
+                    x = x * scale
                 vals.store(x.to(self.dtype))
             cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
 

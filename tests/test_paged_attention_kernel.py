@@ -32,6 +32,7 @@ CASES = [  # (dtype, kv heads, q heads, D, page[, fp8 cache: {scale dtype, granu
     (torch.bfloat16, 2, 8, 128, 16, {"scale_dtype": torch.float32, "quantization_granularity": 16}),
     (torch.float16, 1, 8, 256, 128, {"scale_dtype": torch.float32, "quantization_granularity": 256}),
     (torch.bfloat16, 2, 4, 64, 64, {}),  # fp8 without scales: a saturating cast
+    (torch.bfloat16, 2, 8, 128, 64, {"scale_dtype": torch.float8_e8m0fnu, "quantization_granularity": 32}),
 ]
 
 
@@ -75,7 +76,8 @@ def _run(case, cached, new, seed, **kw):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}-q{c[2]}-d{c[3]}-p{c[4]}"
-                         f"{'-fp8' + str(c[5].get('quantization_granularity', '')) if len(c) > 5 else ''}")
+                         f"{'-fp8' + str(c[5].get('quantization_granularity', '')) if len(c) > 5 else ''}"
+                         f"{'-e8m0' if len(c) > 5 and c[5].get('scale_dtype') == torch.float8_e8m0fnu else ''}")
 def test_attention_kernel_matches_reference(case):
     from cute_kv.kernels.compile_cache import cache_info
 

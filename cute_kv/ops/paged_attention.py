@@ -92,36 +92,21 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 
 def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
-    """The SM90 ``PagedAttention`` launcher for these arguments, or None for the reference: CPU tensors, SM100
-    (no tcgen05 kernel yet), MLA caches, fp8 caches with e8m0 scales, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``paged_attention.supported``)."""
+    """The SM90 ``PagedAttention`` launcher for these arguments, or None for the reference (``kernel_key``)."""
     c = collection
-    if c.device.type != "cuda" or c.is_mla:
+    if c.device.type != "cuda":
         return None
     from cute_kv.kernels.arch import target_arch
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_attention import BM, DTYPES, FP8, VEC, key_tile, supported
-    from cute_kv.row_indices import lut_chunk, tile_geometry
+    from cute_kv.kernels.paged_attention import BM, VEC, key_tile
 
     arch = target_arch(c.device)
-    dtype_name = str(q.dtype).removeprefix("torch.")
-    kv_dtype_name = str(c.dtype).removeprefix("torch.")
-    granularity = None
-    if kv_dtype_name == FP8 and c.scales is not None:
-        if c.scale_dtype != torch.float32:
-            return None
-        granularity = c.quantization_granularity
-    elif kv_dtype_name != FP8 and c.dtype != q.dtype:
+    key = kernel_key(c, q, arch)
+    if key is None:
         return None
-    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    if (arch != "sm_90a" or dtype_name not in DTYPES or supported(hq, h, d, p, kv_dtype_name, granularity)
-            or c.blocks.data_ptr() % 16 or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
-        return None  # (TMA row coordinates are int32)
+    hq, h, d = q.shape[1], c.num_heads, c.head_size
     bn = key_tile(d)
-    chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
-    lut = c.lookup_table
-    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    key = ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity)
+    dtype_name, granularity, e8m0 = key[1], key[9], key[10]
 
     def build():
         from cute_kv.kernels.paged_attention import PagedAttention
@@ -146,7 +131,7 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
-                                   c.scales if granularity else None, layer_idx, m_blocks, splits, int(causal),
+                                   _scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits, int(causal),
                                    _window_arg(window, c.max_cache_length), scale * LOG2E)
         if splits > 1:
             combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
@@ -155,6 +140,41 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         return out if dst is out else out.copy_(dst)
 
     return run
+
+
+def kernel_key(collection, q, arch: str) -> Optional[tuple]:
+    """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
+    reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
+    head dims, page sizes or granules the kernel cannot tile (``paged_attention.supported``), a misaligned cache,
+    or more rows than int32 TMA coordinates reach."""
+    from cute_kv.kernels.paged_attention import DTYPES, FP8, key_tile, supported
+    from cute_kv.row_indices import lut_chunk, tile_geometry
+
+    c = collection
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    kv_dtype_name = str(c.dtype).removeprefix("torch.")
+    if arch != "sm_90a" or c.is_mla or dtype_name not in DTYPES:
+        return None
+    if kv_dtype_name != FP8 and c.dtype != q.dtype:
+        return None
+    granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
+    if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
+            or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
+        return None
+    bn = key_tile(d)
+    chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
+    lut = c.lookup_table
+    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
+    return ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+
+
+def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
+    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
+    if granularity is None:
+        return None
+    return scales.view(torch.uint8) if e8m0 else scales
 
 
 def num_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
