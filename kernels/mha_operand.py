@@ -1,11 +1,12 @@
 """What an attention kernel needs from a KV source (MAX's ``MHAOperand``): a row view TMA can load, the rows of a
-BN-token tile (``populate``), and where a request's keys end.
+BN-token tile (``populate``), the scales of an fp8 cache, and where a request's keys end.
 
-Two sources, one kernel: ``KVCacheMHAOperand`` reads one K or V plane of a paged cache through the lookup table;
-``DenseMHAOperand`` reads a contiguous ``[B, S, H, D]`` cache (MAX's ``LayoutTensorMHAOperand``: token ``t`` of
-request ``b`` is row ``b*S + t``). Both are compile-time objects: the kernel calls ``row_view`` and
-``rows_per_page`` while tracing its host side and ``populate`` in the producer warp. A tile row past the request's
-keys gets the view's row count, a row TMA zero-fills, so no page the request does not own is read.
+Two sources, one kernel: ``KVCacheMHAOperand`` reads one K or V plane of a paged cache (and its scales) through the
+lookup table; ``DenseMHAOperand`` reads a contiguous ``[B, S, H, D]`` cache (MAX's ``LayoutTensorMHAOperand``:
+token ``t`` of request ``b`` is row ``b*S + t``). Both are compile-time objects: the kernel calls ``row_view``,
+``rows_per_page`` and ``scale_view`` while tracing its host side, and ``populate`` on the device. A tile slot past
+the request's keys gets the view's row count, a row TMA zero-fills, so no page the request does not own is read.
+A request's key count is ``cache_lengths[b]`` plus its new tokens (``input_row_offsets``), as for MAX's operands.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class KVCacheMHAOperand:
     def rows_per_page(self, blocks: cute.Tensor):
         """Row pitch of a page in the row view: ``KVD*L*P``."""
         return blocks.shape[1] * blocks.shape[2] * self.page_size
+
+    def scale_view(self, scales: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
+        """``[num_kv_rows, H, G]`` scales of this plane, rows numbered as ``row_view``'s (``[N, KVD, L, P, H, G]``
+        shares the cache's page geometry)."""
+        return kv_row_view(scales, self.kv_idx, layer_idx)
 
     @cute.jit
     def populate(self, rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, base_kv_row: Int32,

@@ -157,9 +157,9 @@ class PagedAttention:
         tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
         tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d)
         k_scales = v_scales = None
-        if cutlass.const_expr(scales is not None):  # [rows, H, G], rows numbered as the K/V row views
-            k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
-            v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
+        if cutlass.const_expr(scales is not None):
+            k_scales = self.k_op.scale_view(scales, layer_idx)
+            v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part,
                     input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
