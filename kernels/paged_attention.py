@@ -32,22 +32,14 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels import tma_tiles
+from cute_kv.kernels.attention_config import BM, FP8, VEC, key_tile, supported
 from cute_kv.kernels.mha_operand import DenseMHAOperand, KVCacheMHAOperand
 
 THREADS = 128  # one warpgroup
-BM = 64  # packed query rows per CTA: one wgmma M
-VEC = 8  # 16-bit elements per 16-byte access
 S_PAD = 4  # fp32 words of padding per staged row: rows start on different banks
 SMEM_BYTES = 227 * 1024
-HEAD_DIMS = (64, 128, 256)
 NEG_INF = Float32(float("-inf"))
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-FP8 = "float8_e4m3fn"
-
-
-def key_tile(head_dim: int) -> int:
-    """Keys per tile: 128, or 64 for head_dim 256 (two stages of K and V must fit beside Q, S and P)."""
-    return 128 if head_dim <= 128 else 64
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}  # attention_config.DTYPE_NAMES
 
 
 class PagedAttention:
@@ -484,26 +476,3 @@ class PagedAttention:
                         if total > 0.0:
                             lse = s_max[r] + cute.math.log2(total, fastmath=True)
                         lse_part[split, row, head] = lse
-
-
-def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
-              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
-    """Why this kernel cannot take the problem, or None."""
-    if kv_dtype_name not in (None, FP8, *DTYPES):
-        return f"the cache dtype must be 16-bit or {FP8}, got {kv_dtype_name}"
-    if kv_dtype_name == FP8 and page_size is None:
-        return "an fp8 cache must be paged"
-    if granularity is not None and (kv_dtype_name != FP8 or granularity < VEC or granularity & (granularity - 1)
-                                    or head_dim % granularity):
-        return (f"scales need an fp8 cache and a power-of-two granularity >= {VEC} dividing head_dim, "
-                f"got {granularity}")
-    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-        return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
-    if num_q_heads // num_kv_heads > BM:
-        return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
-    bn = key_tile(head_dim)
-    if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
-    return None

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.paged_attention import BM, key_tile
+from cute_kv.kernels.attention_config import BM, key_tile
 from cute_kv.ops.paged_attention import _window_arg, num_splits
 from cute_kv.reference.batch import random_paged_batch
 

@@ -9,7 +9,7 @@ from cute_kv.kernels import compile_cache
 from cute_kv.kernels.attention_combine import AttentionCombine
 from cute_kv.kernels.fused_qkv_matmul import BK, FusedQKVMatmul, supported
 from cute_kv.kernels.paged_attention import PagedAttention
-from cute_kv.kernels.paged_attention import supported as attention_supported
+from cute_kv.kernels.attention_config import supported as attention_supported
 from cute_kv.kernels.paged_kv_gather import PagedKVGather
 from cute_kv.kernels.paged_kv_store import PagedKVStore
 
@@ -179,6 +179,13 @@ def test_paged_attention_ptx(case):
     # and the dequantization's scale rows (fp8); none when read one by one.
     lookup_vectors = (3 if fp8 else 2) * (kernel.k_op.copies_per_tile // 4) if case[4] and case[6] else 0
     assert _count(r"ld\.global\.v4\.b32", ptx) == 1 + lookup_vectors  # + one 16-byte Q load
+
+
+def test_attention_config_names_the_kernel_dtypes():
+    from cute_kv.kernels.attention_config import DTYPE_NAMES
+    from cute_kv.kernels.paged_attention import DTYPES
+
+    assert set(DTYPES) == set(DTYPE_NAMES)
 
 
 def test_paged_attention_rejects_what_it_cannot_tile():

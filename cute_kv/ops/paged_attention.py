@@ -9,7 +9,9 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import reference
+from cute_kv.kernels.attention_config import BM, DTYPE_NAMES, FP8, VEC, key_tile, supported
 from cute_kv.ops.vectors import heads_packed, packed_heads
+from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
 
 LOG2E = math.log2(math.e)
@@ -97,16 +99,47 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
     if c.device.type != "cuda":
         return None
     from cute_kv.kernels.arch import target_arch
-    from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_attention import BM, VEC, key_tile
 
     arch = target_arch(c.device)
     key = kernel_key(c, q, arch)
-    if key is None:
+    return None if key is None else _launcher(key, arch)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float8_e4m3fn: FP8}
+
+
+def kernel_key(collection, q, arch: str) -> Optional[tuple]:
+    """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
+    reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
+    head dims, page sizes or granules the kernel cannot tile (``attention_config.supported``), a misaligned cache,
+    or more rows than int32 TMA coordinates reach."""
+    c = collection
+    dtype_name = _DTYPE_NAMES.get(q.dtype)
+    kv_dtype_name = _DTYPE_NAMES.get(c.dtype)
+    if arch != "sm_90a" or c.is_mla or dtype_name not in DTYPE_NAMES:
         return None
-    hq, h, d = q.shape[1], c.num_heads, c.head_size
-    bn = key_tile(d)
-    dtype_name, granularity, e8m0 = key[1], key[9], key[10]
+    if kv_dtype_name != FP8 and c.dtype != q.dtype:
+        return None
+    granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
+    if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
+            or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
+        return None
+    chunk = lut_chunk(tile_geometry(key_tile(d), p)[1], key_tile(d), p)
+    lut = c.lookup_table
+    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
+    return ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(key: tuple, arch: str) -> Callable:
+    """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
+    from cute_kv.kernels.compile_cache import compiled
+
+    _, dtype_name, hq, h, d, _, _, _, _, granularity, e8m0 = key
+    bn, group = key_tile(d), hq // h
 
     def build():
         from cute_kv.kernels.paged_attention import PagedAttention
@@ -120,7 +153,7 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         if t == 0:  # a grid of zero CTAs is a launch error
             return out
         c = collection
-        m_blocks = -(-c.max_seq_length * (hq // h) // BM)
+        m_blocks = -(-c.max_seq_length * group // BM)
         splits = num_splits(c.batch_size * h * m_blocks, -(-c.max_cache_length // bn), _sm_count(q.device))
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         if splits > 1:
@@ -140,34 +173,6 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
         return out if dst is out else out.copy_(dst)
 
     return run
-
-
-def kernel_key(collection, q, arch: str) -> Optional[tuple]:
-    """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
-    reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``paged_attention.supported``), a misaligned cache,
-    or more rows than int32 TMA coordinates reach."""
-    from cute_kv.kernels.paged_attention import DTYPES, FP8, key_tile, supported
-    from cute_kv.row_indices import lut_chunk, tile_geometry
-
-    c = collection
-    dtype_name = str(q.dtype).removeprefix("torch.")
-    kv_dtype_name = str(c.dtype).removeprefix("torch.")
-    if arch != "sm_90a" or c.is_mla or dtype_name not in DTYPES:
-        return None
-    if kv_dtype_name != FP8 and c.dtype != q.dtype:
-        return None
-    granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
-    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
-            or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
-        return None
-    bn = key_tile(d)
-    chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
-    lut = c.lookup_table
-    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    return ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
 
 
 def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
