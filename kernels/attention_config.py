@@ -1,19 +1,68 @@
-"""``PagedAttention``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass."""
+"""``PagedAttention``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
+
+One warpgroup computes a CTA's tile step by step (QK, softmax, PV), so the overlap of one CTA's softmax with
+another's MMAs and loads comes from two CTAs sharing an SM: 64-key tiles and a two-stage K/V ring keep a CTA
+under half the shared memory wherever the head dim allows (64, 128); head dim 256 takes one CTA per SM.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 BM = 64  # packed query rows per CTA: one wgmma M
+BN = 64  # keys per tile
 VEC = 8  # 16-bit elements per 16-byte access
+S_PAD = 4  # fp32 words of padding per staged S/O row: rows start on different banks
 HEAD_DIMS = (64, 128, 256)
 DTYPE_NAMES = ("bfloat16", "float16")  # Q, O and the MMAs
 FP8 = "float8_e4m3fn"
+SMEM_PER_SM = 228 * 1024  # SM90: a CTA may take 227 KiB, and the SM reserves 1 KiB per resident CTA
+MAX_STAGES = 3
 
 
 def key_tile(head_dim: int) -> int:
-    """Keys per tile: 128, or 64 for head_dim 256 (two stages of K and V must fit beside Q, S and P)."""
-    return 128 if head_dim <= 128 else 64
+    """Keys per tile."""
+    return BN
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Shared-memory plan of one CTA (bytes): Q, staged S, P, row statistics and barriers (``fixed``), then the
+    ring of ``stages`` K/V tiles as loaded, the dequantized 16-bit K/V tile of an fp8 cache (``mma_tile``), and the
+    fp32 O staged over the ring after the last tile."""
+
+    stages: int
+    stage: int
+    mma_tile: int
+    fixed: int
+    ring: int
+    ctas_per_sm: int
+
+    @property
+    def smem(self) -> int:
+        return self.fixed + self.ring
+
+
+def kv_depth(head_dim: int, kv_fp8: bool) -> int:
+    """Elements of a K/V row as staged: padded to the 128-byte swizzle width (TMA zero-fills past the head dim)."""
+    per_row = 128 if kv_fp8 else 64
+    return -(-head_dim // per_row) * per_row
+
+
+def tiling(head_dim: int, kv_fp8: bool) -> Tiling:
+    """The deepest ring (2 or 3 stages) that lets two CTAs share an SM, else one CTA."""
+    stage = 2 * BN * kv_depth(head_dim, kv_fp8) * (1 if kv_fp8 else 2)
+    mma_tile = 2 * BN * head_dim * 2 if kv_fp8 else 0
+    fixed = BM * head_dim * 2 + BM * (BN + S_PAD) * 4 + BM * BN * 2 + 3 * BM * 4 + 2 * MAX_STAGES * 8 + 3 * 1024
+    o_staged = BM * (head_dim + S_PAD) * 4
+    for ctas in (2, 1):
+        budget = SMEM_PER_SM // ctas - 1024
+        stages = min(MAX_STAGES, (budget - fixed - mma_tile) // stage)
+        ring = max(stages * stage + mma_tile, o_staged)
+        if stages >= 2 and fixed + ring <= budget:
+            return Tiling(stages, stage, mma_tile, fixed, ring, ctas)
+    raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
 
 
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],

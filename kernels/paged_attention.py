@@ -32,12 +32,10 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels import tma_tiles
-from cute_kv.kernels.attention_config import BM, FP8, VEC, key_tile, supported
+from cute_kv.kernels.attention_config import BM, FP8, S_PAD, VEC, key_tile, kv_depth, supported, tiling
 from cute_kv.kernels.mha_operand import DenseMHAOperand, KVCacheMHAOperand
 
 THREADS = 128  # one warpgroup
-S_PAD = 4  # fp32 words of padding per staged row: rows start on different banks
-SMEM_BYTES = 227 * 1024
 NEG_INF = Float32(float("-inf"))
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}  # attention_config.DTYPE_NAMES
 
@@ -62,8 +60,10 @@ class PagedAttention:
         self.kv_fp8 = kv_dtype_name == FP8
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        # A staged row is padded to the 128-byte swizzle width (TMA zero-fills past the head dim).
-        self.kv_depth = tma_tiles.padded_depth(self.kv_dtype, 128, head_dim)
+        self.kv_depth = kv_depth(head_dim, self.kv_fp8)
+        assert self.kv_depth == tma_tiles.padded_depth(self.kv_dtype, 128, head_dim)
+        self.plan = tiling(head_dim, self.kv_fp8)
+        self.stages = self.plan.stages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -73,30 +73,11 @@ class PagedAttention:
         else:
             self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
             self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
-        self.stages = min(3, (SMEM_BYTES - self.fixed_bytes() - self.mma_tile_bytes() - 1024) // self.stage_bytes())
 
     # -- host ------------------------------------------------------------------------------------
 
-    def stage_bytes(self) -> int:
-        """K and V of one tile as loaded (in the cache dtype)."""
-        return 2 * self.bn * self.kv_depth * self.kv_dtype.width // 8
-
-    def mma_tile_bytes(self) -> int:
-        """The dequantized K and V tiles of an fp8 cache (a 16-bit cache's MMAs read the ring itself)."""
-        return 2 * self.bn * self.head_dim * self.dtype.width // 8 if self.kv_fp8 else 0
-
-    def fixed_bytes(self) -> int:
-        """Q, staged S, P, per-row statistics and barriers."""
-        width = self.dtype.width // 8
-        return (BM * self.head_dim * width + BM * (self.bn + S_PAD) * 4 + BM * self.bn * width + 3 * BM * 4
-                + 2 * 3 * 8 + 3 * 1024)
-
-    def ring_bytes(self) -> int:
-        """The K/V ring (and the dequantized tiles), reused after the last tile to stage the fp32 O tile."""
-        return max(self.stages * self.stage_bytes() + self.mma_tile_bytes(), BM * (self.head_dim + S_PAD) * 4)
-
     def smem_bytes(self) -> int:
-        return self.fixed_bytes() + self.ring_bytes()
+        return self.plan.smem
 
     def fake_args(self) -> tuple:
         dt, d, hq = self.dtype, self.head_dim, self.num_q_heads
@@ -210,8 +191,8 @@ class PagedAttention:
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
             s_s = smem.allocate_tensor(Float32, cute.make_layout((BM, bn), stride=(bn + S_PAD, 1)),
                                        byte_alignment=16)
-            ring = smem.allocate(self.ring_bytes(), byte_alignment=1024)
-            kv_bytes = stages * self.stage_bytes() // 2
+            ring = smem.allocate(self.plan.ring, byte_alignment=1024)
+            kv_bytes = stages * self.plan.stage // 2
             ring_k = cute.make_tensor(cute.recast_ptr(ring, ring_layout.inner, dtype=self.kv_dtype), ring_layout.outer)
             ring_v = cute.make_tensor(cute.recast_ptr(ring + kv_bytes, ring_layout.inner, dtype=self.kv_dtype),
                                       ring_layout.outer)
@@ -219,7 +200,7 @@ class PagedAttention:
             if cutlass.const_expr(self.kv_fp8):
                 s_k = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes, mma_layout.inner, dtype=dt),
                                        mma_layout.outer)
-                s_v = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes + self.mma_tile_bytes() // 2,
+                s_v = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes + self.plan.mma_tile // 2,
                                                        mma_layout.inner, dtype=dt), mma_layout.outer)
             # V as the MMA's B operand: (D, BN) with D contiguous (MN-major), the same bytes.
             s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, cute.size(s_v, mode=[2])), order=(1, 0, 2)))
@@ -228,7 +209,7 @@ class PagedAttention:
                 barrier_storage=mbars, num_stages=stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-                tx_count=self.stage_bytes(), cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+                tx_count=self.plan.stage, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
             if warp_idx == 0:
                 for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):

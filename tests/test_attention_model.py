@@ -1,7 +1,7 @@
 """The ``PagedAttention`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
 
 A GPU run is what proves the kernel; this proves its plan. ``model_attention`` walks the same grid the host launches
-(``num_splits``, ``BM``, ``key_tile``, the window argument) and does per CTA what ``kernels/paged_attention.py`` does:
+(``launch_shape``, ``BM``, ``key_tile``, the window argument) and does per CTA what ``kernels/paged_attention.py`` does:
 pack the GQA heads into rows, pick the key tiles any row may see and this split's share of them, mask each tile by
 row, run the base-2 online softmax with the kernel's guards, round P to 16 bits, zero V past the keys, and write
 either the output or float32 partials that ``AttentionCombine``'s formula merges. Ragged steps, windows, GQA ratios
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cute_kv import reference as ref
 from cute_kv.kernels.attention_config import BM, key_tile
-from cute_kv.ops.paged_attention import _window_arg, num_splits
+from cute_kv.ops.paged_attention import _window_arg, launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
 NEG_INF = float("-inf")
@@ -70,7 +70,7 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     return rows, live, out, lse
 
 
-def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, sm_count=132, force_splits=None):
+def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots=264, force_splits=None):
     """The whole launch (grid, splits, combine) for ``q [T, Hq, D]`` over ``pb``'s cache; float64 ``[T, Hq, D]``."""
     c = pb.collection
     t, hq, d = q.shape
@@ -78,8 +78,8 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, sm_co
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
     win = _window_arg(window, c.max_cache_length)
-    m_blocks = -(-c.max_seq_length * group // BM)
-    splits = force_splits or num_splits(c.batch_size * h * m_blocks, -(-c.max_cache_length // key_tile(d)), sm_count)
+    m_blocks, splits = launch_shape(c, hq, d, slots)
+    splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
     lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
     offsets = pb.input_row_offsets.tolist()

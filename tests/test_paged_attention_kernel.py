@@ -13,7 +13,7 @@ import torch
 
 import cute_kv
 from cute_kv import reference as ref
-from cute_kv.ops.paged_attention import num_splits
+from cute_kv.ops.paged_attention import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
 pytestmark = pytest.mark.gpu
@@ -94,7 +94,8 @@ def test_attention_kernel_masks(causal, window):
 def test_attention_kernel_split_kv_decode():
     """One long context and few heads: the grid splits the keys (combine pass), one short request beside it."""
     cached, new = [20000, 3], [1, 2]
-    assert num_splits(2 * 2 * 1, math.ceil(20003 / 128), torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    (cpu, _), _ = _pair((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
+    assert launch_shape(cpu.collection, 8, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=7, window=700)
 

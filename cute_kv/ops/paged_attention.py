@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import reference
-from cute_kv.kernels.attention_config import BM, DTYPE_NAMES, FP8, VEC, key_tile, supported
+from cute_kv.kernels.attention_config import BM, DTYPE_NAMES, FP8, VEC, key_tile, supported, tiling
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -138,8 +138,8 @@ def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     from cute_kv.kernels.compile_cache import compiled
 
-    _, dtype_name, hq, h, d, _, _, _, _, granularity, e8m0 = key
-    bn, group = key_tile(d), hq // h
+    _, dtype_name, hq, h, d, _, _, _, kv_dtype_name, granularity, e8m0 = key
+    ctas_per_sm = tiling(d, kv_dtype_name == FP8).ctas_per_sm
 
     def build():
         from cute_kv.kernels.paged_attention import PagedAttention
@@ -153,8 +153,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return out
         c = collection
-        m_blocks = -(-c.max_seq_length * group // BM)
-        splits = num_splits(c.batch_size * h * m_blocks, -(-c.max_cache_length // bn), _sm_count(q.device))
+        m_blocks, splits = launch_shape(c, hq, d, _sm_count(q.device) * ctas_per_sm)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         if splits > 1:
             o_part = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
@@ -182,12 +181,21 @@ def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def num_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
-    """Key splits per (query block, KV head, request): none once the grid covers every SM (a CTA fills an SM's
-    shared memory), else enough to cover them, keeping at least two key tiles per split (the ring's depth)."""
-    if ctas >= sm_count or key_tiles < 4:
+def launch_shape(collection, num_q_heads: int, head_dim: int, slots: int) -> tuple[int, int]:
+    """``(m_blocks, splits)``: query blocks of ``BM`` packed rows per (request, KV head) for the longest new-token
+    run, and key splits for ``slots`` resident CTAs (SMs x CTAs per SM)."""
+    c = collection
+    m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // BM)
+    key_tiles = -(-c.max_cache_length // key_tile(head_dim))
+    return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
+
+
+def num_splits(ctas: int, key_tiles: int, slots: int) -> int:
+    """Key splits per (query block, KV head, request): none once the grid fills the ``slots`` CTAs the GPU holds at
+    once, else enough to fill them, keeping at least two key tiles per split (the ring's depth)."""
+    if ctas >= slots or key_tiles < 4:
         return 1
-    return max(1, min(-(-sm_count // ctas), key_tiles // 2, MAX_SPLITS))
+    return max(1, min(-(-slots // ctas), key_tiles // 2, MAX_SPLITS))
 
 
 def _window_arg(window: Optional[int], max_cache_length: int) -> int:
