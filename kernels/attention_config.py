@@ -44,15 +44,15 @@ class Tiling:
         return self.fixed + self.ring
 
 
-def kv_depth(head_dim: int, kv_fp8: bool) -> int:
-    """Elements of a K/V row as staged: padded to the 128-byte swizzle width (TMA zero-fills past the head dim)."""
-    per_row = 128 if kv_fp8 else 64
-    return -(-head_dim // per_row) * per_row
+def ring_swizzle(head_dim: int, kv_fp8: bool) -> int:
+    """Swizzle width (bytes) of the staged K/V rows: 128, or the whole row when shorter (an fp8 row of 64), so a
+    TMA box never spans past the head dim."""
+    return min(128, head_dim * (1 if kv_fp8 else 2))
 
 
 def tiling(head_dim: int, kv_fp8: bool) -> Tiling:
     """The deepest ring (2 or 3 stages) that lets two CTAs share an SM, else one CTA."""
-    stage = 2 * BN * kv_depth(head_dim, kv_fp8) * (1 if kv_fp8 else 2)
+    stage = 2 * BN * head_dim * (1 if kv_fp8 else 2)
     mma_tile = 2 * BN * head_dim * 2 if kv_fp8 else 0
     fixed = BM * head_dim * 2 + BM * (BN + S_PAD) * 4 + BM * BN * 2 + 3 * BM * 4 + 2 * MAX_STAGES * 8 + 3 * 1024
     o_staged = BM * (head_dim + S_PAD) * 4

@@ -17,7 +17,7 @@ from cutlass import Int32
 
 from cute_kv.kernels.paged_row_indices import populate
 from cute_kv.kernels.tma_tiles import kv_row_view
-from cute_kv.row_indices import tile_geometry
+from cute_kv.row_indices import lut_chunk, tile_geometry
 
 
 class KVCacheMHAOperand:
@@ -30,8 +30,13 @@ class KVCacheMHAOperand:
     def __init__(self, kv_idx: int, page_size: int, bn: int, lut_vector: bool):
         self.kv_idx, self.page_size, self.bn = kv_idx, page_size, bn
         self.rows_per_copy, self.copies_per_tile = tile_geometry(bn, page_size)
-        # A multi-page tile starts on a page; base_alignment = P makes populate read entries one by one.
-        self.base_alignment = bn if lut_vector else page_size
+        # A multi-page tile starts on a page; base_alignment = P makes populate read its entries one by one. A tile
+        # inside a page (P >= BN) reads one entry either way and starts at a multiple of BN within it.
+        self.base_alignment = bn if lut_vector or page_size >= bn else page_size
+        # Lookup entries per load: the table's row stride and base must be multiples of it.
+        self.lut_width = 1
+        if self.copies_per_tile > 1:
+            self.lut_width = lut_chunk(self.copies_per_tile, self.base_alignment, page_size)
 
     def row_view(self, blocks: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
         return kv_row_view(blocks, self.kv_idx, layer_idx)

@@ -32,7 +32,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels import tma_tiles
-from cute_kv.kernels.attention_config import BM, FP8, S_PAD, VEC, key_tile, kv_depth, supported, tiling
+from cute_kv.kernels.attention_config import BM, FP8, S_PAD, VEC, key_tile, ring_swizzle, supported, tiling
 from cute_kv.kernels.mha_operand import DenseMHAOperand, KVCacheMHAOperand
 
 THREADS = 128  # one warpgroup
@@ -60,8 +60,7 @@ class PagedAttention:
         self.kv_fp8 = kv_dtype_name == FP8
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.kv_depth = kv_depth(head_dim, self.kv_fp8)
-        assert self.kv_depth == tma_tiles.padded_depth(self.kv_dtype, 128, head_dim)
+        self.swizzle = ring_swizzle(head_dim, self.kv_fp8)
         self.plan = tiling(head_dim, self.kv_fp8)
         self.stages = self.plan.stages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -106,8 +105,10 @@ class PagedAttention:
                 scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
                     cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
                     cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=1)
-            lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=8), 1),
-                                   assumed_align=32)
+            # What the TVM-FFI wrapper checks on every call: only what populate's vector loads need.
+            width = self.k_op.lut_width
+            lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
+                                   assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         return (q, out, o_part, lse_part, k_src, v_src, offsets, lengths, lut, scales, Int32(0), Int32(1), Int32(1),
@@ -127,8 +128,9 @@ class PagedAttention:
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                          (1, 1, 1), (BM, d))
         k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
-        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d)
+        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.swizzle)
+        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
+                                                  self.swizzle)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
@@ -185,7 +187,7 @@ class PagedAttention:
             s_sum = smem.allocate_tensor(Float32, cute.make_layout(BM), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
             sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
-            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, self.kv_depth, stages=stages)
+            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.swizzle, stages=stages)
             mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1 if self.kv_fp8 else stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)

@@ -74,3 +74,21 @@ def test_lookup_vectors_need_a_padded_table():
     assert c.lookup_table.shape[1] % 8 == 0 and kernel_key(c, q, "sm_90a")[7]
     ragged = c.with_metadata(c.cache_lengths, c.lookup_table[:, :-1], c.max_seq_length, c.max_cache_length)
     assert not kernel_key(ragged, q, "sm_90a")[7]
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("lut_vector", [True, False])
+def test_operand_keeps_populates_promises(page_size, lut_vector):
+    """Tiles start at multiples of BN, so BN must be a multiple of ``base_alignment`` (else populate drops the
+    in-page offset of a tile inside a larger page); a multi-page tile needs it >= P. The lookup table the kernel
+    declares (row stride and base) must be exactly as aligned as the vector width populate reads."""
+    from cute_kv.kernels.attention_config import BN
+    from cute_kv.kernels.mha_operand import KVCacheMHAOperand
+    from cute_kv.row_indices import lut_chunk, tile_geometry
+
+    op = KVCacheMHAOperand(0, page_size, BN, lut_vector)
+    assert op.bn % op.base_alignment == 0
+    if op.copies_per_tile > 1:
+        assert op.base_alignment >= page_size
+    pages = tile_geometry(BN, page_size)[1]
+    assert op.lut_width == (lut_chunk(pages, BN, page_size) if lut_vector else 1)

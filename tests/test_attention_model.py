@@ -77,7 +77,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots
     h = c.num_heads
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
-    win = _window_arg(window, c.max_cache_length)
+    win = _window_arg(window)
     m_blocks, splits = launch_shape(c, hq, d, slots)
     splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)

@@ -164,7 +164,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
                                    _scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits, int(causal),
-                                   _window_arg(window, c.max_cache_length), scale * LOG2E)
+                                   _window_arg(window), scale * LOG2E)
         if splits > 1:
             combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
                                arch)
@@ -198,9 +198,9 @@ def num_splits(ctas: int, key_tiles: int, slots: int) -> int:
     return max(1, min(-(-slots // ctas), key_tiles // 2, MAX_SPLITS))
 
 
-def _window_arg(window: Optional[int], max_cache_length: int) -> int:
-    """The kernel's int32 ``window``: 0 for none, as is any window wider than every context (it masks nothing)."""
-    return 0 if window is None or window > max_cache_length else window
+def _window_arg(window: Optional[int]) -> int:
+    """The kernel's int32 ``window``: 0 for none; a wider window than int32 holds masks nothing more than 2^31-1."""
+    return 0 if window is None else min(window, 2**31 - 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -84,7 +84,7 @@ def _kernel_for(collection, k) -> Optional[Callable]:
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
-            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks, collection.scales,
-               collection.cache_lengths, collection.lookup_table, layer_idx)
+            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks,
+               collection.scales, collection.cache_lengths, collection.lookup_table, layer_idx)
 
     return run
