@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command per job, set-up included, on a fresh clone:
 #   bash dev.sh demo   build a Llama-3-8B-like paged cache, run ragged steps, check attention, print the layout
-#   bash dev.sh test   the test suite (what CI runs)
+#   bash dev.sh test   the test suite: python -m pytest -q in the environment (what CI runs)
+#   bash dev.sh setup  only create / complete the environment
 # Extra arguments go to the demo / to pytest. CUTE_KV_VENV picks the virtual environment (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,5 +19,6 @@ fi
 case "$job" in
     demo) exec "$py" -m cute_kv demo "$@" ;;
     test) exec "$py" -m pytest -q "$@" ;;
-    *) echo "usage: bash dev.sh demo|test [args...]" >&2; exit 2 ;;
+    setup) ;;
+    *) echo "usage: bash dev.sh demo|test|setup [args...]" >&2; exit 2 ;;
 esac
