@@ -21,11 +21,6 @@ SMEM_PER_SM = 228 * 1024  # SM90: a CTA may take 227 KiB, and the SM reserves 1 
 MAX_STAGES = 3
 
 
-def key_tile(head_dim: int) -> int:
-    """Keys per tile."""
-    return BN
-
-
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """Shared-memory plan of one CTA (bytes): Q, staged S, P, row statistics and barriers (``fixed``), then the
@@ -82,7 +77,6 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
-    bn = key_tile(head_dim)
-    if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
+    if page_size is not None and (page_size < 16 or (page_size % BN and BN % page_size)):
+        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {BN}-key tile"
     return None

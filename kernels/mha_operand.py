@@ -33,10 +33,8 @@ class KVCacheMHAOperand:
         # A multi-page tile starts on a page; base_alignment = P makes populate read its entries one by one. A tile
         # inside a page (P >= BN) reads one entry either way and starts at a multiple of BN within it.
         self.base_alignment = bn if lut_vector or page_size >= bn else page_size
-        # Lookup entries per load: the table's row stride and base must be multiples of it.
-        self.lut_width = 1
-        if self.copies_per_tile > 1:
-            self.lut_width = lut_chunk(self.copies_per_tile, self.base_alignment, page_size)
+        # Lookup entries per load (1 for a one-page tile): the table's row stride and base must be multiples of it.
+        self.lut_width = lut_chunk(self.copies_per_tile, self.base_alignment, page_size)
 
     def row_view(self, blocks: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
         return kv_row_view(blocks, self.kv_idx, layer_idx)

@@ -32,7 +32,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels import tma_tiles
-from cute_kv.kernels.attention_config import BM, FP8, S_PAD, VEC, key_tile, ring_swizzle, supported, tiling
+from cute_kv.kernels.attention_config import BM, BN, FP8, S_PAD, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.mha_operand import DenseMHAOperand, KVCacheMHAOperand
 
 THREADS = 128  # one warpgroup
@@ -66,7 +66,7 @@ class PagedAttention:
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
-        self.bn = key_tile(head_dim)
+        self.bn = BN
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
@@ -188,7 +188,6 @@ class PagedAttention:
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
             sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
             ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.swizzle, stages=stages)
-            mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1 if self.kv_fp8 else stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
             s_s = smem.allocate_tensor(Float32, cute.make_layout((BM, bn), stride=(bn + S_PAD, 1)),
@@ -200,6 +199,7 @@ class PagedAttention:
                                       ring_layout.outer)
             s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles after it
             if cutlass.const_expr(self.kv_fp8):
+                mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
                 s_k = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes, mma_layout.inner, dtype=dt),
                                        mma_layout.outer)
                 s_v = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes + self.plan.mma_tile // 2,

@@ -1,7 +1,7 @@
 """The ``PagedAttention`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
 
 A GPU run is what proves the kernel; this proves its plan. ``model_attention`` walks the same grid the host launches
-(``launch_shape``, ``BM``, ``key_tile``, the window argument) and does per CTA what ``kernels/paged_attention.py`` does:
+(``launch_shape``, ``BM``, ``BN``, the window argument) and does per CTA what ``kernels/paged_attention.py`` does:
 pack the GQA heads into rows, pick the key tiles any row may see and this split's share of them, mask each tile by
 row, run the base-2 online softmax with the kernel's guards, round P to 16 bits, zero V past the keys, and write
 either the output or float32 partials that ``AttentionCombine``'s formula merges. Ragged steps, windows, GQA ratios
@@ -15,16 +15,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention_config import BM, key_tile
+from cute_kv.kernels.attention_config import BM, BN
 from cute_kv.ops.paged_attention import _window_arg, launch_shape
 from cute_kv.reference.batch import random_paged_batch
+
+from numerics import rel_err
 
 NEG_INF = float("-inf")
 
 
 def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale):
     """One CTA: ``(rows [(token, head)], O/l [rows, D], lse (log2) [rows])`` for its packed rows."""
-    bn = key_tile(q.shape[-1])
+    bn = BN
     num_keys = cache_len + seq_len
     m0 = m_block * BM
     tok_first, tok_last = m0 // group, (min(m0 + BM, seq_len * group) - 1) // group
@@ -78,7 +80,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
     win = _window_arg(window)
-    m_blocks, splits = launch_shape(c, hq, d, slots)
+    m_blocks, splits = launch_shape(c, hq, slots)
     splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
     lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
@@ -102,10 +104,6 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots
     top = lse_part.max(dim=0).values
     w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
     return (w[..., None] * o_part).sum(0) / w.sum(0)[..., None]
-
-
-def rel_err(got, want):
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 @settings(max_examples=25, deadline=None)

@@ -13,6 +13,8 @@ from cute_kv import RopeConfig
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 
+from numerics import rel_err
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -25,11 +27,6 @@ CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (
     (torch.bfloat16, 4, 4, 64, 16, 128, False, (64, False, None), False),  # MHA, two heads per tile
     (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True),  # MLA: [Q | latent K], rope last 64
 ]
-
-
-def rel_err(got, want):
-    got, want = got.to(torch.float64), want.to(torch.float64)
-    return float((got - want).norm() / want.norm())
 
 
 def _inputs(case, cached, new, seed):

@@ -16,6 +16,8 @@ from cute_kv import reference as ref
 from cute_kv.ops.paged_attention import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
+from numerics import bits, rel_err
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -36,16 +38,6 @@ CASES = [  # (dtype, kv heads, q heads, D, page[, fp8 cache: {scale dtype, granu
 ]
 
 
-def _bits(t):
-    """Bit patterns, so the NaN-poisoned slots compare equal to themselves."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def rel_err(got, want):
-    got, want = got.to(torch.float64), want.to(torch.float64)
-    return float((got - want).norm() / want.norm())
-
-
 def _pair(case, cached, new, seed):
     dtype, h, hq, d, p, *fp8 = case
     cache = {"dtype": FP8, **fp8[0]} if fp8 else {"dtype": dtype}
@@ -63,14 +55,14 @@ def _run(case, cached, new, seed, **kw):
 
     (cpu, gpu), q = _pair(case, cached, new, seed)
     want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, **kw)
-    blocks = _bits(gpu.collection.blocks).clone()
+    blocks = bits(gpu.collection.blocks).clone()
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
     compiles = cache_info()["compiles"]
     got = cute_kv.paged_attention(q.cuda(), gpu.input_row_offsets, gpu.collection, 1, out=out, **kw)
     torch.cuda.synchronize()
     assert got is out and not out.isnan().any()  # every row written, no stale (NaN) key or value reached it
     assert rel_err(out.cpu(), want) < TOL[q.dtype]
-    assert torch.equal(_bits(gpu.collection.blocks), blocks)
+    assert torch.equal(bits(gpu.collection.blocks), blocks)
     assert cache_info()["compiles"] - compiles <= 2  # the kernel (and the split combine) served the call
     return cache_info()["compiles"]
 
@@ -95,7 +87,7 @@ def test_attention_kernel_split_kv_decode():
     """One long context and few heads: the grid splits the keys (combine pass), one short request beside it."""
     cached, new = [20000, 3], [1, 2]
     (cpu, _), _ = _pair((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
-    assert launch_shape(cpu.collection, 8, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    assert launch_shape(cpu.collection, 8, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=7, window=700)
 

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 
+from numerics import rel_err
+
 # Mixed step: fresh prefill, decode, empty request, prefill after a multi-page prefix, decode.
 CACHED = [0, 37, 5, 130, 9]
 NEW = [5, 1, 0, 17, 1]
@@ -34,10 +36,6 @@ def dense_attention(pb, q, layer, *, causal=True, window=None, scale=None, mla_v
                 s = keys[lo:hi, h // group] @ q[rows][i, h].double() * scale
                 out[rows.start + i, h] = torch.softmax(s, 0) @ values[lo:hi, h // group]
     return out
-
-
-def rel_err(got, want):
-    return float((got.double() - want).norm() / want.norm())
 
 
 def _run(pb, q, layer, **kw):

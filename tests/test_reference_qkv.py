@@ -8,15 +8,12 @@ from cute_kv import reference as ref
 from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 
+from numerics import rel_err
+
 CACHED = [0, 37, 5, 130, 1]
 NEW = [3, 1, 0, 17, 1]
 HIDDEN = 48
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.to(torch.float64), want.to(torch.float64)
-    return float((got - want).norm() / want.norm())
 
 
 def rope64(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, interleaved: bool, theta: float) -> torch.Tensor:

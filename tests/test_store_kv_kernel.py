@@ -12,14 +12,9 @@ import cute_kv
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 
+from numerics import bits
+
 pytestmark = pytest.mark.gpu
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-def _bits(t):
-    """Bit patterns, so NaN compares equal to the same NaN."""
-    return t.view(_INT[t.element_size()])
 
 CACHED = [0, 37, 5, 130, 1, 63]
 NEW = [3, 1, 0, 17, 1, 200]
@@ -59,7 +54,7 @@ def test_store_kernel_matches_reference(case):
     cute_kv.store_kv(to(k), to(v), gpu.input_row_offsets, gpu.collection, 1)
     torch.cuda.synchronize()
     got, want = gpu.collection.blocks.cpu(), cpu.collection.blocks
-    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(bits(got), bits(want))
     assert not got[cpu.step_mask(1)].isnan().any()  # every poisoned step slot written
     assert torch.equal(gpu.collection.cache_lengths.cpu(), cpu.collection.cache_lengths)
     compiles = cache_info()["compiles"]
@@ -75,7 +70,7 @@ def test_store_kernel_large_and_empty_steps():
         ref.store_kv(k, v, cpu.input_row_offsets, cpu.collection, 1)
         cute_kv.store_kv(k.cuda(), v.cuda(), gpu.input_row_offsets, gpu.collection, 1)
         torch.cuda.synchronize()
-        assert torch.equal(_bits(gpu.collection.blocks.cpu()), _bits(cpu.collection.blocks))
+        assert torch.equal(bits(gpu.collection.blocks.cpu()), bits(cpu.collection.blocks))
 
 
 @pytest.mark.parametrize("in_dtype,granularity,heads,head_size", [(torch.bfloat16, 128, 8, 128),
@@ -100,4 +95,4 @@ def test_store_kernel_fp8_quantizes_like_reference(in_dtype, granularity, heads,
     torch.cuda.synchronize()
     for t in ("blocks", "scales"):
         got, want = _raw(getattr(batches[1].collection, t)).cpu(), _raw(getattr(batches[0].collection, t))
-        assert torch.equal(_bits(got), _bits(want)), t
+        assert torch.equal(bits(got), bits(want)), t

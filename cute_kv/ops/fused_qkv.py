@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
+from cute_kv import dtypes, reference
 from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.rope import RopeConfig
@@ -101,7 +101,7 @@ def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
     from cute_kv.kernels.fused_qkv_matmul import DTYPES, FusedQKVMatmul, supported
 
     arch = target_arch(collection.device)
-    dtype_name = str(collection.dtype).removeprefix("torch.")
+    dtype_name = dtypes.dtype_name(collection.dtype)
     t, k = hidden.shape
     if arch != "sm_90a" or dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
         return None

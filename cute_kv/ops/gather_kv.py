@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from cute_kv import dtypes
 from cute_kv.validate import check_tensor
 
 _KV_INDEX = {"k": 0, "v": 1}
@@ -47,7 +48,7 @@ def _kernel_for(collection, out: torch.Tensor) -> Optional[Callable]:
     from cute_kv.kernels.compile_cache import compiled
     from cute_kv.kernels.paged_kv_gather import DTYPES, HEAD_DIMS, PAGE_SIZES, PagedKVGather
 
-    dtype_name = str(collection.dtype).removeprefix("torch.")
+    dtype_name = dtypes.dtype_name(collection.dtype)
     if (dtype_name not in DTYPES or collection.page_size not in PAGE_SIZES or collection.head_size not in HEAD_DIMS
             or collection.lookup_table.stride(0) % 8 or collection.blocks.data_ptr() % 16 or out.data_ptr() % 16):
         return None

@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import reference
-from cute_kv.kernels.attention_config import BM, DTYPE_NAMES, FP8, VEC, key_tile, supported, tiling
+from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.attention_config import BM, BN, DTYPE_NAMES, FP8, VEC, supported, tiling
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -35,8 +36,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
     CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
     """
-    _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
-    d_v = _check_mla_v_dim(mla_v_dim, collection)
+    d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
     c = collection
@@ -56,7 +56,8 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
         out=out)
 
 
-def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> None:
+def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> int:
+    """Every argument, before anything runs; returns the output head dim ``D_v``."""
     collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
     t, hq, d = q.shape
@@ -79,6 +80,7 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, m
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=[t, hq, d_v], device=collection.device)
     check_step(collection, input_row_offsets, t, data_checks=validate)
+    return d_v
 
 
 def _check_mla_v_dim(mla_v_dim, collection) -> int:
@@ -105,19 +107,14 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
     return None if key is None else _launcher(key, arch)
 
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-                torch.float8_e4m3fn: FP8}
-
-
 def kernel_key(collection, q, arch: str) -> Optional[tuple]:
     """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
     reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
     head dims, page sizes or granules the kernel cannot tile (``attention_config.supported``), a misaligned cache,
     or more rows than int32 TMA coordinates reach."""
     c = collection
-    dtype_name = _DTYPE_NAMES.get(q.dtype)
-    kv_dtype_name = _DTYPE_NAMES.get(c.dtype)
-    if arch != "sm_90a" or c.is_mla or dtype_name not in DTYPE_NAMES:
+    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
+    if arch != "sm_90a" or c.is_mla or q_dtype_name not in DTYPE_NAMES:
         return None
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
         return None
@@ -127,10 +124,10 @@ def kernel_key(collection, q, arch: str) -> Optional[tuple]:
     if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
             or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
         return None
-    chunk = lut_chunk(tile_geometry(key_tile(d), p)[1], key_tile(d), p)
+    chunk = lut_chunk(tile_geometry(BN, p)[1], BN, p)
     lut = c.lookup_table
     lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    return ("paged_attention", dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+    return ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +150,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, d, _sm_count(q.device) * ctas_per_sm)
+        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device) * ctas_per_sm)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         if splits > 1:
             o_part = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
@@ -181,12 +178,12 @@ def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def launch_shape(collection, num_q_heads: int, head_dim: int, slots: int) -> tuple[int, int]:
+def launch_shape(collection, num_q_heads: int, slots: int) -> tuple[int, int]:
     """``(m_blocks, splits)``: query blocks of ``BM`` packed rows per (request, KV head) for the longest new-token
     run, and key splits for ``slots`` resident CTAs (SMs x CTAs per SM)."""
     c = collection
     m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // BM)
-    key_tiles = -(-c.max_cache_length // key_tile(head_dim))
+    key_tiles = -(-c.max_cache_length // BN)
     return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
 
 

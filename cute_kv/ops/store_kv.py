@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
+from cute_kv import dtypes, reference
 from cute_kv.ops.vectors import packed_heads
 from cute_kv.validate import check_activation, check_step, check_tensor
 
@@ -63,7 +63,7 @@ def _kernel_for(collection, k) -> Optional[Callable]:
     from cute_kv.kernels.paged_kv_store import DTYPES, PagedKVStore, quantizable
 
     c = collection
-    dtype_name = str(k.dtype).removeprefix("torch.")
+    dtype_name = dtypes.dtype_name(k.dtype)
     granularity = None
     if c.dtype == torch.float8_e4m3fn:
         granularity = c.quantization_granularity
