@@ -1,4 +1,5 @@
-"""Compiled kernels, cached by compile-time key: a second request with the same key does not recompile.
+"""Compiled kernels, cached by compile-time key: a second request with the same key does not recompile; and the arch
+they are compiled for.
 
 Kernels compile from fake tensors (no GPU needed) with TVM-FFI enabled and the caller's current stream, so the
 cached object is called with torch tensors directly (guide §1.6, ~7 µs of host time per call).
@@ -11,6 +12,24 @@ import tempfile
 from typing import Callable, Hashable
 
 import cutlass.cute as cute
+
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+
+
+def target_arch(device=None) -> str:
+    """``sm_90a`` (Hopper) or ``sm_100a`` (Blackwell); raises for anything else."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device: set CUTE_DSL_ARCH=sm_90a or sm_100a to compile without one")
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = f"sm_{major}{minor}a"
+    if arch not in SUPPORTED_ARCHS:
+        raise RuntimeError(f"cute-kv kernels target {SUPPORTED_ARCHS}, not {arch}")
+    return arch
+
 
 _cache: dict[Hashable, object] = {}
 _compiles = 0

@@ -82,8 +82,8 @@ def test_operand_keeps_populates_promises(page_size, lut_vector):
     """Tiles start at multiples of BN, so BN must be a multiple of ``base_alignment`` (else populate drops the
     in-page offset of a tile inside a larger page); a multi-page tile needs it >= P. The lookup table the kernel
     declares (row stride and base) must be exactly as aligned as the vector width populate reads."""
-    from cute_kv.kernels.attention_config import BN
-    from cute_kv.kernels.mha_operand import KVCacheMHAOperand
+    from cute_kv.kernels.attention.config import BN
+    from cute_kv.kernels.attention.operand import KVCacheMHAOperand
     from cute_kv.row_indices import lut_chunk, tile_geometry
 
     op = KVCacheMHAOperand(0, page_size, BN, lut_vector)

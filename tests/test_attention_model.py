@@ -1,7 +1,7 @@
 """The ``PagedAttention`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
 
 A GPU run is what proves the kernel; this proves its plan. ``model_attention`` walks the same grid the host launches
-(``launch_shape``, ``BM``, ``BN``, the window argument) and does per CTA what ``kernels/paged_attention.py`` does:
+(``launch_shape``, ``BM``, ``BN``, the window argument) and does per CTA what ``kernels/attention/sm90.py`` does:
 pack the GQA heads into rows, pick the key tiles any row may see and this split's share of them, mask each tile by
 row, run the base-2 online softmax with the kernel's guards, round P to 16 bits, zero V past the keys, and write
 either the output or float32 partials that ``AttentionCombine``'s formula merges. Ragged steps, windows, GQA ratios
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention_config import BM, BN
+from cute_kv.kernels.attention.config import BM, BN
 from cute_kv.ops.paged_attention import _window_arg, launch_shape
 from cute_kv.reference.batch import random_paged_batch
 

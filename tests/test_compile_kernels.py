@@ -6,12 +6,12 @@ import re
 import pytest
 
 from cute_kv.kernels import compile_cache
-from cute_kv.kernels.attention_combine import AttentionCombine
-from cute_kv.kernels.fused_qkv_matmul import BK, FusedQKVMatmul, supported
-from cute_kv.kernels.paged_attention import PagedAttention
-from cute_kv.kernels.attention_config import supported as attention_supported
-from cute_kv.kernels.paged_kv_gather import PagedKVGather
-from cute_kv.kernels.paged_kv_store import PagedKVStore
+from cute_kv.kernels.attention.combine import AttentionCombine
+from cute_kv.kernels.qkv.sm90 import BK, FusedQKVMatmul, supported
+from cute_kv.kernels.attention.sm90 import PagedAttention
+from cute_kv.kernels.attention.config import supported as attention_supported
+from cute_kv.kernels.cache.gather import PagedKVGather
+from cute_kv.kernels.cache.store import PagedKVStore
 
 pytestmark = pytest.mark.compile
 
@@ -125,7 +125,7 @@ def test_compile_cache_compiles_once_per_key():
 
 
 def test_target_arch_from_environment(monkeypatch):
-    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import target_arch
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
     assert target_arch() == "sm_100a"
@@ -182,8 +182,8 @@ def test_paged_attention_ptx(case):
 
 
 def test_attention_config_names_the_kernel_dtypes():
-    from cute_kv.kernels.attention_config import DTYPE_NAMES
-    from cute_kv.kernels.paged_attention import DTYPES
+    from cute_kv.kernels.attention.config import DTYPE_NAMES
+    from cute_kv.kernels.attention.sm90 import DTYPES
 
     assert set(DTYPES) == set(DTYPE_NAMES)
 

@@ -115,7 +115,7 @@ def test_attention_kernel_strided_q_and_out():
 def test_dense_operand_matches_sdpa():
     """The same kernel over a contiguous ``[B, S, H, D]`` cache (``DenseMHAOperand``), against torch SDPA."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_attention import BM, PagedAttention
+    from cute_kv.kernels.attention.sm90 import BM, PagedAttention
 
     b, s, h, hq, d = 3, 300, 2, 8, 128
     g = torch.Generator(device="cuda").manual_seed(11)

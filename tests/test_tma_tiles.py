@@ -1,4 +1,4 @@
-"""TMA descriptor builders (``kernels/tma_tiles.py``) and device ``populate``, through the probe kernels.
+"""TMA descriptor builders (``kernels/paged/tma_tiles.py``) and device ``populate``, through the probe kernels.
 
 Compile (both archs; gather4 on sm_100a only): each descriptor issues the TMA instructions it should, with the
 box count its geometry implies. GPU: the paged-tile and ragged round trips are exact.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cute_kv.kernels import compile_cache
-from cute_kv.kernels.tma_tiles import padded_depth, swizzle_granularity
+from cute_kv.kernels.paged.tma_tiles import padded_depth, swizzle_granularity
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.row_indices import lut_chunk, tile_geometry
 
@@ -105,7 +105,7 @@ def test_gather4_ptx(rope):
 
 
 def _compiled(probe, key):
-    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import target_arch
 
     return compile_cache.compiled(key, lambda: (probe, *probe.fake_args()), target_arch())
 

@@ -14,8 +14,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels import tma_tiles
-from cute_kv.kernels.paged_row_indices import populate, populate_rows
+from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.populate import populate, populate_rows
 from cute_kv.row_indices import tile_geometry
 
 THREADS = 128

@@ -96,9 +96,9 @@ def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
     (no tcgen05 mainloop yet), fp8 caches, or a shape the kernel cannot tile (``fused_qkv_matmul.supported``)."""
     if collection.device.type != "cuda":
         return None
-    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import target_arch
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.fused_qkv_matmul import DTYPES, FusedQKVMatmul, supported
+    from cute_kv.kernels.qkv.sm90 import DTYPES, FusedQKVMatmul, supported
 
     arch = target_arch(collection.device)
     dtype_name = dtypes.dtype_name(collection.dtype)

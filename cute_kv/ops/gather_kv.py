@@ -44,9 +44,9 @@ def _kernel_for(collection, out: torch.Tensor) -> Optional[Callable]:
     """The compiled ``PagedKVGather`` for this cache, or None where it does not apply (CPU, dtype, geometry)."""
     if collection.device.type != "cuda" or collection.scales is not None:
         return None
-    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import target_arch
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_kv_gather import DTYPES, HEAD_DIMS, PAGE_SIZES, PagedKVGather
+    from cute_kv.kernels.cache.gather import DTYPES, HEAD_DIMS, PAGE_SIZES, PagedKVGather
 
     dtype_name = dtypes.dtype_name(collection.dtype)
     if (dtype_name not in DTYPES or collection.page_size not in PAGE_SIZES or collection.head_size not in HEAD_DIMS

@@ -10,7 +10,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention_config import BM, BN, DTYPE_NAMES, FP8, VEC, supported, tiling
+from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, supported, tiling
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -100,7 +100,7 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
     c = collection
     if c.device.type != "cuda":
         return None
-    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import target_arch
 
     arch = target_arch(c.device)
     key = kernel_key(c, q, arch)
@@ -110,7 +110,7 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
 def kernel_key(collection, q, arch: str) -> Optional[tuple]:
     """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
     reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``attention_config.supported``), a misaligned cache,
+    head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache,
     or more rows than int32 TMA coordinates reach."""
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
@@ -139,7 +139,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     ctas_per_sm = tiling(d, kv_dtype_name == FP8).ctas_per_sm
 
     def build():
-        from cute_kv.kernels.paged_attention import PagedAttention
+        from cute_kv.kernels.attention.sm90 import PagedAttention
 
         kernel = PagedAttention(*key[1:])
         return kernel, *kernel.fake_args()
@@ -213,7 +213,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _build_combine(dtype_name: str, num_q_heads: int, head_dim: int):
-    from cute_kv.kernels.attention_combine import AttentionCombine
+    from cute_kv.kernels.attention.combine import AttentionCombine
 
     kernel = AttentionCombine(dtype_name, num_q_heads, head_dim)
     return kernel, *kernel.fake_args()

@@ -58,9 +58,9 @@ def _kernel_for(collection, k) -> Optional[Callable]:
     whole vectors."""
     if collection.device.type != "cuda":
         return None
-    from cute_kv.kernels.arch import target_arch
+    from cute_kv.kernels.compile_cache import target_arch
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.paged_kv_store import DTYPES, PagedKVStore, quantizable
+    from cute_kv.kernels.cache.store import DTYPES, PagedKVStore, quantizable
 
     c = collection
     dtype_name = dtypes.dtype_name(k.dtype)

@@ -3,7 +3,7 @@
 Host side: call these from a ``@cute.jit`` function; each returns ``(atom, coordinate tensor, smem layout)``
 (what ``cute.copy`` and ``cpasync.tma_partition`` take in the kernel). Rows are MAX's flattened row view: row
 ``page * KVD*L*P + slot`` of ``[num_kv_rows, H, D]`` from the plane's base, the row ``PagedRowIndices.populate``
-returns (``paged_row_indices.py``); TMA coordinates are int32, so a descriptor spans at most 2^31 - 1 rows.
+returns (``populate.py``); TMA coordinates are int32, so a descriptor spans at most 2^31 - 1 rows.
 
 * ``create_tma_tile``: 3-D ``[rows, H, D]`` seen as ``(rows, D, H)``; box ``(rows_per_copy, 1, swizzle width)``,
   the depth padded to the swizzle width (TMA zero-fills past ``D``). One copy per page slot of a BN tile.

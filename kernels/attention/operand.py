@@ -15,8 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from cute_kv.kernels.paged_row_indices import populate
-from cute_kv.kernels.tma_tiles import kv_row_view
+from cute_kv.kernels.paged.populate import populate
+from cute_kv.kernels.paged.tma_tiles import kv_row_view
 from cute_kv.row_indices import lut_chunk, tile_geometry
 
 

@@ -13,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from cute_kv.kernels.paged_attention import DTYPES, NEG_INF, VEC
+from cute_kv.kernels.attention.sm90 import DTYPES, NEG_INF, VEC
 
 THREADS = 128
 F32_VEC = 4  # float32 per 16-byte load

@@ -3,7 +3,7 @@
 MAX's ``flash_attention_kv_cache_ragged``. A CTA is (block of ``BM`` packed query rows, KV head, split, request).
 Packed rows interleave the ``group = Hq/H`` query heads sharing a KV head with the tokens (row ``i*group + g`` is
 token ``i``, head ``kv_head*group + g``; FA's pack-GQA), so a decode step's heads fill the MMA's M instead of one
-row per CTA. Keys ``[0, cache_length + seq_len)`` come through the operand (``mha_operand.py``): ``populate`` names
+row per CTA. Keys ``[0, cache_length + seq_len)`` come through the operand (``operand.py``): ``populate`` names
 the rows of a BN-token tile and warp 0 issues one TMA per page slot into a ``STAGES``-deep K/V ring
 (``PipelineTmaAsync``) that runs ahead of the math.
 
@@ -31,13 +31,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels import tma_tiles
-from cute_kv.kernels.attention_config import BM, BN, FP8, S_PAD, VEC, ring_swizzle, supported, tiling
-from cute_kv.kernels.mha_operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.attention.config import BM, BN, FP8, S_PAD, VEC, ring_swizzle, supported, tiling
+from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 
 THREADS = 128  # one warpgroup
 NEG_INF = Float32(float("-inf"))
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}  # attention_config.DTYPE_NAMES
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}  # config.DTYPE_NAMES
 
 
 class PagedAttention:

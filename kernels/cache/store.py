@@ -25,7 +25,7 @@ from cutlass import Float32, Int32, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels.ragged_rows import resolve_rows
+from cute_kv.kernels.paged.ragged_rows import resolve_rows
 
 THREADS = 128
 VECS_PER_THREAD = 16  # vectors in flight per thread

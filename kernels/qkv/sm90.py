@@ -29,7 +29,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cute_kv.kernels.ragged_rows import resolve_rows
+from cute_kv.kernels.paged.ragged_rows import resolve_rows
 
 THREADS = 128  # one warpgroup
 BN, BK, STAGES = 128, 64, 3
