@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import Callable, Hashable
 
 import cutlass.cute as cute
@@ -16,16 +17,29 @@ import cutlass.cute as cute
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 
 
-def target_arch(device=None) -> str:
-    """``sm_90a`` (Hopper) or ``sm_100a`` (Blackwell); raises for anything else."""
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch is None:
-        import torch
+_overridden: set[tuple[str, str]] = set()
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device: set CUTE_DSL_ARCH=sm_90a or sm_100a to compile without one")
+
+def target_arch(device=None) -> str:
+    """``sm_90a`` (Hopper) or ``sm_100a`` (Blackwell); raises for anything else.
+
+    With a CUDA device its arch wins (a kernel compiled for another arch would not run, or run the wrong code);
+    ``CUTE_DSL_ARCH`` is for compiling without one, and a different value beside a device only warns.
+    """
+    import torch
+
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"sm_{major}{minor}a"
+        if env is not None and env != arch and (env, arch) not in _overridden:
+            _overridden.add((env, arch))  # once: this runs on every op call
+            warnings.warn(f"CUTE_DSL_ARCH={env} ignored: the CUDA device is {arch} (unset CUTE_DSL_ARCH; it is "
+                          f"for compiling without a device)", RuntimeWarning, stacklevel=2)
+    elif env is not None:
+        arch = env
+    else:
+        raise RuntimeError("no CUDA device: set CUTE_DSL_ARCH=sm_90a or sm_100a to compile without one")
     if arch not in SUPPORTED_ARCHS:
         raise RuntimeError(f"cute-kv kernels target {SUPPORTED_ARCHS}, not {arch}")
     return arch

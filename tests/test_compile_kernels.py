@@ -4,6 +4,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from cute_kv.kernels import compile_cache
 from cute_kv.kernels.attention.combine import AttentionCombine
@@ -132,6 +133,34 @@ def test_target_arch_from_environment(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
     with pytest.raises(RuntimeError, match="sm_80"):
         target_arch()
+    monkeypatch.delenv("CUTE_DSL_ARCH")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="set CUTE_DSL_ARCH"):
+            target_arch()
+
+
+def test_target_arch_device_wins_over_environment(monkeypatch):
+    """A stale ``CUTE_DSL_ARCH`` must not compile Blackwell code for a Hopper device: the device decides, and says so."""
+    import warnings
+
+    from cute_kv.kernels import compile_cache
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(compile_cache, "_overridden", set())
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    with pytest.warns(RuntimeWarning, match="CUTE_DSL_ARCH=sm_100a ignored.*sm_90a"):
+        assert compile_cache.target_arch() == "sm_90a"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per (setting, device), not on every op call
+        assert compile_cache.target_arch() == "sm_90a"
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+        assert compile_cache.target_arch() == "sm_90a"
+        monkeypatch.delenv("CUTE_DSL_ARCH")
+        assert compile_cache.target_arch() == "sm_90a"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(RuntimeError, match="sm_80"):
+        compile_cache.target_arch()
 
 
 ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads[, fp8, gran])
