@@ -63,6 +63,11 @@ def test_paged_kv_store_fp8_ptx(arch, case):
     assert ptx.count("div.rn.f32") == vectors * 9  # x / scale as the reference divides, and amax / 448
     assert _count(r"st\.global\.v2\.b32", ptx) == vectors  # 8 fp8 bytes per vector
     assert _count(r"st\.global\.(?:b32|f32)", ptx) == vectors  # the granule's scale (first lane stores it)
+    # NaN/Inf as the reference: a NaN-propagating amax (the running max of |x|, the shuffles, the scale floor), and
+    # no clamp before the conversion (cvt.satfinite saturates and keeps NaN; a clamp makes NaN 448).
+    assert ptx.count("abs.f32") == vectors * 8
+    assert _count(r"max\.NaN\.f32", ptx) == vectors * (8 + int(math.log2(lanes)) + 1)
+    assert _count(r"(?:min|max)\.(?:ftz\.)?f32", ptx) == 0
 
 
 def test_paged_kv_store_rejects_unsupported_geometry():
@@ -190,10 +195,15 @@ def test_paged_attention_ptx(case):
     boxes = max(d * (1 if fp8 else 2) // 128, 1)
     loads = _count(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     assert loads == 2 * 2 * kernel.k_op.copies_per_tile * boxes
+    # Q and the fp8 K/V rows move unrolled: each thread's d/16 vectors of a (64 x d) tile, in straight-line code.
+    trips = d // 16
     # fp8: K and V dequantized 8 values (4 conversions) at a time, each value times its granule's scale.
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == (2 * 4 if fp8 else 0)
-    if kernel.e8m0_scales:  # one byte per scale (K and V), made a float32 by shifting it into the exponent field
-        assert _count(r"ld\.global\.(?:nc\.)?[ub]8", ptx) == 2 and _count(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx) == 2
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == (2 * trips * 4 if fp8 else 0)
+    if kernel.granularity:  # one 4-byte float32 (or one e8m0 byte) per dequantized vector of K and V
+        assert _count(r"ld\.global\.(?:nc\.)?[ub]8", ptx) == (2 * trips if kernel.e8m0_scales else 0)
+        assert _count(r"ld\.global\.(?:nc\.)?[ub]16", ptx) == 0  # no float32 assembled from narrower loads
+    if kernel.e8m0_scales:  # made a float32 by shifting the byte into the exponent field
+        assert _count(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx) == 2 * trips
     assert "mbarrier.try_wait" in ptx
     # Generic-proxy smem writes before wgmma reads them: Q, then P (and zeroed V rows), and dequantized K/V (fp8).
     assert ptx.count("fence.proxy.async.shared::cta") == (3 if fp8 else 2)
@@ -201,13 +211,15 @@ def test_paged_attention_ptx(case):
     assert ptx.count("ex2.approx") == bn // 2 + 1
     assert ptx.count("shfl.sync.bfly.b32") == 2
     assert ptx.count("lg2.approx") == 1  # a split's log-sum-exp
-    # 16-byte shared stores: P rows, Q, and zeroed V rows (16-bit cache) or K and V dequantized (fp8).
-    assert _count(r"st\.shared\.v4\.b32", ptx) == (bn // 2) // 8 + (3 if fp8 else 2)
+    # 16-byte shared stores: P rows, Q, and zeroed V rows (16-bit cache, a loop) or K and V dequantized (fp8).
+    assert _count(r"st\.shared\.v4\.b32", ptx) == (bn // 2) // 8 + trips + (2 * trips if fp8 else 1)
     assert _count(r"st\.global\.v4\.b32", ptx) == 3  # 16-bit output, or a float32 partial (two vectors)
-    # A tile's lookup entries as 16-byte vectors (4 entries each) where the tile's rows are needed: both load sites,
-    # and the dequantization's scale rows (fp8); none when read one by one.
-    lookup_vectors = (3 if fp8 else 2) * (kernel.k_op.copies_per_tile // 4) if case[4] and case[6] else 0
-    assert _count(r"ld\.global\.v4\.b32", ptx) == 1 + lookup_vectors  # + one 16-byte Q load
+    # A tile's lookup entries as 16-byte vectors (4 entries each), read one tile ahead: the producer's first tile and
+    # its next tile at both load_tile sites, and the same two sites for the dequantization's scale rows (fp8 with
+    # scales); none when read one by one.
+    sites = 3 + (2 if kernel.granularity else 0)
+    lookup_vectors = sites * (kernel.k_op.copies_per_tile // 4) if case[4] and case[6] else 0
+    assert _count(r"ld\.global\.v4\.b32", ptx) == trips + lookup_vectors  # + the 16-byte Q loads
 
 
 def test_attention_config_names_the_kernel_dtypes():
@@ -257,3 +269,94 @@ def test_attention_combine_ptx(arch, head_dim):
     assert _count(r"ld\.global\.v4\.(?:b32|f32)", ptx) == 1  # 16 bytes of a split's partial per thread
     assert _count(r"st\.global\.v2\.b32", ptx) == 1  # four 16-bit outputs
     assert ptx.count("ex2.approx") == 1
+
+
+def _derivations(ptx):
+    """Every definition of each PTX virtual register: ``{reg: [(opcode, operands), ...]}``."""
+    defs = {}
+    for m in re.finditer(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s+(%\w+),\s*(.*?);", ptx, re.M):
+        defs.setdefault(m.group(2), []).append((m.group(1), m.group(3)))
+    return defs
+
+
+def _derived_from(defs, reg):
+    """The instructions ``reg``'s value may derive from (all definitions, transitively)."""
+    seen, todo, ops = set(), [reg], []
+    while todo:
+        r = todo.pop()
+        if r not in seen:
+            seen.add(r)
+            for op, args in defs.get(r, []):
+                ops.append((op, args))
+                todo += re.findall(r"%[a-z]+\d+", args)
+    return ops
+
+
+def _scale_loads_indexed_in_64_bits(ptx, width, per_row):
+    """How many ``ld.global.<width>`` addresses derive from a 64-bit ``row * per_row`` (H*G scales per row)."""
+    defs, shift = _derivations(ptx), int(math.log2(per_row))
+    wide = 0
+    for m in re.finditer(rf"ld\.global\.(?:nc\.)?{width}\s+%r\d+, \[(%rd\d+)(?:\+\d+)?\];", ptx):
+        ops = _derived_from(defs, m.group(1))
+        wide += any((op == "shl.b64" and args.endswith(f", {shift}"))
+                    or (op in ("mul.wide.s32", "mul.wide.u32", "mul.lo.s64") and args.endswith(f", {per_row}"))
+                    for op, args in ops)
+    return wide
+
+
+FP8_SCALED = [c for c in ATTENTION_CASES if len(c) > 8 and c[8]]
+
+
+@pytest.mark.parametrize("case", FP8_SCALED, ids=lambda c: "-".join(map(str, c)))
+def test_paged_attention_fp8_scales_ptx(case):
+    """Scale ``row * H * G + head * G + g`` in 64 bits (a 32-bit product wraps on caches past ~32 GiB); float32
+    scales as whole 4-byte loads; e8m0 bytes 0 and 255 decoded as torch does; the staging stage released only after
+    the barrier that ends every thread's reads of it."""
+    from cute_kv.kernels.quant import E8M0_MIN_BITS, E8M0_NAN_BITS
+
+    kernel = PagedAttention(*case)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    per_row = kernel.num_kv_heads * kernel.head_dim // kernel.granularity
+    scale_loads = 2 * kernel.head_dim // 16  # one per dequantized vector of K and V
+    if kernel.e8m0_scales:
+        assert _scale_loads_indexed_in_64_bits(ptx, "[ub]8", per_row) == scale_loads
+        for bits in (E8M0_MIN_BITS, E8M0_NAN_BITS):
+            assert ptx.count(f"0f{bits:08X}") == scale_loads  # one select per decoded byte
+    else:
+        assert _scale_loads_indexed_in_64_bits(ptx, "b32", per_row) == scale_loads
+        assert _count(r"ld\.global\.(?:nc\.)?[ub](?:8|16)", ptx) == 0
+    assert "mul.ftz" not in ptx  # 2^-127 is a float32 subnormal: it must not flush to 0
+
+
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c) > 7], ids=lambda c: "-".join(map(str, c)))
+def test_paged_attention_fp8_release_after_barrier(case):
+    kernel = PagedAttention(*case)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    lines = ptx.splitlines()
+    release = [i for i, line in enumerate(lines) if re.match(r"\s*mbarrier\.arrive\.shared\.b64", line)]
+    assert len(release) == 1  # the consumer's release of a staging stage
+    last_read = max(i for i, line in enumerate(lines[:release[0]]) if "cvt.rn.f16x2.e4m3x2" in line)
+    assert any("bar.sync" in line for line in lines[last_read:release[0]])
+
+
+def _page_guards(ptx, page_size):
+    """``(column compared, [lookup entries compared])`` of the row-resolving code: the page column ``pos >> log2 P``
+    is checked against the table's width, and the entry read at it against the page count, before any store."""
+    defs = _derivations(ptx)
+    cols = set(re.findall(rf"shr\.u32\s+(%r\d+), %r\d+, {int(math.log2(page_size))};", ptx))
+    compared = {r for pair in re.findall(r"setp\.\w+\.[su]32\s+%p\d+, (%r\d+), (%r\d+);", ptx) for r in pair}
+    entries = [m.group(1) for m in re.finditer(r"ld\.global\.b32\s+(%r\d+), \[(%rd\d+)\];", ptx)
+               if any(set(re.findall(r"%r\d+", args)) & cols for _, args in _derived_from(defs, m.group(2)))]
+    return bool(cols & compared), [e in compared for e in entries]
+
+
+@pytest.mark.parametrize("kind", ["store", "store_fp8", "qkv"])
+def test_row_writers_skip_pages_outside_the_cache(kind):
+    """Unchecked metadata (``validate=False``) running past a request's pages reads the sentinel entry ``N`` or a
+    column past the table: each row's column and entry are compared once, so no row is written past the cache."""
+    kernel = {"store": lambda: PagedKVStore("bfloat16", 2, 16, 8, 128),
+              "store_fp8": lambda: PagedKVStore("bfloat16", 2, 64, 2, 128, 32),
+              "qkv": lambda: FusedQKVMatmul(*QKV_CASES[0])}[kind]()
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    column_checked, entries_checked = _page_guards(ptx, kernel.page_size)
+    assert column_checked and entries_checked == [True]  # one lookup read per resolved row, checked

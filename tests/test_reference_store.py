@@ -149,3 +149,41 @@ def test_store_random_steps(lengths, page_size, is_mla, layer, seed):
     if not is_mla:
         assert torch.equal(_stored(pb, 1, layer)[0], v)
     _assert_only_step_written(pb, before, layer)
+
+
+def test_quantize_fp8_nan_and_inf_bits():
+    """NaN and infinity as a kernel's float32 arithmetic gives them, whichever device runs the reference: a NaN
+    makes its granule's scale the canonical NaN and its values NaN (the positive e4m3 NaN 0x7F); an infinity makes
+    the scale infinite, NaN where it was (inf/inf) and signed zeros elsewhere."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 2.0, nan, 3.0], [1.0, -2.0, inf, 3.0], [-inf, -2.0, 5.0, 3.0], [-nan, 1.0, 1.0, 1.0]])
+    q, s = ref.quantize_fp8(x, 4)
+    assert q.view(torch.uint8).tolist() == [[0x7F] * 4, [0x00, 0x80, 0x7F, 0x00], [0x7F, 0x80, 0x00, 0x00],
+                                            [0x7F] * 4]
+    assert s.view(torch.int32).flatten().tolist() == [0x7FFFFFFF, 0x7F800000, 0x7F800000, 0x7FFFFFFF]
+    q8, s8 = ref.quantize_fp8(x, 4, torch.float8_e8m0fnu)  # e8m0 has no infinity: its largest scale, 2^127
+    assert s8.view(torch.uint8).flatten().tolist() == [0xFF, 0xFE, 0xFE, 0xFF]
+    assert q8.view(torch.uint8)[0].tolist() == [0x7F] * 4 and q8.view(torch.uint8)[1, 2] == 0x7E
+    assert ref.saturating_cast_fp8(torch.tensor([-nan, inf, -1e9])).view(torch.uint8).tolist() == [0x7F, 0x7E, 0xFE]
+
+
+def test_quantize_fp8_divides_by_tensors():
+    """CUDA torch divides by a Python scalar as a multiply by its reciprocal (other bits than a kernel's division):
+    the reference divides by tensors only, so CPU and CUDA give the same bits."""
+    from torch.overrides import TorchFunctionMode
+
+    divisions = (torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__)
+
+    class ScalarDivisors(TorchFunctionMode):
+        found = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in divisions and not isinstance(args[1], torch.Tensor):
+                self.found.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 2, 64)
+    for scale_dtype in (torch.float32, torch.float8_e8m0fnu):
+        with ScalarDivisors() as mode:
+            ref.quantize_fp8(x, 32, scale_dtype)
+        assert mode.found == []

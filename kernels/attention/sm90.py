@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint8, Uint32
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
@@ -34,8 +34,10 @@ from cutlass.memory import SmemAllocator
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.attention.config import BM, BN, FP8, S_PAD, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.quant import e8m0_to_float32
 
 THREADS = 128  # one warpgroup
+BATCH = 8  # 16-byte loads a thread issues before it uses them (Q, fp8 K/V)
 NEG_INF = Float32(float("-inf"))
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}  # config.DTYPE_NAMES
 
@@ -104,7 +106,8 @@ class PagedAttention:
                 g = d // self.granularity
                 scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
                     cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
-                    cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=1)
+                    cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1),
+                    assumed_align=1 if self.e8m0_scales else 4)  # whole float32s: one 4-byte load per scale
             # What the TVM-FFI wrapper checks on every call: only what populate's vector loads need.
             width = self.k_op.lut_width
             lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
@@ -213,10 +216,13 @@ class PagedAttention:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
                 tx_count=self.plan.stage, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            # The producer's rows of its next tile: read from the lookup table one tile ahead (load_tile).
+            next_rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
             if warp_idx == 0:
+                self.k_op.populate(next_rows, lookup_table, b, first_tile * bn, num_keys, rows_per_page, oob_row)
                 for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                    self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v, ring_v,
-                                   s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                    self.load_tile(pipe, prod, first_tile + prod.count, next_rows, tma_k, g_k, ring_k, tma_v, g_v,
+                                   ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     prod.advance()
 
             self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
@@ -254,6 +260,10 @@ class PagedAttention:
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
             k_blocks = cute.size(t_rq, mode=[2])
             pv_blocks = cute.size(t_rp, mode=[2])
+            # fp8 scales: every thread's rows of the tile it dequantizes next, read one tile ahead as the producer's.
+            scale_rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+            if cutlass.const_expr(k_scales is not None):
+                self.k_op.populate(scale_rows, lookup_table, b, first_tile * bn, num_keys, rows_per_page, oob_row)
             for _ in cutlass.range(n_tiles, unroll=1):
                 tile_base = (first_tile + read.count) * bn
                 pipe.consumer_wait(read)
@@ -261,16 +271,17 @@ class PagedAttention:
                 if cutlass.const_expr(self.kv_fp8):
                     mma_stage = Int32(0)
                     cute.arch.sync_threads()  # the previous tile's MMAs are done with the 16-bit tiles
-                    rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
-                    self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
-                    self.dequantize(ring_k, s_k, read.index, k_scales, rows, tile_base, num_keys, kv_head)
-                    self.dequantize(ring_v, s_v, read.index, v_scales, rows, tile_base, num_keys, kv_head)
-                    pipe.consumer_release(read)  # converted: the stage can take the next tile already
+                    self.dequantize(ring_k, s_k, read.index, k_scales, scale_rows, tile_base, num_keys, kv_head)
+                    self.dequantize(ring_v, s_v, read.index, v_scales, scale_rows, tile_base, num_keys, kv_head)
+                    if cutlass.const_expr(k_scales is not None):
+                        self.k_op.populate(scale_rows, lookup_table, b, tile_base + bn, num_keys, rows_per_page,
+                                           oob_row)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()
+                    pipe.consumer_release(read)  # every thread's reads of the stage are done (the barrier above)
                     if warp_idx == 0 and prod.count < n_tiles:
-                        self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v, ring_v,
-                                       s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                        self.load_tile(pipe, prod, first_tile + prod.count, next_rows, tma_k, g_k, ring_k, tma_v, g_v,
+                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                         prod.advance()
                 tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
                 warpgroup.fence()
@@ -328,8 +339,8 @@ class PagedAttention:
                 if cutlass.const_expr(not self.kv_fp8):
                     pipe.consumer_release(read)
                     if warp_idx == 0 and prod.count < n_tiles:
-                        self.load_tile(pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v, ring_v,
-                                       s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                        self.load_tile(pipe, prod, first_tile + prod.count, next_rows, tma_k, g_k, ring_k, tma_v, g_v,
+                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                         prod.advance()
                 read.advance()
 
@@ -344,15 +355,15 @@ class PagedAttention:
             self.store_o(s_o, s_max, s_sum, out, o_part, lse_part, q_start, seq_len, m0, kv_head, split, num_splits)
 
     @cute.jit
-    def load_tile(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tile: Int32,
+    def load_tile(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tile: Int32, rows: cute.Tensor,
                   tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
                   s_v: cute.Tensor, s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32,
                   kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
         """Producer: K and V of key tile ``tile`` into stage ``prod.index``, one TMA per page slot each (K and V
-        planes share the row numbering, so one ``populate`` serves both)."""
+        planes share the row numbering, so one ``populate`` serves both). ``rows`` holds the tile's rows on entry
+        and the next tile's on return: their lookup entries load while this stage is in flight, not before the
+        next copies."""
         op = self.k_op
-        rows = cute.make_rmem_tensor((op.copies_per_tile,), Int32)
-        op.populate(rows, lookup_table, b, tile * self.bn, num_keys, rows_per_page, oob_row)
         pipe.producer_acquire(prod)
         bar = pipe.producer_get_barrier(prod)
         box = (op.rows_per_copy, cute.size(s_slot, mode=[1]))
@@ -364,23 +375,30 @@ class PagedAttention:
                                                  cute.group_modes(src, 0, 2))
                 cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
         pipe.producer_commit(prod)
+        op.populate(rows, lookup_table, b, (tile + 1) * self.bn, num_keys, rows_per_page, oob_row)
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32):
-        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time; rows past the request are 0."""
+        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time; rows past the request are 0.
+
+        Unrolled: each thread issues ``BATCH`` loads before its first store."""
         d, group = self.head_dim, self.group
         chunks = d // VEC
         tidx, _, _ = cute.arch.thread_idx()
-        vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, BM * chunks, THREADS, unroll=1):
-            r = idx // chunks
-            c = idx % chunks
-            tok = (m0 + r) // group
-            vals.fill(0.0)
-            if tok < seq_len:
-                src = q[q_start + tok, kv_head * group + (m0 + r) % group, None]
-                cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals)
-            cute.autovec_copy(vals, cute.local_tile(s_q[r, None], (VEC,), (c,)))
+        c = tidx % chunks  # THREADS is a multiple of chunks: a thread keeps its column chunk
+        trips = BM * chunks // THREADS
+        for j0 in cutlass.range_constexpr(0, trips, BATCH):
+            vals = [cute.make_rmem_tensor((VEC,), self.dtype) for _ in range(min(BATCH, trips - j0))]
+            for j in cutlass.range_constexpr(len(vals)):
+                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
+                tok = (m0 + r) // group
+                vals[j].fill(0.0)
+                if tok < seq_len:
+                    src = q[q_start + tok, kv_head * group + (m0 + r) % group, None]
+                    cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals[j])
+            for j in cutlass.range_constexpr(len(vals)):
+                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
+                cute.autovec_copy(vals[j], cute.local_tile(s_q[r, None], (VEC,), (c,)))
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
@@ -389,28 +407,40 @@ class PagedAttention:
                    rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
         """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
         granule (``scales[row, kv_head, dim // granularity]``, the row from the tile's ``populate``), rounded once.
-        Rows past the request's keys are written as zeros."""
+        Rows past the request's keys are written as zeros.
+
+        Unrolled like ``load_q``: a thread's ``BATCH`` shared and scale loads are issued before its conversions.
+        The scale's element index is 64-bit: ``row * H * G`` passes 2^31 on large caches."""
         d, per_copy = self.head_dim, self.k_op.rows_per_copy
         chunks = d // VEC
         tidx, _, _ = cute.arch.thread_idx()
-        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
-        vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, self.bn * chunks, THREADS, unroll=1):
-            r = idx // chunks
-            c = idx % chunks
-            vals.fill(0.0)
-            if tile_base + r < num_keys:
-                cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
-                x = raw.load().to(Float32)
-                if cutlass.const_expr(scales is not None):
-                    scale = scales[rows[r // per_copy] + r % per_copy, kv_head, c * VEC // self.granularity]
-                    if cutlass.const_expr(self.e8m0_scales):  # 2^(e - 127): e is a float32's exponent field
-                        bits = cute.make_rmem_tensor((1,), Uint32)
-                        bits[0] = Uint32(scale) << 23
-                        scale = cute.recast_tensor(bits, Float32)[0]
-                    x = x * scale
-                vals.store(x.to(self.dtype))
-            cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
+        c = tidx % chunks
+        trips = self.bn * chunks // THREADS
+        for j0 in cutlass.range_constexpr(0, trips, BATCH):
+            n = min(BATCH, trips - j0)
+            raw = [cute.make_rmem_tensor((VEC,), self.kv_dtype) for _ in range(n)]
+            scale = cute.make_rmem_tensor((n,), Float32)
+            for j in cutlass.range_constexpr(n):
+                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
+                scale[j] = Float32(1.0)
+                if tile_base + r < num_keys:
+                    cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw[j])
+                    if cutlass.const_expr(scales is not None):
+                        row = rows[0]
+                        for p in cutlass.range_constexpr(1, self.k_op.copies_per_tile):  # a select, not a stack load
+                            if r >= p * per_copy:
+                                row = rows[p]
+                        s = scales[Int64(row) + r % per_copy, kv_head, c * VEC // self.granularity]
+                        if cutlass.const_expr(self.e8m0_scales):
+                            s = e8m0_to_float32(Uint32(s))
+                        scale[j] = s
+            for j in cutlass.range_constexpr(n):
+                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
+                vals = cute.make_rmem_tensor((VEC,), self.dtype)
+                vals.fill(0.0)
+                if tile_base + r < num_keys:
+                    vals.store((raw[j].load().to(Float32) * scale[j]).to(self.dtype))
+                cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
 
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):

@@ -3,14 +3,16 @@
 One CTA per tile of ``ROWS`` consecutive rows of the step. Thread ``t < ROWS`` first resolves row ``t``'s page
 and slot (``ragged_rows.resolve_rows``); then the CTA copies the tile's rows as 16-byte vectors, every thread
 issuing all its loads before its stores so each has ``VECS_PER_THREAD`` requests in flight (a pure copy is
-bound by how many bytes are in flight, not by instructions). Rows past the step are never read or written, and
+bound by how many bytes are in flight, not by instructions). Rows past the step are never read or written, rows
+whose page is not in the cache (unchecked metadata running past a request's pages) are not written, and
 a row's destination is ``blocks[page, kv, layer, slot, :, :]``, contiguous ``H*D`` elements, so the stores of a
 row coalesce.
 
 FP8 caches with float32 scales (``granularity`` set): a vector is 8 input elements (bf16/fp16/fp32), the lanes
 holding one (token, head, granule) reduce its absolute maximum with warp shuffles, and each element is stored as
 ``saturate(x / scale)`` in e4m3 with ``scale = max(amax / 448, FLT_MIN)`` (``reference/quant.py``); the granule's
-first lane writes the scale.
+first lane writes the scale. NaN and infinity give the reference's bits: a NaN anywhere in a granule makes its scale
+and values NaN, an infinity makes its scale infinite (its own value NaN, the others 0).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class PagedKVStore:
         s_page = smem.allocate_tensor(Int32, cute.make_layout(rows), byte_alignment=4)
         s_pos = smem.allocate_tensor(Int32, cute.make_layout(rows), byte_alignment=4)
         resolve_rows(s_page, s_pos, first_row, num_rows, input_row_offsets, cache_lengths, lookup_table,
-                     self.page_size)
+                     blocks.shape[0], self.page_size)
         cute.arch.sync_threads()
 
         for kv in cutlass.range_constexpr(self.kv_dim):
@@ -132,29 +134,35 @@ class PagedKVStore:
                 scale = Float32(0.0)
                 if cutlass.const_expr(self.granularity is not None):
                     out, scale = self.quantize(frags[j])
-                if i < rows * row_vecs and first_row + r < num_rows:
-                    h = (i % row_vecs) // d_vecs
-                    slot = s_pos[r] % self.page_size
-                    dst = blocks[s_page[r], kv, layer_idx, slot, h, None]
-                    cute.autovec_copy(out, cute.local_tile(dst, (vec,), (i % d_vecs,)))
-                    if cutlass.const_expr(self.granularity is not None):
-                        lanes = self.granularity // vec
-                        if i % lanes == 0:
-                            scales[s_page[r], kv, layer_idx, slot, h, (i % d_vecs) // lanes] = scale
+                if i < rows * row_vecs:
+                    page = s_page[r]
+                    if page >= 0:  # a row of the step whose page is in the cache
+                        h = (i % row_vecs) // d_vecs
+                        slot = s_pos[r] % self.page_size
+                        dst = blocks[page, kv, layer_idx, slot, h, None]
+                        cute.autovec_copy(out, cute.local_tile(dst, (vec,), (i % d_vecs,)))
+                        if cutlass.const_expr(self.granularity is not None):
+                            lanes = self.granularity // vec
+                            if i % lanes == 0:
+                                scales[page, kv, layer_idx, slot, h, (i % d_vecs) // lanes] = scale
 
     @cute.jit
     def quantize(self, frag: cute.Tensor):
         """``(e4m3 values, scale)`` of this lane's 8 values; the scale is shared by the granule's lanes."""
         x = frag.load().to(Float32)
         amax = Float32(0.0)
-        for e in cutlass.range_constexpr(self.vec):
-            amax = cute.arch.fmax(amax, cute.arch.fmax(x[e], -x[e]))
-        amax = cute.arch.warp_reduction_max(amax, threads_in_group=self.granularity // self.vec)
-        scale = cute.arch.fmax(amax / Float32(FP8_E4M3_MAX), Float32(FLT_MIN))
+        for e in cutlass.range_constexpr(self.vec):  # NaN-propagating max: a NaN makes the granule NaN, as in torch
+            amax = _max_nan(amax, _max_nan(x[e], -x[e]))
+        amax = cute.arch.warp_reduction(amax, _max_nan, threads_in_group=self.granularity // self.vec)
+        scale = _max_nan(amax / Float32(FP8_E4M3_MAX), Float32(FLT_MIN))
         q = cute.make_rmem_tensor((self.vec,), Float32)
         for e in cutlass.range_constexpr(self.vec):
-            # e4m3fn has no infinity: clamp first so the conversion saturates like the reference.
-            q[e] = cute.arch.fmax(cute.arch.fmin(x[e] / scale, Float32(FP8_E4M3_MAX)), Float32(-FP8_E4M3_MAX))
+            q[e] = x[e] / scale
         out = cute.make_rmem_tensor((self.vec,), self.dtype)
+        # cvt.rn.satfinite: past +-448 (infinity included) saturates like the reference's clamp, NaN stays NaN.
         out.store(q.load().to(self.dtype))
         return out, scale
+
+
+def _max_nan(a: Float32, b: Float32) -> Float32:
+    return cute.arch.fmax(a, b, nan=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Uint32
 
 # ``uint32`` offsets with B < 2^31 requests: the search halves [0, B) at most 31 times.
 _MAX_SEARCH_STEPS = 31
@@ -34,20 +34,28 @@ def request_of_row(m: Int32, input_row_offsets: cute.Tensor, batch: Int32) -> In
 @cute.jit
 def resolve_rows(s_page: cute.Tensor, s_pos: cute.Tensor, first_row: Int32, num_rows: Int32,
                  input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
-                 page_size: cutlass.Constexpr[int]):
+                 num_pages: Int32, page_size: cutlass.Constexpr[int]):
     """Thread ``t < size(s_page)`` writes row ``first_row + t``'s page and position to shared memory (page -1: no
     row); its slot is ``pos % page_size``, and the position is also what RoPE needs.
 
-    The caller synchronizes the CTA before reading them.
+    A row whose page column lies past the lookup table's row, or whose entry is not a page of the cache
+    (``>= num_pages``: the sentinel of an unowned column), gets page -1 too: with unchecked metadata (CUDA-graph
+    steps) a step running past its pages is dropped instead of written past the allocation. Positions are unsigned
+    (``uint32`` lengths), so a wrapped one lands past the table as well. The caller synchronizes the CTA before
+    reading them.
     """
     t, _, _ = cute.arch.thread_idx()
     if t < cute.size(s_page):
         m = first_row + t
         page = Int32(-1)
-        pos = Int32(0)
+        pos = Uint32(0)
         if m < num_rows:
             b = request_of_row(m, input_row_offsets, cache_lengths.shape[0])
-            pos = Int32(cache_lengths[b]) + m - Int32(input_row_offsets[b])
-            page = Int32(lookup_table[b, pos // page_size])
+            pos = Uint32(cache_lengths[b]) + Uint32(m) - Uint32(input_row_offsets[b])
+            col = pos // page_size
+            if col < Uint32(lookup_table.shape[1]):
+                entry = Uint32(lookup_table[b, Int32(col)])
+                if entry < Uint32(num_pages):
+                    page = Int32(entry)
         s_page[t] = page
-        s_pos[t] = pos
+        s_pos[t] = Int32(pos)

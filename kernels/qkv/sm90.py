@@ -162,7 +162,7 @@ class FusedQKVMatmul:
 
         # While the first stages land: where each of the tile's rows goes (read only after the mainloop's sync).
         resolve_rows(s_page, s_pos, tile_m_idx * bm, num_rows, input_row_offsets, cache_lengths, lookup_table,
-                     self.page_size)
+                     blocks.shape[0], self.page_size)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
@@ -287,8 +287,10 @@ class FusedQKVMatmul:
                     if is_q:
                         cute.autovec_copy(out, cute.local_tile(output[m, None], (VEC,), (n // VEC,)))
                     else:
-                        dst = blocks[s_page[r], kv, layer_idx, pos % self.page_size, head, None]
-                        cute.autovec_copy(out, cute.local_tile(dst, (VEC,), (dim // VEC,)))
+                        page = s_page[r]
+                        if page >= 0:  # -1: the row's page is not in the cache (unchecked metadata)
+                            dst = blocks[page, kv, layer_idx, pos % self.page_size, head, None]
+                            cute.autovec_copy(out, cute.local_tile(dst, (VEC,), (dim // VEC,)))
 
 
 def supported(q_dim: int, kv_dim: int, num_heads: int, head_dim: int, rope: Optional[tuple[int, bool, int]],
