@@ -92,3 +92,18 @@ def test_operand_keeps_populates_promises(page_size, lut_vector):
         assert op.base_alignment >= page_size
     pages = tile_geometry(BN, page_size)[1]
     assert op.lut_width == (lut_chunk(pages, BN, page_size) if lut_vector else 1)
+
+
+def test_index_limits_bound_what_the_kernel_indexes():
+    """Row coordinates of a plane, and the zero-filled row one past them, are int32; key positions too. Scales are
+    indexed in 64 bits, so an fp8 cache whose ``rows * H * G`` passes 2^31 still takes the kernel."""
+    from cute_kv.kernels.attention.config import index_limits
+
+    kvd, layers, p = 2, 32, 16
+    pitch = kvd * layers * p
+    fits = (2**31 - 1 - p) // pitch + 1  # the most pages whose last row is < 2^31 - 1
+    assert (fits - 1) * pitch + p <= 2**31 - 1 < fits * pitch + p
+    assert index_limits(fits, kvd, layers, p, 4096) is None
+    assert "int32 TMA coordinates" in index_limits(fits + 1, kvd, layers, p, 4096)
+    assert "max_cache_length" in index_limits(8, kvd, layers, p, 2**31 - 1)
+    assert ((fits - 1) * pitch + p) * 8 * 8 > 2**31  # H=8, G=8 scales per row: past int32, served (64-bit index)

@@ -92,3 +92,30 @@ def test_fused_qkv_kernel_large_step_and_empty_step():
     (cpu, gpu), hidden, weight, bias, rope, q_dim = _inputs(case, [4, 9], [0, 0], seed=6)
     q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, weight.cuda(), gpu.collection, 1)
     assert q.shape == (0, q_dim)
+
+
+def test_fused_qkv_kernel_unchecked_step_past_the_pages():
+    """``validate=False`` and a step running past request 0's page (sentinel columns, then past the table): every
+    row's Q is written, K/V of rows on owned pages are stored, the others dropped, and nothing past the cache's N
+    pages changes."""
+    from test_store_kv_kernel import guarded_overrun
+
+    (cpu, _, _), (_, gpu, guards) = (guarded_overrun((torch.bfloat16, 16, 2, 128, False), 5, dev)
+                                     for dev in ("cpu", "cuda"))
+    fit, run = cpu.new_lengths[0], 500
+    g = torch.Generator().manual_seed(6)
+    q_dim, k = 8 * 128, 256
+    hidden = torch.randn(run + 1, k, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(q_dim + 2 * 2 * 128, k, generator=g) / k**0.5).to(torch.bfloat16)
+    rows = torch.cat([torch.arange(fit), torch.tensor([run])])
+    ref.fused_qkv_matmul_kv_cache(hidden[rows], cpu.input_row_offsets, weight, cpu.collection, 1)
+    guard = guards[0][guards[0].shape[0] - 2:].clone()
+    offsets = torch.tensor([0, run, run + 1], dtype=torch.uint32, device="cuda")
+    q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), offsets, weight.cuda(), gpu, 1, validate=False)
+    torch.cuda.synchronize()
+    assert rel_err(q.cpu(), (hidden.float() @ weight.float().T)[:, :q_dim]) < TOL[torch.bfloat16]
+    assert torch.equal(guards[0][guards[0].shape[0] - 2:].cpu().view(torch.int16), guard.cpu().view(torch.int16))
+    step = cpu.step_mask(1)
+    blocks, want = gpu.blocks.cpu(), cpu.collection.blocks
+    assert rel_err(blocks[step], want[step]) < TOL[torch.bfloat16]
+    assert torch.equal(blocks[~step].view(torch.int16), want[~step].view(torch.int16))

@@ -119,7 +119,8 @@ def test_dense_operand_matches_sdpa():
 
     b, s, h, hq, d = 3, 300, 2, 8, 128
     g = torch.Generator(device="cuda").manual_seed(11)
-    k, v = (torch.randn(b, s, h, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    # Requests s + 16 rows apart (a slice of a longer cache): the operand steps by stride[0], not by S.
+    k, v = (torch.randn(b, s + 16, h, d, generator=g, device="cuda").to(torch.bfloat16)[:, :s] for _ in range(2))
     new = torch.tensor([1, 4, 7])
     cache_lengths = (s - new).to(torch.uint32).cuda()
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)]).to(torch.uint32).cuda()
@@ -138,3 +139,23 @@ def test_dense_operand_matches_sdpa():
             q[rows].transpose(0, 1).float(), k[i].transpose(0, 1).float().repeat_interleave(hq // h, 0),
             v[i].transpose(0, 1).float().repeat_interleave(hq // h, 0), attn_mask=mask).transpose(0, 1)
         assert rel_err(out[rows].float(), want) < TOL[torch.bfloat16]
+
+
+def test_attention_kernel_e8m0_bytes_0_and_255():
+    """e8m0 scale bytes decode as torch decodes them: 0 is 2^-127 (that key's values vanish, the output stays
+    finite), 255 is NaN (every query that sees that key gets NaN, as in the reference)."""
+    from cute_kv.paged_cache import _raw
+
+    case = CASES[8]
+    (cpu, gpu), q = _pair(case, CACHED, NEW, seed=12)
+    for pb in (cpu, gpu):
+        scales = _raw(pb.collection.scales)
+        page, slot = pb.slots(5, 7, 8)  # a key of request 5 (K and V of layer 1): byte 0
+        scales[page, :, 1, slot] = 0
+        page, slot = pb.slots(3, 1, 2)  # a key of request 3: byte 255
+        scales[page, :, 1, slot] = 255
+    want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1)
+    got = cute_kv.paged_attention(q.cuda(), gpu.input_row_offsets, gpu.collection, 1).cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+    finite = ~want.isnan()
+    assert rel_err(got[finite], want[finite]) < TOL[q.dtype]

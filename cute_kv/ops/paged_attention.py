@@ -10,7 +10,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, supported, tiling
+from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, index_limits, supported, tiling
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -110,8 +110,8 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
 def kernel_key(collection, q, arch: str) -> Optional[tuple]:
     """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
     reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache,
-    or more rows than int32 TMA coordinates reach."""
+    head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache
+    or float32 scales, or a cache past the kernel's int32 indices (``attention/config.index_limits``)."""
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     if arch != "sm_90a" or c.is_mla or q_dtype_name not in DTYPE_NAMES:
@@ -122,7 +122,8 @@ def kernel_key(collection, q, arch: str) -> Optional[tuple]:
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
     if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
-            or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
+            or index_limits(c.num_pages, c.kv_dim, c.num_layers, p, c.max_cache_length)
+            or (granularity is not None and c.scales.data_ptr() % c.scales.element_size())):
         return None
     chunk = lut_chunk(tile_geometry(BN, p)[1], BN, p)
     lut = c.lookup_table

@@ -80,3 +80,17 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     if page_size is not None and (page_size < 16 or (page_size % BN and BN % page_size)):
         return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {BN}-key tile"
     return None
+
+
+def index_limits(num_pages: int, kv_dim: int, num_layers: int, page_size: int, max_cache_length: int) -> Optional[str]:
+    """Why the kernel's int32 indices cannot reach this cache, or None. TMA row coordinates are int32: the row view
+    of a plane has ``(N-1)*KVD*L*P + P`` rows, and one past them (the zero-filled row of a tile slot past the keys)
+    must be an int32 too; key positions and counts are int32. Scales are indexed in 64 bits (``row * H * G``
+    passes 2^31 first)."""
+    rows = (num_pages - 1) * kv_dim * num_layers * page_size + page_size
+    if rows > 2**31 - 1:
+        return f"the cache's {rows} rows per (K or V, layer) plane exceed int32 TMA coordinates"
+    if max_cache_length > 2**31 - 1 - BN:
+        return f"max_cache_length ({max_cache_length}) exceeds int32 key positions"
+    return None
+

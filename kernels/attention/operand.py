@@ -2,8 +2,8 @@
 BN-token tile (``populate``), the scales of an fp8 cache, and where a request's keys end.
 
 Two sources, one kernel: ``KVCacheMHAOperand`` reads one K or V plane of a paged cache (and its scales) through the
-lookup table; ``DenseMHAOperand`` reads a contiguous ``[B, S, H, D]`` cache (MAX's ``LayoutTensorMHAOperand``:
-token ``t`` of request ``b`` is row ``b*S + t``). Both are compile-time objects: the kernel calls ``row_view``,
+lookup table; ``DenseMHAOperand`` reads a ``[B, S, H, D]`` cache (MAX's ``LayoutTensorMHAOperand``: token ``t`` of
+request ``b`` is row ``b*stride[0]/stride[1] + t``). Both are compile-time objects: the kernel calls ``row_view``,
 ``rows_per_page`` and ``scale_view`` while tracing its host side, and ``populate`` on the device. A tile slot past
 the request's keys gets the view's row count, a row TMA zero-fills, so no page the request does not own is read.
 A request's key count is ``cache_lengths[b]`` plus its new tokens (``input_row_offsets``), as for MAX's operands.
@@ -56,20 +56,24 @@ class KVCacheMHAOperand:
 
 
 class DenseMHAOperand:
-    """A contiguous ``[B, S, H, D]`` K or V cache (rows of one request back to back), tiles of ``bn`` tokens."""
+    """A ``[B, S, H, D]`` K or V cache, tiles of ``bn`` tokens: a request's tokens are rows of ``H*D`` back to back
+    (``stride[1] == H*D``), requests ``stride[0]`` elements apart, a multiple of ``H*D`` (``S`` rows, or more when the
+    cache is a slice of a longer one)."""
 
     def __init__(self, bn: int):
         self.bn = bn
         self.rows_per_copy, self.copies_per_tile = bn, 1
 
     def row_view(self, cache: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
+        """``[rows, H, D]``: token ``t`` of request ``b`` is row ``b * rows_per_page + t``."""
         b, s, h, d = cache.shape
-        return cute.make_tensor(cache.iterator, cute.make_layout((b * s, h, d), stride=(cache.stride[1],
-                                                                                         cache.stride[2], 1)))
+        rows = (b - 1) * self.rows_per_page(cache) + s
+        return cute.make_tensor(cache.iterator, cute.make_layout((rows, h, d), stride=(cache.stride[1],
+                                                                                       cache.stride[2], 1)))
 
     def rows_per_page(self, cache: cute.Tensor):
-        """Rows per request: ``S``."""
-        return cache.shape[1]
+        """Rows from one request to the next: ``stride[0] / stride[1]``."""
+        return Int32(cache.stride[0] // cache.stride[1])
 
     @cute.jit
     def populate(self, rows: cute.Tensor, lookup_table: cutlass.Constexpr, batch_idx: Int32, base_kv_row: Int32,

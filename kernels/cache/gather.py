@@ -14,10 +14,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
+from cute_kv.kernels.paged import tma_tiles
 from cute_kv.layouts.paged import tma_page_view
 
 THREADS = 128
@@ -55,8 +56,7 @@ class PagedKVGather:
         p, d = self.page_size, self.head_dim
         plane = blocks[None, kv_idx, layer_idx, None, None, None]  # (N, P, H, D), runtime offset
         # 128B-swizzled K-major smem tile, the layout the MMA kernels consume; TMA moves it in 128-byte boxes.
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        smem_layout = cute.tile_to_shape(atom, (p, d), order=(0, 1))
+        smem_layout = tma_tiles.smem_tile_layout(self.dtype, p, d)
         tma_load, g_kv = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), tma_page_view(plane), smem_layout, (p, d))
         smem_bytes = cute.size_in_bytes(self.dtype, smem_layout) + 1024 + 8
@@ -76,7 +76,9 @@ class PagedKVGather:
         if valid > 0:
             smem = SmemAllocator()
             mbar = smem.allocate_array(cutlass.Int64, 1)
-            s_tile = smem.allocate_tensor(self.dtype, smem_layout, byte_alignment=1024)
+            # The swizzle on the pointer: the threads below read the tile in the pattern TMA wrote it.
+            s_tile = tma_tiles.swizzled_tile(smem.allocate(cute.size_in_bytes(self.dtype, smem_layout),
+                                                           byte_alignment=1024), smem_layout, self.dtype)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             # elect_one() picks one lane per warp: barrier setup and the TMA issue stay in warp 0.
             if warp_idx == 0:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 RAGGED_BIG = 2**30  # ragged window shift: rows past a request's length land at coordinates >= 2^30
@@ -49,6 +49,14 @@ def smem_tile_layout(dtype, rows: int, depth: int, swizzle_bytes: int = 128, sta
     if stages:
         return cute.tile_to_shape(atom, (rows, depth, stages), order=(0, 1, 2))
     return cute.tile_to_shape(atom, (rows, depth), order=(0, 1))
+
+
+def swizzled_tile(ptr: cute.Pointer, layout: cute.ComposedLayout, dtype) -> cute.Tensor:
+    """The ``smem_tile_layout`` tile at ``ptr`` (1024-byte aligned) with the swizzle on the pointer, so thread reads
+    and writes follow the address pattern TMA and the MMAs use. (A swizzle inside the layout acts on element
+    offsets instead: element (1, 0) of a 128-byte-swizzled bf16 tile would be read at byte 128, where TMA wrote
+    element (1, 8).)"""
+    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
 
 
 def kv_row_view(blocks: cute.Tensor, kv_idx, layer_idx, dtype=None, byte_offset: int = 0, depth=None) -> cute.Tensor:
@@ -117,13 +125,20 @@ def create_scale_tma_tile(scales: cute.Tensor, kv_idx, layer_idx, rows_per_copy:
     so a copy at ``(0, row * H * G)`` brings ``rows_per_copy`` consecutive rows' scales.
     """
     n, kvd, nl, p, h, g = scales.shape
-    plane = scales[None, kv_idx, layer_idx, None, None, None]
-    total = ((n - 1) * (kvd * nl * p) + p) * h * g
-    flat = cute.make_tensor(plane.iterator, cute.make_layout((1, total), stride=(total, 1)))
+    flat = flat_scales(scales, kv_idx, layer_idx)
     width = rows_per_copy * h * g
     smem = cute.make_layout((1, width), stride=(width, 1))
     atom, coords = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), flat, smem, (1, width))
     return atom, coords, smem
+
+
+def flat_scales(scales: cute.Tensor, kv_idx, layer_idx) -> cute.Tensor:
+    """Plane (``kv_idx``, ``layer_idx``) of scales ``[N, KVD, L, P, H, G]`` as ``[1, rows * H * G]``, the extent
+    counted in 64 bits: it passes 2^31 on large caches (a TMA extent may reach 2^32)."""
+    n, kvd, nl, p, h, g = scales.shape
+    plane = scales[None, kv_idx, layer_idx, None, None, None]
+    total = (Int64(n - 1) * (kvd * nl * p) + p) * (h * g)
+    return cute.make_tensor(plane.iterator, cute.make_layout((1, total), stride=(total, 1)))
 
 
 def create_gather4_tma_tile(row_view_2d: cute.Tensor, row_indices: cute.Tensor, tile_height: int, tile_width: int):

@@ -1,0 +1,58 @@
+"""Host-run CuTe DSL functions that evaluate, on CPU tensors, the views and tiles the kernels build: what a kernel
+would index, checked without a GPU (``test_host_plans.py``)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32
+
+from cute_kv.kernels.attention.operand import DenseMHAOperand
+from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.quant import e8m0_to_float32
+
+
+@cute.jit
+def read_swizzled_tile(buf: cute.Tensor, out: cute.Tensor, rows: cutlass.Constexpr[int],
+                       depth: cutlass.Constexpr[int]):
+    """``out[r, c]`` = element (r, c) of the ``(rows, depth)`` tile at ``buf`` as a gather thread reads it."""
+    layout = tma_tiles.smem_tile_layout(buf.element_type, rows, depth)
+    tile = tma_tiles.swizzled_tile(buf.iterator, layout, buf.element_type)
+    for r in cutlass.range(rows):
+        for c in cutlass.range(depth):
+            out[r, c] = tile[r, c]
+
+
+@cute.jit
+def read_layout_swizzled_tile(buf: cute.Tensor, out: cute.Tensor, rows: cutlass.Constexpr[int],
+                              depth: cutlass.Constexpr[int]):
+    """The same read through a tensor with the swizzle inside its layout (the form that disagrees with TMA)."""
+    tile = cute.make_tensor(buf.iterator, tma_tiles.smem_tile_layout(buf.element_type, rows, depth))
+    for r in cutlass.range(rows):
+        for c in cutlass.range(depth):
+            out[r, c] = tile[r, c]
+
+
+@cute.jit
+def dense_rows(cache: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, num_rows: cute.Tensor):
+    """``out[i] = row_view[b*rows_per_page + t, h, d]`` for ``coords[i] = (b, t, h, d)``; ``num_rows[0]``: the view's
+    rows (what the kernel passes as the out-of-bounds row)."""
+    op = DenseMHAOperand(64)
+    view = op.row_view(cache, Int32(0))
+    pitch = op.rows_per_page(cache)
+    num_rows[0] = view.shape[0]
+    for i in cutlass.range(coords.shape[0]):
+        out[i] = view[coords[i, 0] * pitch + coords[i, 1], coords[i, 2], coords[i, 3]]
+
+
+@cute.jit
+def flat_scale_extent(scales: cute.Tensor, out: cute.Tensor):
+    """``out[0]``: the extent of ``tma_tiles.flat_scales`` over plane (K, layer 0)."""
+    out[0] = cute.size(tma_tiles.flat_scales(scales, 0, 0))
+
+
+@cute.jit
+def decode_e8m0(codes: cute.Tensor, out: cute.Tensor):
+    """``out[i]``: the attention kernel's float32 for e8m0 byte ``codes[i]``."""
+    for i in cutlass.range(codes.shape[0]):
+        out[i] = e8m0_to_float32(Uint32(codes[i]))

@@ -1,0 +1,78 @@
+"""What the kernels index, evaluated on the host: CuTe DSL host code runs on CPU tensors, so the views and tiles a
+kernel builds can be checked element by element without a GPU."""
+
+import pytest
+import torch
+from cutlass.cute.runtime import from_dlpack
+
+import host_plans
+
+pytestmark = pytest.mark.compile
+
+
+def _aligned(n, dtype, align=1024):
+    """``n`` elements starting on an ``align``-byte boundary (a swizzle acts on address bits)."""
+    raw = torch.zeros(n + align, dtype=dtype)
+    start = (-raw.data_ptr() % align) // raw.element_size()
+    return raw[start:start + n]
+
+
+def tma_image(values):
+    """Shared-memory image of a 16-bit ``(rows, depth)`` tile as TMA writes it with the 128-byte swizzle: boxes of
+    64 columns one after another, each row 128 bytes, its 16-byte chunk ``j`` stored at chunk ``j ^ (row % 8)``."""
+    rows, depth = values.shape
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(depth), indexing="ij")
+    box, col = c // 64, c % 64
+    chunk = (col // 8) ^ (r % 8)
+    element = box * rows * 64 + r * 64 + chunk * 8 + col % 8
+    image = _aligned(rows * depth, values.dtype)
+    image[element.flatten()] = values.flatten()
+    return image
+
+
+@pytest.mark.parametrize("rows,depth", [(16, 128), (64, 256), (128, 64)])  # the gather kernel's (P, D) cases
+def test_gather_thread_reads_what_tma_wrote(rows, depth):
+    """``PagedKVGather`` stores rows of its TMA-written tile from thread reads: with the swizzle on the pointer they
+    return each element where TMA put it; with the swizzle inside the layout (the defect) they do not."""
+    values = torch.arange(rows * depth, dtype=torch.int16).reshape(rows, depth)  # finite, distinct bf16 bit patterns
+    image = from_dlpack(tma_image(values).view(torch.bfloat16))
+    got = torch.zeros(rows, depth, dtype=torch.int16)
+    host_plans.read_swizzled_tile(image, from_dlpack(got.view(torch.bfloat16)), rows, depth)
+    assert torch.equal(got, values)
+    host_plans.read_layout_swizzled_tile(image, from_dlpack(got.view(torch.bfloat16)), rows, depth)
+    assert got[1, 0] == values[1, 8]  # element (1, 0) read at byte 128, where TMA wrote (1, 8)
+
+
+def test_dense_operand_honours_the_request_stride():
+    """A ``[B, S, H, D]`` cache sliced from a longer one (``stride[0] > S*H*D``): token ``t`` of request ``b`` is row
+    ``b * stride[0] / (H*D) + t`` of the operand's view, and the view ends after the last request's ``S`` rows."""
+    g = torch.Generator().manual_seed(4)
+    b, s, s_alloc, h, d = 3, 37, 50, 2, 64
+    cache = torch.randn(b, s_alloc, h, d, generator=g)[:, :s]
+    coords = torch.stack([torch.randint(0, n, (200,), generator=g) for n in (b, s, h, d)], dim=1).to(torch.int32)
+    coords[0] = torch.tensor([b - 1, s - 1, h - 1, d - 1])  # the view's last element
+    got = torch.full((200,), float("nan"))
+    num_rows = torch.zeros(1, dtype=torch.int32)
+    host_plans.dense_rows(from_dlpack(cache).mark_layout_dynamic(leading_dim=3), from_dlpack(coords), from_dlpack(got), from_dlpack(num_rows))
+    want = cache[coords[:, 0].long(), coords[:, 1].long(), coords[:, 2].long(), coords[:, 3].long()]
+    assert torch.equal(got, want)
+    assert int(num_rows) == (b - 1) * s_alloc + s
+
+
+def test_flat_scale_extent_is_64_bit():
+    """``rows * H * G`` of a large fp8 cache's scales passes 2^31: the flat scale view counts it exactly."""
+    n, kvd, nl, p, h, g = 2**22, 2, 1, 16, 8, 8
+    scales = torch.zeros(1).as_strided((n, kvd, nl, p, h, g), (0, 0, 0, 0, 0, 0))
+    got = torch.zeros(1, dtype=torch.int64)
+    host_plans.flat_scale_extent(from_dlpack(scales).mark_layout_dynamic(), from_dlpack(got))
+    assert int(got) == ((n - 1) * kvd * nl * p + p) * h * g > 2**32
+
+
+def test_e8m0_decoding_matches_torch():
+    """Every e8m0 byte decodes to torch's float32 bits, bytes 0 (2^-127, a subnormal) and 255 (NaN) included."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = torch.zeros(256, dtype=torch.int32)
+    host_plans.decode_e8m0(from_dlpack(codes), from_dlpack(got.view(torch.float32)))
+    want = codes.view(torch.float8_e8m0fnu).to(torch.float32).view(torch.int32)
+    assert torch.equal(got, want)
+    assert want[0] == 0x00400000 and want[255] == 0x7F800001
