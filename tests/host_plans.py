@@ -15,12 +15,15 @@ from cute_kv.kernels.quant import e8m0_to_float32
 @cute.jit
 def read_swizzled_tile(buf: cute.Tensor, out: cute.Tensor, rows: cutlass.Constexpr[int],
                        depth: cutlass.Constexpr[int]):
-    """``out[r, c]`` = element (r, c) of the ``(rows, depth)`` tile at ``buf`` as a gather thread reads it."""
+    """``out[r, c]`` = element (r, c) of the ``(rows, depth)`` tile at ``buf`` as a gather thread reads it: 8
+    elements (16 bytes) at a time."""
     layout = tma_tiles.smem_tile_layout(buf.element_type, rows, depth)
     tile = tma_tiles.swizzled_tile(buf.iterator, layout, buf.element_type)
+    frag = cute.make_rmem_tensor((8,), buf.element_type)
     for r in cutlass.range(rows):
-        for c in cutlass.range(depth):
-            out[r, c] = tile[r, c]
+        for c in cutlass.range(depth // 8):
+            cute.autovec_copy(cute.local_tile(tile[r, None], (8,), (c,)), frag)
+            cute.autovec_copy(frag, cute.local_tile(out[r, None], (8,), (c,)))
 
 
 @cute.jit

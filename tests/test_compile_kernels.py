@@ -31,6 +31,8 @@ def test_paged_kv_gather_ptx(arch, case):
     assert len(loads) == case[4] * 2 // 128
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.expect_tx" in ptx
     assert "st.global.v4.b32" in ptx  # 16-byte predicated row stores
+    # ... of 16-byte reads of the pointer-swizzled tile (a swizzle inside the layout gave eight 2-byte reads).
+    assert _count(r"ld\.shared\.v4\.b32", ptx) == 1 and _count(r"ld\.shared\.b16", ptx) == 0
 
 
 STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float32", 1, 64, 1, 576)]

@@ -99,9 +99,8 @@ class PagedKVGather:
             vecs_per_row = d // vec
             for i in cutlass.range(tidx, rows * vecs_per_row, THREADS, unroll=1):
                 row = i // vecs_per_row
-                col = (i % vecs_per_row) * vec
                 frag = cute.make_rmem_tensor((vec,), self.dtype)
-                for e in cutlass.range_constexpr(vec):
-                    frag[e] = s_tile[row, col + e]
+                # 16 contiguous bytes: the swizzle permutes whole 16-byte chunks.
+                cute.autovec_copy(cute.local_tile(s_tile[row, None], (vec,), (i % vecs_per_row,)), frag)
                 dst = cute.local_tile(out[b, j * p + row, h, None], (vec,), (i % vecs_per_row,))
                 cute.autovec_copy(frag, dst)

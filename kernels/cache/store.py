@@ -134,9 +134,9 @@ class PagedKVStore:
                 scale = Float32(0.0)
                 if cutlass.const_expr(self.granularity is not None):
                     out, scale = self.quantize(frags[j])
-                if i < rows * row_vecs:
+                if i < rows * row_vecs and first_row + r < num_rows:
                     page = s_page[r]
-                    if page >= 0:  # a row of the step whose page is in the cache
+                    if page >= 0:  # a row whose page is in the cache
                         h = (i % row_vecs) // d_vecs
                         slot = s_pos[r] % self.page_size
                         dst = blocks[page, kv, layer_idx, slot, h, None]
