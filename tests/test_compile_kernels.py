@@ -147,7 +147,8 @@ def test_target_arch_from_environment(monkeypatch):
 
 
 def test_target_arch_device_wins_over_environment(monkeypatch):
-    """A stale ``CUTE_DSL_ARCH`` must not compile Blackwell code for a Hopper device: the device decides, and says so."""
+    """A stale ``CUTE_DSL_ARCH`` must not compile Blackwell code for a Hopper device: the device decides, and
+    says so."""
     import warnings
 
     from cute_kv.kernels import compile_cache

@@ -53,7 +53,8 @@ def test_dense_operand_honours_the_request_stride():
     coords[0] = torch.tensor([b - 1, s - 1, h - 1, d - 1])  # the view's last element
     got = torch.full((200,), float("nan"))
     num_rows = torch.zeros(1, dtype=torch.int32)
-    host_plans.dense_rows(from_dlpack(cache).mark_layout_dynamic(leading_dim=3), from_dlpack(coords), from_dlpack(got), from_dlpack(num_rows))
+    host_plans.dense_rows(from_dlpack(cache).mark_layout_dynamic(leading_dim=3), from_dlpack(coords),
+                          from_dlpack(got), from_dlpack(num_rows))
     want = cache[coords[:, 0].long(), coords[:, 1].long(), coords[:, 2].long(), coords[:, 3].long()]
     assert torch.equal(got, want)
     assert int(num_rows) == (b - 1) * s_alloc + s

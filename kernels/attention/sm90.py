@@ -46,10 +46,11 @@ class PagedAttention:
     """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, the operand (``page_size``, None for
     a dense ``[B, S, H, D]`` cache), KVD of a paged cache, whether the lookup table takes vector reads, and an fp8
     cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32
-    or, with ``e8m0_scales``, float8_e8m0fnu (passed as their uint8 bits: the scale is ``2^(bits - 127)``).
+    or, with ``e8m0_scales``, float8_e8m0fnu (passed as their uint8 bits, decoded as torch does: ``kernels/quant.py``).
 
     An fp8 tile lands in a staging ring and is dequantized (``x * scale``, rounded to ``dtype``) into one 16-bit
-    K/V tile that the MMAs read; its stage is released as soon as it is converted.
+    K/V tile that the MMAs read; its stage is released once the CTA barrier after the conversion has passed (every
+    thread's reads of it done), before the tile's MMAs.
     """
 
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,

@@ -10,12 +10,14 @@ returns (``populate.py``); TMA coordinates are int32, so a descriptor spans at m
 * ``create_ragged_tma_tile``: ``[total_rows, H, D]`` rows packed back to back (``input_row_offsets``); a request's
   window is masked by the descriptor itself (FA4 / Triton's ragged TMA: base shifted back by 2^30 rows, an extra
   mode with the row stride), so loads past the request zero-fill and stores past it are dropped.
-* ``create_scale_tma_tile``: the plane's scales, flat: a page slot's rows are consecutive, so one box of
-  ``rows * H * G`` float32 covers them.
+* ``create_scale_tma_tile``: the plane's scales, flat (``flat_scales``, its extent in 64 bits): a page slot's rows
+  are consecutive, so one box of ``rows * H * G`` float32 covers them.
 * ``create_gather4_tma_tile`` (SM100): 2-D ``[rows, tile_stride]``; each ``cp.async.bulk.tensor...gather4`` fetches
   four arbitrary rows named by an int32 row-index tensor.
 * ``create_rope_tma_tile`` / ``create_rope_gather4_tma_tile``: the BF16 rope tail of MAX's rope-aware FP8 rows
   (``[padded_depth fp8 bytes | rope_depth bf16]``), viewed from ``padded_depth`` bytes into each row.
+
+In the kernel, ``swizzled_tile`` puts a loaded tile's swizzle on its pointer, so thread accesses agree with TMA's.
 """
 
 from __future__ import annotations
