@@ -11,7 +11,7 @@ from cute_kv.ops import paths
 from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.rope import RopeConfig
-from cute_kv.validate import check_activation, check_step, check_tensor
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "fused_qkv_matmul_kv_cache"
 
@@ -31,9 +31,11 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, each
     request's pages and lengths against the collection, RoPE positions against ``rope.freqs_cis``), so the caller
-    guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked.
+    guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked; a torch.compile
+    trace skips the same checks.
     """
     _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if output is None:
         output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
     c = collection

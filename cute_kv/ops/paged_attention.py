@@ -14,7 +14,7 @@ from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, supp
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
-from cute_kv.validate import check_activation, check_step, check_tensor
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "paged_attention"
 LOG2E = math.log2(math.e)
@@ -36,9 +36,10 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
 
     On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
     the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
-    CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
+    CUDA-graph capture) skips the checks that read device values, as a torch.compile trace does (``store_kv``).
     """
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
     c = collection

@@ -9,7 +9,7 @@ import torch
 from cute_kv import dtypes, reference
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import packed_heads
-from cute_kv.validate import check_activation, check_step, check_tensor
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "store_kv"
 
@@ -20,14 +20,16 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
 
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
-    ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 ``[B+1]``. ``cache_lengths`` is not
+    ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not
     modified. Every argument is checked before anything is written.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
     each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
-    Shapes, dtypes and devices are still checked.
+    Shapes, dtypes and devices are still checked. A torch.compile trace skips the same checks, so the default
+    compiles with ``fullgraph=True``. CUDA calls that no kernel serves warn (``cute_kv.explain`` says why).
     """
     _check(k, v, input_row_offsets, collection, layer_idx, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
