@@ -140,7 +140,7 @@ def test_populate_sentinel_stays_in_bounds():
 
 
 def test_populate_chunk_rule_bn192_p16():
-    # BN=192, P=16 -> 12 pages, chunk = lowbit(12) = 4 (spec example)
+    # BN=192, P=16 -> 12 pages, chunk = lowbit(12) = 4 (a worked example)
     blocks = torch.zeros((40, 2, 1, 16, 1, 8), dtype=torch.bfloat16)
     lut = make_lookup_table([list(range(39, 14, -1))], sentinel=40)
     c = PagedKVCacheCollection(blocks, torch.tensor([25 * 16]).to(torch.uint32), lut, 0, 25 * 16)
