@@ -2,6 +2,7 @@
 in strict mode. The decisions are host functions of the arguments and an arch, so a CPU machine asks them for any
 arch; the fallback reporting is exercised by making CPU tensors look like a GPU of an arch without a kernel."""
 
+import re
 import warnings
 
 import pytest
@@ -170,3 +171,19 @@ def test_strict_mode_raises_before_anything_is_written(rng, as_gpu, monkeypatch,
 def test_strict_environment_values(monkeypatch, value, strict):
     monkeypatch.setenv("CUTE_KV_STRICT", value)
     assert paths.is_strict() is strict
+
+
+@pytest.mark.gpu
+def test_explain_on_the_device_says_what_runs(rng):
+    """On a GPU, without ``arch``: the device's arch decides; a kernel path launches without a fallback warning."""
+    pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=128, page_size=16, generator=rng, device="cuda")
+    q = _q(pb, rng).cuda()
+    path = cute_kv.explain("paged_attention", q, pb.input_row_offsets, pb.collection, 1)
+    assert path.arch == paths.device_arch(q.device)
+    if path.path == "kernel":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", cute_kv.FallbackWarning)
+            _attention(pb, q)
+    else:
+        with pytest.warns(cute_kv.FallbackWarning, match=re.escape(path.reason)):
+            _attention(pb, q)

@@ -182,3 +182,16 @@ def test_paged_attention_shapes_are_ragged_and_placements_disjoint():
         assert torch.equal(c.blocks[:, 0, 0], pl.k_cache) and torch.equal(c.blocks[:, 1, 0], pl.v_cache)
         for b, pages in enumerate(pl.pages[r]):  # every layout names the same pages in the same order
             assert c.lookup_table[b, :len(pages)].tolist() == pages == pl.page_tables[r][b, :len(pages)].tolist()
+
+
+@pytest.mark.gpu
+def test_paged_attention_bench_runs_on_gpu():
+    import bench_paged_attention
+
+    records = bench_paged_attention.main(["--sections", "decode,prefill", "--batches", "8", "--contexts", "512",
+                                          "--page-sizes", "16", "--prefill-batch", "2", "--prefill-new", "256",
+                                          "--prefill-cached", "0", "--samples", "3", "--host-iters", "10"])
+    timed = [r for r in records if "impl" in r]
+    assert {r["status"] for r in timed} <= {"ok", "absent"}, [r.get("error") for r in timed]
+    ours = [r for r in timed if r["impl"] == "cute_kv"]
+    assert len(ours) == 2 and all(r["median_us"] > 0 and "speedup_vs_torch_sdpa_gather" in r for r in ours)

@@ -116,3 +116,14 @@ def test_table_lists_each_case_and_the_failures():
     assert "0.012" in lines[2] and "0.500" in lines[2]
     assert "FAIL" in lines[3] and "ValueError: boom" in lines[3]
     assert lines[-1] == "1 of 2 passed; 1 FAILED"
+
+
+@pytest.mark.gpu
+def test_selftest_passes_on_the_gpu(capsys):
+    """Every quick case on this GPU: the kernels against their references, timed."""
+    from cute_kv.__main__ import main
+
+    code = main(["selftest", "--quick"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "kernel PagedAttention" in out and "kernel PagedKVStore" in out and "FAIL" not in out
