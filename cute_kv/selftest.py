@@ -4,7 +4,7 @@ The first command to run on a GPU: for each op, each cache dtype and page size i
 step and a ragged prefill step (requests with 0 and 1 new tokens, an empty cache, pages crossed), on shuffled pages.
 Per case: the path the call took (``cute_kv.explain``), the largest error against the reference (the op's output,
 and the whole cache after it: rows outside the step must not move), pass/fail, and on CUDA the time of one call
-beside the reference's. Outputs start as NaN, so a row left unwritten fails. Without CUDA there is nothing to
+beside the reference's and, for attention, FlashInfer's when it is installed (checked against the reference first). Outputs start as NaN, so a row left unwritten fails. Without CUDA there is nothing to
 test: the ops are the reference.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import math
 import zlib
 from typing import Callable, Optional, Sequence
@@ -69,6 +71,7 @@ class Row:
     ok: bool
     ours_ms: Optional[float] = None
     ref_ms: Optional[float] = None
+    peer_ms: Optional[float | str] = None  # FlashInfer's time, or why there is none
     error: Optional[str] = None
 
 
@@ -97,8 +100,19 @@ def _qkv_rope(c, device):
     return cute_kv.RopeConfig.from_theta(c.head_size, 256, 500000.0, device=device)
 
 
-def _setup(case: Case, pb, g: torch.Generator, device) -> tuple[Callable, Callable, Callable, torch.dtype]:
-    """``(ours, ref, call, out_dtype)``: ``call(fn, collection)`` runs ``fn`` on this case's inputs."""
+@dataclasses.dataclass
+class Setup:
+    """``call(fn, collection)`` runs ``fn`` (``ours`` or ``ref``) on one case's inputs; ``peer(fi)`` builds FlashInfer's
+    call on the same pages, where it computes the same thing."""
+
+    ours: Callable
+    ref: Callable
+    call: Callable
+    out_dtype: torch.dtype
+    peer: Optional[Callable] = None
+
+
+def _setup(case: Case, pb, g: torch.Generator, device) -> Setup:
     c = pb.collection
     t, h, d = pb.total_rows, c.num_heads, c.head_size
     act = torch.bfloat16 if c.dtype == FP8 else c.dtype
@@ -108,7 +122,8 @@ def _setup(case: Case, pb, g: torch.Generator, device) -> tuple[Callable, Callab
 
     if case.op == "store_kv":
         k, v = randn(t, h, d), None if c.is_mla else randn(t, h, d)
-        return cute_kv.store_kv, reference.store_kv, lambda fn, col: fn(k, v, pb.input_row_offsets, col, LAYER), act
+        return Setup(cute_kv.store_kv, reference.store_kv, lambda fn, col: fn(k, v, pb.input_row_offsets, col, LAYER),
+                     act)
     if case.op == "fused_qkv_matmul_kv_cache":
         hidden = randn(t, 256)
         weight = randn(4 * h * d + kv_columns(c), 256, scale=1 / 16)
@@ -118,7 +133,7 @@ def _setup(case: Case, pb, g: torch.Generator, device) -> tuple[Callable, Callab
             out = torch.full((t, 4 * h * d), math.nan, dtype=act, device=device)
             return fn(hidden, pb.input_row_offsets, weight, col, LAYER, rope=rope, output=out)
 
-        return cute_kv.fused_qkv_matmul_kv_cache, reference.fused_qkv_matmul_kv_cache, call, act
+        return Setup(cute_kv.fused_qkv_matmul_kv_cache, reference.fused_qkv_matmul_kv_cache, call, act)
     if case.op == "paged_attention":
         q = randn(t, 4 * h, d)
         mla_v_dim = d // 2 if c.is_mla else None
@@ -127,15 +142,45 @@ def _setup(case: Case, pb, g: torch.Generator, device) -> tuple[Callable, Callab
             out = torch.full((t, 4 * h, mla_v_dim or d), math.nan, dtype=act, device=device)
             return fn(q, pb.input_row_offsets, col, LAYER, causal=True, mla_v_dim=mla_v_dim, out=out)
 
-        return cute_kv.paged_attention, reference.paged_attention, call, act
+        peer = None
+        if c.dtype in (torch.bfloat16, torch.float16) and not c.is_mla:
+            peer = functools.partial(flashinfer_attention, pb=pb, q=q, decode=case.step == "decode")
+        return Setup(cute_kv.paged_attention, reference.paged_attention, call, act, peer)
     if case.op == "gather_kv":
         def call(fn, col):
             out = torch.full((c.batch_size, c.max_cache_length, h, d), math.nan, dtype=c.dtype, device=device)
             fn(col, LAYER, kv="v", out=out)
             return torch.cat([out[b, :n] for b, n in enumerate(pb.cache_lengths)])  # past a request's length: free
 
-        return cute_kv.gather_kv, _gather_reference, call, c.dtype
+        return Setup(cute_kv.gather_kv, _gather_reference, call, c.dtype)
     raise ValueError(f"unknown op {case.op!r}")
+
+
+def flashinfer_attention(fi, *, pb, q: torch.Tensor, decode: bool) -> Callable[[], torch.Tensor]:
+    """FlashInfer's paged attention over the same pages as ``pb`` (layer ``LAYER``'s K/V planes, copied contiguous):
+    its CSR page table (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``), the decode wrapper for one token per
+    request, else the causal prefill wrapper over the ragged rows."""
+    c, dev, p = pb.collection, q.device, pb.collection.page_size
+    k_cache, v_cache = c.blocks[:, 0, LAYER].contiguous(), c.blocks[:, 1, LAYER].contiguous()
+    ends = [cl + n for cl, n in zip(pb.cache_lengths, pb.new_lengths)]
+    used = [-(-e // p) for e in ends]
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=dev)
+
+    indices = i32([page for b, n in enumerate(used) for page in pb.pages[b][:n]])
+    indptr = i32([0, *itertools.accumulate(used)])
+    last = i32([e - (n - 1) * p if n else 0 for e, n in zip(ends, used)])
+    workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device=dev)
+    heads = (q.shape[1], c.num_heads, c.head_size, p)
+    if decode:
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        w.plan(indptr, indices, last, *heads, q_data_type=q.dtype, kv_data_type=c.dtype)
+    else:
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        w.plan(pb.input_row_offsets.to(torch.int32), indptr, indices, last, *heads, causal=True,
+               q_data_type=q.dtype, kv_data_type=c.dtype)
+    return lambda: w.run(q, (k_cache, v_cache))
 
 
 def _gather_reference(collection, layer_idx, *, kv, out):
@@ -165,30 +210,45 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff.max()) / scale if diff.numel() else 0.0
 
 
-def run_case(case: Case, device, ours: Optional[Callable] = None, *, time_calls: bool = False) -> Row:
-    """``ours`` (default: the ``cute_kv`` entry point) against the reference on twin batches of ``case``."""
+def run_case(case: Case, device, ours: Optional[Callable] = None, *, time_calls: bool = False,
+             flashinfer=None) -> Row:
+    """``ours`` (default: the ``cute_kv`` entry point) against the reference on twin batches of ``case``; with
+    ``time_calls`` on CUDA, both timed, and ``flashinfer`` (a module) beside them where it computes the same."""
     device = torch.device(device)
     try:
         pb, twin = _batch(case, device), _batch(case, device)
         g = torch.Generator().manual_seed(case.seed(1))
-        entry, ref, call, out_dtype = _setup(case, pb, g, device)
-        fn = ours or entry
-        path = _path(case, entry, call, pb.collection)
-        got, want = call(fn, pb.collection), call(ref, twin.collection)
+        setup = _setup(case, pb, g, device)
+        fn = ours or setup.ours
+        path = _path(case, setup.ours, setup.call, pb.collection)
+        got, want = setup.call(fn, pb.collection), setup.call(setup.ref, twin.collection)
         errs = [rel_err(pb.collection.blocks, twin.collection.blocks)]
         if pb.collection.scales is not None:
             errs.append(rel_err(pb.collection.scales, twin.collection.scales))
         if got is not None:
             errs.append(rel_err(got, want))
         err = max(errs)
-        tol = TOLERANCE[pb.collection.dtype if case.op in ("store_kv", "gather_kv") else out_dtype]
+        tol = TOLERANCE[pb.collection.dtype if case.op in ("store_kv", "gather_kv") else setup.out_dtype]
         row = Row(case, path, err, err <= tol)
         if time_calls and device.type == "cuda":
-            row.ours_ms = _time_ms(lambda: call(fn, pb.collection))
-            row.ref_ms = _time_ms(lambda: call(ref, twin.collection))
+            row.ours_ms = _time_ms(lambda: setup.call(fn, pb.collection))
+            row.ref_ms = _time_ms(lambda: setup.call(setup.ref, twin.collection))
+            if flashinfer is not None and setup.peer is not None:
+                row.peer_ms = _peer_ms(setup.peer, flashinfer, want, tol)
         return row
     except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
         return Row(case, "error", math.inf, False, error=f"{type(e).__name__}: {e}")
+
+
+def _peer_ms(build: Callable, flashinfer, want: torch.Tensor, tol: float):
+    """The peer's time, or why there is none ("wrong": its output is off the reference; "error": it raised)."""
+    try:
+        run = build(flashinfer)
+        if rel_err(run(), want) > tol:
+            return "wrong"
+        return _time_ms(run)
+    except Exception:  # noqa: BLE001 - a peer's failure says nothing about cute-kv
+        return "error"
 
 
 def _path(case: Case, entry: Callable, call: Callable, collection) -> str:
@@ -219,16 +279,23 @@ def _time_ms(fn: Callable, iters: int = 20) -> float:
 
 
 def table(rows: Sequence[Row]) -> str:
-    """One line per case: kernel, config, path, max error, pass/fail, and the times where measured."""
-    head = f"{'op':26s} {'config':32s} {'path':24s} {'max err':>9s} {'':4s} {'ours ms':>8s} {'ref ms':>8s}"
+    """One line per case: op, config, path, max error, pass/fail, and the times where measured."""
+    head = (f"{'op':26s} {'config':32s} {'path':24s} {'max err':>9s} {'':4s} {'ours ms':>8s} {'ref ms':>8s} "
+            f"{'flashinfer ms':>13s}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        ms = "".join(f" {x:8.3f}" if x is not None else f" {'-':>8s}" for x in (r.ours_ms, r.ref_ms))
+        ms = "".join(_cell(x, w) for x, w in ((r.ours_ms, 8), (r.ref_ms, 8), (r.peer_ms, 13)))
         lines.append(f"{r.case.op:26s} {r.case.config:32s} {r.path:24s} {r.max_err:9.2e} "
                      f"{'ok' if r.ok else 'FAIL':4s}{ms}" + (f"  {r.error}" if r.error else ""))
     failed = sum(not r.ok for r in rows)
     lines.append(f"{len(rows) - failed} of {len(rows)} passed" + (f"; {failed} FAILED" if failed else ""))
     return "\n".join(lines)
+
+
+def _cell(x, width: int) -> str:
+    if x is None:
+        return f" {'-':>{width}s}"
+    return f" {x:>{width}.3f}" if isinstance(x, float) else f" {x:>{width}s}"
 
 
 def add_parser(commands) -> None:
@@ -248,8 +315,14 @@ def run(args: argparse.Namespace) -> int:
         wanted = set(args.ops.split(","))
         chosen = [c for c in chosen if c.op in wanted]
     device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    print(f"cute-kv selftest on {name} ({device_arch(device)}): {len(chosen)} cases")
-    rows = [run_case(c, device, time_calls=True) for c in chosen]
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - an optional peer; a broken install fails at import in many ways
+        flashinfer, peer = None, f"flashinfer not timed ({type(e).__name__}; pip install -e '.[peers]')"
+    else:
+        peer = f"flashinfer {getattr(flashinfer, '__version__', '')} timed beside paged_attention"
+    print(f"cute-kv selftest on {torch.cuda.get_device_name(device)} ({device_arch(device)}): {len(chosen)} cases; "
+          f"{peer}")
+    rows = [run_case(c, device, time_calls=True, flashinfer=flashinfer) for c in chosen]
     print(table(rows))
     return 0 if all(r.ok for r in rows) else 1

@@ -109,13 +109,62 @@ def test_rel_err():
 def test_table_lists_each_case_and_the_failures():
     good = selftest.Row(ONE_PER_OP[0], "kernel PagedKVStore", 1e-3, True, 0.012, 0.5)
     bad = selftest.Row(ONE_PER_OP[2], "reference", math.inf, False, error="ValueError: boom")
-    text = selftest.table([good, bad])
-    lines = text.splitlines()
-    assert lines[0].split() == ["op", "config", "path", "max", "err", "ours", "ms", "ref", "ms"]
+    timed = selftest.Row(ONE_PER_OP[3], "kernel PagedAttention", 0.0, True, 0.02, 1.0, 0.025)
+    wrong_peer = selftest.Row(ONE_PER_OP[3], "kernel PagedAttention", 0.0, True, 0.02, 1.0, "wrong")
+    lines = selftest.table([good, bad, timed, wrong_peer]).splitlines()
+    assert lines[0].split() == ["op", "config", "path", "max", "err", "ours", "ms", "ref", "ms", "flashinfer", "ms"]
     assert "store_kv" in lines[2] and "kernel PagedKVStore" in lines[2] and " ok " in lines[2]
-    assert "0.012" in lines[2] and "0.500" in lines[2]
+    assert lines[2].split()[-3:] == ["0.012", "0.500", "-"]
     assert "FAIL" in lines[3] and "ValueError: boom" in lines[3]
-    assert lines[-1] == "1 of 2 passed; 1 FAILED"
+    assert lines[4].split()[-3:] == ["0.020", "1.000", "0.025"] and lines[5].split()[-1] == "wrong"
+    assert lines[-1] == "3 of 4 passed; 1 FAILED"
+
+
+class FakeFlashInfer:
+    """FlashInfer's paged-attention contract, written out in float64: request ``b`` reads pages
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, all of them full but the last (``kv_last_page_len[b]`` tokens);
+    causal queries sit at the end of the keys (bottom-right). Checks the page table ``flashinfer_attention`` builds."""
+
+    class _Wrapper:
+        def __init__(self, workspace, layout):
+            assert layout == "NHD" and workspace.dtype == torch.uint8
+
+        def plan(self, *args, causal=True, q_data_type=None, kv_data_type=None):
+            *qo, self.indptr, self.indices, self.last, self.hq, self.hkv, self.d, self.p = args
+            self.qo = qo[0] if qo else torch.arange(self.indptr.numel(), dtype=torch.int32)  # decode: one each
+            assert causal and all(x.dtype == torch.int32 for x in (self.qo, self.indptr, self.indices, self.last))
+
+        def run(self, q, kv):
+            k_cache, v_cache = kv
+            out = torch.empty_like(q)
+            for b in range(self.indptr.numel() - 1):
+                pages = self.indices[self.indptr[b]:self.indptr[b + 1]].long()
+                n_kv = (pages.numel() - 1) * self.p + int(self.last[b]) if pages.numel() else 0
+                lo, hi = int(self.qo[b]), int(self.qo[b + 1])
+                if hi == lo:
+                    continue
+                k = k_cache[pages].flatten(0, 1)[:n_kv].double().repeat_interleave(self.hq // self.hkv, 1)
+                v = v_cache[pages].flatten(0, 1)[:n_kv].double().repeat_interleave(self.hq // self.hkv, 1)
+                s = torch.einsum("nhd,shd->hns", q[lo:hi].double(), k) / math.sqrt(self.d)
+                pos = n_kv - (hi - lo) + torch.arange(hi - lo)
+                s = s.masked_fill(torch.arange(n_kv)[None, :] > pos[:, None], -math.inf)
+                out[lo:hi] = torch.einsum("hns,shd->nhd", s.softmax(-1), v).to(q.dtype)
+            return out
+
+    BatchDecodeWithPagedKVCacheWrapper = _Wrapper
+    BatchPrefillWithPagedKVCacheWrapper = _Wrapper
+
+
+@pytest.mark.parametrize("step", ["decode", "ragged"])
+def test_flashinfer_peer_reads_the_same_pages(step):
+    case = Case("paged_attention", "bf16", 16, 64, step)
+    pb = selftest._batch(case, "cpu")
+    setup = selftest._setup(case, pb, torch.Generator().manual_seed(3), "cpu")
+    want = setup.call(reference.paged_attention, pb.collection)
+    got = setup.peer(FakeFlashInfer)()
+    assert selftest.rel_err(got, want) < selftest.TOLERANCE[torch.bfloat16]
+    fp8 = Case("paged_attention", "fp8", 16, 64, step)
+    assert selftest._setup(fp8, selftest._batch(fp8, "cpu"), torch.Generator(), "cpu").peer is None  # not the same
 
 
 @pytest.mark.gpu
