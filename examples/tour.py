@@ -11,6 +11,7 @@ params = KVCacheParams(torch.bfloat16, n_kv_heads=8, head_dim=128, page_size=16,
 print(params.shape_per_block, params.bytes_per_token, params.bytes_per_block)  # [KVD=2, L, P, H, D], bytes
 fp8 = KVCacheParams(torch.float8_e4m3fn, 8, 128, page_size=16, total_num_layers=4,  # FP8, one float32 scale
                     kvcache_quant_config=KVCacheQuantizationConfig(torch.float32, 128))  # per (token, head, 128)
+print(fp8.shape_per_scale_block)  # [KVD, L, P, H, ceil(D / 128)]
 
 # The block manager: owns pages (plus a null page), builds each step's lookup table, reuses prefixes
 mgr = PagedKVCacheManager(params, total_num_pages=64, devices=[device])
