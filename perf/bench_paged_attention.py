@@ -79,8 +79,9 @@ class Placements:
         need = [math.ceil((c + n) / page_size) for c, n in zip(step.cache_lengths, step.new_lengths)]
         n_pages = sum(need) * n_rot
         shape = (n_pages, page_size, KV_HEADS, HEAD_DIM)
-        self.k_cache = torch.randn(shape, generator=generator).to(device=device, dtype=torch.bfloat16)
-        self.v_cache = torch.randn(shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+        values = torch.Generator(device=device).manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
+        self.k_cache, self.v_cache = (torch.randn(shape, generator=values, device=device, dtype=torch.bfloat16)
+                                      for _ in range(2))  # drawn on the device: a decode pool is gigabytes
         blocks = torch.stack((self.k_cache, self.v_cache), dim=1).unsqueeze(2)  # [N, KVD=2, L=1, P, HK, D]
         self.offsets = input_row_offsets(step.new_lengths, device)
         self.offsets_i32 = self.offsets.to(torch.int32)
@@ -112,7 +113,8 @@ def bench_shape(args, shape: Shape, ceiling: dict, peers: dict) -> list[dict]:
                                                                  max_sets=32)
     gen = torch.Generator().manual_seed(shape.page_size)
     pl = Placements(step, shape.page_size, n_rot, dev, gen)
-    q = torch.randn((n_rot, step.rows, Q_HEADS, HEAD_DIM), generator=gen).to(device=dev, dtype=torch.bfloat16)
+    q = torch.randn((n_rot, step.rows, Q_HEADS, HEAD_DIM), generator=torch.Generator(device=dev).manual_seed(1),
+                    device=dev, dtype=torch.bfloat16)
     want = reference.paged_attention(q[0], pl.offsets, pl.collections[0], 0, causal=True).float()
 
     def check(fn):
@@ -156,7 +158,8 @@ def _checked(impl: cases.Impl) -> dict:
 
 def _sdpa(pl: Placements, q: torch.Tensor, step: cases.Step) -> cases.Impl:
     """torch SDPA per request over its pages gathered into dense K/V (what an engine without paged kernels does)."""
-    rows = [(int(a), int(b)) for a, b in zip(pl.offsets[:-1].tolist(), pl.offsets[1:].tolist())]
+    ends = list(itertools.accumulate(step.new_lengths))
+    rows = list(zip([0, *ends[:-1]], ends))
 
     def fn(r):
         out = torch.empty_like(q[r])
