@@ -60,7 +60,7 @@ def device_arch(device) -> Optional[str]:
     return target_arch(device)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _strict: Optional[bool] = None
 _warned: set[tuple[str, str]] = set()
 
