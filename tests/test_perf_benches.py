@@ -1,4 +1,5 @@
-"""perf/bench_store_kv.py, perf/bench_fused_qkv.py and perf/cases.py: the CPU-checkable parts.
+"""perf/bench_store_kv.py, perf/bench_fused_qkv.py, perf/bench_paged_attention.py and perf/cases.py: the
+CPU-checkable parts.
 
 The torch peers must write exactly what ``cute_kv.reference`` writes, and FlashInfer's page table must address
 the same rows, or the speed-ups the benchmarks report compare different work.

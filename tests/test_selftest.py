@@ -34,6 +34,7 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     assert set(selftest.DECODE[1]) == {1} and 0 in selftest.DECODE[0]
     quick = selftest.cases(quick=True)
     assert set(quick) < set(all_cases) and {c.op for c in quick} == {c.op for c in all_cases}
+    assert {c.cache for c in quick if c.op == "paged_attention"} == {"bf16", "fp8 f32 scales"}
     assert len(set(all_cases)) == len(all_cases)
 
 
