@@ -7,6 +7,7 @@ from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths, 
 from cute_kv.ops.fused_qkv import fused_qkv_matmul_kv_cache
 from cute_kv.ops.gather_kv import gather_kv
 from cute_kv.ops.paged_attention import paged_attention
+from cute_kv.ops.paths import FallbackError, FallbackWarning, KernelPath, explain, set_strict
 from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig, KVCacheStrategy
@@ -16,17 +17,21 @@ from cute_kv.row_indices import PagedRowIndices
 __version__ = "0.1.0"
 
 __all__ = [
+    "FallbackError",
+    "FallbackWarning",
     "InsufficientBlocksError",
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheQuantizationConfig",
     "KVCacheStrategy",
+    "KernelPath",
     "PagedKVCache",
     "PagedKVCacheCollection",
     "PagedKVCacheManager",
     "PagedRowIndices",
     "RopeConfig",
     "StepInputs",
+    "explain",
     "fused_qkv_matmul_kv_cache",
     "gather_kv",
     "input_row_offsets",
@@ -35,5 +40,6 @@ __all__ = [
     "padded_lut_cols",
     "paged_attention",
     "parse_dtype",
+    "set_strict",
     "store_kv",
 ]

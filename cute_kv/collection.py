@@ -14,7 +14,7 @@ import torch
 
 from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
 from cute_kv.params import KVCacheParams
-from cute_kv.validate import check_tensor, check_uint32_scalar
+from cute_kv.validate import check_metadata_tensor, check_tensor, check_uint32_scalar
 
 
 class PagedKVCacheCollection:
@@ -34,6 +34,9 @@ class PagedKVCacheCollection:
     ):
         """Wrap existing tensors (nothing is copied).
 
+        ``cache_lengths`` and ``lookup_table`` are uint32 (MAX) or int32; int32 ones are kept as their uint32 view
+        (same memory: later writes to them show), which is what ``cache_lengths`` / ``lookup_table`` return.
+
         ``validate=False`` skips the lookup-table scan (a device sync on GPU) for callers that built the
         metadata themselves, such as the block manager; shapes and dtypes are always checked.
         """
@@ -44,9 +47,9 @@ class PagedKVCacheCollection:
         if min(n, nl, p, h, d) <= 0:
             raise ValueError(f"blocks must have no empty dimension, got shape {list(blocks.shape)}")
         dev = blocks.device
-        check_tensor("cache_lengths", cache_lengths, dtype=torch.uint32, ndim=1, device=dev)
+        cache_lengths = check_metadata_tensor("cache_lengths", cache_lengths, ndim=1, device=dev)
         bsz = cache_lengths.shape[0]
-        check_tensor("lookup_table", lookup_table, dtype=torch.uint32, ndim=2, device=dev)
+        lookup_table = check_metadata_tensor("lookup_table", lookup_table, ndim=2, device=dev)
         if lookup_table.shape[0] != bsz:
             raise ValueError(
                 f"lookup_table must have one row per request ({bsz}), got shape {list(lookup_table.shape)}"
@@ -77,7 +80,7 @@ class PagedKVCacheCollection:
             self._init_scales(scales, quantization_granularity)
         elif quantization_granularity is not None:
             raise ValueError("quantization_granularity given without scales")
-        if validate:
+        if validate and not torch.compiler.is_compiling():  # the scan reads device values: traced, it is skipped
             self.check_metadata()
 
     def _init_scales(self, scales: torch.Tensor, granularity: Optional[int]):

@@ -34,19 +34,52 @@ def add_parser(commands) -> None:
     p = commands.add_parser("demo", help="run ragged prefill/decode steps on a Llama-3-8B-like paged cache")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
     p.add_argument("--layers", type=int, default=32, help="layers in the cache (default 32, as Llama-3-8B)")
-    p.add_argument("--check-layers", default="0,-1", help="comma-separated layers the steps run on (default 0,-1)")
+    p.add_argument("--check-layers", default="0,-1",
+                   help="comma-separated layers the steps run on, negative from the end (default 0,-1)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pages", type=int, default=24, help="physical pages (default 24)")
+    p.add_argument("--pages", type=int, default=None,
+                   help="physical pages (default: what the steps need at this page size, plus 4)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, error=p.error)
+
+
+def pages_needed(page_size: int) -> int:
+    """Pages the steps hold at their peak: every request's final length in whole pages (prefix reuse not counted)."""
+    totals: dict = {}
+    for counts in STEPS:
+        for rid, n in counts.items():
+            totals[rid] = totals.get(rid, 0) + n
+    return sum(-(-n // page_size) for n in totals.values())
+
+
+def _layers(text: str, num_layers: int) -> list[int]:
+    """``--check-layers``: ints in ``[-L, L)``, negative ones counted from the end."""
+    try:
+        picked = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--check-layers must be comma-separated ints, got {text!r}") from None
+    for x in picked:
+        if not -num_layers <= x < num_layers:
+            raise ValueError(f"--check-layers: layer {x} is outside the cache's {num_layers} layers "
+                             f"(use [{-num_layers}, {num_layers}))")
+    return sorted({x % num_layers for x in picked})
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    params = KVCacheParams(torch.bfloat16, n_kv_heads=8, head_dim=128, page_size=args.page_size,
-                           total_num_layers=args.layers, enable_prefix_caching=True)
-    layers = sorted({int(x) % args.layers for x in args.check_layers.split(",")})
+    try:
+        params = KVCacheParams(torch.bfloat16, n_kv_heads=8, head_dim=128, page_size=args.page_size,
+                               total_num_layers=args.layers, enable_prefix_caching=True)
+        layers = _layers(args.check_layers, args.layers)
+        need = pages_needed(args.page_size)
+        if args.pages is None:
+            args.pages = need + 4
+        elif args.pages < need:
+            raise ValueError(f"--pages {args.pages} is below the {need} pages the steps need at page size "
+                             f"{args.page_size}")
+    except ValueError as e:
+        args.error(str(e))
     n_q_heads, d = 32, params.head_dim
     g = torch.Generator().manual_seed(args.seed)
     mgr = PagedKVCacheManager(params, args.pages, devices=[device])

@@ -41,7 +41,9 @@ def add_parser(commands) -> None:
     g.add_argument("--dtype", help="bf16 (default), f16, f32 or fp8")
     g.add_argument("--mla", action="store_true", default=None, help="K only (KVD=1)")
     g.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), help="fp8 scales (default f32 with --granularity)")
-    g.add_argument("--granularity", type=int, help="head dims per scale (default 128 with --scale-dtype)")
+    g.add_argument("--granularity", type=int,
+                   help="head dims per scale (default with --scale-dtype: 128, or the largest power of two "
+                        "dividing the head dim, 64 for MLA's 576)")
     q = p.add_argument_group("queries")
     q.add_argument("--layer", type=int, default=0, help="layer of the views and the request map (default 0)")
     q.add_argument("--tensor", choices=("blocks", "scales"), default="blocks", help="tensor of --coord/--offset")
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if pages is not None:
         rows = _print_request(layouts, coll, args, pages)
         if args.png:
-            _draw_page_map(plot, args.png, title, coll, pages, rows)
+            _draw_page_map(plot, args.png, title, coll, pages, rows, args.layer)
             print(f"\npage map written to {args.png}")
     return 0
 
@@ -122,11 +124,18 @@ def _params(args) -> tuple[str, KVCacheParams]:
     quant = {}  # either flag asks for scales; the other keeps MAX's default
     if args.scale_dtype:
         quant["scale_dtype"] = SCALE_DTYPES[args.scale_dtype]
+        quant["quantization_granularity"] = default_granularity(head_dim)
     if args.granularity is not None:
         quant["quantization_granularity"] = args.granularity
     params = KVCacheParams(dtype, kv_heads, head_dim, page_size=args.page_size, total_num_layers=layers,
                            is_mla=mla, kvcache_quant_config=KVCacheQuantizationConfig(**quant) if quant else None)
     return args.preset or "custom", params
+
+
+def default_granularity(head_dim: int) -> int:
+    """MAX's 128 where it divides the head dim, else the largest power of two below it that does (576, the MLA
+    latent: 64), so every granule is whole."""
+    return next((g for g in (128, 64, 32, 16, 8) if head_dim % g == 0), 128)
 
 
 def _collection(params: KVCacheParams, num_pages: int) -> PagedKVCacheCollection:
@@ -304,28 +313,79 @@ def _print_request(layouts, coll: PagedKVCacheCollection, args, pages: list[int]
     return rows
 
 
-def _draw_page_map(figure_cls, path: str, title: str, coll: PagedKVCacheCollection, pages, rows) -> None:
-    """Left: the physical pages, coloured by the request's logical page. Right: token -> physical row."""
+def _draw_page_map(figure_cls, path: str, title: str, coll: PagedKVCacheCollection, pages, rows,
+                   layer: int) -> None:
+    """What is particular to this layout, in four panels: one page's rows (K/V and every layer interleaved, the row
+    pitch between pages), the request's lookup-table row (padded columns of sentinels), where its pages lie, and
+    token -> physical row (jumps of whole row pitches)."""
     import numpy as np
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator
 
-    width = math.ceil(math.sqrt(coll.num_pages))
-    height = -(-coll.num_pages // width)
+    n, kvd, nl, p = coll.num_pages, coll.kv_dim, coll.num_layers, coll.page_size
+    pitch = kvd * nl * p
+    fig = figure_cls(figsize=(13, 8.5), layout="constrained")
+    (ax_page, ax_lut), (ax_map, ax_rows) = fig.subplots(2, 2, gridspec_kw={"height_ratios": [1, 2]})
+
+    # One page: KVD x L planes of P rows each, K planes then V planes; the chosen layer's planes stand out.
+    colors = ("tab:blue", "tab:orange")
+    for kv in range(kvd):
+        for lay in range(nl):
+            start = (kv * nl + lay) * p
+            chosen = lay == layer
+            ax_page.add_patch(Rectangle((start, 0), p, 1, facecolor=colors[kv], alpha=1.0 if chosen else 0.3,
+                                        edgecolor="k" if chosen else "w", linewidth=1.2 if chosen else 0.3))
+            if chosen:
+                left = start < 0.75 * pitch  # labels near the right end grow leftwards
+                ax_page.text(start if left else start + p, 1.08, f"{'KV'[kv]} l={layer}: rows {start}-{start + p - 1}",
+                             ha="left" if left else "right", va="bottom", fontsize=8)
+    ax_page.set_xlim(0, pitch)
+    ax_page.set_ylim(0, 1.5)
+    ax_page.set_yticks([])
+    ax_page.set_xlabel(f"row within a page (a row = H*D = {coll.num_heads * coll.head_size} elements)")
+    kinds = "K then V" if kvd == 2 else "K only (MLA)"
+    page_bytes = pitch * coll.num_heads * coll.head_size * coll.blocks.element_size()
+    ax_page.set_title(f"one page: {kvd} x {nl} layers x {p} rows ({kinds})\nrow pitch between pages: "
+                      f"KVD*L*P = {pitch} rows = {page_bytes:,} bytes", fontsize=9)
+
+    # The request's lookup-table row: its pages, then sentinel columns up to MAX's padded width.
+    lut = make_lookup_table([pages], sentinel=n)[0].to(torch.int64).numpy()
+    logical = np.where(lut < n, np.arange(lut.shape[0]), np.nan)[None, :]  # coloured as in the page map below
+    ax_lut.set_facecolor("0.75")
+    ax_lut.imshow(logical, cmap="viridis", vmin=0, vmax=max(len(pages) - 1, 1), aspect="auto",
+                  interpolation="nearest")
+    if lut.shape[0] <= 48:
+        for j, e in enumerate(lut):
+            ax_lut.text(j, 0, "N" if e >= n else str(int(e)), ha="center", va="center", fontsize=7,
+                        color="k" if e >= n else "w")
+    ax_lut.axvline(len(pages) - 0.5, color="r", linewidth=1.5)
+    ax_lut.set_yticks([])
+    ax_lut.set_xlabel("lookup_table column (logical page)")
+    ax_lut.set_title(f"lookup_table[0] (entries: physical pages): the request's {len(pages)}, then the sentinel "
+                     f"N={n}\n(grey, no page) to MAX's padded {lut.shape[0]} columns (ceil(c/8)*8 + 16)", fontsize=9)
+
+    # Where the request's pages lie among the physical pages.
+    width = math.ceil(math.sqrt(n))
+    height = -(-n // width)
     grid = np.full(width * height, np.nan)
     grid[pages] = np.arange(len(pages))
-    fig = figure_cls(figsize=(12, 5.5), layout="constrained")
-    ax_map, ax_rows = fig.subplots(1, 2)
     ax_map.set_facecolor("0.88")
-    im = ax_map.imshow(grid.reshape(height, width), cmap="viridis", interpolation="nearest")
-    if coll.num_pages <= 256:
+    im = ax_map.imshow(grid.reshape(height, width), cmap="viridis", vmin=0, vmax=max(len(pages) - 1, 1),
+                       interpolation="nearest")
+    if n <= 256:
         for logical, phys in enumerate(pages):
             ax_map.text(phys % width, phys // width, str(logical), ha="center", va="center", fontsize=7, color="w")
-    ax_map.set_title("physical pages (grey: not the request's)")
+    ax_map.set_title("physical pages (grey: not the request's)", fontsize=9)
     ax_map.set_xlabel(f"page % {width}")
     ax_map.set_ylabel(f"page // {width}")
-    fig.colorbar(im, ax=ax_map, label="logical page")
+    fig.colorbar(im, ax=ax_map, label="logical page").ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+    # Token -> row: P consecutive rows, then a jump of whole pitches to the next page.
     ax_rows.plot(np.arange(len(rows)), rows, ".", markersize=2)
+    for page in pages:
+        ax_rows.axhline(page * pitch, color="0.85", linewidth=0.5, zorder=0)
     ax_rows.set_xlabel("token")
-    ax_rows.set_ylabel("physical row (row_idx)")
-    ax_rows.set_title(f"token -> row ({coll.page_size} tokens per page)")
+    ax_rows.set_ylabel(f"row (row_idx = page * {pitch} + slot)")
+    ax_rows.set_title(f"token -> row of layer {layer}'s K plane ({p} tokens per page)", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=100)

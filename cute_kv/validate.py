@@ -43,6 +43,24 @@ def check_tensor(
     return t
 
 
+METADATA_DTYPES = (torch.uint32, torch.int32)
+
+
+def check_metadata_tensor(name: str, t, **kw) -> torch.Tensor:
+    """Step metadata (offsets, lengths, lookup tables) in MAX's uint32 or the int32 every peer uses, returned as its
+    uint32 bits (``uint32_bits``); ``kw`` as for ``check_tensor``."""
+    if isinstance(t, torch.Tensor) and t.dtype not in METADATA_DTYPES:
+        raise TypeError(f"{name} must have dtype torch.uint32 (MAX's) or torch.int32, got {t.dtype}; convert with "
+                        f"{name}.to(torch.int32)")
+    return uint32_bits(check_tensor(name, t, **kw))
+
+
+def uint32_bits(t: torch.Tensor) -> torch.Tensor:
+    """An int32 tensor viewed as uint32 (no copy), a uint32 one as it is: valid values have the same bits in both,
+    and the kernels and checks read one dtype. A negative int32 reads as 2^31 or more, which the checks reject."""
+    return t.view(torch.uint32) if t.dtype == torch.int32 else t
+
+
 def check_uint32_scalar(name: str, value) -> int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -55,15 +73,16 @@ def check_uint32_scalar(name: str, value) -> int:
 
 def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows: int, device, *,
                       data_checks: bool = True) -> Optional[torch.Tensor]:
-    """``input_row_offsets``: uint32 ``[B+1]``, starts at 0, non-decreasing, ends at ``total_rows``.
+    """``input_row_offsets``: uint32 (or int32) ``[B+1]``, starts at 0, non-decreasing, ends at ``total_rows``.
 
     Returns the offsets as int64 (torch's uint32 supports few ops). ``data_checks=False`` checks the dtype,
-    shape and device only (the value checks read device memory) and returns None.
+    shape and device only (the value checks read device memory) and returns None; so does a torch.compile trace,
+    where reading a device value would break the graph.
     """
-    check_tensor(name, input_row_offsets, dtype=torch.uint32, shape=[batch_size + 1], device=device)
-    if not data_checks:
+    ro = check_metadata_tensor(name, input_row_offsets, shape=[batch_size + 1], device=device)
+    if not data_checks or torch.compiler.is_compiling():
         return None
-    ro = input_row_offsets.to(torch.int64)
+    ro = ro.to(torch.int64)
     if int(ro[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(ro[0])}")
     if bool((ro[1:] < ro[:-1]).any()):
@@ -84,8 +103,8 @@ def check_step(collection, input_row_offsets, total_rows: int, *, data_checks: b
 
     Each request must own the pages of positions ``[0, cache_length + new)`` (what an op reads or writes)
     and fit ``max_seq_length`` / ``max_cache_length``, which kernels size their grids from.
-    ``data_checks=False`` checks only the offsets' dtype, shape and device and returns None: the other checks
-    read device values, host syncs that CUDA-graph capture forbids.
+    ``data_checks=False`` (and a torch.compile trace) checks only the offsets' dtype, shape and device and returns
+    None: the other checks read device values, host syncs that CUDA-graph capture forbids.
     """
     ro = check_row_offsets("input_row_offsets", input_row_offsets, collection.batch_size, total_rows,
                            collection.device, data_checks=data_checks)

@@ -2,7 +2,7 @@
 they are compiled for.
 
 Kernels compile from fake tensors (no GPU needed) with TVM-FFI enabled and the caller's current stream, so the
-cached object is called with torch tensors directly (guide §1.6, ~7 µs of host time per call).
+cached object is called with torch tensors directly (~7 µs of host time per call).
 """
 
 from __future__ import annotations

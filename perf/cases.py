@@ -8,13 +8,9 @@ implementation (checked first, then eager, CUDA-graph replay and host cost) as a
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
-import os
-import sys
-import types
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -152,34 +148,12 @@ class PagedSets:
 
 def flashinfer_or_reason():
     """``(flashinfer, None)``, or ``(None, why)`` when it cannot be imported (the peer is then recorded absent).
-
-    FlashInfer JIT-compiles its page module on first use; the peers' script knows how to point that build at this
-    machine's toolkit, so it is borrowed where found (``$PEERS_DIR``, ``.peers/`` or ``../shared/peers/``).
-    """
+    FlashInfer is optional: ``pip install -e ".[peers]"``; it JIT-compiles its kernels on first use."""
     try:
         import flashinfer
     except Exception as e:  # noqa: BLE001 - a broken install fails at import in many ways
         return None, f"flashinfer import failed: {type(e).__name__}: {e}"
-    peers = peers_module()
-    if peers is not None:
-        peers.Env.prepare_flashinfer_toolchain(types.SimpleNamespace(dev=torch.device("cuda"), meta={}))
     return flashinfer, None
-
-
-def peers_module():
-    """The peers' benchmark (``bench_peers.py``) as a module, from ``$PEERS_DIR``, ``.peers/`` or
-    ``../shared/peers/``; None where none of them has it."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for folder in (os.environ.get("PEERS_DIR", ""), os.path.join(repo, ".peers"),
-                   os.path.join(repo, "..", "shared", "peers")):
-        path = os.path.join(folder, "bench_peers.py")
-        if folder and os.path.exists(path):
-            spec = importlib.util.spec_from_file_location("bench_peers", path)
-            peers = importlib.util.module_from_spec(spec)
-            sys.modules["bench_peers"] = peers  # its dataclasses look their module up while the class is made
-            spec.loader.exec_module(peers)
-            return peers
-    return None
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """Timing on the GPU: CUDA events, many samples, median; inputs rotated past L2; optional CUDA-graph replay.
 
-The method matches the peers' benchmark (``shared/peers/bench_peers.py``) so figures taken in one process are
-comparable: each sample times a batch of calls cycling over ``n_rot`` input sets whose bytes exceed L2 several
+Every implementation of a benchmark, peers included, is timed the same way in one process, so figures compare: each
+sample times a batch of calls cycling over ``n_rot`` input sets whose bytes exceed L2 several
 times over, so no call finds its inputs cached; the reported time is per call.
 """
 

@@ -32,8 +32,7 @@ BENCHMARKS = {
     "fused-qkv": Benchmark("bench_fused_qkv", True,
                            "QKV GEMM + K/V cache write (T=128, 8192) vs GEMM alone, + FlashInfer, + index_copy_"),
     "paged-attention": Benchmark("bench_paged_attention", True,
-                                 "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA "
-                                 "(needs bench_peers.py)"),
+                                 "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA"),
 }
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_kv.ops.paged_attention import MAX_SPLITS, kernel_key, num_splits
+from cute_kv.ops.paged_attention import MAX_SPLITS, num_splits, plan
 from cute_kv.reference.batch import random_paged_batch
 
 H100_SMS = 132
@@ -38,7 +38,7 @@ def _key(cache=None, q_dtype=torch.bfloat16, q_heads=8, arch="sm_90a", **kw):
     args = {"num_heads": 2, "head_size": 128, "page_size": 16, **(cache or {})}
     pb = random_paged_batch([5, 40], [3, 1], generator=torch.Generator().manual_seed(0), **args, **kw)
     q = torch.zeros(pb.total_rows, q_heads, args["head_size"], dtype=q_dtype)
-    return kernel_key(pb.collection, q, arch)
+    return plan(pb.collection, q, arch).key
 
 
 def test_kernel_serves_16_bit_and_fp8_caches():
@@ -71,9 +71,9 @@ def test_lookup_vectors_need_a_padded_table():
                             generator=torch.Generator().manual_seed(0))
     c = pb.collection
     q = torch.zeros(pb.total_rows, 8, 128, dtype=torch.bfloat16)
-    assert c.lookup_table.shape[1] % 8 == 0 and kernel_key(c, q, "sm_90a")[7]
+    assert c.lookup_table.shape[1] % 8 == 0 and plan(c, q, "sm_90a").key[7]
     ragged = c.with_metadata(c.cache_lengths, c.lookup_table[:, :-1], c.max_seq_length, c.max_cache_length)
-    assert not kernel_key(ragged, q, "sm_90a")[7]
+    assert not plan(ragged, q, "sm_90a").key[7]
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])

@@ -140,7 +140,7 @@ def test_populate_sentinel_stays_in_bounds():
 
 
 def test_populate_chunk_rule_bn192_p16():
-    # BN=192, P=16 -> 12 pages, chunk = lowbit(12) = 4 (spec example)
+    # BN=192, P=16 -> 12 pages, chunk = lowbit(12) = 4 (a worked example)
     blocks = torch.zeros((40, 2, 1, 16, 1, 8), dtype=torch.bfloat16)
     lut = make_lookup_table([list(range(39, 14, -1))], sentinel=40)
     c = PagedKVCacheCollection(blocks, torch.tensor([25 * 16]).to(torch.uint32), lut, 0, 25 * 16)
@@ -237,7 +237,9 @@ def test_scales_of_adjacent_pages_never_alias(rng):
     [
         (lambda a: a.update(blocks=a["blocks"][..., 0]), ValueError, "blocks must be 6-D"),
         (lambda a: a.update(blocks=a["blocks"].to(torch.int32)), TypeError, "blocks must have dtype"),
-        (lambda a: a.update(cache_lengths=a["cache_lengths"].to(torch.int32)), TypeError, "cache_lengths"),
+        (lambda a: a.update(cache_lengths=a["cache_lengths"].to(torch.int64)), TypeError,
+         r"cache_lengths must have dtype torch.uint32 \(MAX's\) or torch.int32, got torch.int64; convert with "
+         r"cache_lengths.to\(torch.int32\)"),
         (lambda a: a.update(lookup_table=a["lookup_table"].to(torch.int64)), TypeError, "lookup_table"),
         (lambda a: a.update(lookup_table=a["lookup_table"][:1]), ValueError, "one row per request"),
         (lambda a: a.update(max_cache_length=-1), ValueError, "max_cache_length"),
@@ -254,6 +256,19 @@ def test_constructor_rejects_bad_input(rng, mutate, exc, match):
     mutate(args)
     with pytest.raises(exc, match=match):
         PagedKVCacheCollection(**args)
+
+
+def test_int32_metadata_is_taken_as_its_uint32_bits(rng):
+    """Every peer's int32 lengths and tables work as MAX's uint32 ones: the same memory, viewed as uint32."""
+    c, _ = make_collection(rng)
+    lengths, lut = c.cache_lengths.to(torch.int32), c.lookup_table.to(torch.int32)
+    c32 = PagedKVCacheCollection(c.blocks, lengths, lut, 0, 33)
+    assert c32.cache_lengths.dtype == c32.lookup_table.dtype == torch.uint32
+    assert c32.lookup_table.data_ptr() == lut.data_ptr() and torch.equal(c32.lookup_table, c.lookup_table)
+    assert [c32.pages_owned(b) for b in range(c.batch_size)] == [c.pages_owned(b) for b in range(c.batch_size)]
+    lut[0, 0] = -1  # reads as 2^32 - 1: past the sentinel
+    with pytest.raises(ValueError, match="lookup_table entries must be < num_pages"):
+        PagedKVCacheCollection(c.blocks, lengths, lut, 0, 33)
 
 
 def test_check_writable_names_the_request(rng):

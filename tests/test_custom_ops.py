@@ -190,8 +190,9 @@ def test_validate_false_skips_data_checks(rng, call):
 
 
 STILL_CHECKED = {
-    "offsets dtype": (lambda a: a.update(input_row_offsets=a["input_row_offsets"].int()), TypeError,
-                      "input_row_offsets must have dtype torch.uint32"),
+    "offsets dtype": (lambda a: a.update(input_row_offsets=a["input_row_offsets"].long()), TypeError,
+                      r"input_row_offsets must have dtype torch.uint32 \(MAX's\) or torch.int32, got torch.int64; "
+                      r"convert with input_row_offsets.to\(torch.int32\)"),
     "offsets batch": (lambda a: a.update(input_row_offsets=a["input_row_offsets"][:-1]), ValueError,
                       r"input_row_offsets must have shape \[5\]"),
     "k dtype": (lambda a: a.update(k=a["k"].half()), TypeError, "k must have dtype torch.bfloat16"),
@@ -251,13 +252,49 @@ def test_store_kv_compiles_fullgraph(rng):
         _assert_same_cache(pb.collection, twin.collection)
 
 
-def test_data_checks_break_fullgraph(rng):
-    """Why ``validate=False`` exists: the data checks read device values (``int(offsets[0])``), a graph break."""
-    pb = _batch()
+@inductor_noise
+def test_default_validate_compiles_fullgraph(rng):
+    """A trace skips the data checks that read device values (a graph break), so the default traces into one graph
+    with everything built inside it; the eager call keeps them."""
+    pb, twin = _batch(), _batch()
+    c = pb.collection
+
+    def step(k, v, offsets, cache_lengths, lookup_table):
+        collection = cute_kv.PagedKVCacheCollection(c.blocks, cache_lengths, lookup_table, c.max_seq_length,
+                                                    c.max_cache_length)
+        cute_kv.store_kv(k, v, offsets, collection, 1)
+        q = torch.cat((k, k), dim=1)
+        return cute_kv.paged_attention(q, offsets, collection, 1)
+
+    compiled = torch.compile(step, fullgraph=True)
     k, v = _kv(pb, rng)
-    step = torch.compile(lambda k, v: cute_kv.store_kv(k, v, pb.input_row_offsets, pb.collection, 1), fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
-        step(k, v)
+    out = compiled(k, v, pb.input_row_offsets, c.cache_lengths, c.lookup_table)
+    cute_kv.store_kv(k, v, twin.input_row_offsets, twin.collection, 1)
+    _assert_same_cache(c, twin.collection)
+    assert torch.equal(out, ref.paged_attention(torch.cat((k, k), dim=1), twin.input_row_offsets, twin.collection, 1))
+    short = c.with_metadata(c.cache_lengths, c.lookup_table, 4, c.max_cache_length)
+    with pytest.raises(ValueError, match="max_seq_length"):
+        cute_kv.store_kv(k, v, pb.input_row_offsets, short, 1)
+
+
+def test_int32_metadata_runs_as_uint32(rng):
+    """int32 offsets, lengths and lookup table (every peer's dtype) write and read what MAX's uint32 ones do."""
+    pb, twin = _batch(), _batch()
+    c = pb.collection
+    c32 = cute_kv.PagedKVCacheCollection(c.blocks, c.cache_lengths.to(torch.int32), c.lookup_table.to(torch.int32),
+                                         c.max_seq_length, c.max_cache_length)
+    offsets = pb.input_row_offsets.to(torch.int32)
+    k, v = _kv(pb, rng)
+    cute_kv.store_kv(k, v, offsets, c32, 0)
+    cute_kv.store_kv(k, v, twin.input_row_offsets, twin.collection, 0)
+    _assert_same_cache(c, twin.collection)
+    q, _, _ = _attention_args(pb, rng)
+    assert torch.equal(cute_kv.paged_attention(q, offsets, c32, 0),
+                       cute_kv.paged_attention(q, twin.input_row_offsets, twin.collection, 0))
+    hidden, weight, _ = _qkv_inputs(pb, rng, False)
+    assert torch.equal(cute_kv.fused_qkv_matmul_kv_cache(hidden, offsets, weight, c32, 1),
+                       cute_kv.fused_qkv_matmul_kv_cache(hidden, twin.input_row_offsets, weight, twin.collection, 1))
+    _assert_same_cache(c, twin.collection)
 
 
 @inductor_noise

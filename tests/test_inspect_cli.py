@@ -136,6 +136,40 @@ def test_png_written(capsys, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+def test_png_shows_what_is_particular_to_the_layout(capsys, tmp_path, monkeypatch):
+    """One page's K/V x layer planes and its row pitch, the lookup row's sentinel columns, the page map, the rows."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    import cute_kv.inspect as inspect_module
+
+    figures = []
+
+    class Recorded(Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            figures.append(self)
+
+    monkeypatch.setattr(inspect_module, "_figure_class", lambda: Recorded)
+    run(capsys, [*MHA_FP8, "--request-len", "40", "--png", str(tmp_path / "map.png")])
+    titles = " | ".join(ax.get_title() for ax in figures[0].axes)
+    assert "one page: 2 x 3 layers x 16 rows (K then V)" in titles
+    assert "row pitch between pages: KVD*L*P = 96 rows" in titles
+    assert "the request's 3, then the sentinel N=7" in titles and "padded 24 columns" in titles
+    texts = [t.get_text() for t in figures[0].axes[1].texts]
+    assert texts.count("N") == 24 - 3  # one label per sentinel column
+    assert [t.get_text() for t in figures[0].axes[0].texts] == ["K l=2: rows 32-47", "V l=2: rows 80-95"]
+
+
+def test_mla_preset_scales_take_whole_granules(capsys):
+    """MAX's default 128 does not divide the 576-dim MLA latent: the preset's scales default to 64 (G=9)."""
+    from cute_kv.inspect import default_granularity
+
+    assert [default_granularity(d) for d in (128, 576, 96, 64, 200)] == [128, 64, 32, 64, 8]
+    out = run(capsys, ["--preset", "deepseek-mla", "--dtype", "fp8", "--scale-dtype", "f32", "--pages", "4"])
+    assert "scales float32 per 64 dims (G=9)" in out.splitlines()[0]
+
+
 def test_png_without_matplotlib(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)

@@ -61,8 +61,9 @@ STORE_CASES = {
     "v missing": (lambda a, pb: a.update(v=None), TypeError, "v must be a torch.Tensor"),
     "v dtype": (lambda a, pb: a.update(v=a["v"].float()), TypeError, "v must have dtype"),
     "layer": (lambda a, pb: a.update(layer_idx=2), ValueError, r"layer_idx must be in \[0, 2\)"),
-    "offsets dtype": (lambda a, pb: a.update(input_row_offsets=a["input_row_offsets"].int()), TypeError,
-                      "input_row_offsets must have dtype torch.uint32"),
+    "offsets dtype": (lambda a, pb: a.update(input_row_offsets=a["input_row_offsets"].long()), TypeError,
+                      r"input_row_offsets must have dtype torch.uint32 \(MAX's\) or torch.int32, got torch.int64; "
+                      r"convert with input_row_offsets.to\(torch.int32\)"),
     "offsets total": (lambda a, pb: a.update(k=a["k"][1:], v=a["v"][1:]), ValueError,
                       r"input_row_offsets\[-1\] \(9\) must equal the number of rows \(8\)"),
     "offsets batch": (lambda a, pb: a.update(input_row_offsets=a["input_row_offsets"][:-1]), ValueError,

@@ -1,4 +1,4 @@
-"""The paged KV block manager: pages, per-step lookup tables, prefix caching, host swap (MAX §7.4-7.7)."""
+"""The paged KV block manager: pages, per-step lookup tables, prefix caching, host swap."""
 
 from cute_kv.manager.block_pool import InsufficientBlocksError
 from cute_kv.manager.manager import PagedKVCacheManager, StepInputs

@@ -1,4 +1,4 @@
-"""``PagedKVCacheManager``: owns the pages, builds each step's lookup table, reuses prefixes (MAX §7.4-7.7).
+"""``PagedKVCacheManager``: owns the pages, builds each step's lookup table, reuses prefixes (as MAX does).
 
 Per request, per step::
 

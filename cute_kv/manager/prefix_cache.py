@@ -1,4 +1,4 @@
-"""Prefix caching: chained page hashes and the hash -> committed page registry (MAX §7.6).
+"""Prefix caching: chained page hashes and the hash -> committed page registry (as MAX does).
 
 A page is identified by ``h_i = H(h_{i-1}, tokens of page i)`` with root parent ``ROOT_HASH``, so equal
 hashes mean equal token prefixes, not just equal pages. Two hash functions:

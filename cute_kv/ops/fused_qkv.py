@@ -7,10 +7,13 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import dtypes, reference
+from cute_kv.ops import paths
 from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.rope import RopeConfig
-from cute_kv.validate import check_activation, check_step, check_tensor
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
+
+OP = "fused_qkv_matmul_kv_cache"
 
 
 def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight: torch.Tensor,
@@ -28,9 +31,11 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, each
     request's pages and lengths against the collection, RoPE positions against ``rope.freqs_cis``), so the caller
-    guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked.
+    guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked; a torch.compile
+    trace skips the same checks.
     """
     _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if output is None:
         output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
     c = collection
@@ -46,9 +51,19 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
 
 
 def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output) -> None:
-    """Checked arguments to the kernel serving them, else to the reference; Q goes into ``output``."""
-    run = _kernel_for(collection, hidden, weight, rope) or reference.fused_qkv_matmul_kv_cache
+    """Checked arguments to the kernel serving them, else to the reference (``plan`` decides); Q goes into
+    ``output``."""
+    path = paths.route(collection.device, lambda arch: plan(collection, hidden, weight, rope, arch))
+    run = reference.fused_qkv_matmul_kv_cache if path is None else _launcher(path.key, path.arch)
     run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
+
+
+def explain(hidden, input_row_offsets, weight, collection, layer_idx: int, *, output=None, bias=None,
+            rope: Optional[RopeConfig] = None, validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
+    """``cute_kv.explain(fused_qkv_matmul_kv_cache, ...)``: the path this call takes on ``arch`` (default: the
+    cache's device)."""
+    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
+    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, hidden, weight, rope, arch))
 
 
 def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate) -> None:
@@ -91,35 +106,54 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
                          f"position {int(ends[b]) - 1}")
 
 
-def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
-    """The SM90 ``FusedQKVMatmul`` launcher for these arguments, or None for the reference: CPU tensors, SM100
-    (no tcgen05 mainloop yet), fp8 caches, or a shape the kernel cannot tile (``fused_qkv_matmul.supported``)."""
-    if collection.device.type != "cuda":
-        return None
-    from cute_kv.kernels.compile_cache import target_arch
-    from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.qkv.sm90 import DTYPES, FusedQKVMatmul, supported
+def plan(collection, hidden, weight, rope, arch: str) -> paths.KernelPath:
+    """The SM90 ``FusedQKVMatmul`` serving these arguments (its compile-time key, less the bias flag), or why the
+    reference runs instead: SM100 (no tcgen05 mainloop yet), fp8 caches, rows that are not 16-byte aligned, or a
+    shape the kernel cannot tile (``qkv/sm90.supported``)."""
+    from cute_kv.kernels.qkv.sm90 import DTYPES, supported
 
-    arch = target_arch(collection.device)
-    dtype_name = dtypes.dtype_name(collection.dtype)
-    t, k = hidden.shape
-    if arch != "sm_90a" or dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
-        return None
-    if rope is not None and (rope.freqs_cis.stride(1) != 1 or rope.freqs_cis.device != collection.device):
-        return None
-    q_dim = weight.shape[0] - kv_columns(collection)
-    rope_key = None if rope is None else (rope.rope_dim, rope.interleaved, rope.q_head_dim or collection.head_size)
-    tile_m = 64 if t < 2048 else 128  # small steps: more CTAs to stream the weight with
+    def fallback(reason):
+        return paths.reference(OP, reason, arch)
+
     c = collection
-    if supported(q_dim, c.kv_dim, c.num_heads, c.head_size, rope_key, tile_m) or c.blocks.data_ptr() % 16:
-        return None
-    geometry = (dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size)
+    name = dtypes.dtype_name(c.dtype)
+    t, k = hidden.shape
+    if arch != "sm_90a":
+        return fallback(f"no {arch} fused QKV kernel yet (tcgen05 mainloop); the kernel is SM90's")
+    if name not in DTYPES:
+        return fallback(f"the cache is {name}; the kernel writes {' or '.join(DTYPES)} caches")
+    if k == 0:
+        return fallback("hidden has no columns (K = 0)")
+    if not (rows_aligned(hidden) and rows_aligned(weight)):
+        return fallback("hidden and weight need row-major, 16-byte aligned rows")
+    if rope is not None and (rope.freqs_cis.stride(1) != 1 or rope.freqs_cis.device != c.device):
+        return fallback("rope.freqs_cis must be row-major on the cache's device")
+    q_dim = weight.shape[0] - kv_columns(c)
+    rope_key = None if rope is None else (rope.rope_dim, rope.interleaved, rope.q_head_dim or c.head_size)
+    tile_m = 64 if t < 2048 else 128  # small steps: more CTAs to stream the weight with
+    problem = supported(q_dim, c.kv_dim, c.num_heads, c.head_size, rope_key, tile_m)
+    if problem:
+        return fallback(problem)
+    if c.blocks.data_ptr() % 16:
+        return fallback("blocks is not 16-byte aligned")
+    key = (name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size, rope_key, tile_m)
+    return paths.kernel(OP, "FusedQKVMatmul", key, arch)
+
+
+def _launcher(key: tuple, arch: str) -> Callable:
+    """``run(...)`` for one ``plan`` key: compiles (once per bias flag) and launches, Q into ``output``."""
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.kernels.qkv.sm90 import FusedQKVMatmul
+
+    *geometry, rope_key, tile_m = key
+    q_dim = geometry[1]
 
     def build(has_bias):
         kernel = FusedQKVMatmul(*geometry, has_bias, rope_key, tile_m)
         return kernel, *kernel.fake_args()
 
     def run(hidden, input_row_offsets, weight, collection, layer_idx, *, bias=None, rope=None, output=None):
+        t = hidden.shape[0]
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
         if t:  # a grid of zero CTAs is a launch error

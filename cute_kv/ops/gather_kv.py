@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from cute_kv import dtypes
+from cute_kv.ops import paths
 from cute_kv.validate import check_tensor
 
+OP = "gather_kv"
 _KV_INDEX = {"k": 0, "v": 1}
 
 
@@ -20,43 +22,69 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     On SM90/SM100 GPUs bf16/fp16 caches go through the ``PagedKVGather`` CuTe DSL kernel (paged TMA); every
     other case through ``PagedKVCache.gather``.
     """
-    if kv not in _KV_INDEX:
-        raise ValueError(f"kv must be 'k' or 'v', got {kv!r}")
-    cache = collection.get_key_cache(layer_idx) if kv == "k" else collection.get_value_cache(layer_idx)
-    shape = [collection.batch_size, collection.max_cache_length, collection.num_heads, collection.head_size]
+    _check(collection, layer_idx, kv, out)
     if out is None:
-        out = torch.zeros(shape, dtype=collection.dtype, device=collection.device)
-    else:
-        check_tensor("out", out, dtype=collection.dtype, shape=shape, device=collection.device, contiguous=True)
+        out = torch.zeros(_shape(collection), dtype=collection.dtype, device=collection.device)
     collection.check_metadata()  # every cached token's lookup entry names a real page
-    run = _kernel_for(collection, out)
-    if run is not None:
+    path = paths.route(collection.device, lambda arch: plan(collection, out, arch))
+    if path is not None:
+        from cute_kv.kernels.compile_cache import compiled
+
+        run = compiled(path.key, lambda: _build(path.key), path.arch)
         run(collection.blocks, collection.cache_lengths, collection.lookup_table, out, _KV_INDEX[kv], layer_idx,
             math.ceil(collection.max_cache_length / collection.page_size))
         return out
+    cache = collection.get_key_cache(layer_idx) if kv == "k" else collection.get_value_cache(layer_idx)
     for b, length in enumerate(collection.cache_lengths.tolist()):
         if length:
             out[b, :length] = cache.gather(b, 0, length, collection.dtype)
     return out
 
 
-def _kernel_for(collection, out: torch.Tensor) -> Optional[Callable]:
-    """The compiled ``PagedKVGather`` for this cache, or None where it does not apply (CPU, dtype, geometry)."""
-    if collection.device.type != "cuda" or collection.scales is not None:
-        return None
-    from cute_kv.kernels.compile_cache import target_arch
-    from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.cache.gather import DTYPES, HEAD_DIMS, PAGE_SIZES, PagedKVGather
+def explain(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.Tensor] = None,
+            arch: Optional[str] = None) -> paths.KernelPath:
+    """``cute_kv.explain(gather_kv, ...)``: the path this call takes on ``arch`` (default: the cache's device)."""
+    _check(collection, layer_idx, kv, out)
+    dense = out if out is not None else torch.empty(0, dtype=collection.dtype, device=collection.device)
+    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, dense, arch))
 
-    dtype_name = dtypes.dtype_name(collection.dtype)
-    if (dtype_name not in DTYPES or collection.page_size not in PAGE_SIZES or collection.head_size not in HEAD_DIMS
-            or collection.lookup_table.stride(0) % 8 or collection.blocks.data_ptr() % 16 or out.data_ptr() % 16):
-        return None
-    key = ("paged_kv_gather", dtype_name, collection.kv_dim, collection.page_size, collection.num_heads,
-           collection.head_size)
 
-    def build():
-        kernel = PagedKVGather(*key[1:])
-        return kernel, *kernel.fake_args()
+def _shape(collection) -> list[int]:
+    return [collection.batch_size, collection.max_cache_length, collection.num_heads, collection.head_size]
 
-    return compiled(key, build, target_arch(collection.device))
+
+def _check(collection, layer_idx, kv, out) -> None:
+    if kv not in _KV_INDEX:
+        raise ValueError(f"kv must be 'k' or 'v', got {kv!r}")
+    if kv == "v" and collection.is_mla:
+        raise ValueError("an MLA cache (KVD=1) stores no value cache; use kv='k'")
+    collection.check_layer(layer_idx)
+    if out is not None:
+        check_tensor("out", out, dtype=collection.dtype, shape=_shape(collection), device=collection.device,
+                     contiguous=True)
+
+
+def plan(collection, out: torch.Tensor, arch: str) -> paths.KernelPath:
+    """The ``PagedKVGather`` for this cache on ``arch`` (SM90 and SM100), or why ``PagedKVCache.gather`` runs
+    instead: fp8 caches, dtypes, page sizes and head dims it does not tile, misaligned tensors."""
+    from cute_kv.kernels.cache.gather import DTYPES, HEAD_DIMS, PAGE_SIZES
+
+    c = collection
+    name = dtypes.dtype_name(c.dtype)
+    if c.scales is not None or name not in DTYPES:
+        return paths.reference(OP, f"the cache is {name}; the kernel copies {' or '.join(DTYPES)} caches", arch)
+    if c.page_size not in PAGE_SIZES or c.head_size not in HEAD_DIMS:
+        return paths.reference(OP, f"page_size {c.page_size} / head_size {c.head_size}: the kernel tiles page sizes "
+                                   f"{PAGE_SIZES} and head sizes {HEAD_DIMS}", arch)
+    if c.lookup_table.stride(0) % 8 or c.blocks.data_ptr() % 16 or out.data_ptr() % 16:
+        return paths.reference(OP, "the lookup table rows (8 entries) or blocks / out (16 bytes) are misaligned",
+                               arch)
+    key = ("paged_kv_gather", name, c.kv_dim, c.page_size, c.num_heads, c.head_size)
+    return paths.kernel(OP, "PagedKVGather", key, arch)
+
+
+def _build(key: tuple):
+    from cute_kv.kernels.cache.gather import PagedKVGather
+
+    kernel = PagedKVGather(*key[1:])
+    return kernel, *kernel.fake_args()

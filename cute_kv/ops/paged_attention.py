@@ -11,10 +11,12 @@ import torch
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, index_limits, supported, tiling
+from cute_kv.ops import paths
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
-from cute_kv.validate import check_activation, check_step, check_tensor
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
+OP = "paged_attention"
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
 
@@ -34,9 +36,10 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
 
     On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
     the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
-    CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
+    CUDA-graph capture) skips the checks that read device values, as a torch.compile trace does (``store_kv``).
     """
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
     c = collection
@@ -50,10 +53,19 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
 
 
 def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out) -> None:
-    """Checked arguments to the kernel serving them, else to the reference, writing ``out``."""
-    run = _kernel_for(collection, q, window, mla_v_dim) or reference.paged_attention
+    """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out``."""
+    path = paths.route(collection.device, lambda arch: plan(collection, q, arch))
+    run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, mla_v_dim=mla_v_dim,
         out=out)
+
+
+def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = True, window: Optional[int] = None,
+            scale: Optional[float] = None, mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
+            validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
+    """``cute_kv.explain(paged_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
+    _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
+    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, q, arch))
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> int:
@@ -95,40 +107,43 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
     return mla_v_dim
 
 
-def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
-    """The SM90 ``PagedAttention`` launcher for these arguments, or None for the reference (``kernel_key``)."""
-    c = collection
-    if c.device.type != "cuda":
-        return None
-    from cute_kv.kernels.compile_cache import target_arch
-
-    arch = target_arch(c.device)
-    key = kernel_key(c, q, arch)
-    return None if key is None else _launcher(key, arch)
-
-
-def kernel_key(collection, q, arch: str) -> Optional[tuple]:
-    """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
-    reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache
-    or float32 scales, or a cache past the kernel's int32 indices (``attention/config.index_limits``)."""
+def plan(collection, q, arch: str) -> paths.KernelPath:
+    """The ``PagedAttention`` serving these arguments on ``arch`` (its compile-time key), or why the reference runs
+    instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache, head dims, page
+    sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache or float32 scales,
+    or a cache past the kernel's int32 indices (``attention/config.index_limits``)."""
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
-    if arch != "sm_90a" or c.is_mla or q_dtype_name not in DTYPE_NAMES:
-        return None
+
+    def fallback(reason):
+        return paths.reference(OP, reason, arch)
+
+    if arch != "sm_90a":
+        return fallback(f"no {arch} attention kernel yet (tcgen05); the kernel is SM90's")
+    if c.is_mla:
+        return fallback("MLA caches (KVD=1) have no attention kernel yet")
+    if q_dtype_name not in DTYPE_NAMES:
+        return fallback(f"q is {q_dtype_name}; the kernel takes {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
-        return None
+        return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernel needs them equal")
     granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
-            or index_limits(c.num_pages, c.kv_dim, c.num_layers, p, c.max_cache_length)
-            or (granularity is not None and c.scales.data_ptr() % c.scales.element_size())):
-        return None
+    problem = supported(hq, h, d, p, kv_dtype_name, granularity)
+    if problem:
+        return fallback(problem)
+    if c.blocks.data_ptr() % 16:
+        return fallback("blocks is not 16-byte aligned")
+    problem = index_limits(c.num_pages, c.kv_dim, c.num_layers, p, c.max_cache_length)
+    if problem:
+        return fallback(problem)
+    if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
+        return fallback("the float32 scales are not 4-byte aligned")
     chunk = lut_chunk(tile_geometry(BN, p)[1], BN, p)
     lut = c.lookup_table
     lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    return ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+    return paths.kernel(OP, "PagedAttention", key, arch)
 
 
 @functools.lru_cache(maxsize=None)

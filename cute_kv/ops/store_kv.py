@@ -7,8 +7,11 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import dtypes, reference
+from cute_kv.ops import paths
 from cute_kv.ops.vectors import packed_heads
-from cute_kv.validate import check_activation, check_step, check_tensor
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
+
+OP = "store_kv"
 
 
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, collection,
@@ -17,26 +20,36 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
 
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
-    ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 ``[B+1]``. ``cache_lengths`` is not
+    ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not
     modified. Every argument is checked before anything is written.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
     each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
-    Shapes, dtypes and devices are still checked.
+    Shapes, dtypes and devices are still checked. A torch.compile trace skips the same checks, so the default
+    compiles with ``fullgraph=True``. CUDA calls that no kernel serves warn (``cute_kv.explain`` says why).
     """
     _check(k, v, input_row_offsets, collection, layer_idx, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
                                    layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity)
-    else:  # eager: the op's dispatcher would add ~14 µs of host time (CI box) for nothing
+    else:  # eager: the op's dispatcher would add ~14 µs of host time for nothing
         dispatch(k, v, input_row_offsets, c, layer_idx)
 
 
 def dispatch(k, v, input_row_offsets, collection, layer_idx) -> None:
-    """Checked arguments to the kernel serving them, else to the reference."""
-    run = _kernel_for(collection, k) or reference.store_kv
+    """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
+    path = paths.route(collection.device, lambda arch: plan(collection, k, arch))
+    run = reference.store_kv if path is None else _launcher(path.key, path.arch)
     run(k, v, input_row_offsets, collection, layer_idx)
+
+
+def explain(k, v, input_row_offsets, collection, layer_idx: int, *, validate: bool = True,
+            arch: Optional[str] = None) -> paths.KernelPath:
+    """``cute_kv.explain(store_kv, ...)``: the path this call takes on ``arch`` (default: the cache's device)."""
+    _check(k, v, input_row_offsets, collection, layer_idx, validate)
+    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, k, arch))
 
 
 def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
@@ -52,38 +65,49 @@ def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
     check_step(collection, input_row_offsets, k.shape[0], data_checks=validate)
 
 
-def _kernel_for(collection, k) -> Optional[Callable]:
-    """The compiled ``PagedKVStore`` for this cache, or None where it does not apply: CPU, an fp8 cache without
-    float32 scales (saturating cast) or whose granule the kernel cannot reduce in one warp, head dims that are not
-    whole vectors."""
-    if collection.device.type != "cuda":
-        return None
-    from cute_kv.kernels.compile_cache import target_arch
-    from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.cache.store import DTYPES, PagedKVStore, quantizable
+def plan(collection, k, arch: str) -> paths.KernelPath:
+    """The ``PagedKVStore`` serving these arguments on ``arch`` (SM90 and SM100 alike), or why the reference runs
+    instead: an fp8 cache without float32 scales (saturating cast) or whose granule the kernel cannot reduce in one
+    warp, head dims that are not whole vectors, a misaligned cache."""
+    from cute_kv.kernels.cache.store import DTYPES, quantizable
 
     c = collection
-    dtype_name = dtypes.dtype_name(k.dtype)
+    name = dtypes.dtype_name(k.dtype)
     granularity = None
     if c.dtype == torch.float8_e4m3fn:
         granularity = c.quantization_granularity
-        if c.scales is None or c.scale_dtype != torch.float32 or not quantizable(granularity, c.head_size):
-            return None
-    elif c.dtype != k.dtype:
-        return None
+        if c.scales is None:
+            return paths.reference(OP, "an fp8 cache without scales (a saturating cast) has no kernel", arch)
+        if c.scale_dtype != torch.float32:
+            return paths.reference(OP, f"the kernel quantizes with float32 scales, not {c.scale_dtype}", arch)
+        if not quantizable(granularity, c.head_size):
+            return paths.reference(OP, f"quantization granularity {granularity} is not a power of two in [8, 256] "
+                                       f"dividing head_size {c.head_size}", arch)
     vec = 8 if granularity else 16 // k.element_size()
-    if dtype_name not in DTYPES or c.head_size % vec or c.blocks.data_ptr() % 16:
-        return None
-    key = ("paged_kv_store", dtype_name, c.kv_dim, c.page_size, c.num_heads, c.head_size, granularity)
+    if name not in DTYPES:
+        return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
+    if c.head_size % vec:
+        return paths.reference(OP, f"head_size {c.head_size} is not a whole number of {vec}-element vectors", arch)
+    if c.blocks.data_ptr() % 16:
+        return paths.reference(OP, "blocks is not 16-byte aligned", arch)
+    key = ("paged_kv_store", name, c.kv_dim, c.page_size, c.num_heads, c.head_size, granularity)
+    return paths.kernel(OP, "PagedKVStore", key, arch)
+
+
+def _launcher(key: tuple, arch: str) -> Callable:
+    from cute_kv.kernels.cache.store import PagedKVStore
+    from cute_kv.kernels.compile_cache import compiled
 
     def build():
         kernel = PagedKVStore(*key[1:])
         return kernel, *kernel.fake_args()
 
-    fn = compiled(key, build, target_arch(c.device))
+    fn = compiled(key, build, arch)
+    quantized = key[6] is not None
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
+            vec = 8 if quantized else 16 // k.element_size()
             fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks,
                collection.scales, collection.cache_lengths, collection.lookup_table, layer_idx)
 

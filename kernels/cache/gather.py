@@ -2,7 +2,7 @@
 
 One CTA per (page column j, KV head h, request b). The page is loaded with one TMA tile addressed by its
 *physical page id* (read from the lookup table) as the last coordinate of the plane's ``(P, D, H, N)`` view,
-whose N-stride is the runtime page pitch ``KVD*L*P*H*D`` (guide §3.2, FA4's paged TMA). The tile's valid rows
+whose N-stride is the runtime page pitch ``KVD*L*P*H*D`` (as FA4's paged TMA does). The tile's valid rows
 (``j*P + row < cache_lengths[b]``) are then stored to ``out[b, j*P + row, h, :]`` with predicated 16-byte
 vector stores, so rows past a request's length are never written. It reads the cache the way the attention
 kernels will, and serves as a dense view for debugging and for unpaged consumers.

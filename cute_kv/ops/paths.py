@@ -1,0 +1,141 @@
+"""Which path a call takes, a CuTe DSL kernel or the PyTorch reference, and why.
+
+Each op module decides in one pure host function, ``plan(..., arch)``, from its arguments and the target arch (so
+the decision can be asked for any arch on any machine). The op's dispatch, ``explain`` and strict mode all read that
+decision. On CUDA a reference fallback is never silent: it warns once per (op, reason) with ``FallbackWarning``, or
+raises ``FallbackError`` in strict mode (``CUTE_KV_STRICT=1``, or ``set_strict(True)``). Off CUDA the reference is
+the backend, not a fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+from typing import Callable, Optional
+
+KERNEL, REFERENCE = "kernel", "reference"
+
+
+class FallbackWarning(UserWarning):
+    """A call on CUDA tensors ran the PyTorch reference because no kernel serves its arguments."""
+
+
+class FallbackError(RuntimeError):
+    """Strict mode: a call on CUDA tensors would have run the PyTorch reference."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPath:
+    """``path`` is ``"kernel"`` (``kernel`` names the class, ``key`` its compile-time key) or ``"reference"``;
+    ``reason`` says why, in words."""
+
+    op: str
+    path: str
+    reason: str
+    arch: Optional[str] = None
+    kernel: Optional[str] = None
+    key: Optional[tuple] = None
+
+
+def kernel(op: str, name: str, key: tuple, arch: str) -> KernelPath:
+    return KernelPath(op, KERNEL, f"{name} serves these arguments on {arch}", arch, name, key)
+
+
+def reference(op: str, reason: str, arch: Optional[str]) -> KernelPath:
+    return KernelPath(op, REFERENCE, reason, arch)
+
+
+def off_cuda(op: str, device) -> KernelPath:
+    return reference(op, f"tensors on {device}: the PyTorch reference is the backend off CUDA", None)
+
+
+def device_arch(device) -> Optional[str]:
+    """The arch kernels are compiled for on ``device``; None off CUDA (the reference is the backend there)."""
+    if device.type != "cuda":
+        return None
+    from cute_kv.kernels.compile_cache import target_arch
+
+    return target_arch(device)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_strict: Optional[bool] = None
+_warned: set[tuple[str, str]] = set()
+
+
+def set_strict(on: Optional[bool]) -> None:
+    """Strict mode on or off for this process; None returns to ``CUTE_KV_STRICT`` (off unless set to 1)."""
+    global _strict
+    _strict = on
+
+
+def is_strict() -> bool:
+    if _strict is not None:
+        return _strict
+    return os.environ.get("CUTE_KV_STRICT", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def route(device, plan: Callable[[str], KernelPath]) -> Optional[KernelPath]:
+    """The kernel path to launch for a call on ``device``, or None for the reference: off CUDA silently, on CUDA
+    after ``report``. ``plan(arch)`` is the op's decision. Called before anything is written."""
+    arch = device_arch(device)
+    if arch is None:
+        return None
+    path = plan(arch)
+    if path.path == KERNEL:
+        return path
+    report(path)
+    return None
+
+
+def report(path: KernelPath) -> None:
+    """A reference fallback on CUDA: ``FallbackError`` in strict mode, else a ``FallbackWarning`` the first time
+    this (op, reason) is seen."""
+    message = f"cute_kv.{path.op} runs the PyTorch reference on CUDA ({path.arch}): {path.reason}"
+    if is_strict():
+        raise FallbackError(f"{message}. Strict mode (CUTE_KV_STRICT=1 or cute_kv.set_strict(True)) forbids the "
+                            f"fallback; cute_kv.explain(...) says which path a call takes")
+    if (path.op, path.reason) not in _warned:
+        _warned.add((path.op, path.reason))
+        warnings.warn(f"{message} (warned once per reason; CUTE_KV_STRICT=1 makes it an error)", FallbackWarning,
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel of the first frame outside this package: the user's call."""
+    level, frame = 2, sys._getframe(2)  # 1: report, 2: its caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def planned(op: str, device, arch: Optional[str], plan: Callable[[str], KernelPath]) -> KernelPath:
+    """``explain``'s answer: ``plan(arch)`` for a given arch, else for ``device``'s (off CUDA: the reference)."""
+    if arch is None:
+        arch = device_arch(device)
+        if arch is None:
+            return off_cuda(op, device)
+    from cute_kv.kernels.compile_cache import SUPPORTED_ARCHS
+
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch must be one of {SUPPORTED_ARCHS} or None (the tensors' device), got {arch!r}")
+    return plan(arch)
+
+
+def explain(op, *args, arch: Optional[str] = None, **kwargs) -> KernelPath:
+    """Which path ``op(*args, **kwargs)`` takes and why, without running it (the arguments are checked as the op
+    checks them).
+
+    ``op`` is an entry point (``cute_kv.paged_attention``) or its name (``"paged_attention"``). ``arch``
+    (``"sm_90a"`` / ``"sm_100a"``) asks what a GPU of that arch would run, on any machine: tensors may then be on
+    the CPU. Without it, the tensors' device decides (off CUDA: the reference).
+    """
+    from cute_kv.ops import fused_qkv, gather_kv, paged_attention, store_kv
+
+    modules = {m.OP: m for m in (store_kv, fused_qkv, paged_attention, gather_kv)}
+    name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    if name not in modules:
+        raise ValueError(f"op must be one of {sorted(modules)} (or the function itself), got {op!r}")
+    return modules[name].explain(*args, arch=arch, **kwargs)
