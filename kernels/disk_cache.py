@@ -4,9 +4,13 @@ A kernel compiled on a CPU machine for ``sm_90a`` / ``sm_100a`` (``python -m cut
 relocatable object (host launcher + cubin, TVM-FFI entry point) and loaded by a GPU server in milliseconds instead
 of being traced and compiled again. Enabled by ``CUTE_KV_CACHE_DIR``; without it nothing touches the disk.
 
-An entry's file name is a digest of the compile-time key, the arch, the CuTe DSL version and the source of every
-kernel module (``cute_kv.kernels`` and ``cute_kv.layouts``), so editing a kernel or upgrading the DSL never serves
-a stale binary: it is a miss, and the fresh compile is written beside the old entry.
+An entry's file name is a digest of the compile-time key, the arch, the host ISA, the CuTe DSL version and the source
+of every kernel module (``cute_kv.kernels`` and ``cute_kv.layouts``), so editing a kernel or upgrading the DSL never
+serves a stale binary: it is a miss, and the fresh compile is written beside the old entry.
+
+The host launcher in an entry is built for the ISA's baseline CPU (x86-64 with SSE2, or generic AArch64), not for
+the compiling machine's CPU, which the DSL targets by default: a build machine with AVX-512 would otherwise emit
+launchers that fault on a server without it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import tempfile
 from pathlib import Path
 from typing import Hashable, Optional
 
 CACHE_DIR_ENV = "CUTE_KV_CACHE_DIR"
 _SYMBOL = "cute_kv_kernel"  # every object exports one function; each is loaded into its own engine
+# LLVM (target_cpu, target_features) of the host functions per ISA: each ISA's baseline.
+_PORTABLE_HOST = {"x86_64": ("x86-64", "+sse2"), "aarch64": ("generic", "+neon")}
 
 
 def cache_dir() -> Optional[Path]:
@@ -36,7 +43,7 @@ def code_version() -> str:
 
     from cute_kv import kernels, layouts
 
-    h = hashlib.sha256(getattr(cutlass, "__version__", "unknown").encode())
+    h = hashlib.sha256(f"{getattr(cutlass, '__version__', 'unknown')} {platform.machine()}".encode())
     for package in (kernels, layouts):
         root = Path(package.__file__).parent
         for path in sorted(root.rglob("*.py")):
@@ -58,7 +65,11 @@ def load(key: Hashable, arch: str, directory: Path):
         return None
     import cutlass.cute as cute
 
-    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _SYMBOL)
+    try:
+        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _SYMBOL)
+    except Exception as e:  # noqa: BLE001 - whatever the loader raises, name the entry and the way out
+        raise RuntimeError(f"cannot load the cached kernel {path} for {key!r} on {arch} ({type(e).__name__}: {e}); "
+                           f"delete the file to recompile it, or unset {CACHE_DIR_ENV}") from e
 
 
 def store(key: Hashable, arch: str, compiled_fn, directory: Path) -> Path:
@@ -69,6 +80,7 @@ def store(key: Hashable, arch: str, compiled_fn, directory: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".o", dir=directory)
     os.close(fd)
     try:
+        _portable_host_code(compiled_fn.ir_module)
         compiled_fn.export_to_c(tmp, function_name=_SYMBOL)
         os.replace(tmp, directory / f"{stem}.o")
     finally:
@@ -77,3 +89,23 @@ def store(key: Hashable, arch: str, compiled_fn, directory: Path) -> Path:
     # What the entry holds, for people listing the directory (never read back).
     (directory / f"{stem}.json").write_text(json.dumps({"key": repr(key), "arch": arch, "code": code_version()}))
     return directory / f"{stem}.o"
+
+
+def _portable_host_code(ir_module) -> None:
+    """Pin every host function of the compiled module to the ISA's baseline CPU (the functions' own target
+    attributes override the build machine's CPU in code generation). The kernel's cubin is not touched."""
+    target = _PORTABLE_HOST.get(platform.machine())
+    if target is None:
+        return
+    from cutlass._mlir import ir
+
+    with ir_module.context:
+        cpu, features = ir.StringAttr.get(target[0]), ir.Attribute.parse(f'#llvm.target_features<["{target[1]}"]>')
+
+        def pin(op):
+            if op.name == "llvm.func":
+                op.attributes["target_cpu"] = cpu
+                op.attributes["target_features"] = features
+            return ir.WalkResult.ADVANCE
+
+        ir_module.operation.walk(pin)

@@ -83,3 +83,61 @@ def test_torchrun_examples(gloo, example, expect):
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     assert expect in done.stdout
+
+
+# -- bad input, before any communication (one process, no group needed) ----------------------------------
+
+
+def test_sharding_rejects_bad_shapes():
+    from cute_kv import KVCacheParams, PagedKVCacheManager
+    from cute_kv.distributed import TensorParallelAttention, head_range
+
+    assert head_range(8, 1, 4) == (2, 4)
+    with pytest.raises(ValueError, match=r"n_heads \(6\) must be divisible by the tensor-parallel degree \(4\)"):
+        head_range(6, 0, 4)
+    w_qkv, w_o = torch.randn((8 + 2 * 4) * 16, 32), torch.randn(32, 8 * 16)
+    with pytest.raises(ValueError, match=r"w_qkv must be \[\(n_q_heads \+ 2\*n_kv_heads\) \* head_dim"):
+        TensorParallelAttention(w_qkv[1:], w_o, 8, 4, 16)
+    with pytest.raises(ValueError, match=r"w_o must be \[hidden, n_q_heads \* head_dim = 128\]"):
+        TensorParallelAttention(w_qkv, w_o[:, 1:], 8, 4, 16)
+    layer = TensorParallelAttention(w_qkv, w_o, 8, 4, 16, rank=1, world=2)
+    assert layer.w_qkv.shape == ((4 + 2 * 2) * 16, 32) and layer.w_o.shape == (32, 4 * 16)
+    # Rank 1 keeps Q heads 4-7, K heads 2-3 and V heads 2-3 of the full weight, in that order.
+    assert torch.equal(layer.w_qkv[:64], w_qkv[64:128]) and torch.equal(layer.w_qkv[64:96], w_qkv[128 + 32:192])
+    assert torch.equal(layer.w_qkv[96:], w_qkv[192 + 32:]) and torch.equal(layer.w_o, w_o[:, 64:])
+    # A cache of all heads given to a rank's layer is refused before anything is written.
+    mgr = PagedKVCacheManager(KVCacheParams(torch.float32, 4, 16, page_size=8, total_num_layers=1), 4)
+    mgr.claim("a")
+    step = mgr.allocate(["a"], [3])
+    before = mgr.pool.blocks[0].clone()
+    with pytest.raises(ValueError, match=r"4 KV heads per page but this rank's layer has 2.*n_devices=2"):
+        layer(torch.randn(3, 32), step.input_row_offsets[0], step.collections[0], 0)
+    assert torch.equal(mgr.pool.blocks[0], before)
+
+
+def test_pipeline_stage_rejects_bad_setup():
+    from cute_kv import KVCacheParams
+    from cute_kv.distributed import PipelineStage
+
+    params = KVCacheParams(torch.float32, 4, 16, page_size=8, total_num_layers=5, pipeline_parallel_degree=2,
+                           stage_id=1)
+    with pytest.raises(ValueError, match=r"stage 1 holds layers \(3, 5\) \(2\), got 3 layer callables"):
+        PipelineStage(params, [None] * 3, ranks=[0, 1])
+    with pytest.raises(ValueError, match=r"one rank per stage \(2\)"):
+        PipelineStage(params, [None] * 2, ranks=[0])
+    with pytest.raises(ValueError, match="stage_id must be set"):
+        PipelineStage(KVCacheParams(torch.float32, 4, 16, page_size=8, total_num_layers=2), [None] * 2, ranks=[0])
+
+
+def test_send_request_checks_token_ids_before_sending():
+    from cute_kv import KVCacheParams, PagedKVCacheManager
+    from cute_kv.distributed import send_request
+
+    mgr = PagedKVCacheManager(KVCacheParams(torch.float32, 4, 16, page_size=8, total_num_layers=1), 4)
+    mgr.claim("a")
+    mgr.allocate(["a"], [5])
+    mgr.commit()
+    with pytest.raises(ValueError, match=r"token_ids has 4 ids but request 'a' has 5 cached tokens"):
+        send_request(mgr, "a", 1, token_ids=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match="'b' is not claimed"):
+        send_request(mgr, "b", 1)

@@ -2,7 +2,9 @@
 
 import dataclasses
 import os
+import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +85,13 @@ def test_disk_cache_serves_a_fresh_process_cache(tmp_path, monkeypatch):
     before = compile_cache.cache_info()
     compile_cache.compiled(STORE_KEY, _build_store, "sm_90a")
     assert compile_cache.cache_info()["compiles"] == before["compiles"] + 1
-    assert (tmp_path / f"{disk_cache.entry_name(STORE_KEY, 'sm_90a')}.o").is_file()
+    entry = tmp_path / f"{disk_cache.entry_name(STORE_KEY, 'sm_90a')}.o"
+    assert entry.is_file()
+    if platform.machine() == "x86_64" and shutil.which("objdump"):
+        # The launcher runs on any x86-64 server: no AVX (VEX/EVEX) instructions even when the build machine has them.
+        code = subprocess.run(["objdump", "-d", str(entry)], capture_output=True, text=True, check=True).stdout
+        assert "callq" in code or "call " in code
+        assert not re.search(r"%[yz]mm\d|\bv(mov|add|xor|pxor|broadcast)", code)
 
     monkeypatch.setattr(compile_cache, "_cache", {})  # as a new process would start
     fn = compile_cache.compiled(STORE_KEY, _never_built, "sm_90a")
@@ -169,3 +177,13 @@ def test_ops_run_prebuilt_kernels_without_compiling(tmp_path, monkeypatch):
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert compile_cache.cache_info()["compiles"] == compiles
+
+
+@pytest.mark.compile
+def test_unloadable_entry_names_the_file(tmp_path):
+    from cute_kv.kernels import disk_cache
+
+    entry = tmp_path / f"{disk_cache.entry_name(STORE_KEY, 'sm_90a')}.o"
+    entry.write_bytes(b"not an object file")
+    with pytest.raises(RuntimeError, match=f"cannot load the cached kernel {re.escape(str(entry))}.*delete the file"):
+        disk_cache.load(STORE_KEY, "sm_90a", tmp_path)
