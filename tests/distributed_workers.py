@@ -15,6 +15,7 @@ import torch.distributed as dist
 from cute_kv import KVCacheParams, KVCacheQuantizationConfig, PagedKVCacheManager, RopeConfig
 from cute_kv.distributed import (PipelineStage, TensorParallelAttention, assert_same_pages, broadcast_step,
                                  head_range, recv_request, send_request)
+from numerics import rel_err
 
 HIDDEN, HQ, H, D, P, PAGES, VOCAB = 64, 8, 4, 32, 8, 40, 1000
 ROPE = RopeConfig.from_theta(D, 512, 10000.0)
@@ -112,7 +113,12 @@ def tensor_parallel(rank: int, world: int, port: int, dtype_name: str) -> None:
            for l in range(layers)]
     emb, sched = embedding(dtype), Scheduler()
     k0, k1 = head_range(H, rank, world)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+    def close(got, want):  # float32: summation order only; bf16: each rank's partial sum is rounded once more
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert rel_err(got, want) < 1e-2, rel_err(got, want)
     for counts in STEPS:
         rids, ids = sched.step(counts)
         claim_new((shard, full), rids)
@@ -126,7 +132,7 @@ def tensor_parallel(rank: int, world: int, port: int, dtype_name: str) -> None:
             h_tp = h_tp + tp[l](h_tp, s.input_row_offsets[0], s.collections[0], l)
             h_ref = h_ref + ref[l](h_ref, r.input_row_offsets[0], r.collections[0], l)
         assert torch.isfinite(h_tp).all()
-        torch.testing.assert_close(h_tp, h_ref, **tol)
+        close(h_tp, h_ref)
         # Every rank ends with the same output (the all-reduce), and its cache holds its heads of the full cache.
         gathered = [torch.empty_like(h_tp) for _ in range(world)]
         dist.all_gather(gathered, h_tp)
@@ -134,8 +140,8 @@ def tensor_parallel(rank: int, world: int, port: int, dtype_name: str) -> None:
         shard.commit()
         full.commit()
         for rid in rids:
-            torch.testing.assert_close(cached_rows(shard, rid).float(), cached_rows(full, rid)[..., k0:k1, :].float(),
-                                       **tol)
+            if shard.cache_length(rid):
+                close(cached_rows(shard, rid), cached_rows(full, rid)[..., k0:k1, :])
     assert shard.metrics.cache_hit_tokens == SHARED[2]
     shard.check_invariants()
     dist.destroy_process_group()

@@ -63,8 +63,7 @@ class TensorParallelAttention:
         q = fused_qkv_matmul_kv_cache(hidden, input_row_offsets, self.w_qkv, collection, layer_idx, bias=self.bias,
                                       rope=self.rope)
         o = paged_attention(q.view(t, self.n_q_heads, self.head_dim), input_row_offsets, collection, layer_idx)
-        # Row-parallel output projection: partial sums over this rank's heads, accumulated in float32.
-        out = o.flatten(1).to(torch.float32) @ self.w_o.to(torch.float32).T
+        out = o.flatten(1) @ self.w_o.T  # row-parallel: this rank's heads' share of the projection
         if self.world > 1:
             dist.all_reduce(out, group=self.group)
-        return out.to(hidden.dtype)
+        return out

@@ -12,7 +12,8 @@ Protocol, both sides in lockstep over any ``torch.distributed`` backend (tensors
                                           <---  first page to send, or why it refused (both raise)
     page bytes (and scales), per device   --->  copied into the allocated pages; commit
 
-Pages are moved as raw bytes, so fp8 values and their scales arrive bit for bit.
+Pages are moved as raw bytes, so fp8 values and their scales arrive bit for bit. Under tensor or pipeline
+parallelism each prefill rank moves its shard (its heads, its stage's layers) to its peer on the decode side.
 """
 
 from __future__ import annotations
