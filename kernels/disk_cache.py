@@ -5,7 +5,7 @@ relocatable object (host launcher + cubin, TVM-FFI entry point) and loaded by a 
 of being traced and compiled again. Enabled by ``CUTE_KV_CACHE_DIR``; without it nothing touches the disk.
 
 An entry's file name is a digest of the compile-time key, the arch, the host ISA, the CuTe DSL version and the source
-of every kernel module (``cute_kv.kernels`` and ``cute_kv.layouts``), so editing a kernel or upgrading the DSL never
+of every module kernels are traced from (``KERNEL_SOURCES``), so editing a kernel or upgrading the DSL never
 serves a stale binary: it is a miss, and the fresh compile is written beside the old entry.
 
 The host launcher in an entry is built for the ISA's baseline CPU (x86-64 with SSE2, or generic AArch64), not for
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import platform
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Hashable, Optional
 
 CACHE_DIR_ENV = "CUTE_KV_CACHE_DIR"
+# Packages and modules whose code runs when a kernel is traced (the kernels import the lookup-table geometry).
+KERNEL_SOURCES = ("cute_kv.kernels", "cute_kv.layouts", "cute_kv.row_indices")
 _SYMBOL = "cute_kv_kernel"  # every object exports one function; each is loaded into its own engine
 # LLVM (target_cpu, target_features) of the host functions per ISA: each ISA's baseline.
 _PORTABLE_HOST = {"x86_64": ("x86-64", "+sse2"), "aarch64": ("generic", "+neon")}
@@ -38,16 +41,17 @@ def cache_dir() -> Optional[Path]:
 
 @functools.lru_cache(maxsize=None)
 def code_version() -> str:
-    """Digest of what decides the generated code besides the key: the DSL version and the kernel sources."""
+    """Digest of what decides the generated code besides the key: the DSL version, the host ISA and the source of
+    every module kernels are traced from (``KERNEL_SOURCES``)."""
     import cutlass
 
-    from cute_kv import kernels, layouts
-
     h = hashlib.sha256(f"{getattr(cutlass, '__version__', 'unknown')} {platform.machine()}".encode())
-    for package in (kernels, layouts):
-        root = Path(package.__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode())
+    for name in KERNEL_SOURCES:
+        module = importlib.import_module(name)
+        root = Path(module.__file__).parent
+        files = sorted(root.rglob("*.py")) if hasattr(module, "__path__") else [Path(module.__file__)]
+        for path in files:
+            h.update(f"{name}:{path.relative_to(root)}".encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -123,12 +123,27 @@ def test_disk_cache_misses_after_a_kernel_source_change(tmp_path, monkeypatch):
     assert disk_cache.load(STORE_KEY, "sm_100a", tmp_path) is None
 
 
-def test_code_version_covers_kernel_sources():
+def test_code_version_covers_kernel_sources(tmp_path, monkeypatch):
     from cute_kv.kernels import disk_cache
 
-    digest = disk_cache.code_version()
-    assert re.fullmatch(r"[0-9a-f]{16}", digest)
+    assert re.fullmatch(r"[0-9a-f]{16}", disk_cache.code_version())
+    assert "cute_kv.row_indices" in disk_cache.KERNEL_SOURCES  # traced into the kernels (lookup-table geometry)
     assert disk_cache.entry_name(STORE_KEY, "sm_90a") != disk_cache.entry_name(STORE_KEY[:-1] + (64,), "sm_90a")
+    # Editing any file of a kernel source package changes every entry's name.
+    (tmp_path / "fake_kernels").mkdir()
+    source = tmp_path / "fake_kernels" / "tile.py"
+    (tmp_path / "fake_kernels" / "__init__.py").write_text("")
+    source.write_text("BN = 64\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(disk_cache, "KERNEL_SOURCES", ("fake_kernels",))
+    disk_cache.code_version.cache_clear()
+    try:
+        before = disk_cache.entry_name(STORE_KEY, "sm_90a")
+        source.write_text("BN = 128\n")
+        disk_cache.code_version.cache_clear()
+        assert disk_cache.entry_name(STORE_KEY, "sm_90a") != before
+    finally:
+        disk_cache.code_version.cache_clear()
 
 
 @pytest.mark.compile
