@@ -182,6 +182,45 @@ def pipeline(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def tensor_parallel_pipeline(rank: int, world: int, port: int) -> None:
+    """2 stages x 2 tensor-parallel ranks: stage s is ranks (2s, 2s+1), each stage's TP pair all-reduces in its own
+    group and sends to its peer of the next stage; the last stage equals the unsplit, unsharded model."""
+    init(rank, world, port)
+    dtype, layers, tp = torch.float32, 5, 2
+    stage_id, tp_rank = divmod(rank, tp)
+    groups = [dist.new_group([s * tp + r for r in range(tp)]) for s in range(world // tp)]  # every rank makes all
+    base = dict(dtype=dtype, n_kv_heads=H, head_dim=D, page_size=P, total_num_layers=layers,
+                enable_prefix_caching=True)
+    params = KVCacheParams(**base, n_devices=tp, pipeline_parallel_degree=world // tp, stage_id=0).for_stage(stage_id)
+    start, stop = params.stage_layer_range(stage_id)
+    weights = [layer_weights(l, dtype) for l in range(layers)]
+    sharded = [TensorParallelAttention(w, o, HQ, H, D, bias=b, rope=ROPE, rank=tp_rank, world=tp,
+                                       group=groups[stage_id]) for w, o, b in weights[start:stop]]
+    stage = PipelineStage(params, [residual(a) for a in sharded], ranks=[s * tp + tp_rank for s in range(world // tp)])
+    full = [TensorParallelAttention(w, o, HQ, H, D, bias=b, rope=ROPE) for w, o, b in weights]
+    mgr = PagedKVCacheManager(params, PAGES, devices=["cpu"])
+    unsplit = PagedKVCacheManager(KVCacheParams(**base), PAGES)
+    emb, sched = embedding(dtype), Scheduler()
+    k0, k1 = head_range(H, tp_rank, tp)
+    for counts in STEPS:
+        rids, ids = sched.step(counts)
+        claim_new((mgr, unsplit), rids)
+        s, r = mgr.allocate(rids, token_ids=ids), unsplit.allocate(rids, token_ids=ids)
+        assert_same_pages(s)
+        hidden = step_hidden(emb, ids, s)
+        out = stage(s, hidden if stage.is_first else None, hidden_size=HIDDEN, dtype=dtype)
+        ref = hidden
+        for l in range(stop):
+            ref = residual(full[l])(ref, r.input_row_offsets[0], r.collections[0], l)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        mgr.commit()
+        unsplit.commit()
+        for rid in rids:  # this rank's heads of this stage's layers
+            torch.testing.assert_close(cached_rows(mgr, rid), cached_rows(unsplit, rid)[:, start:stop, :, k0:k1],
+                                       rtol=1e-5, atol=1e-5)
+    dist.destroy_process_group()
+
+
 # -- disaggregated prefill -> decode ----------------------------------------------------------------------
 
 

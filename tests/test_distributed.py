@@ -68,6 +68,11 @@ def test_two_stage_pipeline_equals_unsplit_model(gloo):
     spawn(workers.pipeline, 2)
 
 
+def test_pipeline_of_tensor_parallel_stages(gloo):
+    """4 processes: 2 stages x 2 tensor-parallel ranks (a group per stage); equal to the unsplit, unsharded model."""
+    spawn(workers.tensor_parallel_pipeline, 4)
+
+
 def test_disaggregated_prefill_to_decode(gloo):
     """Requests prefilled on rank 0 move to rank 1 (bf16, and fp8 with scales): only pages the receiver's prefix cache
     lacks are sent, bytes arrive bit for bit, other pages are untouched, and decode attention equals the sender's."""
