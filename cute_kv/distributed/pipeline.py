@@ -29,7 +29,8 @@ class PipelineStage:
             raise ValueError(f"stage {params.stage_id} holds layers {params.stage_layer_range(params.stage_id)} "
                              f"({params.n_layers_per_stage}), got {len(layers)} layer callables")
         if len(ranks) != params.pipeline_parallel_degree:
-            raise ValueError(f"ranks must name one rank per stage ({params.pipeline_parallel_degree}), got {list(ranks)}")
+            raise ValueError(f"ranks must name one rank per stage ({params.pipeline_parallel_degree}), "
+                             f"got {list(ranks)}")
         self.stage_id, self.num_stages = params.stage_id, params.pipeline_parallel_degree
         self.layers, self.ranks, self.group = list(layers), list(ranks), group
 

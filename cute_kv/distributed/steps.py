@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 from typing import Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 

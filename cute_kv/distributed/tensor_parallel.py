@@ -53,7 +53,8 @@ class TensorParallelAttention:
         self.n_q_heads, self.n_kv_heads, self.head_dim, self.rope = q1 - q0, k1 - k0, d, rope
         self.world, self.group = world, group
 
-    def __call__(self, hidden: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, input_row_offsets: torch.Tensor, collection,
+                 layer_idx: int) -> torch.Tensor:
         """``hidden [T, hidden]`` (every rank the same) -> the layer's output ``[T, hidden]`` (every rank the same);
         this step's K/V of the rank's heads go into ``collection`` (the rank's shard) at layer ``layer_idx``."""
         if collection.num_heads != self.n_kv_heads:
