@@ -29,15 +29,23 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def gloo():
-    """Skip the module (with the reason) where a one-process gloo group cannot start."""
+    """Gloo on the loopback interface (the ranks inherit the setting); skips the module, with the reason, where a
+    one-process gloo group cannot start."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with the gloo backend is not available in this torch build")
+    env = pytest.MonkeyPatch()
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is not None:  # else gloo picks the interface of the host name
+        env.setenv("GLOO_SOCKET_IFNAME", loopback)
     try:
         store = dist.TCPStore("127.0.0.1", _free_port(), 1, True, timeout=datetime.timedelta(seconds=20))
         group = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=20))
         group.barrier().wait()
     except Exception as e:  # noqa: BLE001 - any failure to start gloo is the skip reason
+        env.undo()
         pytest.skip(f"gloo cannot start on loopback here: {type(e).__name__}: {e}")
+    yield
+    env.undo()
 
 
 def spawn(fn, world: int, *args) -> None:
