@@ -1,4 +1,5 @@
-"""``python -m cute_kv`` / ``cute-kv``: command-line tools, one subcommand per module (``inspect``, ``demo``, ``selftest``)."""
+"""``python -m cute_kv`` / ``cute-kv``: command-line tools, one subcommand per module (``inspect``, ``demo``,
+``selftest``, ``prebuild``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from cute_kv import demo as demo_command
     from cute_kv import inspect as inspect_command
+    from cute_kv import prebuild as prebuild_command
     from cute_kv import selftest as selftest_command
 
     parser = _Parser(prog="cute-kv", description="Paged KV cache tools (CuTe DSL, SM90/SM100).")
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_command.add_parser(commands)
     demo_command.add_parser(commands)
     selftest_command.add_parser(commands)
+    prebuild_command.add_parser(commands)
     return parser
 
 

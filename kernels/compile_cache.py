@@ -1,6 +1,9 @@
 """Compiled kernels, cached by compile-time key: a second request with the same key does not recompile; and the arch
 they are compiled for.
 
+With ``CUTE_KV_CACHE_DIR`` set, a miss first looks on disk (``disk_cache``: kernels compiled ahead with
+``python -m cute_kv prebuild``, or by an earlier process) and every compile is written there.
+
 Kernels compile from fake tensors (no GPU needed) with TVM-FFI enabled and the caller's current stream, so the
 cached object is called with torch tensors directly (~7 µs of host time per call).
 """
@@ -13,6 +16,8 @@ import warnings
 from typing import Callable, Hashable
 
 import cutlass.cute as cute
+
+from cute_kv.kernels import disk_cache
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 
@@ -47,24 +52,33 @@ def target_arch(device=None) -> str:
 
 _cache: dict[Hashable, object] = {}
 _compiles = 0
+_disk_loads = 0
 
 
 def compiled(key: Hashable, build: Callable[[], tuple], arch: str):
-    """The kernel compiled for ``(key, arch)``; ``build()`` returns ``(jit_function, *fake_args)`` on a miss."""
-    global _compiles
+    """The kernel compiled for ``(key, arch)``; ``build()`` returns ``(jit_function, *fake_args)`` on a miss
+    (in memory, then on disk when ``CUTE_KV_CACHE_DIR`` is set)."""
+    global _compiles, _disk_loads
     full_key = (key, arch)
     fn = _cache.get(full_key)
     if fn is None:
-        jit_fn, *args = build()
-        fn = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --enable-tvm-ffi")
-        _compiles += 1
+        directory = disk_cache.cache_dir()
+        fn = None if directory is None else disk_cache.load(key, arch, directory)
+        if fn is not None:
+            _disk_loads += 1
+        else:
+            jit_fn, *args = build()
+            fn = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --enable-tvm-ffi")
+            _compiles += 1
+            if directory is not None:
+                disk_cache.store(key, arch, fn, directory)
         _cache[full_key] = fn
     return fn
 
 
 def cache_info() -> dict:
-    """``{"entries": ..., "compiles": ...}``: compiles only grow on a miss."""
-    return {"entries": len(_cache), "compiles": _compiles}
+    """``{"entries": ..., "compiles": ..., "disk_loads": ...}``: compiles and disk loads only grow on a miss."""
+    return {"entries": len(_cache), "compiles": _compiles, "disk_loads": _disk_loads}
 
 
 def compile_ptx(build: Callable[[], tuple], arch: str) -> str:
