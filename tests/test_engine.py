@@ -345,6 +345,42 @@ def test_graph_buffers_are_filled_in_place_with_padding_on_the_null_page():
     mgr.check_invariants()
 
 
+@pytest.mark.gpu
+def test_graph_buffers_replay_one_cuda_graph_for_steps_of_any_batch():
+    """Pinned staging + non-blocking copies feed a captured graph: each replay reads the latest step."""
+    mgr = PagedKVCacheManager(make_params(), 64, devices=["cuda"])
+    buffers = GraphStepBuffers(mgr, max_batch_size=8, max_context_length=64, max_step_tokens=32)
+    assert all(t.is_pinned() for t in buffers._host)
+    coll, ro = buffers.collections[0], buffers.input_row_offsets[0]
+    for rid in range(8):
+        mgr.claim(rid)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        mgr.allocate([0], [1], graph_buffers=buffers)
+    mgr.commit()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            # What a captured step computes from the metadata alone (kernels read the same tensors).
+            summary = torch.stack((coll.cache_lengths.long().sum(), ro.long()[-1], buffers.positions[0].sum(),
+                                   coll.lookup_table.long().sum(), buffers.last_row_indices[0].sum()))
+    for rids, counts in (([0, 1, 2], [1, 5, 3]), ([3], [20]), (list(range(8)), [1] * 8), ([4, 5], [2, 2])):
+        with torch.cuda.stream(stream):  # the copies and the replay in one stream's order
+            step = mgr.allocate(rids, counts, graph_buffers=buffers)
+            graph.replay()
+        twin_lengths = [mgr.cache_length(r) for r in rids]
+        stream.synchronize()
+        t = sum(counts)
+        pos = [c + i for c, n in zip(twin_lengths, counts) for i in range(n)]
+        lut = sum(sum(mgr.get_req_blocks(r)) for r in rids)
+        cols = coll.lookup_table.shape[1]
+        lut += (8 * cols - sum(len(mgr.get_req_blocks(r)) for r in rids)) * mgr.pool.null_page
+        last = sum(int(x) for x in torch.tensor(counts).cumsum(0) - 1)
+        assert summary.tolist() == [sum(twin_lengths), t, sum(pos), lut, last]
+        assert step.positions[0][:t].tolist() == pos
+        mgr.commit()
+
+
 # -- autograd -----------------------------------------------------------------------------------------------
 
 

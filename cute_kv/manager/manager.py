@@ -30,7 +30,7 @@ Devices. Page bookkeeping does not depend on heads, so one manager drives every 
 ``devices[d]`` stores heads ``[d*H, (d+1)*H)`` (``H = n_kv_heads_per_device``) of every page, and all shards
 get the same ``lookup_table`` / ``cache_lengths``. Under ``torch.distributed`` (one process per GPU) give each
 rank ``devices=[its device]`` and make the same calls in the same order on every rank: the manager is
-deterministic (the built-in page hash ignores ``PYTHONHASHSEED``), so page ids agree without communication;
+deterministic (every page hash ignores ``PYTHONHASHSEED``), so page ids agree without communication;
 only the scheduler's decisions (request ids, token ids) need broadcasting. A pipeline stage builds its manager
 from ``params.for_stage(stage_id)``: its pages hold the layers ``layer_range``, and its metadata equals the
 other stages' when they are driven alike.
@@ -48,6 +48,7 @@ import torch
 
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.manager.block_pool import BlockPool, InsufficientBlocksError
+from cute_kv.manager.graph_buffers import GraphStepBuffers
 from cute_kv.manager.host_swap import HostSwapPool
 from cute_kv.manager.metrics import KVCacheMetrics
 from cute_kv.manager.prefix_cache import (DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS, PrefixCache, PrefixKeys,
@@ -68,7 +69,7 @@ class StepInputs:
     new_token_counts: tuple[int, ...]  # tokens each request runs this step, prefix hits removed
     skipped_tokens: tuple[int, ...]  # leading tokens of the step served by the prefix cache
     step_id: int = NO_STEP  # this allocate() call; its collections are refused once the step is committed
-    graph_buffers: Optional["GraphStepBuffers"] = None  # noqa: F821  # set when the step filled them
+    graph_buffers: Optional[GraphStepBuffers] = None  # set when the step filled them
 
     @functools.cached_property
     def positions(self) -> tuple[torch.Tensor, ...]:
@@ -188,6 +189,8 @@ class PagedKVCacheManager:
                 f"{len(touched)} of them prefix hits of this step){never}; no request was changed"
             )
         if graph_buffers is not None:
+            if not isinstance(graph_buffers, GraphStepBuffers):
+                raise TypeError(f"graph_buffers must be a GraphStepBuffers, got {type(graph_buffers).__name__}")
             skipped = sum(len(m) for m in hashed.matched) * self.page_size if hashed else 0
             context = self._table.cache_len[slots] + counts
             graph_buffers.check_fits(self, len(slots), int(counts.sum()) - skipped,
