@@ -242,8 +242,8 @@ class PagedKVCacheCollection:
         if self._live_steps is not None and self.step_id not in self._live_steps \
                 and not torch.compiler.is_compiling():
             raise ValueError(
-                f"this collection belongs to manager step {self.step_id}, which was committed, rolled back or "
-                f"released: its pages may be shared or freed since; use the collections of the latest allocate()"
+                f"this collection belongs to manager step {self.step_id}, which was committed or released: its "
+                f"pages may be shared or freed since; use the collections of the latest allocate()"
             )
 
     def bind_step(self, step_id: int, live_steps: set) -> None:

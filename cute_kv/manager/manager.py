@@ -18,13 +18,14 @@ Per request, per step::
 ``allocate(..., num_steps=k)`` also reserves the pages of ``k - 1`` more one-token steps (MAX's multistep
 decoding), which later ``allocate`` calls then use without touching the free queue.
 
+Page ``total_num_pages`` is the null page: unused lookup entries hold it, and the returned collections view
+``blocks[:total_num_pages]``, so it reads as the sentinel while every lookup entry stays inside the allocation.
+
 Step generations: every ``allocate`` returns a new ``StepInputs.step_id``, and its collections are refused
-by the ops (``ValueError``) once a request of that step is committed, rolled back or released: by then its
-pages may be shared, freed or owned by another request. ``release`` of a request whose step is not committed
-is an error unless ``discard_step=True``. ``allocate(..., graph_buffers=b)`` instead fills the persistent
-buffers of a ``GraphStepBuffers`` (CUDA graphs) and returns their collections, valid for every step. Page ``total_num_pages`` is the null page:
-unused lookup entries hold it, and the returned collections view ``blocks[:total_num_pages]``, so it reads as
-the sentinel while every lookup entry stays inside the allocation.
+by the ops (``ValueError``) once a request of that step is committed or released: by then its pages may be
+shared, freed or owned by another request. ``release`` of a request whose step is not committed is an error
+unless ``discard_step=True``. ``allocate(..., graph_buffers=b)`` instead fills the persistent buffers of a
+``GraphStepBuffers`` (CUDA graphs) and returns their collections, valid for every step.
 
 Devices. Page bookkeeping does not depend on heads, so one manager drives every tensor-parallel shard:
 ``devices[d]`` stores heads ``[d*H, (d+1)*H)`` (``H = n_kv_heads_per_device``) of every page, and all shards
@@ -146,7 +147,7 @@ class PagedKVCacheManager:
         self._table = SlotTable(self.pool.null_page, n, self.page_size)
         self._input_tokens = self._hit_tokens = self._host_hit_tokens = 0
         self._last_step_id = 0
-        self._live_steps: set[int] = set()  # steps allocated and not yet committed, rolled back or released
+        self._live_steps: set[int] = set()  # steps allocated, none of whose requests was committed or released
 
     # -- request lifecycle ------------------------------------------------------------------------
 
@@ -364,7 +365,7 @@ class PagedKVCacheManager:
         return new
 
     def _retire_steps(self, slots: np.ndarray) -> None:
-        """The steps of ``slots`` end (commit, release, rollback): their collections become stale."""
+        """The steps of ``slots`` end (commit, release): their collections become stale."""
         t = self._table
         self._live_steps.difference_update(set(t.step_id[slots].tolist()))
         t.step_id[slots] = NO_STEP

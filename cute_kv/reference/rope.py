@@ -120,7 +120,8 @@ class RopeConfig:
                                 if mscale and mscale_all_dim else get_mscale(factor))
 
         def correction_dim(rotations):
-            return rope_dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+            turns = original_max_position_embeddings / (rotations * 2 * math.pi)
+            return rope_dim * math.log(turns) / (2 * math.log(theta))
 
         low, high = correction_dim(beta_fast), correction_dim(beta_slow)
         if truncate:
