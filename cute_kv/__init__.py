@@ -2,8 +2,9 @@
 
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.dtypes import parse_dtype
-from cute_kv.manager import InsufficientBlocksError, KVCacheMetrics, PagedKVCacheManager, StepInputs
-from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths, padded_lut_cols
+from cute_kv.manager import (GraphStepBuffers, InsufficientBlocksError, KVCacheMetrics, PagedKVCacheManager,
+                             PrefixKeys, StepInputs)
+from cute_kv.metadata import input_row_offsets, last_row_indices, make_lookup_table, max_lengths, padded_lut_cols
 from cute_kv.ops.fused_qkv import fused_qkv_matmul_kv_cache
 from cute_kv.ops.gather_kv import gather_kv
 from cute_kv.ops.paged_attention import paged_attention
@@ -11,6 +12,7 @@ from cute_kv.ops.paths import FallbackError, FallbackWarning, KernelPath, explai
 from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig, KVCacheStrategy
+from cute_kv.reference.ragged import positions
 from cute_kv.reference.rope import RopeConfig
 from cute_kv.row_indices import PagedRowIndices
 
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FallbackError",
     "FallbackWarning",
+    "GraphStepBuffers",
     "InsufficientBlocksError",
     "KVCacheMetrics",
     "KVCacheParams",
@@ -29,17 +32,20 @@ __all__ = [
     "PagedKVCacheCollection",
     "PagedKVCacheManager",
     "PagedRowIndices",
+    "PrefixKeys",
     "RopeConfig",
     "StepInputs",
     "explain",
     "fused_qkv_matmul_kv_cache",
     "gather_kv",
     "input_row_offsets",
+    "last_row_indices",
     "make_lookup_table",
     "max_lengths",
     "padded_lut_cols",
     "paged_attention",
     "parse_dtype",
     "set_strict",
+    "positions",
     "store_kv",
 ]

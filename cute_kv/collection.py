@@ -19,6 +19,9 @@ from cute_kv.validate import check_metadata_tensor, check_tensor, check_uint32_s
 
 class PagedKVCacheCollection:
     name_str = "paged"
+    # Set by the block manager (bind_step): the step these metadata belong to, and its live steps.
+    step_id: Optional[int] = None
+    _live_steps: Optional[set] = None
 
     def __init__(
         self,
@@ -235,9 +238,20 @@ class PagedKVCacheCollection:
         return self._get_cache(1, layer_idx)
 
     def check_layer(self, layer_idx: int) -> None:
-        """Raise unless ``0 <= layer_idx < num_layers`` (host-only, unlike building a view: torch.compile traces it)."""
+        """Raise unless ``0 <= layer_idx < num_layers`` and the collection's manager step is still live
+        (host-only, unlike building a view: torch.compile traces it). Every op calls it first."""
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        if self._live_steps is not None and self.step_id not in self._live_steps \
+                and not torch.compiler.is_compiling():
+            raise ValueError(
+                f"this collection belongs to manager step {self.step_id}, which was committed or released: its "
+                f"pages may be shared or freed since; use the collections of the latest allocate()"
+            )
+
+    def bind_step(self, step_id: int, live_steps: set) -> None:
+        """Tie these metadata to block-manager step ``step_id``: ops refuse them once it leaves ``live_steps``."""
+        self.step_id, self._live_steps = step_id, live_steps
 
     def _get_cache(self, kv_idx: int, layer_idx: int):
         from cute_kv.paged_cache import PagedKVCache

@@ -39,3 +39,10 @@ def max_lengths(cache_lengths: Sequence[int], new_lengths: Sequence[int]) -> tup
     max_seq = max(new_lengths, default=0)
     max_ctx = max((c + n for c, n in zip(cache_lengths, new_lengths)), default=0)
     return int(max_seq), int(max_ctx)
+
+
+def last_row_indices(input_row_offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: the row of each request's last new token (where its next-token logits are), ``-1`` for a
+    request with no row this step."""
+    ro = input_row_offsets.to(torch.int64)
+    return torch.where(ro[1:] > ro[:-1], ro[1:] - 1, -1)

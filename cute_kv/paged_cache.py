@@ -16,7 +16,9 @@ from cute_kv.row_indices import PagedRowIndices, lut_chunk, tile_geometry
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """fp8 tensors as uint8 (same bytes) so indexing works on every backend."""
+    """fp8 tensors as uint8 (same bytes) so indexing works on every backend; detached, so a write of values
+    that require grad never attaches the page pool to the autograd graph."""
+    t = t.detach()
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 

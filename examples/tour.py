@@ -15,9 +15,12 @@ print(fp8.shape_per_scale_block)  # [KVD, L, P, H, ceil(D / 128)]
 
 # The block manager: owns pages (plus a null page), builds each step's lookup table, reuses prefixes
 mgr = PagedKVCacheManager(params, total_num_pages=64, devices=[device])
-mgr.claim("req-0"); mgr.claim("req-1")
-step = mgr.allocate(["req-0", "req-1"], [37, 1])          # or token_ids=... for prefix caching
+mgr.claim("req-0"); mgr.claim("req-1")                    # prefix_keys=PrefixKeys(lora_id=, tenant_salt=, multimodal=)
+step = mgr.allocate(["req-0", "req-1"], [37, 1])          # or token_ids=... for prefix caching; num_steps=k reserves
 coll, ro = step.collections[0], step.input_row_offsets[0]  # PagedKVCacheCollection, uint32 [B+1] (int32 works too)
+pos, last = step.positions[0], step.last_row_indices[0]    # int64 RoPE positions [T], logits rows [B]
+# also: can_allocate(...), lookup_prefix(rid, ids), fork(parent, child), rollback(rid, n),
+# allocate(..., graph_buffers=GraphStepBuffers(mgr, max_batch, max_context, max_tokens)) for CUDA graphs
 T, Hq, H, D = 38, 32, 8, 128
 
 # Ops: torch tensors in, validated before anything is written. On CUDA a call no kernel serves runs the reference
@@ -31,8 +34,6 @@ o = cute_kv.paged_attention(q.view(T, Hq, D), ro, coll, 0, causal=True, window=N
 k, v = (torch.randn(T, H, D, device=device, dtype=torch.bfloat16) for _ in range(2))
 cute_kv.store_kv(k, v, ro, coll, layer_idx=1)                  # token i of request b at cache_lengths[b] + i
 print(cute_kv.explain(cute_kv.paged_attention, q.view(T, Hq, D), ro, coll, 0, arch="sm_90a"))
-mgr.commit()                                                    # the step's K/V is in the cache
-mgr.release("req-1")
 
 # The cache model, MAX's PagedKVCacheCollection / PagedKVCache in Python spelling
 print(coll.blocks.shape)       # [N, KVD, L, P, H, D] row-major; coll.scales [N, KVD, L, P, H, ceil(D/gran)] or None
@@ -43,3 +44,6 @@ assert torch.equal(k1.row_view()[k1.row_idx(b, t)], k[t])     # the rows TMA des
 rows = k1.populate(bn=64, base_alignment=64, batch_idx=b, base_kv_row=0)  # PagedRowIndices (MAX's chunked LUT load)
 print(rows, k1.num_kv_rows(), k1.block_paged_ptr(16, b, 16, 3))
 assert torch.equal(k1.load(b, 3, t, 0, width=D), k[t, 3])     # element access; store(...) writes
+
+mgr.commit()                   # the step's K/V is in the cache; its collections are now stale (refused)
+mgr.release("req-1")

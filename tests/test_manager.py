@@ -1,6 +1,6 @@
 """PagedKVCacheManager: lifecycle, lookup tables, prefix caching, host swap, devices, errors; plus a
-hypothesis state machine over random claim/allocate/commit/release sequences that checks the bookkeeping
-and the K/V bytes every live request reads back."""
+hypothesis state machine over random claim/allocate (multistep)/commit/fork/rollback/release sequences that
+checks the bookkeeping, the page hashes and the K/V bytes every live request reads back."""
 
 import numpy as np
 import pytest
@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cute_kv import (InsufficientBlocksError, KVCacheParams, KVCacheQuantizationConfig, PagedKVCacheManager,
                      input_row_offsets, max_lengths, padded_lut_cols, store_kv)
+from cute_kv.manager.prefix_cache import ROOT_HASH, hash_pages
 
 P = 4  # page size: small, so short sequences cross many pages
 
@@ -523,13 +524,51 @@ class ManagerMachine(RuleBasedStateMachine):
         return rid
 
     @precondition(lambda self: self.ready())
-    @rule(data=st.data())
-    def allocate(self, data):
+    @rule(data=st.data(), num_steps=st.sampled_from([1, 1, 2, 3]))
+    def allocate(self, data, num_steps):
         rids = data.draw(st.lists(st.sampled_from(self.ready()), min_size=1, max_size=3, unique=True))
         left = [len(self.tokens[r]) - self.known[r] for r in rids]
         chunks = [data.draw(st.one_of(st.just(n), st.integers(1, n))) for n in left]  # often the whole rest
-        if self.step(rids, chunks) and data.draw(st.booleans()):
+        if self.step(rids, chunks, num_steps) and data.draw(st.booleans()):
             self.commit()
+
+    def idle(self):
+        return sorted(r for r in self.tokens if r not in self.pending)
+
+    @precondition(lambda self: self.idle() and len(self.tokens) < 5)
+    @rule(data=st.data(), suffix=st.lists(st.integers(0, 1), min_size=1, max_size=4))
+    def fork(self, data, suffix):
+        """A child sharing the parent's cached tokens, then going its own way."""
+        parent = data.draw(st.sampled_from(self.idle()))
+        child = self.next_rid = self.next_rid + 1
+        before = snapshot(self.mgr)
+        try:
+            self.mgr.fork(parent, child)
+        except InsufficientBlocksError:
+            assert snapshot(self.mgr) == before
+            return
+        tokens = self.tokens[parent][:self.known[parent]] + suffix
+        self.tokens[child], self.values[child], self.known[child] = (tokens, expected_kv(tokens, self.params),
+                                                                     self.known[parent])
+        assert self.mgr.get_req_blocks(child)[:self.known[parent] // P] == \
+            self.mgr.get_req_blocks(parent)[:self.known[parent] // P]
+
+    @precondition(lambda self: any(self.known[r] for r in self.idle()))
+    @rule(data=st.data(), replacement=st.lists(st.integers(0, 1), max_size=3))
+    def rollback(self, data, replacement):
+        """Speculative decoding: drop the last n tokens; the request then continues with other ids."""
+        rid = data.draw(st.sampled_from([r for r in self.idle() if self.known[r]]))
+        n = data.draw(st.integers(0, self.known[rid]))
+        before = snapshot(self.mgr)
+        try:
+            self.mgr.rollback(rid, n)
+        except InsufficientBlocksError:
+            assert snapshot(self.mgr) == before
+            return
+        self.known[rid] -= n
+        tokens = self.tokens[rid][:self.known[rid]] + replacement
+        self.tokens[rid], self.values[rid] = tokens, expected_kv(tokens, self.params)
+        assert self.mgr.cache_length(rid) == self.known[rid]
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 1), min_size=1, max_size=3))
     def serve(self, prefix, suffix):
@@ -541,15 +580,18 @@ class ManagerMachine(RuleBasedStateMachine):
             self.bookkeeping_and_bytes()
         self.forget(rid)
 
-    def step(self, rids, chunks) -> bool:
+    def step(self, rids, chunks, num_steps=1) -> bool:
         """Allocate and write one step (like the model); False if the pool was too small."""
         ids = [self.tokens[r][self.known[r]:self.known[r] + n] for r, n in zip(rids, chunks)]
         before = snapshot(self.mgr)
+        fits = self.mgr.can_allocate(rids, chunks, token_ids=ids, num_steps=num_steps)
+        assert snapshot(self.mgr) == before
         try:
-            inputs = self.mgr.allocate(rids, chunks, token_ids=ids)
+            inputs = self.mgr.allocate(rids, chunks, token_ids=ids, num_steps=num_steps)
         except InsufficientBlocksError:
-            assert snapshot(self.mgr) == before
+            assert not fits and snapshot(self.mgr) == before
             return False
+        assert fits
         check_inputs(self.mgr, inputs, rids, [self.known[r] for r in rids], chunks)
         write_step(self.mgr, inputs, [self.values[r] for r in rids])
         for r, n in zip(rids, chunks):
@@ -575,7 +617,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.forget(data.draw(st.sampled_from(sorted(self.tokens))))
 
     def forget(self, rid):
-        self.mgr.release(rid)
+        self.mgr.release(rid, discard_step=rid in self.pending)
         for d in (self.tokens, self.values, self.known):
             del d[rid]
         self.pending.discard(rid)
@@ -590,6 +632,11 @@ class ManagerMachine(RuleBasedStateMachine):
             lambda: self.mgr.allocate(live[:1], [-1]),
             lambda: self.mgr.allocate(sorted(self.pending)[:1] or [-1], [1]),
             lambda: self.mgr.claim(live[0] if live else -1) if live else self.mgr.release(-1),
+            lambda: self.mgr.release(sorted(self.pending)[0] if self.pending else -1),
+            lambda: self.mgr.rollback(sorted(self.pending)[0] if self.pending else -1, 0),
+            lambda: self.mgr.rollback(live[0] if live else -1, (self.known[live[0]] if live else 0) + 1),
+            lambda: self.mgr.fork(live[0] if live else -1, live[-1] if live else -2),
+            lambda: self.mgr.allocate(live[:1] or [-1], [1], num_steps=0),
         ]))
         before = snapshot(self.mgr)
         with pytest.raises(ValueError):
@@ -599,13 +646,20 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_and_bytes(self):
         self.mgr.check_invariants()
+        t, cached = self.mgr._table, self.mgr.prefix_cache is not None
         for rid, known in self.known.items():
             assert self.mgr.cache_length(rid) <= known
             assert torch.equal(read_kv(self.mgr, rid, known), self.values[rid][:known])
+            if cached:  # the page hashes and tail are exactly those of the request's tokens so far
+                s, full = self.mgr._slot_of[rid], known // P
+                tokens = self.tokens[rid]
+                pages = [tokens[j * P:(j + 1) * P] for j in range(full)]
+                assert t.hashes[s] == hash_pages(ROOT_HASH, pages, self.mgr.hash_algorithm)
+                assert t.tail[s, :t.tail_len[s]].tolist() == tokens[full * P:known]
 
     def teardown(self):
         for rid in list(self.tokens):
-            self.mgr.release(rid)
+            self.mgr.release(rid, discard_step=rid in self.pending)
         self.mgr.check_invariants()
         assert self.mgr.num_free_blocks == self.total_num_pages
 

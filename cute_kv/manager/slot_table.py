@@ -30,9 +30,15 @@ class SlotTable:
         self.cache_len = np.zeros(0, dtype=np.int64)  # tokens whose K/V is in the cache (incl. prefix hits)
         self.num_pages = np.zeros(0, dtype=np.int64)
         self.pending = np.zeros(0, dtype=np.int64)  # tokens of the allocated step, or NO_STEP
-        # Prefix caching: chained hashes of the leading full pages of the tokens seen so far, how many of
-        # those pages are registered in the prefix cache, and the token ids past the last full page.
+        self.step_id = np.full(0, NO_STEP, dtype=np.int64)  # the allocate() call of the pending step
+        # Prefix caching: chained hashes of the leading full pages of the tokens seen so far (from the
+        # request's root hash, with its multimodal spans as extra keys), their token ids (for rollback),
+        # how many of those pages are registered in the prefix cache, and the token ids past the last
+        # full page.
         self.hashes: list[list[int]] = []
+        self.page_ids: list[list[np.ndarray]] = []
+        self.root: list[int] = []
+        self.spans: list[tuple] = []
         self.num_committed = np.zeros(0, dtype=np.int64)
         self.tail = np.zeros((0, page_size), dtype=np.int64)
         self.tail_len = np.zeros(0, dtype=np.int64)
@@ -54,8 +60,8 @@ class SlotTable:
         pages = self.lookup_table[slot, :n].tolist()
         self.lookup_table[slot, :n] = self.null_page
         self.cache_len[slot] = self.num_pages[slot] = self.num_committed[slot] = self.tail_len[slot] = 0
-        self.pending[slot] = NO_STEP
-        self.hashes[slot] = []
+        self.pending[slot] = self.step_id[slot] = NO_STEP
+        self.hashes[slot], self.page_ids[slot], self.root[slot], self.spans[slot] = [], [], 0, ()
         self.free_slots.append(slot)
         return pages
 
@@ -74,7 +80,11 @@ class SlotTable:
         self.cache_len = np.concatenate([self.cache_len, np.zeros(grow, np.int64)])
         self.num_pages = np.concatenate([self.num_pages, np.zeros(grow, np.int64)])
         self.pending = np.concatenate([self.pending, np.full(grow, NO_STEP, np.int64)])
+        self.step_id = np.concatenate([self.step_id, np.full(grow, NO_STEP, np.int64)])
         self.num_committed = np.concatenate([self.num_committed, np.zeros(grow, np.int64)])
         self.tail = np.concatenate([self.tail, np.zeros((grow, self.page_size), np.int64)])
         self.tail_len = np.concatenate([self.tail_len, np.zeros(grow, np.int64)])
         self.hashes += [[] for _ in range(grow)]
+        self.page_ids += [[] for _ in range(grow)]
+        self.root += [0] * grow
+        self.spans += [()] * grow

@@ -26,5 +26,6 @@ def ragged_coords(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) 
 
 
 def positions(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> torch.Tensor:
-    """int64 ``[T]``: the absolute position ``cache_lengths[b] + i`` of every ragged row."""
+    """int64 ``[T]``: the absolute position ``cache_lengths[b] + i`` of every ragged row (the RoPE positions),
+    on the tensors' device. Takes the uint32 metadata as is (torch has no uint32 arithmetic)."""
     return ragged_coords(input_row_offsets, cache_lengths)[1]
