@@ -286,7 +286,7 @@ def _transfer_case(rank: int, cache: dict) -> None:
         mgr.claim("r")
         hit = mgr.allocate(["r"], token_ids=[prompt_q + [5]])
         assert hit.skipped_tokens == (24,)
-        mgr.release("r")
+        mgr.release("r", discard_step=True)  # the probe step is never committed
     # Decode after the transfer: the same step on both sides gives the same attention output.
     decode = [[11], [12]]
     out = run(mgr.allocate(["p", "q"], token_ids=decode), decode)
