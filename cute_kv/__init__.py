@@ -10,13 +10,17 @@ from cute_kv.ops.paged_attention import paged_attention
 from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig, KVCacheStrategy
+from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.rope import RopeConfig
+from cute_kv.reference.weights import Fp8Weight, Int4Weight
 from cute_kv.row_indices import PagedRowIndices
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Fp8Weight",
     "InsufficientBlocksError",
+    "Int4Weight",
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheQuantizationConfig",
@@ -25,6 +29,7 @@ __all__ = [
     "PagedKVCacheCollection",
     "PagedKVCacheManager",
     "PagedRowIndices",
+    "QKNorm",
     "RopeConfig",
     "StepInputs",
     "fused_qkv_matmul_kv_cache",

@@ -8,55 +8,109 @@ import torch
 
 from cute_kv import dtypes, reference
 from cute_kv.ops.vectors import rows_aligned
-from cute_kv.reference.qkv import kv_columns
+from cute_kv.reference.norm import QKNorm
+from cute_kv.reference.qkv import kv_columns, q_head_dim
 from cute_kv.reference.rope import RopeConfig
+from cute_kv.reference.weights import Fp8Weight, Int4Weight
 from cute_kv.validate import check_activation, check_step, check_tensor
 
 
-def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight: torch.Tensor,
-                              collection, layer_idx: int, *, output: Optional[torch.Tensor] = None,
+def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight, collection,
+                              layer_idx: int, *, output: Optional[torch.Tensor] = None,
                               bias: Optional[torch.Tensor] = None, rope: Optional[RopeConfig] = None,
-                              validate: bool = True) -> torch.Tensor:
+                              qk_norm: Optional[QKNorm] = None, validate: bool = True) -> torch.Tensor:
     """``C = hidden @ weight^T (+ bias)``: returns Q = ``C[:, :q_dim]``, stores K and V of layer ``layer_idx``.
 
-    ``hidden [T, K]`` (bf16/fp16/fp32; the cache dtype unless the cache is fp8), ``weight [N_tot, K]`` and
-    ``bias [N_tot]`` in ``hidden.dtype``. Columns after Q are K then V, ``H*D`` each (MLA: one latent
-    head of ``D``), so ``q_dim = N_tot - 2*H*D`` (MLA: ``N_tot - D``) must be positive. New token ``i`` of
-    request ``b`` is stored at ``cache_lengths[b] + i`` (quantized for fp8 caches with scales). ``rope``
-    rotates Q (heads of ``rope.q_head_dim``, default ``D``) and K at that position (``reference/rope.py``).
-    Q is written into ``output [T, q_dim]`` when given. Float32 accumulation; nothing is written on bad input.
+    ``hidden [T, K]`` (bf16/fp16/fp32; the cache dtype unless the cache is fp8) and ``bias [N_tot]`` in
+    ``hidden.dtype``; ``weight [N_tot, K]`` in ``hidden.dtype``, or quantized: ``Int4Weight`` (packed int4 with a
+    ``group_size`` and optional zero points) or ``Fp8Weight`` (per-channel scales), see ``reference/weights.py``.
+    Columns after Q are K then V, ``H*D`` each (MLA: one latent head of ``D``), so ``q_dim = N_tot - 2*H*D``
+    (MLA: ``N_tot - D``) must be positive. New token ``i`` of request ``b`` is stored at ``cache_lengths[b] + i``
+    (quantized for fp8 caches with scales). ``qk_norm`` RMS-normalizes Q and K heads (MLA: the latent's first
+    ``kv_lora_rank`` dims, ``reference/norm.py``), then ``rope`` rotates Q (heads of ``rope.q_head_dim``, default
+    ``D``) and K at that position (``reference/rope.py``). Q is written into ``output [T, q_dim]`` when given.
+    Float32 accumulation; nothing is written on bad input.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, each
     request's pages and lengths against the collection, RoPE positions against ``rope.freqs_cis``), so the caller
     guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked.
     """
-    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
+    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate, qk_norm)
     if output is None:
         output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        w, *w_quant = _weight_args(weight)
         torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
-            hidden, input_row_offsets, weight, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
+            hidden, input_row_offsets, w, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
             None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
             None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
-            c.quantization_granularity)
+            c.quantization_granularity, *w_quant, *_norm_args(qk_norm))
     else:  # eager: skip the op's dispatcher (host time)
-        dispatch(hidden, input_row_offsets, weight, c, layer_idx, bias, rope, output)
+        dispatch(hidden, input_row_offsets, weight, c, layer_idx, bias, rope, output, qk_norm)
     return output
 
 
-def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output) -> None:
+def _weight_args(weight) -> tuple:
+    """A weight as the custom op's ``(weight, weight_scales, weight_zero_points, group_size)``."""
+    if isinstance(weight, Int4Weight):
+        return weight.packed, weight.scales, weight.zero_points, weight.group_size
+    if isinstance(weight, Fp8Weight):
+        return weight.weight, weight.scales, None, None
+    return weight, None, None, None
+
+
+def weight_from_args(weight, weight_scales, weight_zero_points, group_size):
+    """Inverse of ``_weight_args`` (the packed int4 weight is the uint8 one)."""
+    if weight.dtype == torch.uint8:
+        return Int4Weight(weight, weight_scales, group_size, weight_zero_points is not None, weight_zero_points)
+    if weight.dtype == torch.float8_e4m3fn:
+        return Fp8Weight(weight, weight_scales)
+    return weight
+
+
+def _norm_args(qk_norm) -> tuple:
+    if qk_norm is None:
+        return None, None, 0.0, 0.0
+    return qk_norm.q_weight, qk_norm.k_weight, float(qk_norm.epsilon), float(qk_norm.weight_offset)
+
+
+def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference; Q goes into ``output``."""
-    run = _kernel_for(collection, hidden, weight, rope) or reference.fused_qkv_matmul_kv_cache
-    run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
+    run = None
+    if qk_norm is None and isinstance(weight, torch.Tensor):  # the kernel reads 16-bit weights, no norm
+        run = _kernel_for(collection, hidden, weight, rope)
+    if run is None:
+        reference.fused_qkv_matmul_kv_cache(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
+                                            rope=rope, output=output, qk_norm=qk_norm)
+    else:
+        run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
 
 
-def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate) -> None:
+def _check_weight(weight, hidden, dev) -> None:
+    k = hidden.shape[1]
+    if isinstance(weight, Int4Weight):
+        if weight.packed.shape[1] * 2 != k:
+            raise ValueError(f"weight.packed must have shape [N_tot, K/2] = [*, {k / 2:g}] (two int4 per byte) for "
+                             f"hidden's K = {k}, got {list(weight.packed.shape)}")
+        if weight.device != dev:
+            raise ValueError(f"weight.packed must be on {dev}, got {weight.device}")
+        if weight.scales.dtype not in (hidden.dtype, torch.float32):
+            raise TypeError(f"weight.scales must be {hidden.dtype} (hidden's dtype) or float32, got "
+                            f"{weight.scales.dtype}")
+    elif isinstance(weight, Fp8Weight):
+        check_tensor("weight.weight", weight.weight, shape=[None, k], device=dev)
+    else:
+        check_tensor("weight", weight, dtype=hidden.dtype, shape=[None, k], device=dev)
+
+
+def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate,
+           qk_norm=None) -> None:
     collection.check_layer(layer_idx)
     dev = collection.device
     check_activation("hidden", hidden, collection, ndim=2)
     t, k = hidden.shape
-    check_tensor("weight", weight, dtype=hidden.dtype, shape=[None, k], device=dev)
+    _check_weight(weight, hidden, dev)
     if collection.is_mla and collection.num_heads != 1:
         raise ValueError(f"an MLA cache must have one (latent) head, got num_heads={collection.num_heads}")
     kv_cols = kv_columns(collection)
@@ -71,6 +125,26 @@ def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bia
     lengths = check_step(collection, input_row_offsets, t, data_checks=validate)
     if rope is not None:
         _check_rope(rope, collection, q_dim, lengths)
+    if qk_norm is not None:
+        _check_qk_norm(qk_norm, collection, q_dim, q_head_dim(rope, collection.head_size))
+
+
+def _check_qk_norm(qk_norm, collection, q_dim: int, qh: int) -> None:
+    if not isinstance(qk_norm, QKNorm):
+        raise TypeError(f"qk_norm must be a QKNorm or None, got {type(qk_norm).__name__}")
+    d = collection.head_size
+    if qk_norm.q_weight is not None:
+        check_tensor("qk_norm.q_weight", qk_norm.q_weight, device=collection.device)
+        if q_dim % qh:
+            raise ValueError(f"q_dim ({q_dim}) must be a multiple of the Q head size ({qh}) for qk_norm.q_weight "
+                             f"(set rope.q_head_dim when Q heads differ from the cache's)")
+        if qk_norm.q_weight.shape[0] > qh:
+            raise ValueError(f"qk_norm.q_weight has {qk_norm.q_weight.shape[0]} dims, more than a Q head ({qh})")
+    if qk_norm.k_weight is not None:
+        check_tensor("qk_norm.k_weight", qk_norm.k_weight, device=collection.device)
+        if qk_norm.k_weight.shape[0] > d:
+            raise ValueError(f"qk_norm.k_weight has {qk_norm.k_weight.shape[0]} dims, more than a cache head ({d}; "
+                             f"MLA: kv_lora_rank <= head_size)")
 
 
 def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -> None:
