@@ -1,4 +1,4 @@
-"""``FusedQKVMatmul`` (``gpu`` marker, SM90): against the reference on the same random batch.
+"""``FusedQKVGemm`` (``gpu`` marker, SM90 and SM100): against the reference on the same random batch.
 
 The reference runs on a CPU copy of the batch (same seed). Q is written into a NaN-poisoned ``output``; the step's
 K/V slots are poisoned too, so anything the kernel leaves unwritten shows; every slot outside them must keep
@@ -11,6 +11,7 @@ import torch
 import cute_kv
 from cute_kv import RopeConfig
 from cute_kv import reference as ref
+from cute_kv.ops.fused_qkv import _kernel_for
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
@@ -20,17 +21,21 @@ pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 CACHED = [0, 37, 5, 130, 1, 64]
 NEW = [3, 1, 0, 17, 1, 90]
-CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (R, interleaved, q_head_dim), MLA)
-    (torch.bfloat16, 2, 8, 128, 16, 256, False, None, False),
-    (torch.bfloat16, 2, 8, 128, 64, 200, True, (128, False, None), False),  # ragged last k-tile, neox
-    (torch.float16, 1, 4, 64, 128, 512, True, (32, True, None), False),  # partial GPT-J RoPE
-    (torch.bfloat16, 4, 4, 64, 16, 128, False, (64, False, None), False),  # MHA, two heads per tile
-    (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True),  # MLA: [Q | latent K], rope last 64
+CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (R, interleaved, q_head_dim), MLA,
+    #         qk_norm: None or (Q norm dims, K norm dims, weight offset))
+    (torch.bfloat16, 2, 8, 128, 16, 256, False, None, False, None),
+    (torch.bfloat16, 2, 8, 128, 64, 200, True, (128, False, None), False, None),  # ragged last k-tile, neox
+    (torch.float16, 1, 4, 64, 128, 512, True, (32, True, None), False, None),  # partial GPT-J RoPE
+    (torch.bfloat16, 4, 4, 64, 16, 128, False, (64, False, None), False, None),  # MHA, two heads per tile
+    (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, None),  # MLA: latent head straddles tiles
+    (torch.bfloat16, 2, 8, 128, 16, 256, True, (128, False, None), False, (128, 128, 0.0)),  # Qwen3 QK-norm
+    (torch.bfloat16, 2, 4, 64, 16, 192, False, (64, True, None), False, (0, 64, 1.0)),  # Gemma-style K norm
+    (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, (0, 512, 0.0)),  # MLA latent norm: reference
 ]
 
 
 def _inputs(case, cached, new, seed):
-    dtype, h, qh, d, p, k, with_bias, rope, mla = case
+    dtype, h, qh, d, p, k, with_bias, rope, mla, norm = case
     batches = [random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=p, num_layers=2, is_mla=mla,
                                   dtype=dtype, generator=torch.Generator().manual_seed(seed), device=dev)
                for dev in ("cpu", "cuda")]
@@ -47,21 +52,29 @@ def _inputs(case, cached, new, seed):
     if rope:
         cfg = RopeConfig.from_theta(rope[0], max(c + n for c, n in zip(cached, new)) + 1, interleaved=rope[1],
                                     q_head_dim=rope[2])
-    return batches, hidden, weight, bias, cfg, qh * q_head_dim
+    qk_norm = None
+    if norm:
+        gamma = lambda c: torch.rand(c, generator=g) + 0.5 if c else None  # noqa: E731
+        qk_norm = cute_kv.QKNorm(gamma(norm[0]), gamma(norm[1]), 1e-6, norm[2])
+    return batches, hidden, weight, bias, cfg, qh * q_head_dim, qk_norm
 
 
 def _run_case(case, cached, new, seed):
     from cute_kv.kernels.compile_cache import cache_info
 
-    (cpu, gpu), hidden, weight, bias, rope, q_dim = _inputs(case, cached, new, seed)
+    (cpu, gpu), hidden, weight, bias, rope, q_dim, qk_norm = _inputs(case, cached, new, seed)
     want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
-                                         rope=rope)
+                                         rope=rope, qk_norm=qk_norm)
     cuda = lambda x: None if x is None else x.cuda()  # noqa: E731
+    norm = None if qk_norm is None else cute_kv.QKNorm(cuda(qk_norm.q_weight), cuda(qk_norm.k_weight),
+                                                       qk_norm.epsilon, qk_norm.weight_offset)
     out = torch.full((hidden.shape[0], q_dim), float("nan"), dtype=hidden.dtype, device="cuda")
     compiles = cache_info()["compiles"]
-    got = cute_kv.fused_qkv_matmul_kv_cache(
-        cuda(hidden), gpu.input_row_offsets, cuda(weight), gpu.collection, 1, output=out, bias=cuda(bias),
-        rope=None if rope is None else RopeConfig(rope.freqs_cis.cuda(), rope.interleaved, rope.q_head_dim))
+    rope = None if rope is None else RopeConfig(rope.freqs_cis.cuda(), rope.interleaved, rope.q_head_dim)
+    latent_norm = case[9] is not None and case[9][1] > 128  # a norm across tiles: the reference's
+    assert (_kernel_for(gpu.collection, cuda(hidden), cuda(weight), rope, norm) is None) == latent_norm
+    got = cute_kv.fused_qkv_matmul_kv_cache(cuda(hidden), gpu.input_row_offsets, cuda(weight), gpu.collection, 1,
+                                            output=out, bias=cuda(bias), rope=rope, qk_norm=norm)
     torch.cuda.synchronize()
     assert got is out and not out.isnan().any()
     assert cache_info()["compiles"] - compiles <= 1  # the kernel served the call (compiled at most once)
@@ -77,7 +90,8 @@ def _run_case(case, cached, new, seed):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-h{c[1]}-q{c[2]}-d{c[3]}-p{c[4]}-k{c[5]}"
-                         f"{'-bias' * c[6]}{'-rope' + str(c[7][:2]) if c[7] else ''}{'-mla' * c[8]}")
+                         f"{'-bias' * c[6]}{'-rope' + str(c[7][:2]) if c[7] else ''}{'-mla' * c[8]}"
+                         f"{'-norm' + str(c[9]) if c[9] else ''}")
 def test_fused_qkv_kernel_matches_reference(case):
     compiles = _run_case(case, CACHED, NEW, seed=3)
     from cute_kv.kernels.compile_cache import cache_info
@@ -89,6 +103,6 @@ def test_fused_qkv_kernel_matches_reference(case):
 def test_fused_qkv_kernel_large_step_and_empty_step():
     case = CASES[1]
     _run_case(case, [7, 0, 300], [2500, 1, 40], seed=5)  # 128-row tiles, many of them
-    (cpu, gpu), hidden, weight, bias, rope, q_dim = _inputs(case, [4, 9], [0, 0], seed=6)
+    (cpu, gpu), hidden, weight, bias, rope, q_dim, _ = _inputs(case, [4, 9], [0, 0], seed=6)
     q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, weight.cuda(), gpu.collection, 1)
     assert q.shape == (0, q_dim)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -77,9 +79,7 @@ def _norm_args(qk_norm) -> tuple:
 
 def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference; Q goes into ``output``."""
-    run = None
-    if qk_norm is None and isinstance(weight, torch.Tensor):  # the kernel reads 16-bit weights, no norm
-        run = _kernel_for(collection, hidden, weight, rope)
+    run = _kernel_for(collection, hidden, weight, rope, qk_norm)
     if run is None:
         reference.fused_qkv_matmul_kv_cache(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
                                             rope=rope, output=output, qk_norm=qk_norm)
@@ -165,43 +165,59 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
                          f"position {int(ends[b]) - 1}")
 
 
-def _kernel_for(collection, hidden, weight, rope) -> Optional[Callable]:
-    """The SM90 ``FusedQKVMatmul`` launcher for these arguments, or None for the reference: CPU tensors, SM100
-    (no tcgen05 mainloop yet), fp8 caches, or a shape the kernel cannot tile (``fused_qkv_matmul.supported``)."""
-    if collection.device.type != "cuda":
+def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]:
+    """The ``FusedQKVGemm`` launcher (quack's SM90/SM100 GEMM core with our epilogue) for these arguments, or None
+    for the reference: CPU tensors, fp8 caches, quantized weights, or a shape the kernel cannot tile
+    (``kernels/qkv/gemm.py`` ``supported``)."""
+    if collection.device.type != "cuda" or not isinstance(weight, torch.Tensor):
         return None
-    from cute_kv.kernels.compile_cache import target_arch
-    from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.qkv.sm90 import DTYPES, FusedQKVMatmul, supported
+    from cute_kv.kernels.compile_cache import compiled, target_arch
+    from cute_kv.kernels.qkv.gemm import DTYPES, TILES, FusedQKVGemm, QKVSpec, supported
 
     arch = target_arch(collection.device)
     dtype_name = dtypes.dtype_name(collection.dtype)
     t, k = hidden.shape
-    if arch != "sm_90a" or dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
-        return None
-    if rope is not None and (rope.freqs_cis.stride(1) != 1 or rope.freqs_cis.device != collection.device):
-        return None
-    q_dim = weight.shape[0] - kv_columns(collection)
-    rope_key = None if rope is None else (rope.rope_dim, rope.interleaved, rope.q_head_dim or collection.head_size)
-    tile_m = 64 if t < 2048 else 128  # small steps: more CTAs to stream the weight with
     c = collection
-    if supported(q_dim, c.kv_dim, c.num_heads, c.head_size, rope_key, tile_m) or c.blocks.data_ptr() % 16:
+    if dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
         return None
-    geometry = (dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size)
-
-    def build(has_bias):
-        kernel = FusedQKVMatmul(*geometry, has_bias, rope_key, tile_m)
-        return kernel, *kernel.fake_args()
+    if c.blocks.data_ptr() % 16 or (rope is not None and rope.freqs_cis.stride(1) != 1):
+        return None
+    q_dim = weight.shape[0] - kv_columns(c)
+    spec = QKVSpec(dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size,
+                   q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
+                   *_norm_key(qk_norm))
+    if supported(spec):
+        return None
+    norm_weights = (None, None) if qk_norm is None else tuple(
+        None if w is None else w.to(torch.float32).contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight))
 
     def run(hidden, input_row_offsets, weight, collection, layer_idx, *, bias=None, rope=None, output=None):
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
-        if t:  # a grid of zero CTAs is a launch error
-            has_bias = bias is not None
-            fn = compiled(("fused_qkv_matmul", *geometry, has_bias, rope_key, tile_m), lambda: build(has_bias), arch)
-            fn(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(), collection.cache_lengths,
-               collection.lookup_table, None if bias is None else bias.contiguous(),
-               None if rope is None else rope.freqs_cis, layer_idx)
+        if t:  # a persistent grid over zero tiles still launches: skip it
+            kernel = FusedQKVGemm(dataclasses.replace(spec, has_bias=bias is not None), arch)
+            fn = compiled(("fused_qkv_gemm", kernel.spec), kernel.build, arch)
+            fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
+                            collection.cache_lengths, collection.lookup_table, layer_idx,
+                            None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
+                            *norm_weights, _max_active_clusters(collection.device, TILES[arch][1])))
         return out if output is None or out is output else output.copy_(out)
 
     return run
+
+
+def _norm_key(qk_norm) -> tuple:
+    """``QKVSpec``'s norm fields: dims each weight covers (0: none), epsilon, offset."""
+    if qk_norm is None:
+        return ()
+    width = lambda w: 0 if w is None else w.shape[0]  # noqa: E731
+    return (width(qk_norm.q_weight), width(qk_norm.k_weight), float(qk_norm.epsilon), float(qk_norm.weight_offset))
+
+
+@functools.lru_cache(maxsize=None)
+def _max_active_clusters(device, cluster_shape) -> int:
+    """Clusters of ``cluster_shape`` resident at once on ``device``: the persistent scheduler's grid."""
+    from quack.cute_dsl_utils import get_max_active_clusters
+
+    size = cluster_shape[0] * cluster_shape[1] * cluster_shape[2]
+    return get_max_active_clusters(size, device_id=device.index or 0)

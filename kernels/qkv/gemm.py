@@ -175,6 +175,6 @@ class FusedQKVGemm:
 
         epi = QKVEpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
                                    bias, freqs_cis, q_norm, k_norm)
-        scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters),
-                                         max_swizzle_size=Int32(MAX_SWIZZLE))
+        scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
+                                         max_swizzle_size=MAX_SWIZZLE)
         return hidden, weight, None, None, epi, scheduler, None, None, None

@@ -1,0 +1,104 @@
+"""``FusedQKVGemm`` compiled for sm_90a and sm_100a against fake tensors: the mainloop is quack's, unchanged (same
+MMA instructions as the same GEMM without our epilogue), the epilogue stores 16 bytes and rounds once, and ptxas
+reports no spills. Plus the host rules (which shapes the kernel takes)."""
+
+import functools
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cute_kv.kernels import compile_cache
+
+pytest.importorskip("quack")
+from cute_kv.kernels.qkv.gemm import TILES, FusedQKVGemm, QKVSpec, supported  # noqa: E402
+
+ARCHS = ["sm_90a", "sm_100a"]
+# (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims)
+CASES = {
+    "llama-plain": ("bfloat16", 4096, 2, 16, 8, 128, 128, False, None, 0, 0),
+    "qwen3-bias-neox-qknorm": ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),
+    "gptj-partial-fp16": ("float16", 512, 2, 128, 2, 64, 64, True, (32, True), 0, 0),
+    "gemma-knorm-only-neox": ("bfloat16", 2048, 2, 16, 4, 64, 64, False, (64, False), 0, 64),
+    "mla-latent-straddles-tiles": ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),
+}
+MMA = {"sm_90a": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(bf16|f16)", "sm_100a": r"tcgen05\.mma\.cta_group::2"}
+
+
+def _spec(case) -> QKVSpec:
+    return QKVSpec(*CASES[case][:9], q_norm_dim=CASES[case][9], k_norm_dim=CASES[case][10])
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx(case: str, arch: str) -> str:
+    return compile_cache.compile_ptx(FusedQKVGemm(_spec(case), arch).build, arch)
+
+
+@functools.lru_cache(maxsize=None)
+def _bare_ptx(arch: str) -> str:
+    """quack's GEMM on the same tiles and cluster with its own (D-storing) epilogue."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+    from quack.gemm_default_epi import GemmDefaultSm90, GemmDefaultSm100
+    from quack.gemm_tvm_ffi_utils import make_fake_gemm_tensors, make_fake_scheduler_args
+
+    bf = cutlass.BFloat16
+    tile, cluster = TILES[arch]
+    a, b, d, c, _, _, _, l = make_fake_gemm_tensors(bf, bf, bf, None, "k", "k", "n", None, batched=False)
+    if arch == "sm_90a":
+        gemm = GemmDefaultSm90(cutlass.Float32, bf, tile, cluster, pingpong=True, is_persistent=True)
+    else:
+        gemm = GemmDefaultSm100(cutlass.Float32, bf, tile, cluster)
+    args = (a, b, d, c, gemm.EpilogueArguments(), make_fake_scheduler_args(False, False, l), None,
+            make_fake_stream(use_tvm_ffi_env_stream=True), None, None)
+    return compile_cache.compile_ptx(lambda: (gemm, *args), arch)
+
+
+def ptxas_report(ptx: str, arch: str, tmp_path) -> str:
+    ptxas = shutil.which("ptxas") or "/usr/local/bin/ptxas"
+    if not shutil.which(ptxas):
+        pytest.skip("ptxas not installed")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    return subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", "/dev/null"], capture_output=True,
+                          text=True, check=True).stderr
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_qkv_gemm_ptx(case, arch, tmp_path):
+    spec = _spec(case)
+    ptx = _ptx(case, arch)
+    # The mainloop is quack's: the same MMA instructions as its GEMM without our epilogue (fp16 has the same count).
+    assert len(re.findall(MMA[arch], ptx)) == len(re.findall(MMA[arch], _bare_ptx(arch))) > 0
+    if arch == "sm_100a":
+        assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx  # accumulators in TMEM
+    # 16-byte stores only (Q to output, K/V into a page), no D tensor, one rounding.
+    assert re.findall(r"st\.global\.\S+", ptx) == ["st.global.v4.b32"] * 2
+    assert ("cvt.rn.bf16x2.f32" if spec.dtype_name == "bfloat16" else "cvt.rn.f16x2.f32") in ptx
+    # QK-norm: one butterfly step per doubling of the widest head's lanes.
+    steps = (spec.max_head_lanes.bit_length() - 1) if spec.has_norm else 0
+    assert ptx.count("shfl.sync.bfly") == steps
+    report = ptxas_report(ptx, arch, tmp_path)
+    assert re.findall(r"(\d+) bytes spill stores", report) == ["0"]
+    assert "0 bytes stack frame" in report
+
+
+def test_supported_shapes():
+    base = dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
+                q_head_dim=128, has_bias=False, rope=None)
+    assert supported(QKVSpec(**base)) is None
+    assert supported(QKVSpec(**{**base, "rope": (128, False)})) is None
+    # a neox head of 256 spans two 128-column tiles; a GPT-J one does not need its partner from another tile
+    assert "neox-rotated K head of 256" in supported(QKVSpec(**{**base, "head_dim": 256, "rope": (256, False)}))
+    assert supported(QKVSpec(**{**base, "head_dim": 256, "rope": (256, True)})) is None
+    assert "normalized or neox-rotated Q head of 192" in supported(QKVSpec(**{**base, "q_head_dim": 192,
+                                                                               "q_dim": 3072, "q_norm_dim": 192}))
+    assert "straddle" in supported(QKVSpec(**{**base, "q_dim": 4160, "q_head_dim": 64, "head_dim": 128,
+                                              "k_norm_dim": 128}))
+    assert "multiples of 8" in supported(QKVSpec(**{**base, "q_dim": 4100, "q_head_dim": 4100}))
+    assert "dtype" in supported(QKVSpec(**{**base, "dtype_name": "float32"}))
+    with pytest.raises(ValueError, match="targets"):
+        FusedQKVGemm(QKVSpec(**base), "sm_80")
