@@ -15,19 +15,23 @@ pytest.importorskip("quack")
 from cute_kv.kernels.qkv.gemm import TILES, FusedQKVGemm, QKVSpec, supported  # noqa: E402
 
 ARCHS = ["sm_90a", "sm_100a"]
-# (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims)
+# (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims[, fp8 granularity])
 CASES = {
     "llama-plain": ("bfloat16", 4096, 2, 16, 8, 128, 128, False, None, 0, 0),
     "qwen3-bias-neox-qknorm": ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),
     "gptj-partial-fp16": ("float16", 512, 2, 128, 2, 64, 64, True, (32, True), 0, 0),
     "gemma-knorm-only-neox": ("bfloat16", 2048, 2, 16, 4, 64, 64, False, (64, False), 0, 64),
     "mla-latent-straddles-tiles": ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),
+    "fp8-scales-g64": ("bfloat16", 4096, 2, 16, 8, 128, 128, True, (128, False), 128, 128, 64),
+    "fp8-unscaled": ("float16", 512, 2, 16, 2, 64, 64, False, None, 0, 0, 0),
 }
 MMA = {"sm_90a": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(bf16|f16)", "sm_100a": r"tcgen05\.mma\.cta_group::2"}
 
 
 def _spec(case) -> QKVSpec:
-    return QKVSpec(*CASES[case][:9], q_norm_dim=CASES[case][9], k_norm_dim=CASES[case][10])
+    c = CASES[case]
+    fp8 = len(c) > 11
+    return QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], fp8=fp8, granularity=c[11] if fp8 else 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,12 +79,20 @@ def test_fused_qkv_gemm_ptx(case, arch, tmp_path):
     assert len(re.findall(MMA[arch], ptx)) == len(re.findall(MMA[arch], _bare_ptx(arch))) > 0
     if arch == "sm_100a":
         assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx  # accumulators in TMEM
-    # 16-byte stores only (Q to output, K/V into a page), no D tensor, one rounding.
-    assert re.findall(r"st\.global\.\S+", ptx) == ["st.global.v4.b32"] * 2
+    # No D tensor: Q to output and K/V into a page as one 16-byte store each (fp8: 8 e4m3 bytes and the
+    # granule's scale), each value rounded once.
+    stores = ["st.global.v4.b32", "st.global.v4.b32"]
+    if spec.fp8:
+        stores = ["st.global.v2.b32", "st.global.v4.b32"] + (["st.global.b32"] if spec.granularity else [])
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert sorted(re.findall(r"st\.global\.\S+", ptx)) == sorted(stores)
     assert ("cvt.rn.bf16x2.f32" if spec.dtype_name == "bfloat16" else "cvt.rn.f16x2.f32") in ptx
-    # QK-norm: one butterfly step per doubling of the widest head's lanes.
+    # QK-norm: one butterfly step per doubling of the widest head's lanes; fp8 scales: per doubling of a granule's
+    # lanes, with a NaN-propagating max.
     steps = (spec.max_head_lanes.bit_length() - 1) if spec.has_norm else 0
-    assert ptx.count("shfl.sync.bfly") == steps
+    amax_steps = (spec.granularity // 8).bit_length() - 1 if spec.granularity else 0
+    assert ptx.count("shfl.sync.bfly") == steps + amax_steps
+    assert ptx.count("max.NaN.f32") == amax_steps
     report = ptxas_report(ptx, arch, tmp_path)
     assert re.findall(r"(\d+) bytes spill stores", report) == ["0"]
     assert "0 bytes stack frame" in report
@@ -100,5 +112,8 @@ def test_supported_shapes():
                                               "k_norm_dim": 128}))
     assert "multiples of 8" in supported(QKVSpec(**{**base, "q_dim": 4100, "q_head_dim": 4100}))
     assert "dtype" in supported(QKVSpec(**{**base, "dtype_name": "float32"}))
+    assert supported(QKVSpec(**base, fp8=True, granularity=128)) is None
+    for g in (48, 256):  # not a power of two; more lanes than a row of the tile
+        assert f"granularity {g}" in supported(QKVSpec(**base, fp8=True, granularity=g))
     with pytest.raises(ValueError, match="targets"):
         FusedQKVGemm(QKVSpec(**base), "sm_80")

@@ -13,6 +13,7 @@ from cute_kv import RopeConfig
 from cute_kv import reference as ref
 from cute_kv.ops.fused_qkv import _kernel_for
 from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.quant import expand_scales
 
 from numerics import rel_err
 
@@ -34,13 +35,16 @@ CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (
 ]
 
 
-def _inputs(case, cached, new, seed):
+def _inputs(case, cached, new, seed, **cache_kw):
     dtype, h, qh, d, p, k, with_bias, rope, mla, norm = case
+    cache_kw = {"dtype": dtype, **cache_kw}
     batches = [random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=p, num_layers=2, is_mla=mla,
-                                  dtype=dtype, generator=torch.Generator().manual_seed(seed), device=dev)
+                                  generator=torch.Generator().manual_seed(seed), device=dev, **cache_kw)
                for dev in ("cpu", "cuda")]
     for pb in batches:
         pb.collection.blocks[pb.step_mask(1)] = float("nan")
+        if pb.collection.scales is not None:
+            pb.collection.scales[pb.step_mask(1)] = float("nan")
     g = torch.Generator().manual_seed(seed + 1)
     q_head_dim = (rope[2] if rope else None) or d
     n_tot = qh * q_head_dim + (1 if mla else 2) * h * d
@@ -106,3 +110,30 @@ def test_fused_qkv_kernel_large_step_and_empty_step():
     (cpu, gpu), hidden, weight, bias, rope, q_dim, _ = _inputs(case, [4, 9], [0, 0], seed=6)
     q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, weight.cuda(), gpu.collection, 1)
     assert q.shape == (0, q_dim)
+
+
+@pytest.mark.parametrize("granularity", [None, 32, 128])  # unscaled, 4-lane and 16-lane granules
+def test_fused_qkv_kernel_fp8_cache(granularity):
+    """e4m3 cache: the kernel quantizes the float32 result once with its own per-granule scales."""
+    case = (torch.bfloat16, 2, 8, 128, 16, 256, True, (128, False, None), False, (128, 128, 0.0))
+    kw = {"dtype": torch.float8_e4m3fn}
+    if granularity:
+        kw.update(scale_dtype=torch.float32, quantization_granularity=granularity)
+    (cpu, gpu), hidden, weight, bias, rope, q_dim, qk_norm = _inputs(case, CACHED, NEW, 7, **kw)
+    want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
+                                         rope=rope, qk_norm=qk_norm)
+    norm = cute_kv.QKNorm(qk_norm.q_weight.cuda(), qk_norm.k_weight.cuda(), qk_norm.epsilon)
+    rope = RopeConfig(rope.freqs_cis.cuda(), rope.interleaved)
+    assert _kernel_for(gpu.collection, hidden.cuda(), weight.cuda(), rope, norm) is not None
+    q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, weight.cuda(), gpu.collection, 1,
+                                          bias=bias.cuda(), rope=rope, qk_norm=norm)
+    assert rel_err(q.cpu(), want) < TOL[torch.bfloat16]
+    step = cpu.step_mask(1)
+    c, w = gpu.collection, cpu.collection
+    deq = lambda coll: coll.blocks.cpu().float() * (1 if coll.scales is None else expand_scales(  # noqa: E731
+        coll.scales.cpu(), granularity, 128))
+    assert not deq(c)[step].isnan().any()
+    assert rel_err(deq(c)[step], deq(w)[step]) < 2.0**-4  # e4m3 rounding; scales agree to accumulation order
+    assert torch.equal(c.blocks.cpu()[~step].view(torch.uint8), w.blocks[~step].view(torch.uint8))
+    if granularity:
+        assert torch.equal(c.scales.cpu()[~step], w.scales[~step])

@@ -167,7 +167,7 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
 
 def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]:
     """The ``FusedQKVGemm`` launcher (quack's SM90/SM100 GEMM core with our epilogue) for these arguments, or None
-    for the reference: CPU tensors, fp8 caches, quantized weights, or a shape the kernel cannot tile
+    for the reference: CPU tensors, quantized weights, e5m2 caches or e8m0 scales, or a shape the kernel cannot tile
     (``kernels/qkv/gemm.py`` ``supported``)."""
     if collection.device.type != "cuda" or not isinstance(weight, torch.Tensor):
         return None
@@ -175,17 +175,20 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
     from cute_kv.kernels.qkv.gemm import DTYPES, TILES, FusedQKVGemm, QKVSpec, supported
 
     arch = target_arch(collection.device)
-    dtype_name = dtypes.dtype_name(collection.dtype)
+    dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
     t, k = hidden.shape
     c = collection
     if dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
         return None
+    fp8 = dtypes.is_fp8(c.dtype)
+    if fp8 and (c.dtype != torch.float8_e4m3fn or c.scales is not None and c.scales.dtype != torch.float32):
+        return None  # e5m2 caches and e8m0 scales: the reference
     if c.blocks.data_ptr() % 16 or (rope is not None and rope.freqs_cis.stride(1) != 1):
         return None
     q_dim = weight.shape[0] - kv_columns(c)
     spec = QKVSpec(dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size,
                    q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
-                   *_norm_key(qk_norm))
+                   *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity)
     if supported(spec):
         return None
     norm_weights = (None, None) if qk_norm is None else tuple(
@@ -200,7 +203,7 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
                             collection.cache_lengths, collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
-                            *norm_weights, _max_active_clusters(collection.device, TILES[arch][1])))
+                            *norm_weights, collection.scales, _max_active_clusters(collection.device, TILES[arch][1])))
         return out if output is None or out is output else output.copy_(out)
 
     return run
@@ -209,7 +212,7 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
 def _norm_key(qk_norm) -> tuple:
     """``QKVSpec``'s norm fields: dims each weight covers (0: none), epsilon, offset."""
     if qk_norm is None:
-        return ()
+        return 0, 0
     width = lambda w: 0 if w is None else w.shape[0]  # noqa: E731
     return (width(qk_norm.q_weight), width(qk_norm.k_weight), float(qk_norm.epsilon), float(qk_norm.weight_offset))
 

@@ -5,7 +5,8 @@ registers on SM90, from TMEM on SM100). No ``D`` tensor exists: the hooks below 
 shared memory (``epi_end_loop``), and once the tile is whole (``epi_end``) each thread takes one 8-column chunk
 and walks rows: add bias, RMS-normalize (QK-norm: the sum of squares of a head is reduced across the lanes that
 hold it), rotate (RoPE at ``cache_lengths[b] + i``; a neox partner is ``R/2`` columns away in the staged tile),
-round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, layer, pos % P, head, d:d+8]``.
+round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, layer, pos % P, head, d:d+8]``
+(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 scale the granule's lanes reduce).
 
 Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_offsets``, page from the lookup
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
@@ -26,7 +27,9 @@ from quack.epilogue.ops import EpiSmemBytes
 
 from cute_kv.kernels.paged.ragged_rows import request_of_row
 
-VEC = 8  # 16-bit elements per 16-byte store
+VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
+FP8_E4M3_MAX = 448.0
+FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
 C_PAD = 4  # fp32 words of padding per staged row: consecutive rows start on different banks
 
 
@@ -42,6 +45,7 @@ class QKVEpilogueArguments(NamedTuple):
     freqs_cis: Optional[cute.Tensor] = None  # [positions, R]
     q_norm: Optional[cute.Tensor] = None  # [C_q] float32
     k_norm: Optional[cute.Tensor] = None  # [C_k] float32
+    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
 
 
 @dataclass
@@ -56,6 +60,7 @@ class QKVEpilogueParams(ParamsBase):
     freqs_cis: Optional[cute.Tensor] = None
     q_norm: Optional[cute.Tensor] = None
     k_norm: Optional[cute.Tensor] = None
+    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
 
 
 class QKVEpilogueMixin:
@@ -301,16 +306,53 @@ def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s
 @cute.jit
 def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
                m0: Int32, r: Int32, chunk: _Chunk):
-    """Round once and store 16 bytes: Q to ``output``, K/V into the row's page (skipped without a page)."""
+    """Round once and store: Q (16 bytes) to ``output``, K/V into the row's page (skipped without a page); an fp8
+    cache takes e4m3 values (8 bytes) and, with scales, the granule's scale from its first lane."""
     out = cute.make_rmem_tensor((VEC,), spec.dtype)
     out.store(vals.load().to(spec.dtype))
+    kv_out, scale = out, Float32(0.0)
+    if const_expr(spec.fp8):
+        kv_out, scale = quantize_e4m3(vals, spec.granularity)  # every lane joins the granule's shuffles
     m = m0 + r
     if m < params.output.shape[0] and chunk.in_range:
         if chunk.is_q:
             cute.autovec_copy(out, cute.local_tile(params.output[m, None], (VEC,), (chunk.n // VEC,)))
         elif s_page[r] >= 0:
-            dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, s_pos[r] % spec.page_size, chunk.head, None]
-            cute.autovec_copy(out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+            slot = s_pos[r] % spec.page_size
+            dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head, None]
+            cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+            if const_expr(spec.granularity > 0):
+                if chunk.dim % spec.granularity == 0:
+                    params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
+                                  chunk.dim // spec.granularity] = scale
+
+
+@cute.jit
+def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
+    """``(e4m3 values, scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
+    ``granularity // 8`` aligned lanes holding the granule: ``scale = max(amax / 448, FLT_MIN)``, values
+    ``x / scale`` converted with saturation (``cvt.rn.satfinite``: NaN stays NaN, as in ``reference/quant.py``).
+    ``granularity == 0`` (no scales): the values themselves, saturated."""
+    out = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+    scale = Float32(1.0)
+    if const_expr(granularity == 0):
+        out.store(vals.load().to(cutlass.Float8E4M3FN))
+    else:
+        amax = Float32(0.0)
+        for e in cutlass.range_constexpr(VEC):
+            amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
+        offset = 1
+        while const_expr(offset < granularity // VEC):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+            offset *= 2
+        scale = amax / Float32(FP8_E4M3_MAX)
+        if scale < Float32(FLT_MIN):  # false for NaN: it propagates
+            scale = Float32(FLT_MIN)
+        q = cute.make_rmem_tensor((VEC,), Float32)
+        for e in cutlass.range_constexpr(VEC):
+            q[e] = vals[e] / scale
+        out.store(q.load().to(cutlass.Float8E4M3FN))
+    return out, scale
 
 
 @cute.jit

@@ -5,7 +5,8 @@ compares them with the same GEMM without our epilogue): on SM90 ``GemmSm90`` (pe
 producer warp and two MMA warpgroups in ping-pong, each owning a 128 x BN tile, 2x1 multicast cluster); on SM100
 ``GemmSm100`` (2-CTA ``tcgen05.mma`` 256 x BN tiles, accumulators in TMEM, double-buffered so the epilogue warps
 drain one tile while the MMA warp fills the next). Our epilogue replaces quack's D store: Q rows and K/V page
-rows leave from a float32 staging tile as 16-byte stores.
+rows leave from a float32 staging tile as 16-byte stores (8-byte e4m3 stores and float32 per-granule scales for
+fp8 caches).
 
 ``BN`` is 128: every head that is normalized or neox-rotated must lie inside one column tile (its partner and its
 sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 128 serves head sizes 64 and 128
@@ -41,8 +42,9 @@ MAX_SWIZZLE = 8
 class QKVSpec:
     """Compile-time description of the column split and the epilogue math.
 
-    ``rope``: None or ``(rope_dim, interleaved)``; ``q_norm_dim``/``k_norm_dim``: dims a QK-norm weight covers
-    (0: no norm on that side).
+    ``dtype_name``: hidden, weight and Q dtype (and the cache's unless ``fp8``). ``rope``: None or
+    ``(rope_dim, interleaved)``; ``q_norm_dim``/``k_norm_dim``: dims a QK-norm weight covers (0: no norm on that
+    side).
     """
 
     dtype_name: str
@@ -58,6 +60,8 @@ class QKVSpec:
     k_norm_dim: int = 0
     norm_epsilon: float = 1e-6
     norm_offset: float = 0.0
+    fp8: bool = False  # e4m3 cache
+    granularity: int = 0  # head dims per float32 scale of an fp8 cache (0: unscaled)
 
     @property
     def dtype(self):
@@ -98,6 +102,10 @@ def supported(spec: QKVSpec) -> Optional[str]:
                         f"(a power-of-two number of 16-byte chunks dividing {BN})")
         if spec.q_dim % d:
             return f"K heads of {d} dims start at q_dim = {spec.q_dim}, not a multiple of {d}: they straddle tiles"
+    g = spec.granularity
+    if g and (not spec.fp8 or g & (g - 1) or not VEC <= g <= BN or d % g or spec.q_dim % g):
+        return (f"fp8 scale granularity {g} must be a power of two in [{VEC}, {BN}] dividing the head size ({d}) "
+                f"and q_dim ({spec.q_dim}): a granule's lanes reduce its amax in one aligned group")
     return None
 
 
@@ -151,9 +159,14 @@ class FusedQKVGemm:
         weight = make_fake_tensor(dt, (s.n_total, k), stride=(row(), 1), assumed_align=16)
         output = make_fake_tensor(dt, (t, s.q_dim), stride=(row(), 1), assumed_align=16)
         kvd, p, h, d = s.kv_dim, s.page_size, s.num_heads, s.head_dim
-        blocks = make_fake_tensor(dt, (n_pages, kvd, nl, p, h, d), stride=(
-            cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d, h * d,
-            d, 1), assumed_align=16)
+
+        def cache(dtype, depth):
+            return make_fake_tensor(dtype, (n_pages, kvd, nl, p, h, depth), stride=(
+                cute.sym_int64(divisibility=kvd * p * h * depth), cute.sym_int64(divisibility=p * h * depth),
+                p * h * depth, h * depth, depth, 1), assumed_align=16 if depth * dtype.width % 128 == 0 else 4)
+
+        blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
+        scales = cache(Float32, d // s.granularity) if s.granularity else None
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
@@ -163,18 +176,19 @@ class FusedQKVGemm:
             freqs = make_fake_tensor(Float32, (positions, s.rope[0]), stride=(cute.sym_int64(), 1), assumed_align=4)
         q_norm = make_fake_compact_tensor(Float32, (s.q_norm_dim,), assumed_align=4) if s.q_norm_dim else None
         k_norm = make_fake_compact_tensor(Float32, (s.k_norm_dim,), assumed_align=4) if s.k_norm_dim else None
-        epi = QKVEpilogueArguments(output, blocks, offsets, lengths, lut, Int32(0), bias, freqs, q_norm, k_norm)
+        epi = QKVEpilogueArguments(output, blocks, offsets, lengths, lut, Int32(0), bias, freqs, q_norm, k_norm,
+                                   scales)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(1), max_swizzle_size=Int32(MAX_SWIZZLE))
         return (hidden, weight, None, None, epi, scheduler, None, make_fake_stream(use_tvm_ffi_env_stream=True),
                 None, None)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, max_active_clusters: int) -> tuple:
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int) -> tuple:
         """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one."""
         from quack.tile_scheduler import TileSchedulerOptions
 
         epi = QKVEpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                   bias, freqs_cis, q_norm, k_norm)
+                                   bias, freqs_cis, q_norm, k_norm, scales)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         return hidden, weight, None, None, epi, scheduler, None, None, None
