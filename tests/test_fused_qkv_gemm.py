@@ -14,7 +14,6 @@ from cute_kv.kernels import compile_cache
 pytest.importorskip("quack")
 from cute_kv.kernels.qkv.gemm import TILES, FusedQKVGemm, QKVSpec, supported  # noqa: E402
 
-ARCHS = ["sm_90a", "sm_100a"]
 # (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims[, fp8 granularity])
 CASES = {
     "llama-plain": ("bfloat16", 4096, 2, 16, 8, 128, 128, False, None, 0, 0),
@@ -69,9 +68,11 @@ def ptxas_report(ptx: str, arch: str, tmp_path) -> str:
                           text=True, check=True).stderr
 
 
+SM100_CASES = ["llama-plain", "qwen3-bias-neox-qknorm", "fp8-scales-g64"]  # the epilogue is shared: a few suffice
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,arch", [(c, "sm_90a") for c in CASES] + [(c, "sm_100a") for c in SM100_CASES])
 def test_fused_qkv_gemm_ptx(case, arch, tmp_path):
     spec = _spec(case)
     ptx = _ptx(case, arch)
@@ -93,6 +94,8 @@ def test_fused_qkv_gemm_ptx(case, arch, tmp_path):
     amax_steps = (spec.granularity // 8).bit_length() - 1 if spec.granularity else 0
     assert ptx.count("shfl.sync.bfly") == steps + amax_steps
     assert ptx.count("max.NaN.f32") == amax_steps
+    if spec.rope is not None:  # a chunk's cos/sin pairs: 16-byte loads (16 floats neox, 8 GPT-J)
+        assert ptx.count("ld.global.v4.b32") == (2 if spec.rope[1] else 4)
     report = ptxas_report(ptx, arch, tmp_path)
     assert re.findall(r"(\d+) bytes spill stores", report) == ["0"]
     assert "0 bytes stack frame" in report
@@ -111,6 +114,8 @@ def test_supported_shapes():
     assert "straddle" in supported(QKVSpec(**{**base, "q_dim": 4160, "q_head_dim": 64, "head_dim": 128,
                                               "k_norm_dim": 128}))
     assert "multiples of 8" in supported(QKVSpec(**{**base, "q_dim": 4100, "q_head_dim": 4100}))
+    assert "rope_dim 24 must be a multiple of 16 (neox)" in supported(QKVSpec(**{**base, "rope": (24, False)}))
+    assert supported(QKVSpec(**{**base, "rope": (24, True)})) is None  # GPT-J: 8 suffices
     assert "dtype" in supported(QKVSpec(**{**base, "dtype_name": "float32"}))
     assert supported(QKVSpec(**base, fp8=True, granularity=128)) is None
     for g in (48, 256):  # not a power of two; more lanes than a row of the tile

@@ -183,7 +183,7 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
     fp8 = dtypes.is_fp8(c.dtype)
     if fp8 and (c.dtype != torch.float8_e4m3fn or c.scales is not None and c.scales.dtype != torch.float32):
         return None  # e5m2 caches and e8m0 scales: the reference
-    if c.blocks.data_ptr() % 16 or (rope is not None and rope.freqs_cis.stride(1) != 1):
+    if c.blocks.data_ptr() % 16 or (rope is not None and not rows_aligned(rope.freqs_cis)):
         return None
     q_dim = weight.shape[0] - kv_columns(c)
     spec = QKVSpec(dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size,

@@ -262,44 +262,52 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
 @cute.jit
 def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
                m0: Int32, first_row: Int32, rows_per_pass: cutlass.Constexpr[int], chunk: _Chunk):
-    """Rotate Q and K chunks at the row's position (pair partner read from the tile) and store."""
-    partner = cute.make_rmem_tensor((VEC,), Int32)  # staged column paired with each element
-    sign = cute.make_rmem_tensor((VEC,), Float32)  # -1/+1 rotated (first/second of the pair), 0 kept
-    freq = cute.make_rmem_tensor((VEC,), Int32)  # column of cos in freqs_cis; sin follows it
+    """Rotate Q and K chunks at the row's position and store.
+
+    A chunk lies wholly in one part of its head (``supported`` keeps ``R/2`` (neox) or ``R`` (GPT-J) a multiple of
+    8): kept, the first or second neox half (partner chunk ``R/2`` columns away, two 16-byte shared loads), or
+    GPT-J pairs (partners inside the chunk). Its 8 cos/sin pairs (neox) or 4 (GPT-J) are consecutive in the
+    position's ``freqs_cis`` row: 16-byte loads too.
+    """
     rope_dim, interleaved = spec.rope
-    for e in cutlass.range_constexpr(VEC):
-        partner[e] = chunk.col + e
-        sign[e] = Float32(0.0)
-        freq[e] = Int32(0)
+    half = rope_dim // 2
+    # sign: 0 kept, -1 first neox half (x*cos - y*sin), +1 second half (x*cos + y*sin) or GPT-J.
+    sign = Float32(0.0)
+    freq0 = Int32(0)  # first freqs_cis column this chunk reads
+    partner = chunk.col  # neox: first column of the partner chunk
     if chunk.rotated:
-        for e in cutlass.range_constexpr(VEC):
-            dd = chunk.dim0 + e
-            if const_expr(interleaved):  # pairs (2j, 2j+1) of the last R dims
-                rel = dd - (chunk.head_size - rope_dim)
-                if rel >= 0:
-                    odd = rel % 2
-                    sign[e] = Float32(2 * odd - 1)
-                    partner[e] = chunk.col + e + 1 - 2 * odd
-                    freq[e] = rel - odd
-            else:  # pairs (j, j + R/2) of the first R dims
-                half = rope_dim // 2
-                if dd < half:
-                    sign[e] = Float32(-1.0)
-                    partner[e] = chunk.col + e + half
-                    freq[e] = dd * 2
-                elif dd < rope_dim:
-                    sign[e] = Float32(1.0)
-                    partner[e] = chunk.col + e - half
-                    freq[e] = (dd - half) * 2
+        if const_expr(interleaved):
+            rel = chunk.dim0 - (chunk.head_size - rope_dim)
+            if rel >= 0:
+                sign = Float32(1.0)
+                freq0 = rel
+        else:
+            if chunk.dim0 < half:
+                sign = Float32(-1.0)
+                freq0 = chunk.dim0 * 2
+                partner = chunk.col + half
+            elif chunk.dim0 < rope_dim:
+                sign = Float32(1.0)
+                freq0 = (chunk.dim0 - half) * 2
+                partner = chunk.col - half
+    pairs = VEC // 2 if const_expr(interleaved) else VEC  # cos/sin pairs a chunk reads
     vals = cute.make_rmem_tensor((VEC,), Float32)
+    other = cute.make_rmem_tensor((VEC,), Float32)
+    f = cute.make_rmem_tensor((2 * pairs,), Float32)
     for r in cutlass.range(first_row, s_c.shape[0], rows_per_pass, unroll=1):
-        pos = s_pos[r]
         cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (chunk.col // VEC,)), vals)
-        for e in cutlass.range_constexpr(VEC):
-            if sign[e] != 0.0:
-                y = s_c[r, partner[e]]
-                vals[e] = (vals[e] * params.freqs_cis[pos, freq[e]]
-                           + sign[e] * y * params.freqs_cis[pos, freq[e] + 1])
+        if sign != 0.0:
+            freqs = cute.local_tile(params.freqs_cis[s_pos[r], None], (2 * pairs,), (freq0 // (2 * pairs),))
+            cute.autovec_copy(freqs, f)
+            if const_expr(interleaved):
+                for j in cutlass.range_constexpr(pairs):
+                    x, y = vals[2 * j], vals[2 * j + 1]
+                    vals[2 * j] = x * f[2 * j] - y * f[2 * j + 1]
+                    vals[2 * j + 1] = x * f[2 * j + 1] + y * f[2 * j]
+            else:
+                cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (partner // VEC,)), other)
+                for e in cutlass.range_constexpr(VEC):
+                    vals[e] = vals[e] * f[2 * e] + sign * other[e] * f[2 * e + 1]
         _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
 
 

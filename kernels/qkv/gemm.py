@@ -93,6 +93,9 @@ def supported(spec: QKVSpec) -> Optional[str]:
     qh, d = spec.q_head_dim, spec.head_dim
     if spec.q_dim % VEC or d % VEC or qh % VEC or spec.q_dim % qh:
         return f"q_dim ({spec.q_dim}), head sizes (Q {qh}, K {d}) must be multiples of {VEC}, Q heads dividing q_dim"
+    if spec.rope is not None and spec.rope[0] % (VEC if spec.rope[1] else 2 * VEC):
+        return (f"rope_dim {spec.rope[0]} must be a multiple of {VEC if spec.rope[1] else 2 * VEC} "
+                f"({'GPT-J' if spec.rope[1] else 'neox'}): a 16-byte chunk is rotated whole or kept whole")
     whole_heads = spec.has_norm or (spec.rope is not None and not spec.rope[1])
     if whole_heads:
         for name, size in (("Q", qh), ("K", d)):
@@ -173,7 +176,9 @@ class FusedQKVGemm:
         bias = make_fake_compact_tensor(dt, (s.n_total,), assumed_align=2) if s.has_bias else None
         freqs = None
         if s.rope is not None:
-            freqs = make_fake_tensor(Float32, (positions, s.rope[0]), stride=(cute.sym_int64(), 1), assumed_align=4)
+            # 16-byte aligned rows: a chunk's cos/sin pairs are vector loads
+            freqs = make_fake_tensor(Float32, (positions, s.rope[0]), stride=(cute.sym_int64(divisibility=4), 1),
+                                     assumed_align=16)
         q_norm = make_fake_compact_tensor(Float32, (s.q_norm_dim,), assumed_align=4) if s.q_norm_dim else None
         k_norm = make_fake_compact_tensor(Float32, (s.k_norm_dim,), assumed_align=4) if s.k_norm_dim else None
         epi = QKVEpilogueArguments(output, blocks, offsets, lengths, lut, Int32(0), bias, freqs, q_norm, k_norm,
