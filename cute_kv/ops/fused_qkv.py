@@ -172,7 +172,7 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
     if collection.device.type != "cuda" or not isinstance(weight, torch.Tensor):
         return None
     from cute_kv.kernels.compile_cache import compiled, target_arch
-    from cute_kv.kernels.qkv.gemm import DTYPES, TILES, FusedQKVGemm, QKVSpec, supported
+    from cute_kv.kernels.qkv.gemm import DTYPES, TILES, QKVSpec, supported
 
     arch = target_arch(collection.device)
     dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
@@ -198,7 +198,7 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
         if t:  # a persistent grid over zero tiles still launches: skip it
-            kernel = FusedQKVGemm(dataclasses.replace(spec, has_bias=bias is not None), arch)
+            kernel = _gemm(dataclasses.replace(spec, has_bias=bias is not None), arch)
             fn = compiled(("fused_qkv_gemm", kernel.spec), kernel.build, arch)
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
                             collection.cache_lengths, collection.lookup_table, layer_idx,
@@ -207,6 +207,14 @@ def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]
         return out if output is None or out is output else output.copy_(out)
 
     return run
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm(spec, arch: str):
+    """The kernel builder per compile key (built once: its checks and quack's classes stay off the call path)."""
+    from cute_kv.kernels.qkv.gemm import FusedQKVGemm
+
+    return FusedQKVGemm(spec, arch)
 
 
 def _norm_key(qk_norm) -> tuple:
