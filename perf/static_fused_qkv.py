@@ -3,7 +3,8 @@
     python perf/run.py fused-qkv-static
 
 Per arch (sm_90a, sm_100a) and problem: registers and spills (ptxas -v), tensor-core MMA instructions in the SASS
-(HGMMA on SM90, UTC*MMA on SM100: equal counts mean the mainloop is quack's, unchanged), total SASS instructions,
+(HGMMA on SM90, UTC*MMA on SM100: equal counts mean the mainloop is quack's, unchanged), A/B pipeline stages
+(quack sizes the ring from the shared memory our float32 staging tile leaves), total SASS instructions,
 and the epilogue's instructions per output element: the SASS instructions of the row loops (loops that read a
 staged row chunk and store it to global memory or back to the tile), divided by the 8 elements an iteration
 handles. Needs ``ptxas`` and ``cuobjdump`` (``pip install nvidia-cuda-cuobjdump``) on PATH or in the environment.
@@ -96,8 +97,8 @@ def figures(ptx: str, arch: str) -> dict:
             "sass_instructions": len(_instructions(sass)), "row_loops": epilogue_loops(sass)}
 
 
-def bare_gemm_ptx(arch: str) -> str:
-    """quack's GEMM on our tiles and cluster with its own epilogue (bf16 D through TMA)."""
+def bare_gemm_ptx(arch: str) -> tuple[str, int]:
+    """quack's GEMM on our tiles and cluster with its own epilogue (bf16 D through TMA): PTX and A/B stages."""
     import cutlass
     from cutlass.cute.runtime import make_fake_stream
     from quack.gemm_default_epi import GemmDefaultSm90, GemmDefaultSm100
@@ -115,7 +116,7 @@ def bare_gemm_ptx(arch: str) -> str:
         gemm = GemmDefaultSm100(cutlass.Float32, bf, tile, cluster)
     args = (a, b, d, c, gemm.EpilogueArguments(), make_fake_scheduler_args(False, False, l), None,
             make_fake_stream(use_tvm_ffi_env_stream=True), None, None)
-    return compile_ptx(lambda: (gemm, *args), arch)
+    return compile_ptx(lambda: (gemm, *args), arch), gemm.ab_stage
 
 
 def main(argv=None) -> list[dict]:
@@ -129,9 +130,11 @@ def main(argv=None) -> list[dict]:
     records = []
     for arch in args.arch or ["sm_90a", "sm_100a"]:
         os.environ["CUTE_DSL_ARCH"] = arch
-        bare = figures(bare_gemm_ptx(arch), arch)
+        bare_ptx, bare_stages = bare_gemm_ptx(arch)
+        bare = {**figures(bare_ptx, arch), "ab_stages": bare_stages}
         for name in args.problem or list(PROBLEMS):
-            ours = figures(compile_ptx(FusedQKVGemm(QKVSpec(**PROBLEMS[name]), arch).build, arch), arch)
+            gemm, *fake = FusedQKVGemm(QKVSpec(**PROBLEMS[name]), arch).build()
+            ours = {**figures(compile_ptx(lambda: (gemm, *fake), arch), arch), "ab_stages": gemm.ab_stage}
             rec = {"bench": "fused-qkv-static", "arch": arch, "problem": name, "tile": [*TILES[arch][0], 64],
                    "cluster": list(TILES[arch][1]), **{f"ours_{k}": v for k, v in ours.items()},
                    **{f"bare_{k}": v for k, v in bare.items() if k != "row_loops"},
