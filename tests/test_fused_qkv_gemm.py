@@ -1,6 +1,6 @@
 """``FusedQKVGemm`` compiled for sm_90a and sm_100a against fake tensors: the mainloop is quack's, unchanged (same
 MMA instructions as the same GEMM without our epilogue), the epilogue stores 16 bytes and rounds once, and ptxas
-reports no spills. Plus the host rules (which shapes the kernel takes)."""
+reports no spills. Plus the host rules: which shapes the kernel takes, and what the entry sends to it."""
 
 import functools
 import re
@@ -8,8 +8,15 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
+import cute_kv
+from cute_kv import RopeConfig
+from cute_kv.dtypes import is_fp8
 from cute_kv.kernels import compile_cache
+from cute_kv.ops.fused_qkv import kernel_spec
+from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.qkv import kv_columns
 
 pytest.importorskip("quack")
 from cute_kv.kernels.qkv.gemm import TILES, FusedQKVGemm, QKVSpec, supported  # noqa: E402
@@ -122,3 +129,43 @@ def test_supported_shapes():
         assert f"granularity {g}" in supported(QKVSpec(**base, fp8=True, granularity=g))
     with pytest.raises(ValueError, match="targets"):
         FusedQKVGemm(QKVSpec(**base), "sm_80")
+
+
+def _served(rng, *, dtype=torch.bfloat16, weight=None, rope=None, qk_norm=None, heads=8, head_size=128,
+            q_dim=4096, is_mla=False, **cache_kw):
+    """``kernel_spec`` for a CPU batch (the decision reads host values only)."""
+    pb = random_paged_batch([3, 0], [2, 5], num_heads=heads, head_size=head_size, page_size=16, is_mla=is_mla,
+                            generator=rng, **{"dtype": dtype, **cache_kw})
+    act = torch.bfloat16 if is_fp8(dtype) else dtype
+    n_tot = q_dim + kv_columns(pb.collection)
+    if weight is None:
+        weight = torch.zeros(n_tot, 256, dtype=act)
+    return kernel_spec(pb.collection, torch.zeros(pb.total_rows, 256, dtype=act), weight, rope, qk_norm)
+
+
+def test_kernel_spec_serves(rng):
+    spec = _served(rng, rope=RopeConfig.from_theta(128, 64),
+                   qk_norm=cute_kv.QKNorm(torch.ones(128), torch.ones(128, dtype=torch.bfloat16), 1e-5, 1.0))
+    assert (spec.q_dim, spec.head_dim, spec.rope, spec.q_norm_dim, spec.k_norm_dim) == (4096, 128, (128, False),
+                                                                                       128, 128)
+    assert (spec.norm_epsilon, spec.norm_offset, spec.fp8, spec.has_bias) == (1e-5, 1.0, False, False)
+    fp8 = _served(rng, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, quantization_granularity=64)
+    assert (fp8.fp8, fp8.granularity, fp8.dtype_name) == (True, 64, "bfloat16")
+    assert _served(rng, dtype=torch.float8_e4m3fn).granularity == 0  # unscaled e4m3
+    mla = _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True,
+                  rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192))
+    assert (mla.kv_dim, mla.q_head_dim) == (1, 192)  # the latent head straddles tiles: GPT-J pairs do not
+
+
+def test_kernel_spec_leaves_to_the_reference(rng):
+    int4 = cute_kv.Int4Weight(torch.zeros(4096 + 2048, 128, dtype=torch.uint8),
+                              torch.ones(4096 + 2048, 2, dtype=torch.bfloat16), 128)
+    assert _served(rng, weight=int4) is None  # quantized weights: no W4 mainloop yet
+    assert _served(rng, dtype=torch.float32) is None
+    assert _served(rng, dtype=torch.float8_e4m3fn, scale_dtype=torch.float8_e8m0fnu) is None
+    assert _served(rng, head_size=256, q_dim=4096, rope=RopeConfig.from_theta(256, 64)) is None  # neox over 2 tiles
+    latent_norm = cute_kv.QKNorm(k_weight=torch.ones(512))
+    assert _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True, qk_norm=latent_norm,
+                   rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192)) is None
+    unaligned = RopeConfig(torch.zeros(64, 130)[:, 1:129])  # rows not 16-byte aligned: no vector loads
+    assert _served(rng, rope=unaligned) is None

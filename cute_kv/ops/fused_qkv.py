@@ -165,32 +165,42 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
                          f"position {int(ends[b]) - 1}")
 
 
-def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]:
-    """The ``FusedQKVGemm`` launcher (quack's SM90/SM100 GEMM core with our epilogue) for these arguments, or None
-    for the reference: CPU tensors, quantized weights, e5m2 caches or e8m0 scales, or a shape the kernel cannot tile
-    (``kernels/qkv/gemm.py`` ``supported``)."""
-    if collection.device.type != "cuda" or not isinstance(weight, torch.Tensor):
-        return None
-    from cute_kv.kernels.compile_cache import compiled, target_arch
-    from cute_kv.kernels.qkv.gemm import DTYPES, TILES, QKVSpec, supported
+def kernel_spec(collection, hidden, weight, rope, qk_norm):
+    """The ``QKVSpec`` (compile key of ``FusedQKVGemm``, without bias) serving these checked arguments, or None for
+    the reference: quantized weights, fp32 activations, e5m2 caches or e8m0 scales, unaligned rows, or a shape the
+    kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a GPU."""
+    from cute_kv.kernels.qkv.gemm import DTYPES, QKVSpec, supported
 
-    arch = target_arch(collection.device)
     dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
-    t, k = hidden.shape
     c = collection
-    if dtype_name not in DTYPES or k == 0 or not (rows_aligned(hidden) and rows_aligned(weight)):
+    if not isinstance(weight, torch.Tensor) or dtype_name not in DTYPES or hidden.shape[1] == 0:
+        return None
+    if not (rows_aligned(hidden) and rows_aligned(weight)) or c.blocks.data_ptr() % 16:
+        return None
+    if rope is not None and not rows_aligned(rope.freqs_cis):
         return None
     fp8 = dtypes.is_fp8(c.dtype)
     if fp8 and (c.dtype != torch.float8_e4m3fn or c.scales is not None and c.scales.dtype != torch.float32):
-        return None  # e5m2 caches and e8m0 scales: the reference
-    if c.blocks.data_ptr() % 16 or (rope is not None and not rows_aligned(rope.freqs_cis)):
         return None
-    q_dim = weight.shape[0] - kv_columns(c)
-    spec = QKVSpec(dtype_name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size,
+    spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, c.head_size,
                    q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
                    *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity)
-    if supported(spec):
+    return None if supported(spec) else spec
+
+
+def _kernel_for(collection, hidden, weight, rope, qk_norm) -> Optional[Callable]:
+    """The ``FusedQKVGemm`` launcher (quack's SM90/SM100 GEMM core with our epilogue) for these arguments, or None
+    for the reference (CPU tensors, or no ``kernel_spec``)."""
+    if collection.device.type != "cuda":
         return None
+    spec = kernel_spec(collection, hidden, weight, rope, qk_norm)
+    if spec is None:
+        return None
+    from cute_kv.kernels.compile_cache import compiled, target_arch
+    from cute_kv.kernels.qkv.gemm import TILES
+
+    arch = target_arch(collection.device)
+    t, q_dim = hidden.shape[0], spec.q_dim
     norm_weights = (None, None) if qk_norm is None else tuple(
         None if w is None else w.to(torch.float32).contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight))
 
