@@ -137,3 +137,26 @@ def test_fused_qkv_kernel_fp8_cache(granularity):
     assert torch.equal(c.blocks.cpu()[~step].view(torch.uint8), w.blocks[~step].view(torch.uint8))
     if granularity:
         assert torch.equal(c.scales.cpu()[~step], w.scales[~step])
+
+
+def test_fused_qkv_kernel_skips_rows_without_a_page():
+    """validate=False with request 3's lookup entries past the pages: its rows get Q but store nothing (their
+    slots keep the poison); every other row lands as the reference's."""
+    case = CASES[5]
+    (cpu, gpu), hidden, weight, bias, rope, q_dim, qk_norm = _inputs(case, CACHED, NEW, seed=8)
+    lost = cpu.slots(3, CACHED[3], CACHED[3] + NEW[3])
+    gpu.collection.lookup_table[3] = gpu.collection.num_pages + 7  # every entry of request 3: not a page
+    before = gpu.collection.blocks.cpu()
+    want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
+                                         rope=rope, qk_norm=qk_norm)
+    norm = cute_kv.QKNorm(qk_norm.q_weight.cuda(), qk_norm.k_weight.cuda(), qk_norm.epsilon)
+    q = cute_kv.fused_qkv_matmul_kv_cache(
+        hidden.cuda(), gpu.input_row_offsets, weight.cuda(), gpu.collection, 1, bias=bias.cuda(),
+        rope=RopeConfig(rope.freqs_cis.cuda(), rope.interleaved), qk_norm=norm, validate=False)
+    torch.cuda.synchronize()
+    assert rel_err(q.cpu(), want) < TOL[torch.bfloat16]  # Q needs no page
+    blocks = gpu.collection.blocks.cpu()
+    step = cpu.step_mask(1)
+    step[lost[0], :, 1, lost[1]] = False  # request 3's slots: never written
+    assert rel_err(blocks[step], cpu.collection.blocks[step]) < TOL[torch.bfloat16]
+    assert torch.equal(blocks[~step].view(torch.int16), before[~step].view(torch.int16))
