@@ -13,7 +13,9 @@ from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig, KVCacheStrategy
 from cute_kv.reference.ragged import positions
+from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.rope import RopeConfig
+from cute_kv.reference.weights import Fp8Weight, Int4Weight
 from cute_kv.row_indices import PagedRowIndices
 
 __version__ = "0.1.0"
@@ -22,7 +24,9 @@ __all__ = [
     "FallbackError",
     "FallbackWarning",
     "GraphStepBuffers",
+    "Fp8Weight",
     "InsufficientBlocksError",
+    "Int4Weight",
     "KVCacheMetrics",
     "KVCacheParams",
     "KVCacheQuantizationConfig",
@@ -33,6 +37,7 @@ __all__ = [
     "PagedKVCacheManager",
     "PagedRowIndices",
     "PrefixKeys",
+    "QKNorm",
     "RopeConfig",
     "StepInputs",
     "explain",

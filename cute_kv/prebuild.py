@@ -2,10 +2,10 @@
 cache (``CUTE_KV_CACHE_DIR``) that GPU servers then load instead of compiling.
 
 A model's kernels are those its steps request through the ops, one per compile-time key: the KV store, the fused
-QKV projection (both M tiles: small steps and prefill), paged attention (both lookup-table load widths) and the
+QKV projection (with or without bias, as the model has it), paged attention (both lookup-table load widths) and the
 split-KV combine, for this rank's heads under tensor parallelism and each page size asked for. Keys are built by
-the same rules as the ops (``paged_attention.plan``, the kernels' ``supported``); a key the ops ask for
-that was not prebuilt is compiled on first use and added to the cache.
+each op's own ``plan`` and ``compile_unit(s)``, so they are the keys a step asks for; a key that was not prebuilt
+is compiled on first use and added to the cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from cute_kv.dtypes import dtype_name, parse_dtype
+from cute_kv.dtypes import parse_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,35 +53,38 @@ MODELS = {
 }
 
 
-def kernel_keys(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple]:
-    """Compile-time keys of the kernels ``model`` (one rank's heads) runs on ``arch``, in the ops' spelling."""
-    from cute_kv.kernels.cache.store import DTYPES as STORE_DTYPES, quantizable
-    from cute_kv.kernels.qkv.sm90 import DTYPES as QKV_DTYPES, supported as qkv_supported
+def kernel_units(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple]:
+    """``(compile key, build)`` of every kernel ``model`` (one rank's heads) runs on ``arch``: each op's own
+    ``plan`` decides on a one-page cache of the model's geometry, and its ``compile_unit(s)`` name what its launcher
+    compiles, so a key here is exactly the key a step asks for. Ops that take the reference add nothing."""
+    from cute_kv.ops import fused_qkv, paged_attention, store_kv
 
-    act, kv = dtype_name(model.dtype), dtype_name(model.kv_dtype or model.dtype)
-    h, d, q_dim = model.n_kv_heads, model.head_dim, model.n_q_heads * model.head_dim
-    fp8 = model.kv_dtype == torch.float8_e4m3fn
-    keys = []
+    units = []
     for p in page_sizes:
-        granularity = model.kv_granularity if fp8 and model.kv_scale_dtype == torch.float32 else None
-        if act in STORE_DTYPES and (not fp8 or (granularity and quantizable(granularity, d))):
-            keys.append(("paged_kv_store", act, 2, p, h, d, granularity))
-        if arch == "sm_90a" and not fp8 and kv in QKV_DTYPES:
-            rope = None if model.rope_dim is None else (model.rope_dim, model.rope_interleaved, d)
-            keys += [("fused_qkv_matmul", kv, q_dim, 2, p, h, d, model.qkv_bias, rope, tile_m)
-                     for tile_m in (64, 128) if qkv_supported(q_dim, 2, h, d, rope, tile_m) is None]
-        attention = [k for k in {_attention_key(model, p, arch, vector) for vector in (True, False)} if k]
-        keys += sorted(attention, key=repr)
-        if attention:
-            keys.append(("attention_combine", act, model.n_q_heads, d))
-    return list(dict.fromkeys(keys))  # the combine is the same for every page size
+        coll, q = _step(model, p, lut_vector=True)
+        k = torch.empty((1, model.n_kv_heads, model.head_dim), dtype=model.dtype)
+        path = store_kv.plan(coll, k, arch)
+        if path.key is not None:
+            units.append(store_kv.compile_unit(path.key, arch))
+        path = fused_qkv.plan(coll, *_projection(model, coll), arch)
+        if path.key is not None:
+            units.append(fused_qkv.compile_unit(dataclasses.replace(path.key, has_bias=model.qkv_bias), arch))
+        for lut_vector in (True, False):  # both lookup-row load widths a step may take
+            path = paged_attention.plan(*_step(model, p, lut_vector), arch)
+            if path.key is not None:
+                units += paged_attention.compile_units(path.key, arch)
+    return list({repr(key): (key, build) for key, build in units}.values())  # the combine serves every page size
 
 
-def _attention_key(model: ModelConfig, page_size: int, arch: str, lut_vector: bool) -> Optional[tuple]:
-    """``paged_attention.plan`` of a step over a one-page cache whose lookup rows do (not) allow vector loads."""
+def kernel_keys(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple]:
+    """The compile keys of ``kernel_units``."""
+    return [key for key, _ in kernel_units(model, arch, page_sizes)]
+
+
+def _step(model: ModelConfig, page_size: int, lut_vector: bool):
+    """``(collection, q)`` of a one-page cache whose lookup rows do (not) allow vector loads, on the CPU."""
     from cute_kv.collection import PagedKVCacheCollection
     from cute_kv.kernels.attention.config import BN
-    from cute_kv.ops.paged_attention import plan
     from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig
     from cute_kv.row_indices import lut_chunk, tile_geometry
 
@@ -92,36 +95,34 @@ def _attention_key(model: ModelConfig, page_size: int, arch: str, lut_vector: bo
                            total_num_layers=1, kvcache_quant_config=quant)
     blocks, scales = PagedKVCacheCollection.allocate_blocks(params, 1)
     chunk = lut_chunk(tile_geometry(BN, page_size)[1], BN, page_size)
-    cols = chunk if lut_vector else chunk + 1
-    lut = torch.zeros((1, cols), dtype=torch.uint32)
+    lut = torch.zeros((1, chunk if lut_vector else chunk + 1), dtype=torch.uint32)
     coll = PagedKVCacheCollection(blocks, torch.zeros(1, dtype=torch.uint32), lut, 0, 0, scales)
-    q = torch.empty((1, model.n_q_heads, model.head_dim), dtype=model.dtype)
-    return plan(coll, q, arch).key
+    return coll, torch.empty((1, model.n_q_heads, model.head_dim), dtype=model.dtype)
 
 
-def build(key: tuple):
-    """``(kernel, *fake_args)`` for a key of ``kernel_keys``: each kernel class takes its key's fields."""
-    from cute_kv.kernels.attention.combine import AttentionCombine
-    from cute_kv.kernels.attention.sm90 import PagedAttention
-    from cute_kv.kernels.cache.store import PagedKVStore
-    from cute_kv.kernels.qkv.sm90 import FusedQKVMatmul
+def _projection(model: ModelConfig, coll) -> tuple:
+    """``(hidden, weight, rope)`` of the model's QKV projection (the hidden size does not enter the kernel key)."""
+    from cute_kv.reference.qkv import kv_columns
+    from cute_kv.reference.rope import RopeConfig
 
-    kernel_class = {"paged_kv_store": PagedKVStore, "fused_qkv_matmul": FusedQKVMatmul,
-                    "paged_attention": PagedAttention, "attention_combine": AttentionCombine}[key[0]]
-    kernel = kernel_class(*key[1:])
-    return kernel, *kernel.fake_args()
+    hidden = torch.empty((1, 64), dtype=model.dtype)
+    weight = torch.empty((model.n_q_heads * model.head_dim + kv_columns(coll), 64), dtype=model.dtype)
+    rope = None
+    if model.rope_dim is not None:
+        rope = RopeConfig.from_theta(model.rope_dim, 1, interleaved=model.rope_interleaved)
+    return hidden, weight, rope
 
 
-def prebuild(keys: list[tuple], arch: str) -> list[tuple[tuple, float, str]]:
-    """Bring every key into the compile cache (disk included): ``(key, seconds, source)`` each, ``source`` being
-    ``"compiled"``, ``"disk"`` or ``"memory"`` (already in this process)."""
+def prebuild(units: list[tuple], arch: str) -> list[tuple[tuple, float, str]]:
+    """Bring every ``(key, build)`` into the compile cache (disk included): ``(key, seconds, source)`` each,
+    ``source`` being ``"compiled"``, ``"disk"`` or ``"memory"`` (already in this process)."""
     from cute_kv.kernels import compile_cache
 
     rows = []
-    for key in keys:
+    for key, build in units:
         before = compile_cache.cache_info()
         start = time.perf_counter()
-        compile_cache.compiled(key, lambda: build(key), arch)
+        compile_cache.compiled(key, build, arch)
         seconds = time.perf_counter() - start
         after = compile_cache.cache_info()
         source = ("compiled" if after["compiles"] > before["compiles"] else
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
           f"head_dim {model.head_dim}), pages {args.page_size}, into {os.environ[disk_cache.CACHE_DIR_ENV]}")
     start, rows = time.perf_counter(), []
     for arch in args.arch:
-        for key, seconds, source in prebuild(kernel_keys(model, arch, tuple(args.page_size)), arch):
+        for key, seconds, source in prebuild(kernel_units(model, arch, tuple(args.page_size)), arch):
             rows.append(source)
             print(f"  {arch} {source:8s} {seconds:7.2f} s  {' '.join(map(str, key))}", flush=True)
     info = compile_cache.cache_info()

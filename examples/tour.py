@@ -30,6 +30,9 @@ hidden = torch.randn(T, 1024, device=device, dtype=torch.bfloat16)
 w_qkv = torch.randn(Hq * D + 2 * H * D, 1024, device=device, dtype=torch.bfloat16) / 32
 rope = cute_kv.RopeConfig.from_theta(D, 8192, 500000.0, device=device)
 q = cute_kv.fused_qkv_matmul_kv_cache(hidden, ro, w_qkv, coll, 0, rope=rope)  # Q returned, K/V into layer 0's pages
+#   qk_norm=cute_kv.QKNorm(q_gamma, k_gamma) (Qwen3/Gemma per-head RMSNorm before RoPE; MLA: k_gamma of kv_lora_rank)
+#   weights: a [N, K] tensor, cute_kv.Int4Weight(packed_u8[N, K/2], scales[N, K/g], g, has_zp, zero_points) (low
+#   nibble = even k; w = (q - z) * s, z = 8 without zero points) or cute_kv.Fp8Weight(e4m3[N, K], scales_f32[N])
 o = cute_kv.paged_attention(q.view(T, Hq, D), ro, coll, 0, causal=True, window=None)  # [T, Hq, D]
 k, v = (torch.randn(T, H, D, device=device, dtype=torch.bfloat16) for _ in range(2))
 cute_kv.store_kv(k, v, ro, coll, layer_idx=1)                  # token i of request b at cache_lengths[b] + i

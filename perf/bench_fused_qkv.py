@@ -2,7 +2,8 @@
 
 ``hidden [T, 4096] @ weight[6144, 4096]^T`` -> Q 4096 | K 1024 | V 1024 (bf16), K/V stored into one layer
 (8 x 128, page 16 and 64). Cases: ``decode`` T=128 (128 requests x 1 token after 1-4k cached) and ``prefill``
-T=8192 (8 x 1024). Ours without and with RoPE (``RopeConfig``, theta 500000). In the same process on the same
+T=8192 (8 x 1024). Ours without and with RoPE (``RopeConfig``, theta 500000), and with Qwen3-style QK-norm
+before RoPE (per-head RMSNorm of Q and K). In the same process on the same
 inputs: torch GEMM alone (``hidden @ weight.T``, the lower bound), GEMM + FlashInfer ``append_paged_kv_cache`` on
 the output's K/V column views, GEMM + torch ``index_copy_`` (rows computed once per step). The rows each
 implementation writes are checked against a float32 GEMM (RoPE'd for ours with RoPE) before it is timed.
@@ -27,6 +28,7 @@ import ceilings
 import harness
 import report
 from cute_kv.reference import apply_rope
+from cute_kv.reference.norm import rms_norm_heads
 
 Q_DIM, KV_DIM = cases.Q_HEADS * cases.HEAD_DIM, cases.KV_HEADS * cases.HEAD_DIM
 N_OUT = Q_DIM + 2 * KV_DIM
@@ -61,6 +63,9 @@ def bench_case(args, gemm_tflops: float, l2: int, name: str, page_size: int, fi,
     rope = cute_kv.RopeConfig.from_theta(cases.HEAD_DIM, step.max_context, cases.ROPE_THETA, device="cuda")
     k_exact, v_exact = split_kv(hidden[0].float() @ weight[0].float().T)
     k_roped = apply_rope(k_exact, sets.positions, rope)
+    gamma = torch.rand((2, cases.HEAD_DIM), generator=gen).add_(0.5).to("cuda")
+    qk_norm = cute_kv.QKNorm(gamma[0], gamma[1])
+    k_normed = apply_rope(rms_norm_heads(k_exact, gamma[1], qk_norm.epsilon, 0.0), sets.positions, rope)
 
     def check(fn):
         return sets.write_error(fn, k_exact, v_exact)
@@ -68,9 +73,13 @@ def bench_case(args, gemm_tflops: float, l2: int, name: str, page_size: int, fi,
     def check_rope(fn):
         return sets.write_error(fn, k_roped, v_exact)
 
-    def ours(r, with_rope=False):
+    def check_norm(fn):
+        return sets.write_error(fn, k_normed, v_exact)
+
+    def ours(r, with_rope=False, norm=None):
         return cute_kv.fused_qkv_matmul_kv_cache(hidden[r], sets.input_row_offsets, weight[r], sets.collections[r],
-                                                 sets.layer(r), rope=rope if with_rope else None, validate=False)
+                                                 sets.layer(r), rope=rope if with_rope else None, qk_norm=norm,
+                                                 validate=False)
 
     def gemm(r):
         return hidden[r] @ weight[r].T
@@ -84,6 +93,7 @@ def bench_case(args, gemm_tflops: float, l2: int, name: str, page_size: int, fi,
 
     impls = [cases.Impl("cute_kv", "ours", ours, check),
              cases.Impl("cute_kv_rope", "ours", lambda r: ours(r, with_rope=True), check_rope),
+             cases.Impl("cute_kv_qknorm_rope", "ours", lambda r: ours(r, True, qk_norm), check_norm),
              cases.Impl("torch_gemm", "bound", gemm),
              cases.Impl("torch_gemm_flashinfer", "peer", gemm_flashinfer, check, absent=fi_why),
              cases.Impl("torch_gemm_index_copy", "peer", gemm_index_copy, check)]

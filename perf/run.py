@@ -31,6 +31,9 @@ BENCHMARKS = {
                           "store_kv ragged K/V writes (decode, prefill, 32k rows) vs FlashInfer append, index_copy_"),
     "fused-qkv": Benchmark("bench_fused_qkv", True,
                            "QKV GEMM + K/V cache write (T=128, 8192) vs GEMM alone, + FlashInfer, + index_copy_"),
+    "fused-qkv-static": Benchmark("static_fused_qkv", False,
+                                  "fused QKV kernels vs quack's bare GEMM, compiled for sm_90a/sm_100a: registers, "
+                                  "spills, MMA instructions, epilogue instructions per element (ptxas, cuobjdump)"),
     "paged-attention": Benchmark("bench_paged_attention", True,
                                  "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA"),
 }

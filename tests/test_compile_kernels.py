@@ -8,7 +8,6 @@ import torch
 
 from cute_kv.kernels import compile_cache
 from cute_kv.kernels.attention.combine import AttentionCombine
-from cute_kv.kernels.qkv.sm90 import BK, FusedQKVMatmul, supported
 from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.attention.config import supported as attention_supported
 from cute_kv.kernels.cache.gather import PagedKVGather
@@ -81,42 +80,6 @@ def test_paged_kv_store_rejects_unsupported_geometry():
 
 def _count(pattern, text):
     return len(re.findall(pattern, text))
-
-
-QKV_CASES = [  # (dtype, q_dim, KVD, P, H, D, bias, rope (R, interleaved, q_head_dim), tile_m)
-    ("bfloat16", 4096, 2, 16, 8, 128, False, None, 128),  # Llama-3-8B, no RoPE
-    ("bfloat16", 4096, 2, 64, 8, 128, True, (128, False, 128), 64),  # neox, every head one tile
-    ("float16", 512, 2, 128, 2, 64, True, (32, True, 64), 128),  # partial GPT-J RoPE on the last dims
-    ("bfloat16", 1536, 1, 16, 1, 576, False, (64, True, 192), 128),  # MLA: [Q | latent K]
-]
-
-
-@pytest.mark.parametrize("case", QKV_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
-def test_fused_qkv_matmul_ptx(case):
-    kernel = FusedQKVMatmul(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
-    # TMA loads of A and B in the prologue and in the steady state; wgmma 64xBNx16 atoms: BK/16 per 64 rows per
-    # k-tile, issued once for the zero-initialising first tile and once in the loop.
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier", ptx)) == 4
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32") == 2 * (BK // 16) * (case[-1] // 64)
-    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)  # one MMA batch in flight across k-tiles
-    assert ptx.count("st.global.v4.b32") == 2  # 16-byte epilogue stores: Q to output, K/V into a page
-    assert ("cvt.rn.bf16x2.f32" if case[0] == "bfloat16" else "cvt.rn.f16x2.f32") in ptx  # one rounding
-
-
-def test_fused_qkv_matmul_is_sm90_only():
-    kernel = FusedQKVMatmul(*QKV_CASES[0])
-    with pytest.raises(Exception, match="sm_90a"):  # wgmma: Blackwell takes the reference until a tcgen05 port
-        compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
-
-
-def test_fused_qkv_matmul_supported_shapes():
-    assert supported(4096, 2, 8, 128, (128, False, 128), 128) is None
-    assert "crosses" in supported(4096, 2, 8, 256, (256, False, 256), 128)  # a 256-dim neox head spans 2 tiles
-    assert supported(4096, 2, 8, 256, (256, True, 256), 128) is None  # GPT-J pairs are adjacent
-    assert "multiples of 8" in supported(4100, 2, 8, 128, None, 128)
-    with pytest.raises(ValueError, match="tile_m"):
-        FusedQKVMatmul("bfloat16", 4096, 2, 16, 8, 128, False, None, 96)
 
 
 def test_compile_cache_compiles_once_per_key():
@@ -357,9 +320,15 @@ def _page_guards(ptx, page_size):
 def test_row_writers_skip_pages_outside_the_cache(kind):
     """Unchecked metadata (``validate=False``) running past a request's pages reads the sentinel entry ``N`` or a
     column past the table: each row's column and entry are compared once, so no row is written past the cache."""
-    kernel = {"store": lambda: PagedKVStore("bfloat16", 2, 16, 8, 128),
-              "store_fp8": lambda: PagedKVStore("bfloat16", 2, 64, 2, 128, 32),
-              "qkv": lambda: FusedQKVMatmul(*QKV_CASES[0])}[kind]()
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
-    column_checked, entries_checked = _page_guards(ptx, kernel.page_size)
+    if kind == "qkv":
+        pytest.importorskip("quack")
+        from cute_kv.kernels.qkv.gemm import FusedQKVGemm, QKVSpec
+
+        qkv = FusedQKVGemm(QKVSpec("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False)), "sm_90a")
+        ptx, page_size = compile_cache.compile_ptx(qkv.build, "sm_90a"), 16
+    else:
+        kernel = {"store": lambda: PagedKVStore("bfloat16", 2, 16, 8, 128),
+                  "store_fp8": lambda: PagedKVStore("bfloat16", 2, 64, 2, 128, 32)}[kind]()
+        ptx, page_size = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a"), kernel.page_size
+    column_checked, entries_checked = _page_guards(ptx, page_size)
     assert column_checked and entries_checked == [True]  # one lookup read per resolved row, checked

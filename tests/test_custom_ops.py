@@ -86,7 +86,24 @@ def test_fused_qkv_opcheck(rng, cache, with_bias, rope):
     output = torch.empty(pb.total_rows, Q_DIM, dtype=torch.bfloat16)
     tensors, sizes = _collection_args(pb.collection)
     args = (hidden, pb.input_row_offsets, weight, *tensors, bias, None if r is None else r.freqs_cis,
-            r is not None and r.interleaved, None if r is None else r.q_head_dim, output, 0, *sizes)
+            r is not None and r.interleaved, None if r is None else r.q_head_dim, output, 0, *sizes,
+            None, None, None, None, None, 0.0, 0.0)
+    _opcheck(torch.ops.cute_kv.fused_qkv_matmul_kv_cache.default, args, pb.collection)
+
+
+@pytest.mark.parametrize("cache", QKV_CACHES)
+def test_fused_qkv_opcheck_int4_weight_and_qk_norm(rng, cache):
+    pb = _batch(cache)
+    hidden, weight, _ = _qkv_inputs(pb, rng, False)
+    n = weight.shape[0]
+    packed = torch.randint(0, 256, (n, HIDDEN // 2), generator=rng, dtype=torch.uint8)
+    scales = torch.rand(n, HIDDEN // 16, generator=rng).to(torch.bfloat16)
+    zp = torch.randint(0, 16, (n, HIDDEN // 16), generator=rng, dtype=torch.uint8)
+    d = pb.collection.head_size
+    output = torch.empty(pb.total_rows, Q_DIM, dtype=torch.bfloat16)
+    tensors, sizes = _collection_args(pb.collection)
+    args = (hidden, pb.input_row_offsets, packed, *tensors, None, None, False, None, output, 0, *sizes,
+            scales, zp, 16, torch.rand(d, generator=rng), torch.rand(d, generator=rng), 1e-6, 1.0)
     _opcheck(torch.ops.cute_kv.fused_qkv_matmul_kv_cache.default, args, pb.collection)
 
 
@@ -376,3 +393,24 @@ def test_paged_attention_cuda_graph_replay(rng):
     torch.cuda.synchronize()
     want = ref.paged_attention(new_q.cuda(), pb.input_row_offsets, pb.collection, 1)
     assert float((out.double() - want.double()).norm() / want.double().norm()) < 2e-2
+
+
+@inductor_noise
+def test_fused_qkv_int4_qk_norm_compiles_fullgraph(rng):
+    """A quantized weight and QK-norm travel through the traced op as plain tensors and come back as specs."""
+    pb, twin = _batch("fp8 scales"), _batch("fp8 scales")
+    hidden, weight, _ = _qkv_inputs(pb, rng, False)
+    n = weight.shape[0]
+    w = cute_kv.Int4Weight(torch.randint(0, 256, (n, HIDDEN // 2), generator=rng, dtype=torch.uint8),
+                           torch.rand(n, HIDDEN // 8, generator=rng).to(torch.bfloat16), 8, True,
+                           torch.randint(0, 16, (n, HIDDEN // 8), generator=rng, dtype=torch.uint8))
+    norm = cute_kv.QKNorm(torch.rand(16, generator=rng), torch.rand(16, generator=rng), 1e-5, 1.0)
+    rope = ROPES["neox"]
+    step = torch.compile(lambda h: cute_kv.fused_qkv_matmul_kv_cache(h, pb.input_row_offsets, w, pb.collection, 1,
+                                                                     rope=rope, qk_norm=norm, validate=False),
+                         fullgraph=True)
+    q = step(hidden)
+    want = ref.fused_qkv_matmul_kv_cache(hidden, twin.input_row_offsets, w, twin.collection, 1, rope=rope,
+                                         qk_norm=norm)
+    assert torch.equal(q, want)
+    _assert_same_cache(pb.collection, twin.collection)

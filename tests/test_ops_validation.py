@@ -113,12 +113,19 @@ def _qkv_args(pb, rng, dtype=torch.bfloat16):
     t = pb.total_rows
     return {"hidden": torch.randn(t, 32, generator=rng).to(dtype),
             "weight": torch.randn(64 + 64, 32, generator=rng).to(dtype),  # q_dim 64 = 4 heads of 16, K and V 32 each
-            "input_row_offsets": pb.input_row_offsets, "layer_idx": 0, "output": None, "bias": None, "rope": None}
+            "input_row_offsets": pb.input_row_offsets, "layer_idx": 0, "output": None, "bias": None, "rope": None,
+            "qk_norm": None}
 
 
 def _call_qkv(pb, a):
     return cute_kv.fused_qkv_matmul_kv_cache(a["hidden"], a["input_row_offsets"], a["weight"], pb.collection,
-                                             a["layer_idx"], output=a["output"], bias=a["bias"], rope=a["rope"])
+                                             a["layer_idx"], output=a["output"], bias=a["bias"], rope=a["rope"],
+                                             qk_norm=a["qk_norm"])
+
+
+def _int4(n=128, k=32, group_size=16, scale_dtype=torch.bfloat16):
+    return cute_kv.Int4Weight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.ones(n, k // group_size,
+                                                                                    dtype=scale_dtype), group_size)
 
 
 QKV_CASES = {
@@ -142,6 +149,18 @@ QKV_CASES = {
                        "rope.freqs_cis has 30 positions but request 1 reaches position 37"),
     "rope q heads": (lambda a, pb: a.update(rope=RopeConfig.from_theta(16, 64, q_head_dim=24)), ValueError,
                      r"q_dim \(64\) must be a multiple of the Q head size \(24"),
+    "int4 packed K": (lambda a, pb: a.update(weight=_int4(k=48)), ValueError,
+                      r"weight.packed must have shape \[N_tot, K/2\] = \[\*, 16\]"),
+    "int4 scales dtype": (lambda a, pb: a.update(weight=_int4(scale_dtype=torch.float16)), TypeError,
+                          "weight.scales must be torch.bfloat16"),
+    "fp8 weight K": (lambda a, pb: a.update(weight=cute_kv.Fp8Weight(torch.zeros(128, 16, dtype=torch.float8_e4m3fn),
+                                                                     torch.ones(128))), ValueError,
+                     r"weight.weight must have shape \[\*, 32\]"),
+    "qk_norm type": (lambda a, pb: a.update(qk_norm=torch.ones(16)), TypeError, "qk_norm must be a QKNorm"),
+    "q norm too wide": (lambda a, pb: a.update(qk_norm=cute_kv.QKNorm(torch.ones(24))), ValueError,
+                        r"qk_norm.q_weight has 24 dims, more than a Q head \(16\)"),
+    "k norm too wide": (lambda a, pb: a.update(qk_norm=cute_kv.QKNorm(k_weight=torch.ones(17))), ValueError,
+                        r"qk_norm.k_weight has 17 dims, more than a cache head \(16"),
 }
 
 
@@ -163,6 +182,32 @@ def test_fused_qkv_rejects(rng, case):
 def test_rope_config_rejects(freqs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         RopeConfig(freqs)
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: _int4(k=40, group_size=16), ValueError, r"group_size \(16\) must divide K \(40"),
+    (lambda: cute_kv.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 2), 0), ValueError, "group_size must be a positive even int"),
+    (lambda: cute_kv.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 3), 8), ValueError,
+     r"weight.scales must have shape \[4, 2\]"),
+    (lambda: cute_kv.Int4Weight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 2), 8), TypeError,
+     "weight.packed must have dtype torch.uint8"),
+    (lambda: cute_kv.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 2), 8,
+                                zero_points=torch.zeros(4, 2, dtype=torch.uint8)), ValueError,
+     "zero_points given without has_zp=True"),
+    (lambda: cute_kv.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 2), 8, True), ValueError,
+     "has_zp=True needs weight.zero_points"),
+    (lambda: cute_kv.Int4Weight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 2), 8, True,
+                                torch.zeros(4, 1, dtype=torch.uint8)), ValueError,
+     r"weight.zero_points must have shape \[4, 2\]"),
+    (lambda: cute_kv.Fp8Weight(torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.ones(4, dtype=torch.float16)),
+     TypeError, "weight.scales must have dtype torch.float32"),
+    (lambda: cute_kv.QKNorm(), ValueError, "needs q_weight or k_weight"),
+    (lambda: cute_kv.QKNorm(torch.ones(4), epsilon=0.0), ValueError, "epsilon must be positive"),
+])
+def test_weight_and_norm_specs_reject(make, exc, match):
+    """Quantized weights and QK-norm are checked when built, before any call could write."""
+    with pytest.raises(exc, match=match):
+        make()
 
 
 def test_fused_qkv_mla_needs_one_head(rng):

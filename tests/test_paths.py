@@ -78,8 +78,10 @@ def test_explain_names_why_the_reference_runs(rng, cache, word):
 
 
 def test_explain_fused_qkv_and_store_kv(rng):
-    for cache, arch, want in [({}, "sm_90a", "FusedQKVMatmul"), ({}, "sm_100a", None),
-                              ({"dtype": FP8, "scale_dtype": torch.float32}, "sm_90a", None)]:
+    e5m2 = {"dtype": torch.float8_e5m2}
+    for cache, arch, want in [({}, "sm_90a", "FusedQKVGemm"), ({}, "sm_100a", "FusedQKVGemm"),
+                              ({"dtype": FP8, "scale_dtype": torch.float32}, "sm_100a", "FusedQKVGemm"),
+                              (e5m2, "sm_90a", None)]:
         pb = _batch(**cache)
         hidden = torch.randn(pb.total_rows, 64, generator=rng).to(torch.bfloat16)
         weight = torch.randn(128 + kv_columns(pb.collection), 64, generator=rng).to(torch.bfloat16)
@@ -87,7 +89,7 @@ def test_explain_fused_qkv_and_store_kv(rng):
                                pb.collection, 0, arch=arch)
         assert path.kernel == want, path
         if want is None:
-            assert ("sm_100a" if arch == "sm_100a" else "float8_e4m3fn") in path.reason
+            assert "float8_e5m2" in path.reason
     pb = _batch()
     k = torch.randn(pb.total_rows, 2, 128, generator=rng).to(torch.bfloat16)
     for arch in ("sm_90a", "sm_100a"):  # one store kernel for both

@@ -36,15 +36,17 @@ def test_kernel_keys_follow_the_ops_rules():
     keys = kernel_keys(MODELS["llama3-8b"], "sm_90a", (16, 128))
     names = [k[0] for k in keys]
     assert len(set(keys)) == len(keys)
-    # Per page size: the store, both QKV M tiles, paged attention; one combine for both.
-    assert names.count("paged_kv_store") == 2 and names.count("fused_qkv_matmul") == 4
+    # Per page size: the store, the QKV projection (no bias in Llama), paged attention; one combine for both.
+    assert names.count("paged_kv_store") == 2 and names.count("fused_qkv_gemm") == 2
     assert names.count("attention_combine") == 1
-    assert {k[-1] for k in keys if k[0] == "fused_qkv_matmul"} == {64, 128}
+    assert {(k[1].page_size, k[1].has_bias, k[1].rope) for k in keys if k[0] == "fused_qkv_gemm"} == {
+        (16, False, (128, False)), (128, False, (128, False))}
     # Page 16: lookup rows load 4 entries at a time, so both row layouts get a kernel; page 128: one.
     attention = [k for k in keys if k[0] == "paged_attention"]
     assert sorted((k[5], k[7]) for k in attention) == [(16, False), (16, True), (128, True)]
-    # SM100 has only the store kernel today: attention and the QKV projection take the reference there.
-    assert {k[0] for k in kernel_keys(MODELS["llama3-8b"], "sm_100a")} == {"paged_kv_store"}
+    # SM100 attention takes the reference: no key for it there.
+    assert {k[0] for k in kernel_keys(MODELS["llama3-8b"], "sm_100a")} == {"paged_kv_store", "fused_qkv_gemm"}
+    assert [k[1].has_bias for k in kernel_keys(MODELS["qwen2.5-7b"], "sm_90a") if k[0] == "fused_qkv_gemm"] == [True]
 
 
 def test_kernel_keys_per_rank_and_fp8():
@@ -53,15 +55,15 @@ def test_kernel_keys_per_rank_and_fp8():
     keys = kernel_keys(rank, "sm_90a")
     assert ("paged_kv_store", "bfloat16", 2, 128, 2, 128, None) in keys
     assert ("attention_combine", "bfloat16", 16, 128) in keys
-    assert all(k[2] == 16 * 128 for k in keys if k[0] == "fused_qkv_matmul")
+    assert [k[1].q_dim for k in keys if k[0] == "fused_qkv_gemm"] == [16 * 128]
     with pytest.raises(ValueError, match="tp=3 must divide"):
         MODELS["llama3-8b"].sharded(3)
     fp8 = dataclasses.replace(MODELS["llama3-8b"], kv_dtype=torch.float8_e4m3fn, kv_scale_dtype=torch.float32,
                               kv_granularity=64)
     keys = kernel_keys(fp8, "sm_90a")
-    # The store quantizes in-kernel; the QKV projection takes the reference for fp8 caches.
+    # The store and the QKV projection quantize in-kernel with the cache's float32 scales.
     assert ("paged_kv_store", "bfloat16", 2, 128, 8, 128, 64) in keys
-    assert not [k for k in keys if k[0] == "fused_qkv_matmul"]
+    assert [(k[1].fp8, k[1].granularity) for k in keys if k[0] == "fused_qkv_gemm"] == [(True, 64)]
     assert [k[8:] for k in keys if k[0] == "paged_attention"] == [("float8_e4m3fn", 64, False)]
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import cute_kv
 from cute_kv import RopeConfig
 from cute_kv import reference as ref
 from cute_kv.paged_cache import _raw
@@ -131,3 +132,105 @@ def test_fused_qkv_fp8_cache(rng, scale_dtype):
     k64 = rope64(c64[:, 128:192].unflatten(1, (2, 32)), pos, 32, False, 10000.0)
     # fp8 e4m3 rounds to 2^-4 relative; a whole-tensor relative error stays well under it
     _check_cache(pb, before, 1, k64, c64[:, 192:].unflatten(1, (2, 32)), 2.0**-4)
+
+
+# -- quantized weights -------------------------------------------------------------------------------------------------
+
+def int4_weight64(packed, scales, group_size, zero_points):
+    """Int4 dequantization element by element from the documented layout (float64)."""
+    n, kb = packed.shape
+    w = torch.empty(n, 2 * kb, dtype=torch.float64)
+    for k in range(2 * kb):
+        code = (packed[:, k // 2].to(torch.int64) >> (4 * (k % 2))) & 0xF  # even k: low nibble
+        zero = 8 if zero_points is None else zero_points[:, k // group_size].to(torch.int64)
+        w[:, k] = (code - zero).double() * scales[:, k // group_size].double()
+    return w
+
+
+@pytest.mark.parametrize("group_size", [16, 48])
+@pytest.mark.parametrize("has_zp", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_fused_qkv_int4_weight(rng, group_size, has_zp, scale_dtype):
+    pb, hidden, weight = _step(rng, dtype=torch.bfloat16, heads=2, q_heads=8, page_size=16)
+    n = weight.shape[0]
+    packed = torch.randint(0, 256, (n, HIDDEN // 2), generator=rng, dtype=torch.uint8)
+    scales = (torch.rand(n, HIDDEN // group_size, generator=rng) * 0.1 + 0.01).to(scale_dtype)
+    zp = torch.randint(0, 16, (n, HIDDEN // group_size), generator=rng, dtype=torch.uint8) if has_zp else None
+    w = cute_kv.Int4Weight(packed, scales, group_size, has_zp, zp)
+    before = _snapshot(pb.collection)
+    q = ref.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, w, pb.collection, 1)
+    c64 = hidden.double() @ int4_weight64(packed, scales, group_size, zp).T
+    assert rel_err(q, c64[:, :128]) < 1e-2
+    _check_cache(pb, before, 1, c64[:, 128:160].unflatten(1, (2, 16)), c64[:, 160:].unflatten(1, (2, 16)), 1e-2)
+
+
+def test_int4_weight_symmetric_codes_are_offset_binary():
+    """Codes 0..15 decode to -8..7 times the scale without zero points; nibble order low-then-high."""
+    packed = torch.tensor([[0x80, 0xF7]], dtype=torch.uint8)  # k = 0: 0, k = 1: 8, k = 2: 7, k = 3: 15
+    w = cute_kv.Int4Weight(packed, torch.tensor([[2.0]]), 4).dequantize()
+    assert w.tolist() == [[-16.0, 0.0, -2.0, 14.0]]
+    zp = cute_kv.Int4Weight(packed, torch.tensor([[2.0]]), 4, True, torch.tensor([[1]], dtype=torch.uint8))
+    assert zp.dequantize().tolist() == [[-2.0, 14.0, 12.0, 28.0]]
+
+
+def test_fused_qkv_fp8_weight(rng):
+    pb, hidden, weight = _step(rng, dtype=torch.float16, heads=1, q_heads=4, is_mla=True, page_size=64)
+    w8 = (torch.randn(weight.shape, generator=rng) * 40).to(torch.float8_e4m3fn)
+    scales = torch.rand(weight.shape[0], generator=rng) * 0.01 + 1e-3
+    before = _snapshot(pb.collection)
+    q = ref.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, cute_kv.Fp8Weight(w8, scales), pb.collection, 0)
+    c64 = hidden.double() @ (w8.double() * scales.double()[:, None]).T
+    assert rel_err(q, c64[:, :64]) < 2e-3
+    _check_cache(pb, before, 0, c64[:, 64:].unflatten(1, (1, 16)), None, 2e-3)
+
+
+# -- QK-norm -----------------------------------------------------------------------------------------------------------
+
+def rms64(x, gamma, eps, offset):
+    """RMSNorm of the first len(gamma) dims of every head, from its definition, in float64."""
+    c = gamma.shape[0]
+    out = x.clone()
+    ms = (x[..., :c] ** 2).sum(-1, keepdim=True) / c
+    out[..., :c] = x[..., :c] / torch.sqrt(ms + eps) * (gamma.double() + offset)
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("sides", ["qk", "q", "k"])
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Gemma stores gamma - 1
+def test_fused_qkv_qk_norm_then_rope(rng, interleaved, sides, offset):
+    pb, hidden, weight = _step(rng, dtype=torch.float32, heads=2, q_heads=8, page_size=16)
+    gq = torch.randn(16, generator=rng) if "q" in sides else None
+    gk = torch.randn(16, generator=rng).to(torch.bfloat16) if "k" in sides else None
+    norm = cute_kv.QKNorm(gq, gk, epsilon=0.25, weight_offset=offset)  # an epsilon that shows
+    rope = RopeConfig.from_theta(16, 160, interleaved=interleaved)
+    bias = torch.randn(weight.shape[0], generator=rng)
+    before = _snapshot(pb.collection)
+    q = ref.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 1, bias=bias, rope=rope,
+                                      qk_norm=norm)
+    c64 = hidden.double() @ weight.double().T + bias.double()
+    pos = _positions(pb)
+    q64, k64 = c64[:, :128].unflatten(1, (8, 16)), c64[:, 128:160].unflatten(1, (2, 16))
+    q64 = q64 if gq is None else rms64(q64, gq, 0.25, offset)
+    k64 = k64 if gk is None else rms64(k64, gk, 0.25, offset)
+    assert rel_err(q, rope64(q64, pos, 16, interleaved, 10000.0).flatten(1)) < 1e-5
+    _check_cache(pb, before, 1, rope64(k64, pos, 16, interleaved, 10000.0), c64[:, 160:].unflatten(1, (2, 16)), 1e-5)
+
+
+def test_fused_qkv_mla_latent_norm(rng):
+    """MLA: RMSNorm over the latent's first kv_lora_rank = 24 dims; GPT-J RoPE on its last 8 (untouched by the
+    norm); Q heads of 24 with rope on their last 8 and no Q norm; fp8 cache quantizes the result."""
+    pb, hidden, weight = _step(rng, dtype=torch.bfloat16, heads=1, q_heads=0, head_size=32, is_mla=True,
+                               cache_dtype=torch.float8_e4m3fn, scale_dtype=torch.float32,
+                               quantization_granularity=32)
+    weight = torch.cat([(torch.randn(2 * 24, HIDDEN, generator=rng) / HIDDEN**0.5).to(torch.bfloat16), weight])
+    gamma = torch.rand(24, generator=rng) + 0.5
+    rope = RopeConfig.from_theta(8, 160, interleaved=True, q_head_dim=24)
+    before = _snapshot(pb.collection)
+    q = ref.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 1, rope=rope,
+                                      qk_norm=cute_kv.QKNorm(k_weight=gamma))
+    c64 = hidden.double() @ weight.double().T
+    pos = _positions(pb)
+    assert rel_err(q, rope64(c64[:, :48].unflatten(1, (2, 24)), pos, 8, True, 10000.0).flatten(1)) < 1e-2
+    k64 = rope64(rms64(c64[:, 48:].unflatten(1, (1, 32)), gamma, 1e-6, 0.0), pos, 8, True, 10000.0)
+    _check_cache(pb, before, 1, k64, None, 2.0**-4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -9,69 +11,123 @@ import torch
 from cute_kv import dtypes, reference
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import rows_aligned
-from cute_kv.reference.qkv import kv_columns
+from cute_kv.reference.norm import QKNorm
+from cute_kv.reference.qkv import kv_columns, q_head_dim
 from cute_kv.reference.rope import RopeConfig
+from cute_kv.reference.weights import Fp8Weight, Int4Weight
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "fused_qkv_matmul_kv_cache"
 
 
-def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight: torch.Tensor,
-                              collection, layer_idx: int, *, output: Optional[torch.Tensor] = None,
+def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight, collection,
+                              layer_idx: int, *, output: Optional[torch.Tensor] = None,
                               bias: Optional[torch.Tensor] = None, rope: Optional[RopeConfig] = None,
-                              validate: bool = True) -> torch.Tensor:
+                              qk_norm: Optional[QKNorm] = None, validate: bool = True) -> torch.Tensor:
     """``C = hidden @ weight^T (+ bias)``: returns Q = ``C[:, :q_dim]``, stores K and V of layer ``layer_idx``.
 
-    ``hidden [T, K]`` (bf16/fp16/fp32; the cache dtype unless the cache is fp8), ``weight [N_tot, K]`` and
-    ``bias [N_tot]`` in ``hidden.dtype``. Columns after Q are K then V, ``H*D`` each (MLA: one latent
-    head of ``D``), so ``q_dim = N_tot - 2*H*D`` (MLA: ``N_tot - D``) must be positive. New token ``i`` of
-    request ``b`` is stored at ``cache_lengths[b] + i`` (quantized for fp8 caches with scales). ``rope``
-    rotates Q (heads of ``rope.q_head_dim``, default ``D``) and K at that position (``reference/rope.py``).
-    Q is written into ``output [T, q_dim]`` when given. Float32 accumulation; nothing is written on bad input.
+    ``hidden [T, K]`` (bf16/fp16/fp32; the cache dtype unless the cache is fp8) and ``bias [N_tot]`` in
+    ``hidden.dtype``; ``weight [N_tot, K]`` in ``hidden.dtype``, or quantized: ``Int4Weight`` (packed int4 with a
+    ``group_size`` and optional zero points) or ``Fp8Weight`` (per-channel scales), see ``reference/weights.py``.
+    Columns after Q are K then V, ``H*D`` each (MLA: one latent head of ``D``), so ``q_dim = N_tot - 2*H*D``
+    (MLA: ``N_tot - D``) must be positive. New token ``i`` of request ``b`` is stored at ``cache_lengths[b] + i``
+    (quantized for fp8 caches with scales). ``qk_norm`` RMS-normalizes Q and K heads (MLA: the latent's first
+    ``kv_lora_rank`` dims, ``reference/norm.py``), then ``rope`` rotates Q (heads of ``rope.q_head_dim``, default
+    ``D``) and K at that position (``reference/rope.py``). Q is written into ``output [T, q_dim]`` when given.
+    Float32 accumulation; nothing is written on bad input.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, each
     request's pages and lengths against the collection, RoPE positions against ``rope.freqs_cis``), so the caller
     guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked; a torch.compile
-    trace skips the same checks.
+    trace skips the same checks. Rows whose page entry is not a page of the cache are never written by the kernel.
     """
-    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
+    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate, qk_norm)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if output is None:
         output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        w, *w_quant = _weight_args(weight)
         torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
-            hidden, input_row_offsets, weight, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
+            hidden, input_row_offsets, w, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
             None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
             None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
-            c.quantization_granularity)
+            c.quantization_granularity, *w_quant, *_norm_args(qk_norm))
     else:  # eager: skip the op's dispatcher (host time)
-        dispatch(hidden, input_row_offsets, weight, c, layer_idx, bias, rope, output)
+        dispatch(hidden, input_row_offsets, weight, c, layer_idx, bias, rope, output, qk_norm)
     return output
 
 
-def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output) -> None:
+def _weight_args(weight) -> tuple:
+    """A weight as the custom op's ``(weight, weight_scales, weight_zero_points, group_size)``."""
+    if isinstance(weight, Int4Weight):
+        return weight.packed, weight.scales, weight.zero_points, weight.group_size
+    if isinstance(weight, Fp8Weight):
+        return weight.weight, weight.scales, None, None
+    return weight, None, None, None
+
+
+def weight_from_args(weight, weight_scales, weight_zero_points, group_size):
+    """Inverse of ``_weight_args`` (the packed int4 weight is the uint8 one)."""
+    if weight.dtype == torch.uint8:
+        return Int4Weight(weight, weight_scales, group_size, weight_zero_points is not None, weight_zero_points)
+    if weight.dtype == torch.float8_e4m3fn:
+        return Fp8Weight(weight, weight_scales)
+    return weight
+
+
+def _norm_args(qk_norm) -> tuple:
+    if qk_norm is None:
+        return None, None, 0.0, 0.0
+    return qk_norm.q_weight, qk_norm.k_weight, float(qk_norm.epsilon), float(qk_norm.weight_offset)
+
+
+def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides); Q goes into
     ``output``."""
-    path = paths.route(collection.device, lambda arch: plan(collection, hidden, weight, rope, arch))
-    run = reference.fused_qkv_matmul_kv_cache if path is None else _launcher(path.key, path.arch)
-    run(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias, rope=rope, output=output)
+    path = paths.route(collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
+    if path is None:
+        reference.fused_qkv_matmul_kv_cache(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
+                                            rope=rope, output=output, qk_norm=qk_norm)
+    else:
+        _launcher(path.key, path.arch, qk_norm)(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
+                                                 rope=rope, output=output)
 
 
 def explain(hidden, input_row_offsets, weight, collection, layer_idx: int, *, output=None, bias=None,
-            rope: Optional[RopeConfig] = None, validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
+            rope: Optional[RopeConfig] = None, qk_norm: Optional[QKNorm] = None, validate: bool = True,
+            arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(fused_qkv_matmul_kv_cache, ...)``: the path this call takes on ``arch`` (default: the
     cache's device)."""
-    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate)
-    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, hidden, weight, rope, arch))
+    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate, qk_norm)
+    return paths.planned(OP, collection.device, arch,
+                         lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
 
 
-def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate) -> None:
+def _check_weight(weight, hidden, dev) -> None:
+    k = hidden.shape[1]
+    if isinstance(weight, Int4Weight):
+        if weight.packed.shape[1] * 2 != k:
+            raise ValueError(f"weight.packed must have shape [N_tot, K/2] = [*, {k / 2:g}] (two int4 per byte) for "
+                             f"hidden's K = {k}, got {list(weight.packed.shape)}")
+        if weight.device != dev:
+            raise ValueError(f"weight.packed must be on {dev}, got {weight.device}")
+        if weight.scales.dtype not in (hidden.dtype, torch.float32):
+            raise TypeError(f"weight.scales must be {hidden.dtype} (hidden's dtype) or float32, got "
+                            f"{weight.scales.dtype}")
+    elif isinstance(weight, Fp8Weight):
+        check_tensor("weight.weight", weight.weight, shape=[None, k], device=dev)
+    else:
+        check_tensor("weight", weight, dtype=hidden.dtype, shape=[None, k], device=dev)
+
+
+def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate,
+           qk_norm=None) -> None:
     collection.check_layer(layer_idx)
     dev = collection.device
     check_activation("hidden", hidden, collection, ndim=2)
     t, k = hidden.shape
-    check_tensor("weight", weight, dtype=hidden.dtype, shape=[None, k], device=dev)
+    _check_weight(weight, hidden, dev)
     if collection.is_mla and collection.num_heads != 1:
         raise ValueError(f"an MLA cache must have one (latent) head, got num_heads={collection.num_heads}")
     kv_cols = kv_columns(collection)
@@ -86,6 +142,26 @@ def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bia
     lengths = check_step(collection, input_row_offsets, t, data_checks=validate)
     if rope is not None:
         _check_rope(rope, collection, q_dim, lengths)
+    if qk_norm is not None:
+        _check_qk_norm(qk_norm, collection, q_dim, q_head_dim(rope, collection.head_size))
+
+
+def _check_qk_norm(qk_norm, collection, q_dim: int, qh: int) -> None:
+    if not isinstance(qk_norm, QKNorm):
+        raise TypeError(f"qk_norm must be a QKNorm or None, got {type(qk_norm).__name__}")
+    d = collection.head_size
+    if qk_norm.q_weight is not None:
+        check_tensor("qk_norm.q_weight", qk_norm.q_weight, device=collection.device)
+        if q_dim % qh:
+            raise ValueError(f"q_dim ({q_dim}) must be a multiple of the Q head size ({qh}) for qk_norm.q_weight "
+                             f"(set rope.q_head_dim when Q heads differ from the cache's)")
+        if qk_norm.q_weight.shape[0] > qh:
+            raise ValueError(f"qk_norm.q_weight has {qk_norm.q_weight.shape[0]} dims, more than a Q head ({qh})")
+    if qk_norm.k_weight is not None:
+        check_tensor("qk_norm.k_weight", qk_norm.k_weight, device=collection.device)
+        if qk_norm.k_weight.shape[0] > d:
+            raise ValueError(f"qk_norm.k_weight has {qk_norm.k_weight.shape[0]} dims, more than a cache head ({d}; "
+                             f"MLA: kv_lora_rank <= head_size)")
 
 
 def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -> None:
@@ -106,62 +182,92 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
                          f"position {int(ends[b]) - 1}")
 
 
-def plan(collection, hidden, weight, rope, arch: str) -> paths.KernelPath:
-    """The SM90 ``FusedQKVMatmul`` serving these arguments (its compile-time key, less the bias flag), or why the
-    reference runs instead: SM100 (no tcgen05 mainloop yet), fp8 caches, rows that are not 16-byte aligned, or a
-    shape the kernel cannot tile (``qkv/sm90.supported``)."""
-    from cute_kv.kernels.qkv.sm90 import DTYPES, supported
+def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.KernelPath:
+    """The ``FusedQKVGemm`` serving these checked arguments on ``arch`` (its ``QKVSpec`` key, without bias), or why
+    the reference runs instead: quantized weights (no W4/W8 mainloop yet), fp32 activations, e5m2 caches or e8m0
+    scales, unaligned rows, or a shape the kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values
+    only: testable without a GPU."""
+    from cute_kv.kernels.qkv.gemm import DTYPES, QKVSpec, supported
 
     def fallback(reason):
         return paths.reference(OP, reason, arch)
 
+    dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
     c = collection
-    name = dtypes.dtype_name(c.dtype)
-    t, k = hidden.shape
-    if arch != "sm_90a":
-        return fallback(f"no {arch} fused QKV kernel yet (tcgen05 mainloop); the kernel is SM90's")
-    if name not in DTYPES:
-        return fallback(f"the cache is {name}; the kernel writes {' or '.join(DTYPES)} caches")
-    if k == 0:
+    if not isinstance(weight, torch.Tensor):
+        return fallback(f"{type(weight).__name__} weights: no quantized-weight mainloop yet")
+    if dtype_name not in DTYPES:
+        return fallback(f"hidden is {dtype_name}; the kernel takes {' or '.join(sorted(DTYPES))}")
+    if hidden.shape[1] == 0:
         return fallback("hidden has no columns (K = 0)")
-    if not (rows_aligned(hidden) and rows_aligned(weight)):
-        return fallback("hidden and weight need row-major, 16-byte aligned rows")
-    if rope is not None and (rope.freqs_cis.stride(1) != 1 or rope.freqs_cis.device != c.device):
-        return fallback("rope.freqs_cis must be row-major on the cache's device")
-    q_dim = weight.shape[0] - kv_columns(c)
-    rope_key = None if rope is None else (rope.rope_dim, rope.interleaved, rope.q_head_dim or c.head_size)
-    tile_m = 64 if t < 2048 else 128  # small steps: more CTAs to stream the weight with
-    problem = supported(q_dim, c.kv_dim, c.num_heads, c.head_size, rope_key, tile_m)
-    if problem:
-        return fallback(problem)
-    if c.blocks.data_ptr() % 16:
-        return fallback("blocks is not 16-byte aligned")
-    key = (name, q_dim, c.kv_dim, c.page_size, c.num_heads, c.head_size, rope_key, tile_m)
-    return paths.kernel(OP, "FusedQKVMatmul", key, arch)
+    if not (rows_aligned(hidden) and rows_aligned(weight)) or c.blocks.data_ptr() % 16:
+        return fallback("hidden, weight and blocks need row-major, 16-byte aligned rows")
+    if rope is not None and not rows_aligned(rope.freqs_cis):
+        return fallback("rope.freqs_cis needs row-major, 16-byte aligned rows")
+    fp8 = dtypes.is_fp8(c.dtype)
+    if fp8 and c.dtype != torch.float8_e4m3fn:
+        return fallback(f"{dtypes.dtype_name(c.dtype)} caches: the kernel quantizes to float8_e4m3fn")
+    if fp8 and c.scales is not None and c.scales.dtype != torch.float32:
+        return fallback(f"{dtypes.dtype_name(c.scales.dtype)} scales: the kernel writes float32 scales")
+    spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, c.head_size,
+                   q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
+                   *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity)
+    problem = supported(spec)
+    return fallback(problem) if problem else paths.kernel(OP, "FusedQKVGemm", spec, arch)
 
 
-def _launcher(key: tuple, arch: str) -> Callable:
-    """``run(...)`` for one ``plan`` key: compiles (once per bias flag) and launches, Q into ``output``."""
+def _launcher(spec, arch: str, qk_norm) -> Callable:
+    """``run(...)`` for one ``plan`` key: the ``FusedQKVGemm`` (quack's SM90/SM100 GEMM core with our epilogue),
+    compiled once per bias flag, Q into ``output``."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.qkv.sm90 import FusedQKVMatmul
+    from cute_kv.kernels.qkv.gemm import TILES
 
-    *geometry, rope_key, tile_m = key
-    q_dim = geometry[1]
-
-    def build(has_bias):
-        kernel = FusedQKVMatmul(*geometry, has_bias, rope_key, tile_m)
-        return kernel, *kernel.fake_args()
+    norm_weights = (None, None) if qk_norm is None else tuple(
+        None if w is None else w.to(torch.float32).contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight))
 
     def run(hidden, input_row_offsets, weight, collection, layer_idx, *, bias=None, rope=None, output=None):
-        t = hidden.shape[0]
+        t, q_dim = hidden.shape[0], spec.q_dim
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
-        if t:  # a grid of zero CTAs is a launch error
-            has_bias = bias is not None
-            fn = compiled(("fused_qkv_matmul", *geometry, has_bias, rope_key, tile_m), lambda: build(has_bias), arch)
-            fn(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(), collection.cache_lengths,
-               collection.lookup_table, None if bias is None else bias.contiguous(),
-               None if rope is None else rope.freqs_cis, layer_idx)
+        if t:  # a persistent grid over zero tiles still launches: skip it
+            kernel = _gemm(dataclasses.replace(spec, has_bias=bias is not None), arch)
+            fn = compiled(*compile_unit(kernel.spec, arch), arch)
+            fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
+                            collection.cache_lengths, collection.lookup_table, layer_idx,
+                            None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
+                            *norm_weights, collection.scales, _max_active_clusters(collection.device, TILES[arch][1])))
         return out if output is None or out is output else output.copy_(out)
 
     return run
+
+
+def compile_unit(spec, arch: str) -> tuple:
+    """``(compile key, build)`` of the kernel for one ``QKVSpec`` (bias flag included): what the launcher compiles
+    and ``prebuild`` compiles ahead."""
+    kernel = _gemm(spec, arch)
+    return ("fused_qkv_gemm", kernel.spec), kernel.build
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm(spec, arch: str):
+    """The kernel builder per compile key (built once: its checks and quack's classes stay off the call path)."""
+    from cute_kv.kernels.qkv.gemm import FusedQKVGemm
+
+    return FusedQKVGemm(spec, arch)
+
+
+def _norm_key(qk_norm) -> tuple:
+    """``QKVSpec``'s norm fields: dims each weight covers (0: none), epsilon, offset."""
+    if qk_norm is None:
+        return 0, 0
+    width = lambda w: 0 if w is None else w.shape[0]  # noqa: E731
+    return (width(qk_norm.q_weight), width(qk_norm.k_weight), float(qk_norm.epsilon), float(qk_norm.weight_offset))
+
+
+@functools.lru_cache(maxsize=None)
+def _max_active_clusters(device, cluster_shape) -> int:
+    """Clusters of ``cluster_shape`` resident at once on ``device``: the persistent scheduler's grid."""
+    from quack.cute_dsl_utils import get_max_active_clusters
+
+    size = cluster_shape[0] * cluster_shape[1] * cluster_shape[2]
+    return get_max_active_clusters(size, device_id=device.index or 0)

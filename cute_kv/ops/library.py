@@ -18,6 +18,7 @@ from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.ops import fused_qkv as fused_qkv_entry
 from cute_kv.ops import paged_attention as paged_attention_entry
 from cute_kv.ops import store_kv as store_kv_entry
+from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.rope import RopeConfig
 
 
@@ -44,12 +45,21 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
                               scales: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                               freqs_cis: Optional[torch.Tensor], rope_interleaved: bool,
                               rope_q_head_dim: Optional[int], output: torch.Tensor, layer_idx: int,
-                              max_seq_length: int, max_cache_length: int, quantization_granularity: int) -> None:
-    """Q goes into ``output`` (a custom op may not return an alias of an input); no ``freqs_cis``: no RoPE."""
+                              max_seq_length: int, max_cache_length: int, quantization_granularity: int,
+                              weight_scales: Optional[torch.Tensor], weight_zero_points: Optional[torch.Tensor],
+                              group_size: Optional[int], q_norm_weight: Optional[torch.Tensor],
+                              k_norm_weight: Optional[torch.Tensor], norm_epsilon: float,
+                              norm_weight_offset: float) -> None:
+    """Q goes into ``output`` (a custom op may not return an alias of an input); no ``freqs_cis``: no RoPE; no
+    norm weights: no QK-norm. A uint8 ``weight`` is packed int4, a float8 one has per-channel scales."""
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity)
     rope = None if freqs_cis is None else RopeConfig(freqs_cis, rope_interleaved, rope_q_head_dim)
-    fused_qkv_entry.dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output)
+    qk_norm = None
+    if q_norm_weight is not None or k_norm_weight is not None:
+        qk_norm = QKNorm(q_norm_weight, k_norm_weight, norm_epsilon, norm_weight_offset)
+    weight = fused_qkv_entry.weight_from_args(weight, weight_scales, weight_zero_points, group_size)
+    fused_qkv_entry.dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm)
 
 
 @torch.library.custom_op("cute_kv::paged_attention", mutates_args=("out",))

@@ -146,6 +146,20 @@ def plan(collection, q, arch: str) -> paths.KernelPath:
     return paths.kernel(OP, "PagedAttention", key, arch)
 
 
+def compile_units(key: tuple, arch: str) -> list[tuple]:
+    """``(compile key, build)`` of each kernel one ``plan`` key launches (the attention kernel, then the split-KV
+    combine): what the launcher compiles and ``prebuild`` compiles ahead."""
+    dtype_name, hq, d = key[1], key[2], key[4]
+
+    def build():
+        from cute_kv.kernels.attention.sm90 import PagedAttention
+
+        kernel = PagedAttention(*key[1:])
+        return kernel, *kernel.fake_args()
+
+    return [(key, build), (("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d))]
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
@@ -153,12 +167,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
 
     _, dtype_name, hq, h, d, _, _, _, kv_dtype_name, granularity, e8m0 = key
     ctas_per_sm = tiling(d, kv_dtype_name == FP8).ctas_per_sm
-
-    def build():
-        from cute_kv.kernels.attention.sm90 import PagedAttention
-
-        kernel = PagedAttention(*key[1:])
-        return kernel, *kernel.fake_args()
+    attention_unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, mla_v_dim=None,
             out=None):
@@ -174,14 +183,12 @@ def _launcher(key: tuple, arch: str) -> Callable:
         else:  # one split writes the output itself; the kernel's signature still takes partials
             o_part, lse_part = _unused_partials(q.device, hq, d)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
                                    _scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits, int(causal),
                                    _window_arg(window), scale * LOG2E)
         if splits > 1:
-            combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
-                               arch)
-            combine(dst, o_part, lse_part, splits)
+            compiled(*combine_unit, arch)(dst, o_part, lse_part, splits)
         return out if dst is out else out.copy_(dst)
 
     return run

@@ -94,15 +94,23 @@ def plan(collection, k, arch: str) -> paths.KernelPath:
     return paths.kernel(OP, "PagedKVStore", key, arch)
 
 
-def _launcher(key: tuple, arch: str) -> Callable:
-    from cute_kv.kernels.cache.store import PagedKVStore
-    from cute_kv.kernels.compile_cache import compiled
+def compile_unit(key: tuple, arch: str) -> tuple:
+    """``(compile key, build)`` of the kernel for one ``plan`` key: what the launcher compiles and ``prebuild``
+    compiles ahead."""
 
     def build():
+        from cute_kv.kernels.cache.store import PagedKVStore
+
         kernel = PagedKVStore(*key[1:])
         return kernel, *kernel.fake_args()
 
-    fn = compiled(key, build, arch)
+    return key, build
+
+
+def _launcher(key: tuple, arch: str) -> Callable:
+    from cute_kv.kernels.compile_cache import compiled
+
+    fn = compiled(*compile_unit(key, arch), arch)
     quantized = key[6] is not None
 
     def run(k, v, input_row_offsets, collection, layer_idx):

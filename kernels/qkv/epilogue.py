@@ -1,0 +1,375 @@
+"""The fused-QKV epilogue, written once for quack's SM90 and SM100 GEMM cores (``kernels/qkv/gemm.py``).
+
+quack's epilogue driver hands each epilogue warp its accumulator one sub-tile at a time (``tRS_rD``, from
+registers on SM90, from TMEM on SM100). No ``D`` tensor exists: the hooks below stage every sub-tile in float32
+shared memory (``epi_end_loop``), and once the tile is whole (``epi_end``) each thread takes one 8-column chunk
+and walks rows: add bias, RMS-normalize (QK-norm: the sum of squares of a head is reduced across the lanes that
+hold it), rotate (RoPE at ``cache_lengths[b] + i``; a neox partner is ``R/2`` columns away in the staged tile),
+round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, layer, pos % P, head, d:d+8]``
+(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 scale the granule's lanes reduce).
+
+Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_offsets``, page from the lookup
+table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
+written (``page = -1``): no input makes the kernel write outside ``output`` and ``blocks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from quack.cute_dsl_utils import ParamsBase, mlir_namedtuple
+from quack.epilogue.ops import EpiSmemBytes
+
+from cute_kv.kernels.paged.ragged_rows import request_of_row
+
+VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
+FP8_E4M3_MAX = 448.0
+FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
+C_PAD = 4  # fp32 words of padding per staged row: consecutive rows start on different banks
+
+
+@mlir_namedtuple
+class QKVEpilogueArguments(NamedTuple):
+    output: cute.Tensor  # [T, q_dim]
+    blocks: cute.Tensor  # [N, KVD, L, P, H, D]
+    input_row_offsets: cute.Tensor
+    cache_lengths: cute.Tensor
+    lookup_table: cute.Tensor
+    layer_idx: Int32
+    bias: Optional[cute.Tensor] = None  # [N_tot]
+    freqs_cis: Optional[cute.Tensor] = None  # [positions, R]
+    q_norm: Optional[cute.Tensor] = None  # [C_q] float32
+    k_norm: Optional[cute.Tensor] = None  # [C_k] float32
+    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
+
+
+@dataclass
+class QKVEpilogueParams(ParamsBase):
+    output: cute.Tensor
+    blocks: cute.Tensor
+    input_row_offsets: cute.Tensor
+    cache_lengths: cute.Tensor
+    lookup_table: cute.Tensor
+    layer_idx: Int32
+    bias: Optional[cute.Tensor] = None
+    freqs_cis: Optional[cute.Tensor] = None
+    q_norm: Optional[cute.Tensor] = None
+    k_norm: Optional[cute.Tensor] = None
+    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
+
+
+class QKVEpilogueMixin:
+    """Mixed in before ``GemmSm90``/``GemmSm100``. The subclass sets ``self.qkv`` (a ``QKVSpec``) before compiling."""
+
+    EpilogueArguments = QKVEpilogueArguments
+    EpilogueParams = QKVEpilogueParams
+
+    def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
+        return QKVEpilogueParams(*args)
+
+    @classmethod
+    def epi_smem_bytes(cls, args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
+        bm, bn = cta_tile_shape_mnk[0], cta_tile_shape_mnk[1]
+        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + 64)
+
+    def epi_get_smem_struct(self, params):
+        bm, bn = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
+
+        fields = {"s_c": cute.struct.Align[cute.struct.MemRange[Float32, bm * (bn + C_PAD)], 16],
+                  "s_page": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
+                  "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16]}
+        # Built from a dict: this module's postponed annotations would reach cute.struct as strings.
+        return cute.struct(type("QKVEpiStorage", (), {"__annotations__": fields}))
+
+    def epi_get_smem_tensors(self, params, storage):
+        bm, bn = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
+        epi = storage.epi
+        return {"s_c": epi.s_c.get_tensor(cute.make_layout((bm, bn), stride=(bn + C_PAD, 1))),
+                "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
+                "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm))}
+
+    @cute.jit
+    def epi_begin(self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
+                  varlen_manager, epilogue_barrier, tidx, tRS_rD_layout=None):
+        """Where each of the tile's rows goes; read after the sub-tile loop's barriers."""
+        s_page, s_pos = epi_smem_tensors["s_page"], epi_smem_tensors["s_pos"]
+        bm = self.cta_tile_shape_mnk[0]
+        num_rows = params.output.shape[0]
+        m0 = tile_coord_mnkl[0] * bm
+        for r in cutlass.range(tidx, bm, self.num_epi_warps * cute.arch.WARP_SIZE, unroll=1):
+            page, pos = resolve_row(m0 + r, num_rows, params.input_row_offsets, params.cache_lengths,
+                                    params.lookup_table, params.blocks.shape[0], self.qkv.page_size)
+            s_page[r] = page
+            s_pos[r] = pos
+        return (epi_smem_tensors["s_c"], s_page, s_pos)
+
+    @cute.jit
+    def epi_end_loop(self, params, epi_tensors, epi_coord, tRS_rD, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+                     tile_coord_mnkl, varlen_manager, tidx):
+        """Stage this sub-tile's float32 accumulators at their tile coordinates."""
+        s_c = epi_tensors[0]
+        ident = cute.make_identity_tensor(cute.product_each(cute.shape(epi_tile)))
+        if const_expr(tiled_copy_t2r is None):  # SM90: registers in the r2s copy's source order
+            coords = tiled_copy_r2s.get_slice(tidx).partition_S(ident)
+        else:  # SM100: registers loaded from TMEM, retiled for the r2s copy as quack does
+            coords = tiled_copy_r2s.retile(tiled_copy_t2r.get_slice(tidx).partition_D(ident))
+        sub = cute.local_tile(s_c, epi_tile, epi_coord)
+        for i in cutlass.range_constexpr(cute.size(tRS_rD)):
+            sub[coords[i]] = tRS_rD[i]
+
+    @cute.jit
+    def epi_end(self, params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
+                varlen_manager, tidx):
+        s_c, s_page, s_pos = epi_tensors
+        self.epilogue_barrier.arrive_and_wait()  # the whole tile is staged
+        qkv_store_tile(self.qkv, s_c, s_page, s_pos, params, tile_coord_mnkl[0] * self.cta_tile_shape_mnk[0],
+                       tile_coord_mnkl[1] * self.cta_tile_shape_mnk[1], tidx,
+                       self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
+        self.epilogue_barrier.arrive_and_wait()  # staging is read before the next tile overwrites it
+
+
+@cute.jit
+def resolve_row(m: Int32, num_rows: Int32, input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
+                lookup_table: cute.Tensor, num_pages: Int32, page_size: cutlass.Constexpr[int]):
+    """``(page, pos)`` of step row ``m``; page -1 when the row is past the step, its page column past the table or
+    its page entry not below ``num_pages`` (the row is then not stored)."""
+    page = Int32(-1)
+    pos = Int32(0)
+    if m < num_rows:
+        b = request_of_row(m, input_row_offsets, cache_lengths.shape[0])
+        pos = Int32(cache_lengths[b]) + m - Int32(input_row_offsets[b])
+        col = pos // page_size
+        if col < lookup_table.shape[1]:
+            entry = lookup_table[b, col]
+            if entry < cutlass.Uint32(num_pages):
+                page = Int32(entry)
+    return page, pos
+
+
+@cute.jit
+def head_sum(x: Float32, lanes: Int32, max_lanes: cutlass.Constexpr[int]) -> Float32:
+    """Sum of ``x`` over aligned groups of ``lanes`` consecutive lanes (a power of two <= ``max_lanes``): every
+    lane runs the same butterfly shuffles and adds only those inside its group."""
+    offset = 1
+    while const_expr(offset < max_lanes):
+        other = cute.arch.shuffle_sync_bfly(x, offset=offset)
+        if offset < lanes:
+            x = x + other
+        offset *= 2
+    return x
+
+
+class _Chunk(NamedTuple):
+    """Where a thread's 8 columns go; the same for every row of the tile."""
+
+    col: Int32  # first column in the tile
+    n: Int32  # first column of C
+    in_range: cutlass.Boolean
+    is_q: cutlass.Boolean
+    kv: Int32  # K/V: 0 or 1
+    head: Int32
+    dim: Int32  # K/V: first dim within the head
+    dim0: Int32  # first dim within its (Q or K/V) head
+    head_size: Int32
+    rotated: cutlass.Boolean  # Q or K (V is neither normalized nor rotated)
+
+
+@cute.jit
+def qkv_store_tile(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
+                   m0: Int32, n0: Int32, tidx: Int32, threads: cutlass.Constexpr[int], barrier):
+    """Thread ``t`` owns columns ``[c, c+8)`` (``c = 8 * (t % chunks)``) of rows ``t // chunks + k * rows_per_pass``.
+
+    With RoPE after bias or QK-norm, a first pass adds the bias and normalizes in place, so the rotation (which
+    reads its partner column from the staged tile) sees finished values and neither pass holds the other's
+    per-column constants in registers.
+    """
+    bm, bn = s_c.shape
+    chunks = bn // VEC
+    d, h = spec.head_dim, spec.num_heads
+    col = (tidx % chunks) * VEC
+    n = n0 + col
+    is_q = n < spec.q_dim
+    kk = n - spec.q_dim
+    kv = kk // (h * d)
+    dim = kk % d
+    head_size = Int32(d)
+    dim0 = dim
+    if is_q:
+        head_size = Int32(spec.q_head_dim)
+        dim0 = n % spec.q_head_dim
+    in_range = n < spec.n_total
+    chunk = _Chunk(col, n, in_range, is_q, kv, (kk // d) % h, dim, dim0, head_size, in_range and (is_q or kv == 0))
+    first_row = tidx // chunks
+    rows_per_pass = threads // chunks
+    prepare = const_expr(spec.has_bias or spec.has_norm)
+    if const_expr(spec.rope is None):
+        _bias_norm_rows(spec, s_c, s_page, s_pos, params, m0, first_row, rows_per_pass, chunk, True)
+    else:
+        if const_expr(prepare):
+            _bias_norm_rows(spec, s_c, s_page, s_pos, params, m0, first_row, rows_per_pass, chunk, False)
+            barrier.arrive_and_wait()
+        _rope_rows(spec, s_c, s_page, s_pos, params, m0, first_row, rows_per_pass, chunk)
+
+
+@cute.jit
+def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
+                    m0: Int32, first_row: Int32, rows_per_pass: cutlass.Constexpr[int], chunk: _Chunk,
+                    store: cutlass.Constexpr[bool]):
+    """``x + bias``, then RMSNorm of the head's first C dims; stored (``store``) or written back to the tile."""
+    bias_v = cute.make_rmem_tensor((VEC,), Float32)
+    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset), 0 where not normalized
+    keep = cute.make_rmem_tensor((VEC,), Float32)  # 1 where not normalized
+    for e in cutlass.range_constexpr(VEC):
+        bias_v[e] = Float32(0.0)
+        gamma[e] = Float32(0.0)
+        keep[e] = Float32(1.0)
+    if const_expr(spec.has_bias):
+        if chunk.in_range:
+            for e in cutlass.range_constexpr(VEC):
+                bias_v[e] = Float32(params.bias[chunk.n + e])
+    inv_width = Float32(spec.inv_norm_width[1])  # 1 / (dims a head's norm spans): K, or Q below
+    if const_expr(spec.has_norm):
+        _norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, keep, spec.norm_offset)
+        _norm_weights(params.k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma, keep, spec.norm_offset)
+        if chunk.is_q:
+            inv_width = Float32(spec.inv_norm_width[0])
+    vals = cute.make_rmem_tensor((VEC,), Float32)
+    for r in cutlass.range(first_row, s_c.shape[0], rows_per_pass, unroll=1):
+        staged = cute.local_tile(s_c[r, None], (VEC,), (chunk.col // VEC,))
+        cute.autovec_copy(staged, vals)  # 2 x 16 B
+        for e in cutlass.range_constexpr(VEC):
+            vals[e] = vals[e] + bias_v[e]
+        if const_expr(spec.has_norm):
+            # Every lane takes part in the shuffles (rows past the step hold zeros from TMA's fill).
+            ss = Float32(0.0)
+            for e in cutlass.range_constexpr(VEC):
+                ss += vals[e] * vals[e] * (Float32(1.0) - keep[e])
+            ss = head_sum(ss, chunk.head_size // VEC, spec.max_head_lanes)
+            rstd = cute.math.rsqrt(ss * inv_width + Float32(spec.norm_epsilon), fastmath=False)
+            for e in cutlass.range_constexpr(VEC):
+                vals[e] = vals[e] * (keep[e] + rstd * gamma[e])
+        if const_expr(store):
+            _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
+        else:
+            cute.autovec_copy(vals, staged)
+
+
+@cute.jit
+def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
+               m0: Int32, first_row: Int32, rows_per_pass: cutlass.Constexpr[int], chunk: _Chunk):
+    """Rotate Q and K chunks at the row's position and store.
+
+    A chunk lies wholly in one part of its head (``supported`` keeps ``R/2`` (neox) or ``R`` (GPT-J) a multiple of
+    8): kept, the first or second neox half (partner chunk ``R/2`` columns away, two 16-byte shared loads), or
+    GPT-J pairs (partners inside the chunk). Its 8 cos/sin pairs (neox) or 4 (GPT-J) are consecutive in the
+    position's ``freqs_cis`` row: 16-byte loads too.
+    """
+    rope_dim, interleaved = spec.rope
+    half = rope_dim // 2
+    # sign: 0 kept, -1 first neox half (x*cos - y*sin), +1 second half (x*cos + y*sin) or GPT-J.
+    sign = Float32(0.0)
+    freq0 = Int32(0)  # first freqs_cis column this chunk reads
+    partner = chunk.col  # neox: first column of the partner chunk
+    if chunk.rotated:
+        if const_expr(interleaved):
+            rel = chunk.dim0 - (chunk.head_size - rope_dim)
+            if rel >= 0:
+                sign = Float32(1.0)
+                freq0 = rel
+        else:
+            if chunk.dim0 < half:
+                sign = Float32(-1.0)
+                freq0 = chunk.dim0 * 2
+                partner = chunk.col + half
+            elif chunk.dim0 < rope_dim:
+                sign = Float32(1.0)
+                freq0 = (chunk.dim0 - half) * 2
+                partner = chunk.col - half
+    pairs = VEC // 2 if const_expr(interleaved) else VEC  # cos/sin pairs a chunk reads
+    vals = cute.make_rmem_tensor((VEC,), Float32)
+    other = cute.make_rmem_tensor((VEC,), Float32)
+    f = cute.make_rmem_tensor((2 * pairs,), Float32)
+    for r in cutlass.range(first_row, s_c.shape[0], rows_per_pass, unroll=1):
+        cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (chunk.col // VEC,)), vals)
+        if sign != 0.0:
+            freqs = cute.local_tile(params.freqs_cis[s_pos[r], None], (2 * pairs,), (freq0 // (2 * pairs),))
+            cute.autovec_copy(freqs, f)
+            if const_expr(interleaved):
+                for j in cutlass.range_constexpr(pairs):
+                    x, y = vals[2 * j], vals[2 * j + 1]
+                    vals[2 * j] = x * f[2 * j] - y * f[2 * j + 1]
+                    vals[2 * j + 1] = x * f[2 * j + 1] + y * f[2 * j]
+            else:
+                cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (partner // VEC,)), other)
+                for e in cutlass.range_constexpr(VEC):
+                    vals[e] = vals[e] * f[2 * e] + sign * other[e] * f[2 * e + 1]
+        _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
+
+
+@cute.jit
+def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
+               m0: Int32, r: Int32, chunk: _Chunk):
+    """Round once and store: Q (16 bytes) to ``output``, K/V into the row's page (skipped without a page); an fp8
+    cache takes e4m3 values (8 bytes) and, with scales, the granule's scale from its first lane."""
+    out = cute.make_rmem_tensor((VEC,), spec.dtype)
+    out.store(vals.load().to(spec.dtype))
+    kv_out, scale = out, Float32(0.0)
+    if const_expr(spec.fp8):
+        kv_out, scale = quantize_e4m3(vals, spec.granularity)  # every lane joins the granule's shuffles
+    m = m0 + r
+    if m < params.output.shape[0] and chunk.in_range:
+        if chunk.is_q:
+            cute.autovec_copy(out, cute.local_tile(params.output[m, None], (VEC,), (chunk.n // VEC,)))
+        elif s_page[r] >= 0:
+            slot = s_pos[r] % spec.page_size
+            dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head, None]
+            cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+            if const_expr(spec.granularity > 0):
+                if chunk.dim % spec.granularity == 0:
+                    params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
+                                  chunk.dim // spec.granularity] = scale
+
+
+@cute.jit
+def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
+    """``(e4m3 values, scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
+    ``granularity // 8`` aligned lanes holding the granule: ``scale = max(amax / 448, FLT_MIN)``, values
+    ``x / scale`` converted with saturation (``cvt.rn.satfinite``: NaN stays NaN, as in ``reference/quant.py``).
+    ``granularity == 0`` (no scales): the values themselves, saturated."""
+    out = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+    scale = Float32(1.0)
+    if const_expr(granularity == 0):
+        out.store(vals.load().to(cutlass.Float8E4M3FN))
+    else:
+        amax = Float32(0.0)
+        for e in cutlass.range_constexpr(VEC):
+            amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
+        offset = 1
+        while const_expr(offset < granularity // VEC):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+            offset *= 2
+        scale = amax / Float32(FP8_E4M3_MAX)
+        if scale < Float32(FLT_MIN):  # false for NaN: it propagates
+            scale = Float32(FLT_MIN)
+        q = cute.make_rmem_tensor((VEC,), Float32)
+        for e in cutlass.range_constexpr(VEC):
+            q[e] = vals[e] / scale
+        out.store(q.load().to(cutlass.Float8E4M3FN))
+    return out, scale
+
+
+@cute.jit
+def _norm_weights(weight: Optional[cute.Tensor], applies, dim0: Int32, gamma: cute.Tensor, keep: cute.Tensor,
+                  offset: cutlass.Constexpr[float]):
+    """Norm weight (+ offset) of each owned element whose dim the weight covers."""
+    if const_expr(weight is not None):
+        if applies:
+            for e in cutlass.range_constexpr(VEC):
+                if dim0 + e < weight.shape[0]:
+                    gamma[e] = Float32(weight[dim0 + e]) + Float32(offset)
+                    keep[e] = Float32(0.0)

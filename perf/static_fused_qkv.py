@@ -1,0 +1,150 @@
+"""Static figures of the fused QKV kernels (no GPU): ours against quack's GEMM on the same tiles without our epilogue.
+
+    python perf/run.py fused-qkv-static
+
+Per arch (sm_90a, sm_100a) and problem: registers and spills (ptxas -v), tensor-core MMA instructions in the SASS
+(HGMMA on SM90, UTC*MMA on SM100: equal counts mean the mainloop is quack's, unchanged), A/B pipeline stages
+(quack sizes the ring from the shared memory our float32 staging tile leaves), total SASS instructions,
+and the epilogue's instructions per output element: the SASS instructions of the row loops (loops that read a
+staged row chunk and store it to global memory or back to the tile), divided by the 8 elements an iteration
+handles. Needs ``ptxas`` and ``cuobjdump`` (``pip install nvidia-cuda-cuobjdump``) on PATH or in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-8B-like QK-norm, fp8 cache)
+    "llama3-8b": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
+                      q_head_dim=128, has_bias=False, rope=(128, False)),
+    "qwen3-qknorm-bias": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
+                              q_head_dim=128, has_bias=True, rope=(128, False), q_norm_dim=128, k_norm_dim=128),
+    "llama3-8b-fp8-g64": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8,
+                              head_dim=128, q_head_dim=128, has_bias=False, rope=(128, False), fp8=True,
+                              granularity=64),
+}
+MMA = {"sm_90a": r"\bHGMMA\.", "sm_100a": r"\bUTC\w*MMA\b"}
+VEC = 8
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for entry in sys.path:  # pip's nvidia-cuda-* wheels put their binaries under nvidia/cu13/bin
+        candidate = Path(entry) / "nvidia" / "cu13" / "bin" / name
+        if candidate.exists():
+            return str(candidate)
+    raise SystemExit(f"static_fused_qkv: {name} not found (ptxas comes with CUDA; pip install nvidia-cuda-{name})")
+
+
+def _sass(ptx: str, arch: str) -> tuple[str, str]:
+    """(ptxas -v report, SASS listing)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+        src.write_text(ptx)
+        report = subprocess.run([_tool("ptxas"), f"-arch={arch}", "-v", str(src), "-o", str(cubin)],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    return report, sass
+
+
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS instruction."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def epilogue_loops(sass: str) -> list[int]:
+    """Instruction counts of the row loops: innermost loops (backward branches with no other loop inside) whose
+    body reads a staged chunk (LDS.128) and stores it (STG, or STS.128 back to the tile), without MMAs."""
+    ins = _instructions(sass)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    spans = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            spans.append((index[int(m.group(1), 16)], i))
+    loops = []
+    for start, end in spans:
+        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans):
+            continue  # an outer loop (the persistent tile loop, the sub-tile loop)
+        body = [t for _, t in ins[start:end + 1]]
+        if (any("LDS.128" in t for t in body) and any(re.search(r"\bSTG\b|STS\.128", t) for t in body)
+                and not any("MMA" in t for t in body)):
+            loops.append(len(body))
+    return loops
+
+
+def figures(ptx: str, arch: str) -> dict:
+    report, sass = _sass(ptx, arch)
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+    spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
+    return {"registers": max(regs), "spill_bytes": sum(spills), "mma": len(re.findall(MMA[arch], sass)),
+            "sass_instructions": len(_instructions(sass)), "row_loops": epilogue_loops(sass)}
+
+
+def bare_gemm_ptx(arch: str) -> tuple[str, int]:
+    """quack's GEMM on our tiles and cluster with its own epilogue (bf16 D through TMA): PTX and A/B stages."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream
+    from quack.gemm_default_epi import GemmDefaultSm90, GemmDefaultSm100
+    from quack.gemm_tvm_ffi_utils import make_fake_gemm_tensors, make_fake_scheduler_args
+
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.gemm import TILES
+
+    bf = cutlass.BFloat16
+    tile, cluster = TILES[arch]
+    a, b, d, c, _, _, _, l = make_fake_gemm_tensors(bf, bf, bf, None, "k", "k", "n", None, batched=False)
+    if arch == "sm_90a":
+        gemm = GemmDefaultSm90(cutlass.Float32, bf, tile, cluster, pingpong=True, is_persistent=True)
+    else:
+        gemm = GemmDefaultSm100(cutlass.Float32, bf, tile, cluster)
+    args = (a, b, d, c, gemm.EpilogueArguments(), make_fake_scheduler_args(False, False, l), None,
+            make_fake_stream(use_tvm_ffi_env_stream=True), None, None)
+    return compile_ptx(lambda: (gemm, *args), arch), gemm.ab_stage
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="static_fused_qkv", description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=["sm_90a", "sm_100a"], action="append")
+    ap.add_argument("--problem", choices=sorted(PROBLEMS), action="append")
+    args = ap.parse_args(argv)
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.gemm import BN, TILES, FusedQKVGemm, QKVSpec
+
+    records = []
+    for arch in args.arch or ["sm_90a", "sm_100a"]:
+        os.environ["CUTE_DSL_ARCH"] = arch
+        bare_ptx, bare_stages = bare_gemm_ptx(arch)
+        bare = {**figures(bare_ptx, arch), "ab_stages": bare_stages}
+        for name in args.problem or list(PROBLEMS):
+            gemm, *fake = FusedQKVGemm(QKVSpec(**PROBLEMS[name]), arch).build()
+            ours = {**figures(compile_ptx(lambda: (gemm, *fake), arch), arch), "ab_stages": gemm.ab_stage}
+            rec = {"bench": "fused-qkv-static", "arch": arch, "problem": name, "tile": [*TILES[arch][0], 64],
+                   "cluster": list(TILES[arch][1]), **{f"ours_{k}": v for k, v in ours.items()},
+                   **{f"bare_{k}": v for k, v in bare.items() if k != "row_loops"},
+                   "mainloop_unchanged": ours["mma"] == bare["mma"],
+                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   "staging_bytes": TILES[arch][0][0] // (2 if arch == "sm_100a" else 1) * (BN + 4) * 4}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    return records
+
+
+if __name__ == "__main__":
+    main()
