@@ -32,30 +32,39 @@ def request_of_row(m: Int32, input_row_offsets: cute.Tensor, batch: Int32) -> In
 
 
 @cute.jit
+def resolve_row(m: Int32, num_rows: Int32, input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
+                lookup_table: cute.Tensor, num_pages: Int32, page_size: cutlass.Constexpr[int]):
+    """``(page, pos)`` of step row ``m``: its slot is ``pos % page_size``, and the position is also what RoPE needs.
+
+    Page -1 means "do not store": a row past the step, a page column past the lookup table's row, or an entry that
+    is not a page of the cache (``>= num_pages``: the sentinel of an unowned column). With unchecked metadata
+    (CUDA-graph steps) a step running past its pages is dropped instead of written past the allocation. Positions
+    wrap as ``uint32`` metadata does, and a column or entry of 2^31 or more is refused like any other past the
+    table or the pages.
+    """
+    page = Int32(-1)
+    pos = Uint32(0)
+    if m < num_rows:
+        b = request_of_row(m, input_row_offsets, cache_lengths.shape[0])
+        pos = Uint32(cache_lengths[b]) + Uint32(m) - Uint32(input_row_offsets[b])
+        # The DSL compares 32-bit integers signed: values past 2^31 read as negative, so both bounds are checked.
+        col = Int32(pos // page_size)
+        if col >= 0 and col < lookup_table.shape[1]:
+            entry = Int32(lookup_table[b, col])
+            if entry >= 0 and entry < num_pages:
+                page = entry
+    return page, Int32(pos)
+
+
+@cute.jit
 def resolve_rows(s_page: cute.Tensor, s_pos: cute.Tensor, first_row: Int32, num_rows: Int32,
                  input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
                  num_pages: Int32, page_size: cutlass.Constexpr[int]):
-    """Thread ``t < size(s_page)`` writes row ``first_row + t``'s page and position to shared memory (page -1: no
-    row); its slot is ``pos % page_size``, and the position is also what RoPE needs.
-
-    A row whose page column lies past the lookup table's row, or whose entry is not a page of the cache
-    (``>= num_pages``: the sentinel of an unowned column), gets page -1 too: with unchecked metadata (CUDA-graph
-    steps) a step running past its pages is dropped instead of written past the allocation. Positions are unsigned
-    (``uint32`` lengths), so a wrapped one lands past the table as well. The caller synchronizes the CTA before
-    reading them.
-    """
+    """Thread ``t < size(s_page)`` writes row ``first_row + t``'s ``resolve_row`` to shared memory (page -1: no
+    row). The caller synchronizes the CTA before reading them."""
     t, _, _ = cute.arch.thread_idx()
     if t < cute.size(s_page):
-        m = first_row + t
-        page = Int32(-1)
-        pos = Uint32(0)
-        if m < num_rows:
-            b = request_of_row(m, input_row_offsets, cache_lengths.shape[0])
-            pos = Uint32(cache_lengths[b]) + Uint32(m) - Uint32(input_row_offsets[b])
-            col = pos // page_size
-            if col < Uint32(lookup_table.shape[1]):
-                entry = Uint32(lookup_table[b, Int32(col)])
-                if entry < Uint32(num_pages):
-                    page = Int32(entry)
+        page, pos = resolve_row(first_row + t, num_rows, input_row_offsets, cache_lengths, lookup_table, num_pages,
+                                page_size)
         s_page[t] = page
-        s_pos[t] = Int32(pos)
+        s_pos[t] = pos

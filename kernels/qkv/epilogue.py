@@ -25,7 +25,7 @@ from cutlass import Float32, Int32, const_expr
 from quack.cute_dsl_utils import ParamsBase, mlir_namedtuple
 from quack.epilogue.ops import EpiSmemBytes
 
-from cute_kv.kernels.paged.ragged_rows import request_of_row
+from cute_kv.kernels.paged.ragged_rows import resolve_row
 
 VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
 FP8_E4M3_MAX = 448.0
@@ -131,24 +131,6 @@ class QKVEpilogueMixin:
                        tile_coord_mnkl[1] * self.cta_tile_shape_mnk[1], tidx,
                        self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
         self.epilogue_barrier.arrive_and_wait()  # staging is read before the next tile overwrites it
-
-
-@cute.jit
-def resolve_row(m: Int32, num_rows: Int32, input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
-                lookup_table: cute.Tensor, num_pages: Int32, page_size: cutlass.Constexpr[int]):
-    """``(page, pos)`` of step row ``m``; page -1 when the row is past the step, its page column past the table or
-    its page entry not below ``num_pages`` (the row is then not stored)."""
-    page = Int32(-1)
-    pos = Int32(0)
-    if m < num_rows:
-        b = request_of_row(m, input_row_offsets, cache_lengths.shape[0])
-        pos = Int32(cache_lengths[b]) + m - Int32(input_row_offsets[b])
-        col = pos // page_size
-        if col < lookup_table.shape[1]:
-            entry = lookup_table[b, col]
-            if entry < cutlass.Uint32(num_pages):
-                page = Int32(entry)
-    return page, pos
 
 
 @cute.jit
