@@ -9,6 +9,7 @@ from cutlass import Int32, Uint32
 
 from cute_kv.kernels.attention.operand import DenseMHAOperand
 from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.ragged_rows import resolve_row
 from cute_kv.kernels.quant import e8m0_to_float32
 
 
@@ -59,3 +60,13 @@ def decode_e8m0(codes: cute.Tensor, out: cute.Tensor):
     """``out[i]``: the attention kernel's float32 for e8m0 byte ``codes[i]``."""
     for i in cutlass.range(codes.shape[0]):
         out[i] = e8m0_to_float32(Uint32(codes[i]))
+
+
+@cute.jit
+def resolved_rows(offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor, out: cute.Tensor,
+                  num_rows: Int32, num_pages: Int32, page_size: cutlass.Constexpr[int]):
+    """``out[m] = (page, pos)`` of each step row as the store and fused-QKV kernels resolve it (page -1: not stored)."""
+    for m in cutlass.range(out.shape[0]):
+        page, pos = resolve_row(Int32(m), num_rows, offsets, cache_lengths, lookup_table, num_pages, page_size)
+        out[m, 0] = page
+        out[m, 1] = pos

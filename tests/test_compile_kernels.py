@@ -313,7 +313,16 @@ def _page_guards(ptx, page_size):
     compared = {r for pair in re.findall(r"setp\.\w+\.[su]32\s+%p\d+, (%r\d+), (%r\d+);", ptx) for r in pair}
     entries = [m.group(1) for m in re.finditer(r"ld\.global\.b32\s+(%r\d+), \[(%rd\d+)\];", ptx)
                if any(set(re.findall(r"%r\d+", args)) & cols for _, args in _derived_from(defs, m.group(2)))]
-    return bool(cols & compared), [e in compared for e in entries]
+    return bool(cols & compared), [e in compared and _nonnegative_checked(ptx, e) for e in entries]
+
+
+def _nonnegative_checked(ptx, reg):
+    """Whether ``reg`` (a uint32 lookup entry) is bounded below as well: compared unsigned, or checked against 0 / -1
+    (a signed ``entry < N`` alone lets an entry of 2^31 or more through as a negative page)."""
+    r = re.escape(reg)
+    return bool(re.search(rf"setp\.\w+\.u32\s+%p\d+, (?:{r}, %r\d+|%r\d+, {r});", ptx)
+                or re.search(rf"(?:setp\.\w+\.s32\s+%p\d+|max\.s32\s+%r\d+), {r}, (?:-1|0);", ptx)
+                or re.search(rf"setp\.\w+\.s32\s+%p\d+, (?:-1|0), {r};", ptx))
 
 
 @pytest.mark.parametrize("kind", ["store", "store_fp8", "qkv"])

@@ -77,3 +77,20 @@ def test_e8m0_decoding_matches_torch():
     want = codes.view(torch.float8_e8m0fnu).to(torch.float32).view(torch.int32)
     assert torch.equal(got, want)
     assert want[0] == 0x00400000 and want[255] == 0x7F800001
+
+
+def test_rows_outside_the_cache_are_never_stored():
+    """Unchecked metadata: a lookup entry of 2^31 or more (negative as int32), the sentinel ``N``, a column past the
+    table and a wrapped position all resolve to page -1; owned pages resolve as the reference says."""
+    n, p = 6, 4
+    lut = torch.tensor([[3, 0x80000005, 0xFFFFFFFF, n],  # request 0: a page, a huge entry, -1 as uint32, the sentinel
+                        [5, 2, 1, 0]], dtype=torch.int64).to(torch.uint32)
+    cache_lengths = torch.tensor([0, 0xFFFFFFFE], dtype=torch.int64).to(torch.uint32)  # request 1 wraps past 2^32
+    offsets = torch.tensor([0, 18, 21], dtype=torch.int64).to(torch.uint32)  # 18 rows run past request 0's table
+    rows = int(offsets[-1])
+    got = torch.zeros((rows + 1, 2), dtype=torch.int32)
+    host_plans.resolved_rows(from_dlpack(offsets.view(torch.int32)), from_dlpack(cache_lengths.view(torch.int32)),
+                             from_dlpack(lut.view(torch.int32)), from_dlpack(got), rows, n, p)
+    want = [3] * 4 + [-1] * 14 + [-1, -1, 5] + [-1]  # request 1: positions 2^32-2, 2^32-1 (past the table), 0
+    assert got[:, 0].tolist() == want
+    assert got[:4, 1].tolist() == [0, 1, 2, 3] and got[20, 1] == 0
