@@ -8,7 +8,7 @@ FA4's paged forward beside our attention for the same shapes. CPU only: ptxas, n
 Columns (``static.py`` says how each is measured): registers per thread, spill stores/loads (bytes), shared memory
 per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA/named barriers +
 mbarrier waits), LDS/STS in the whole kernel, instructions of the main loop and, for attention, per 64x64 block
-of S.
+of S, of the softmax loop, tensor-memory columns (tcgen05) and the warp roles' register targets (setmaxnreg).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ COLUMNS = [  # (header, record key or function, width)
     ("waits", lambda r: f"{r['cta_barriers']}+{r['mbarrier_waits']}", 6),
     ("LDS/STS", lambda r: f"{r['lds']}/{r['sts']}", 7), ("loop", "loop_instructions", 5),
     ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6), ("softmax", "softmax_loop_instructions", 7),
+    ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]
 
 

@@ -9,14 +9,16 @@ configuration the host code passes, and the CTAs per SM these allow.
   DSL size it, the DSL's own total of the kernel's allocations.
 * SASS counts per kernel: tensor-core MMAs (``HGMMA`` on SM90; tcgen05 ``UTC*MMA`` on SM100), barrier waits
   (``BAR.SYNC``/``BAR.RED``: CTA-wide and named barriers; ``SYNCS.PHASECHK``: mbarrier waits), shared loads / stores
-  (``LDS``/``LDSM``, ``STS``/``STSM``), ``MUFU.EX2``.
+  (``LDS``/``LDSM``, ``STS``/``STSM``), ``MUFU.EX2``, local-memory ``LDL``/``STL`` (spills, or an array the
+  compiler could not keep in registers: a stack frame without spills).
 * The main loop: every backward branch (a ``BRA`` to a label at a lower address) closes a loop spanning
-  [label, branch]. The main loop is the loop holding the most MMAs (ties: the shortest, which for FA4's causal
-  prefill is the unmasked steady-state loop rather than its masked twin); a kernel without MMAs takes the loop with
-  the most instructions. Its instruction count is the static length of that address range, mbarrier retry loops
+  [label, branch]. The main loop is, among the innermost loops that issue MMAs (a persistent kernel's loop over
+  work tiles holds the tile loop and is passed over), the one with the most MMAs (ties: the shortest, which for
+  FA4's causal prefill is the unmasked steady-state loop rather than its masked twin); a kernel without MMAs takes
+  the loop with the most instructions. Its instruction count is the static length of that address range, mbarrier retry loops
   inside it counted once. A loop body may cover several tiles; ``per_s_block`` divides by the 64x64 blocks of S
   its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are in the SASS opcode).
-  The softmax loop (most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the
+  The softmax loop (the innermost loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the
   softmax runs in other warps, so the two loops differ.
 * CTAs per SM follow the CUDA occupancy rules for sm_90 / sm_100 (``occupancy``).
 """
@@ -196,16 +198,23 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
     return out
 
 
+def _innermost(candidates: list[Loop]) -> list[Loop]:
+    """Loops that hold no other candidate: a persistent kernel's loop over work tiles holds its tile loop."""
+    return [a for a in candidates
+            if not any(b is not a and a.start <= b.start and b.end <= a.end for b in candidates)]
+
+
 def main_loop(all_loops: list[Loop]) -> Optional[Loop]:
     if not all_loops:
         return None
-    if any(lp.mma for lp in all_loops):
-        return max(all_loops, key=lambda lp: (lp.mma, -lp.instructions))
+    with_mma = _innermost([lp for lp in all_loops if lp.mma])
+    if with_mma:
+        return max(with_mma, key=lambda lp: (lp.mma, -lp.instructions))
     return max(all_loops, key=lambda lp: lp.instructions)
 
 
 def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
-    with_exp = [lp for lp in all_loops if lp.ex2]
+    with_exp = _innermost([lp for lp in all_loops if lp.ex2])
     return max(with_exp, key=lambda lp: (lp.ex2, -lp.instructions)) if with_exp else None
 
 
@@ -281,7 +290,9 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
     rec.update(instructions=len(instrs), mma=sum(map(is_mma, ops)), barrier_waits=sum(map(is_barrier_wait, ops)),
                cta_barriers=sum(op.startswith(("BAR.SYNC", "BAR.RED")) for op in ops),
                mbarrier_waits=sum(op.startswith("SYNCS.PHASECHK") for op in ops),
-               lds=sum(map(is_lds, ops)), sts=sum(map(is_sts, ops)), ex2=sum(op.startswith("MUFU.EX2") for op in ops))
+               lds=sum(map(is_lds, ops)), sts=sum(map(is_sts, ops)), ex2=sum(op.startswith("MUFU.EX2") for op in ops),
+               local_loads=sum(op.startswith("LDL") for op in ops), local_stores=sum(op.startswith("STL") for op in ops))
+    rec.update(ptx_facts(ptx))
     all_loops = loops(instrs, labels)
     for name, lp in (("loop", main_loop(all_loops)), ("softmax_loop", softmax_loop(all_loops))):
         if lp is None:
@@ -307,6 +318,17 @@ def analyze_config(config, keep_dir: Optional[str] = None) -> dict:
     rec.update(plan_threads=plan.threads, plan_smem=plan.smem, plan_ctas_per_sm=plan.ctas_per_sm,
                register_budget=plan.register_budget)
     return rec
+
+
+def ptx_facts(ptx: str) -> dict:
+    """Warp-role register splits (``setmaxnreg`` targets) and the tensor-memory columns a tcgen05 kernel allocates
+    (``tcgen05.alloc``'s count, a constant moved into its register)."""
+    facts = {"setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+    m = re.search(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]+\],\s*(%r\d+|\d+);", ptx)
+    if m:
+        count = m[1] if m[1].isdigit() else re.search(rf"mov\.[bu]32\s+{m[1]},\s*(\d+);", ptx)
+        facts["tmem_columns"] = int(count if isinstance(count, str) else count[1]) if count else None
+    return facts
 
 
 def _launch_from_ptx(ptx: str) -> Launch:

@@ -23,6 +23,8 @@ KNOWN = {
     "paged_kv_store[float16-2-128-1-64]-sm_100a": "spills 4 bytes (8-byte stack frame)",
     "paged_kv_store[float32-1-64-1-576-64]-sm_90a": "168 registers: 3 CTAs per SM, the plan claims 4",
     "paged_kv_store[float32-1-64-1-576-64]-sm_100a": "168 registers: 3 CTAs per SM, the plan claims 4",
+    "paged_attention_sm90[bfloat16-32-8-128-16-2-True-float8_e4m3fn-16]-sm_90a":
+        "48-byte stack frame without spills: an array in local memory",
 }
 
 
@@ -37,7 +39,8 @@ def _params():
 @pytest.mark.parametrize("config", _params())
 def test_kernel_resources_match_plan(config):
     rec = static.analyze_config(config)
-    assert rec["spill_stores"] == 0 and rec["spill_loads"] == 0 and rec["stack"] == 0, rec
+    assert rec["spill_stores"] == 0 and rec["spill_loads"] == 0, rec
+    assert rec["stack"] == 0 and rec["local_loads"] == rec["local_stores"] == 0, rec  # no local-memory arrays
     assert rec["threads"] == rec["plan_threads"]
     assert rec["registers"] <= rec["register_budget"], rec
     assert rec["smem"] == rec["plan_smem"], rec  # static (ptxas) + dynamic (what the launch passes)
@@ -87,6 +90,7 @@ def test_parse_ptxas():
 
 
 SASS = """
+.L_x_0:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
 .L_x_1:
         /*0010*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT ;
@@ -100,19 +104,21 @@ SASS = """
         /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0090*/               @P1 BRA `(.L_x_1) ;
         /*00a0*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR12], UPT ;
-        /*00b0*/                   EXIT ;
+        /*00b0*/               @P2 BRA `(.L_x_0) ;
+        /*00c0*/                   EXIT ;
 .L_x_3:
-        /*00c0*/                   BRA `(.L_x_3);
+        /*00d0*/                   BRA `(.L_x_3);
 """
 
 
 def test_sass_loops_and_counts():
     instrs, labels = static.parse_sass(SASS)
-    assert len(instrs) == 13 and labels == {".L_x_1": 0x10, ".L_x_2": 0x30, ".L_x_3": 0xc0}
+    assert len(instrs) == 14 and labels == {".L_x_0": 0, ".L_x_1": 0x10, ".L_x_2": 0x30, ".L_x_3": 0xd0}
     assert [static.is_mma(i.opcode) for i in instrs].count(True) == 3  # two HGMMA, one tcgen05
     all_loops = static.loops(instrs, labels)
-    assert len(all_loops) == 3  # the main loop, its mbarrier retry loop, the trailing self-branch
-    main = static.main_loop(all_loops)
+    # The main loop, its mbarrier retry loop, the loop over work tiles around it, the trailing self-branch.
+    assert len(all_loops) == 4 and max(lp.mma for lp in all_loops) == 3
+    main = static.main_loop(all_loops)  # the innermost loop with MMAs, not the one with the most
     assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits) == (
         0x10, 0x90, 9, 2, 1, 1, 1, 2)
     assert main.mma_flops == 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16
@@ -153,3 +159,10 @@ def test_fa4_sm90_forward_through_the_same_analysis():
     (rec,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert rec["impl"] == "fa4" and rec["threads"] == 384 and rec["spill_stores"] == 0
     assert rec["loop_mma"] > 0 and rec["instructions_per_s_block"] > 0 and rec["ctas_per_sm"] >= 1
+
+
+def test_ptx_facts():
+    ptx = ("\tsetmaxnreg.dec.sync.aligned.u32 \t40;\n\tsetmaxnreg.inc.sync.aligned.u32 \t224;\n"
+           "\tmov.b32 \t%r586, 512;\n\ttcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 \t[%r3+216], %r586;\n")
+    assert static.ptx_facts(ptx) == {"setmaxnreg": [40, 224], "tmem_columns": 512}
+    assert static.ptx_facts("ld.global.v4.b32") == {"setmaxnreg": []}
