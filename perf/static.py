@@ -15,11 +15,12 @@ configuration the host code passes, and the CTAs per SM these allow.
   [label, branch]. The main loop is, among the innermost loops that issue MMAs (a persistent kernel's loop over
   work tiles holds the tile loop and is passed over), the one with the most MMAs (ties: the shortest, which for
   FA4's causal prefill is the unmasked steady-state loop rather than its masked twin); a kernel without MMAs takes
-  the loop with the most instructions. Its instruction count is the static length of that address range, mbarrier retry loops
-  inside it counted once. A loop body may cover several tiles; ``per_s_block`` divides by the 64x64 blocks of S
-  its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are in the SASS opcode).
-  The softmax loop (the innermost loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the
-  softmax runs in other warps, so the two loops differ.
+  the loop with the most instructions. Its instruction count is the static length of that address range, mbarrier
+  retry loops inside it counted once. A loop body may cover several tiles; ``instructions_per_s_block`` divides by
+  the 64x64 blocks of S its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are
+  in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
+  loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
+  runs in other warps, so the two loops differ.
 * CTAs per SM follow the CUDA occupancy rules for sm_90 / sm_100 (``occupancy``).
 """
 
@@ -59,7 +60,8 @@ def find_tool(name: str) -> str:
             return path
     path = shutil.which(name)
     if path is None:
-        raise ToolMissing(f"{name} not found: pip install -e '.[sass]' (CUDA 13 wheels) or put a CUDA 13 {name} on PATH")
+        raise ToolMissing(f"{name} not found: pip install -e '.[sass]' (CUDA 13 wheels), or put a CUDA 13 {name} "
+                          "on PATH")
     return path
 
 
@@ -291,7 +293,8 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
                cta_barriers=sum(op.startswith(("BAR.SYNC", "BAR.RED")) for op in ops),
                mbarrier_waits=sum(op.startswith("SYNCS.PHASECHK") for op in ops),
                lds=sum(map(is_lds, ops)), sts=sum(map(is_sts, ops)), ex2=sum(op.startswith("MUFU.EX2") for op in ops),
-               local_loads=sum(op.startswith("LDL") for op in ops), local_stores=sum(op.startswith("STL") for op in ops))
+               local_loads=sum(op.startswith("LDL") for op in ops),
+               local_stores=sum(op.startswith("STL") for op in ops))
     rec.update(ptx_facts(ptx))
     all_loops = loops(instrs, labels)
     for name, lp in (("loop", main_loop(all_loops)), ("softmax_loop", softmax_loop(all_loops))):
