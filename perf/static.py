@@ -156,6 +156,11 @@ def is_barrier_wait(op: str) -> bool:
     return op.startswith(("BAR.SYNC", "BAR.RED", "SYNCS.PHASECHK"))
 
 
+def is_cta_barrier(op: str) -> bool:
+    """A CTA-wide or named barrier (``bar.sync`` / ``bar.red``); the rest of the waits are mbarrier waits."""
+    return op.startswith(("BAR.SYNC", "BAR.RED"))
+
+
 def is_lds(op: str) -> bool:
     return op == "LDS" or op.startswith(("LDS.", "LDSM"))
 
@@ -181,6 +186,7 @@ class Loop:
     lds: int
     sts: int
     barrier_waits: int
+    cta_barriers: int
 
 
 def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
@@ -196,7 +202,7 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
         out.append(Loop(labels[m[1]], ins.address, len(body), sum(is_mma(i.opcode) for i in body),
                         sum(hgmma_flops(i.opcode) for i in body), sum(i.opcode.startswith("MUFU.EX2") for i in body),
                         sum(is_lds(i.opcode) for i in body), sum(is_sts(i.opcode) for i in body),
-                        sum(is_barrier_wait(i.opcode) for i in body)))
+                        sum(is_barrier_wait(i.opcode) for i in body), sum(is_cta_barrier(i.opcode) for i in body)))
     return out
 
 
@@ -290,7 +296,7 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
     rec.update(occupancy(res.registers, launch.threads, rec["smem"]))
     ops = [i.opcode for i in instrs]
     rec.update(instructions=len(instrs), mma=sum(map(is_mma, ops)), barrier_waits=sum(map(is_barrier_wait, ops)),
-               cta_barriers=sum(op.startswith(("BAR.SYNC", "BAR.RED")) for op in ops),
+               cta_barriers=sum(map(is_cta_barrier, ops)),
                mbarrier_waits=sum(op.startswith("SYNCS.PHASECHK") for op in ops),
                lds=sum(map(is_lds, ops)), sts=sum(map(is_sts, ops)), ex2=sum(op.startswith("MUFU.EX2") for op in ops),
                local_loads=sum(op.startswith("LDL") for op in ops),
@@ -301,7 +307,8 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
         if lp is None:
             continue
         rec.update({f"{name}_instructions": lp.instructions, f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
-                    f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits})
+                    f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
+                    f"{name}_cta_barriers": lp.cta_barriers})
         if name == "loop" and head_dim and lp.mma_flops:
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)

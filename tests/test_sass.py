@@ -119,8 +119,8 @@ def test_sass_loops_and_counts():
     # The main loop, its mbarrier retry loop, the loop over work tiles around it, the trailing self-branch.
     assert len(all_loops) == 4 and max(lp.mma for lp in all_loops) == 3
     main = static.main_loop(all_loops)  # the innermost loop with MMAs, not the one with the most
-    assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits) == (
-        0x10, 0x90, 9, 2, 1, 1, 1, 2)
+    assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits,
+            main.cta_barriers) == (0x10, 0x90, 9, 2, 1, 1, 1, 2, 1)
     assert main.mma_flops == 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16
     assert static.softmax_loop(all_loops) == main
 
