@@ -149,7 +149,10 @@ def test_launch_from_host_ir():
 def test_fa4_sm90_forward_through_the_same_analysis():
     """FA4's SM90 forward compiled on the CPU (its own process) gives a full record: 12 warps, HGMMAs in the main
     loop, no spills."""
-    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 not installed (pip install -e '.[peers]')")
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:  # not imported here: quack needs the stubbed triton
+        pytest.skip("flash-attn-4 not installed (pip install -e '.[peers]')")
     done = subprocess.run([sys.executable, os.path.join(PERF, "static_peers.py"), "--arch", "sm_90a",
                            "--head-dims", "128", "--page-sizes", "64", "--modes", "decode"],
                           capture_output=True, text=True, timeout=600)
