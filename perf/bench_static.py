@@ -6,8 +6,8 @@ FA4's paged forward beside our attention for the same shapes. CPU only: ptxas, n
     python perf/run.py static -- --keep perf/results/static-sass   # also keep each kernel's PTX and SASS
 
 Columns (``static.py`` says how each is measured): registers per thread, spill stores/loads (bytes), shared memory
-per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA/named barriers +
-mbarrier waits) and LDS/STS in the whole kernel; instructions and waits of the main loop, its instructions per
+per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA-wide + named +
+mbarrier) and LDS/STS in the whole kernel; instructions and waits of the main loop, its instructions per
 64x64 block of S (attention), instructions of the softmax loop, tensor-memory columns (tcgen05) and the warp roles'
 register targets (setmaxnreg).
 """
@@ -26,10 +26,10 @@ COLUMNS = [  # (header, record key or function, width)
     ("kernel", "kernel", 22), ("config", "config", 50), ("arch", "arch", 7), ("regs", "registers", 4),
     ("spill", lambda r: f"{r['spill_stores']}/{r['spill_loads']}", 5), ("smem", "smem", 6),
     ("CTA/SM", "ctas_per_sm", 6), ("MMA", "mma", 4),
-    ("waits", lambda r: f"{r['cta_barriers']}+{r['mbarrier_waits']}", 6),
+    ("waits", lambda r: f"{r['cta_barriers']}+{r['named_barriers']}+{r['mbarrier_waits']}", 8),
     ("LDS/STS", lambda r: f"{r['lds']}/{r['sts']}", 7), ("loop", "loop_instructions", 5),
-    ("loopwaits", lambda r: "loop_cta_barriers" in r
-     and f"{r['loop_cta_barriers']}+{r['loop_barrier_waits'] - r['loop_cta_barriers']}" or None, 9),
+    ("loopwaits", lambda r: "loop_cta_barriers" in r and f"{r['loop_cta_barriers']}+{r['loop_named_barriers']}+"
+     f"{r['loop_barrier_waits'] - r['loop_cta_barriers'] - r['loop_named_barriers']}" or None, 9),
     ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6), ("softmax", "softmax_loop_instructions", 7),
     ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]

@@ -8,7 +8,8 @@ configuration the host code passes, and the CTAs per SM these allow.
   for every kernel here. For a kernel whose launch passes ``smem=`` that is the host's figure; for one that lets the
   DSL size it, the DSL's own total of the kernel's allocations.
 * SASS counts per kernel: tensor-core MMAs (``HGMMA`` on SM90; tcgen05 ``UTC*MMA`` on SM100), barrier waits
-  (``BAR.SYNC``/``BAR.RED``: CTA-wide and named barriers; ``SYNCS.PHASECHK``: mbarrier waits), shared loads / stores
+  (``BAR.SYNC``/``BAR.RED`` on barrier 0 without a count: CTA-wide; with an id and count: named barriers of some
+  warps; ``SYNCS.PHASECHK``: mbarrier waits), shared loads / stores
   (``LDS``/``LDSM``, ``STS``/``STSM``), ``MUFU.EX2``, local-memory ``LDL``/``STL`` (spills, or an array the
   compiler could not keep in registers: a stack frame without spills).
 * The main loop: every backward branch (a ``BRA`` to a label at a lower address) closes a loop spanning
@@ -156,9 +157,14 @@ def is_barrier_wait(op: str) -> bool:
     return op.startswith(("BAR.SYNC", "BAR.RED", "SYNCS.PHASECHK"))
 
 
-def is_cta_barrier(op: str) -> bool:
-    """A CTA-wide or named barrier (``bar.sync`` / ``bar.red``); the rest of the waits are mbarrier waits."""
-    return op.startswith(("BAR.SYNC", "BAR.RED"))
+def is_cta_barrier(ins: Instruction) -> bool:
+    """``__syncthreads``: barrier 0 with no thread count (``BAR.SYNC.DEFER_BLOCKING 0x0``)."""
+    return ins.opcode.startswith(("BAR.SYNC", "BAR.RED")) and ins.text.strip() == "0x0"
+
+
+def is_named_barrier(ins: Instruction) -> bool:
+    """A wait on a named barrier of some warps (an id and a thread count, e.g. FA4's warpgroup turns)."""
+    return ins.opcode.startswith(("BAR.SYNC", "BAR.RED")) and not is_cta_barrier(ins)
 
 
 def is_lds(op: str) -> bool:
@@ -187,6 +193,7 @@ class Loop:
     sts: int
     barrier_waits: int
     cta_barriers: int
+    named_barriers: int
 
 
 def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
@@ -202,7 +209,8 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
         out.append(Loop(labels[m[1]], ins.address, len(body), sum(is_mma(i.opcode) for i in body),
                         sum(hgmma_flops(i.opcode) for i in body), sum(i.opcode.startswith("MUFU.EX2") for i in body),
                         sum(is_lds(i.opcode) for i in body), sum(is_sts(i.opcode) for i in body),
-                        sum(is_barrier_wait(i.opcode) for i in body), sum(is_cta_barrier(i.opcode) for i in body)))
+                        sum(is_barrier_wait(i.opcode) for i in body), sum(map(is_cta_barrier, body)),
+                        sum(map(is_named_barrier, body))))
     return out
 
 
@@ -296,7 +304,7 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
     rec.update(occupancy(res.registers, launch.threads, rec["smem"]))
     ops = [i.opcode for i in instrs]
     rec.update(instructions=len(instrs), mma=sum(map(is_mma, ops)), barrier_waits=sum(map(is_barrier_wait, ops)),
-               cta_barriers=sum(map(is_cta_barrier, ops)),
+               cta_barriers=sum(map(is_cta_barrier, instrs)), named_barriers=sum(map(is_named_barrier, instrs)),
                mbarrier_waits=sum(op.startswith("SYNCS.PHASECHK") for op in ops),
                lds=sum(map(is_lds, ops)), sts=sum(map(is_sts, ops)), ex2=sum(op.startswith("MUFU.EX2") for op in ops),
                local_loads=sum(op.startswith("LDL") for op in ops),
@@ -308,7 +316,7 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
             continue
         rec.update({f"{name}_instructions": lp.instructions, f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
                     f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
-                    f"{name}_cta_barriers": lp.cta_barriers})
+                    f"{name}_cta_barriers": lp.cta_barriers, f"{name}_named_barriers": lp.named_barriers})
         if name == "loop" and head_dim and lp.mma_flops:
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)

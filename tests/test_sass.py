@@ -101,11 +101,11 @@ SASS = """
         /*0050*/                   MUFU.EX2 R5, R5 ;
         /*0060*/                   LDS.128 R8, [R2] ;
         /*0070*/                   STS.128 [R2], R8 ;
-        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;
         /*0090*/               @P1 BRA `(.L_x_1) ;
         /*00a0*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR12], UPT ;
         /*00b0*/               @P2 BRA `(.L_x_0) ;
-        /*00c0*/                   EXIT ;
+        /*00c0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
 .L_x_3:
         /*00d0*/                   BRA `(.L_x_3);
 """
@@ -120,7 +120,8 @@ def test_sass_loops_and_counts():
     assert len(all_loops) == 4 and max(lp.mma for lp in all_loops) == 3
     main = static.main_loop(all_loops)  # the innermost loop with MMAs, not the one with the most
     assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits,
-            main.cta_barriers) == (0x10, 0x90, 9, 2, 1, 1, 1, 2, 1)
+            main.cta_barriers, main.named_barriers) == (0x10, 0x90, 9, 2, 1, 1, 1, 2, 0, 1)
+    assert [static.is_cta_barrier(i) for i in instrs].count(True) == 1  # barrier 0, no count: __syncthreads
     assert main.mma_flops == 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16
     assert static.softmax_loop(all_loops) == main
 
