@@ -83,13 +83,17 @@ def cache_info() -> dict:
 
 def compile_ptx(build: Callable[[], tuple], arch: str) -> str:
     """PTX of one uncached compile (for tests that check what a kernel claims to emit)."""
+    return compile_uncached(build, arch).__ptx__
+
+
+def compile_uncached(build: Callable[[], tuple], arch: str):
+    """One uncached compile that keeps its PTX (``__ptx__``) beside the host IR (``ir_module``: the launch)."""
     jit_fn, *args = build()
     saved = os.environ.get("CUTE_DSL_DISABLE_FILE_CACHING")
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # a file-cache hit would dump nothing
     try:
         with tempfile.TemporaryDirectory() as dump:  # the dump directory must exist before compiling
-            fn = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --keep-ptx --dump-dir {dump}")
-            return fn.__ptx__
+            return cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --keep-ptx --dump-dir {dump}")
     finally:
         if saved is None:
             del os.environ["CUTE_DSL_DISABLE_FILE_CACHING"]

@@ -3,6 +3,7 @@
     python perf/run.py list
     python perf/run.py ceilings --out perf/results/ceilings.json
     python perf/run.py manager-step --out perf/results/manager.json -- --requests 256 --steps 512
+    python perf/run.py static                # CPU: registers, spills, smem, CTAs/SM, SASS counts (+ FA4)
 
 A benchmark is a module of this folder whose ``main(argv) -> list[dict]`` prints one JSON line per record and
 returns the records; register it in ``BENCHMARKS``.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +24,7 @@ class Benchmark:
     module: str
     needs_cuda: bool
     help: str
+    default_out: Optional[str] = None  # JSON written when --out is not given
 
 
 BENCHMARKS = {
@@ -34,6 +38,9 @@ BENCHMARKS = {
     "fused-qkv-static": Benchmark("static_fused_qkv", False,
                                   "fused QKV kernels vs quack's bare GEMM, compiled for sm_90a/sm_100a: registers, "
                                   "spills, MMA instructions, epilogue instructions per element (ptxas, cuobjdump)"),
+    "static": Benchmark("bench_static", False,
+                        "ptxas/SASS figures of every kernel configuration, FA4's forward beside ours (no GPU)",
+                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "static.json")),
     "paged-attention": Benchmark("bench_paged_attention", True,
                                  "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA"),
 }
@@ -62,11 +69,12 @@ def main(argv=None) -> int:
             print(f"perf/run.py: {args.name} needs a CUDA GPU and torch sees none", file=sys.stderr)
             return 2
     records = importlib.import_module(bench.module).main(rest)  # benchmarks print their own JSON lines
-    if args.out:
+    out = args.out or bench.default_out
+    if out:
         from report import write_json
 
-        write_json(args.out, records)
-        print(f"wrote {args.out}")
+        write_json(out, records)
+        print(f"wrote {out}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Markers: ``compile`` (CuTe DSL compiles with fake tensors, no GPU) and ``gpu`` (skipped without CUDA)."""
+"""Markers: ``compile`` (CuTe DSL compiles with fake tensors, no GPU), ``sass`` (ptxas / nvdisasm gate, no GPU;
+skipped without the tools) and ``gpu`` (skipped without CUDA)."""
 
 import pytest
 import torch

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from cute_kv.kernels import compile_cache
+from cute_kv.kernels.catalog import (ARCHS, ATTENTION_CASES, COMBINE_CASES, GATHER_CASES, STORE_CASES,
+                                     STORE_FP8_CASES)
 from cute_kv.kernels.attention.combine import AttentionCombine
 from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.attention.config import supported as attention_supported
@@ -15,8 +17,6 @@ from cute_kv.kernels.cache.store import PagedKVStore
 
 pytestmark = pytest.mark.compile
 
-ARCHS = ("sm_90a", "sm_100a")
-GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -34,9 +34,6 @@ def test_paged_kv_gather_ptx(arch, case):
     assert _count(r"ld\.shared\.v4\.b32", ptx) == 1 and _count(r"ld\.shared\.b16", ptx) == 0
 
 
-STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float32", 1, 64, 1, 576)]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("case", STORE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_ptx(arch, case):
@@ -52,8 +49,7 @@ def test_paged_kv_store_ptx(arch, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64),
-                                  ("float16", 2, 128, 2, 64, 8)], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", STORE_FP8_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_fp8_ptx(arch, case):
     kernel = PagedKVStore(*case)
     ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
@@ -132,18 +128,6 @@ def test_target_arch_device_wins_over_environment(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(RuntimeError, match="sm_80"):
         compile_cache.target_arch()
-
-
-ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads[, fp8, gran])
-    ("bfloat16", 32, 8, 128, 16, 2, True),  # Llama-3-8B: 8 pages per 128-key tile, two 4-entry lookup vectors
-    ("bfloat16", 32, 4, 128, 64, 2, False),  # GQA 8, lookup entries read one by one
-    ("float16", 8, 8, 64, 128, 2, True),  # MHA, a page holds the whole tile: one copy
-    ("bfloat16", 16, 2, 256, 16, 2, True),  # head dim 256: 64-key tiles, four 128-byte boxes per row
-    ("bfloat16", 32, 8, 128, None, 2, True),  # contiguous [B, S, H, D] operand
-    ("bfloat16", 32, 8, 128, 16, 2, True, "float8_e4m3fn", 16),  # fp8 cache, float32 scale per 16 dims
-    ("float16", 16, 2, 64, 64, 2, True, "float8_e4m3fn", None),  # fp8 cache without scales
-    ("bfloat16", 32, 8, 128, 64, 2, True, "float8_e4m3fn", 32, True),  # fp8 cache, e8m0 scale per 32 dims
-]
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -227,9 +211,9 @@ def test_paged_attention_is_sm90_only():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_attention_combine_ptx(arch, head_dim):
-    kernel = AttentionCombine("bfloat16", 32, head_dim)
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_attention_combine_ptx(arch, case):
+    kernel = AttentionCombine(*case)
     ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
     assert f".target {arch}" in ptx
     assert _count(r"ld\.global\.v4\.(?:b32|f32)", ptx) == 1  # 16 bytes of a split's partial per thread

@@ -1,0 +1,155 @@
+"""Every kernel configuration the project compiles without a GPU, with the resources its plan claims.
+
+One list for the compile tests (tests/test_compile_kernels.py), the SASS gate (tests/test_sass.py) and the static
+table (``python perf/run.py static``). A ``Family`` is a kernel class, the archs it compiles for, its cases
+(constructor arguments) and its ``plan``: threads per CTA, the shared memory the host plans per CTA, and the CTAs
+per SM the design claims. The register budget is what keeps the claimed CTAs resident. Adding a kernel is one
+``Family`` in ``FAMILIES``; adding a configuration is one more tuple in its cases; an attention family with a
+``peer_case`` also appears beside FA4 in the static table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90
+from cute_kv.kernels.cache import gather, store
+
+ARCHS = ("sm_90a", "sm_100a")
+REGS_PER_SM = 64 * 1024
+SMEM_PER_SM = attention_config.SMEM_PER_SM  # 228 KiB, 1 KiB of it reserved per resident CTA
+MAX_THREADS_PER_SM = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    threads: int
+    # Bytes per CTA: what the launch passes, or what the kernel allocates where the DSL sizes it; None where a
+    # library sizes its pipeline stages to fill the SM (then only ``ctas_per_sm`` is claimed).
+    smem: Optional[int]
+    ctas_per_sm: int  # claimed: at least this many CTAs resident per SM
+
+    @property
+    def register_budget(self) -> int:
+        """The most registers per thread that keep ``ctas_per_sm`` CTAs resident (8-register allocation steps)."""
+        return min(255, REGS_PER_SM // (self.ctas_per_sm * self.threads) // 8 * 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    make: Callable[..., object]
+    cases: tuple
+    archs: tuple
+    plan: Callable[[object], Plan]
+    head_dim: Optional[Callable[[object], int]] = None  # attention: S blocks are normalised by the head dim
+    # Attention: the case for a bf16, 32 q / 8 KV heads (GQA 4) problem of a head dim and page size, to set beside
+    # FA4 compiled for the same shape (``python perf/run.py static``).
+    peer_case: Optional[Callable[[int, int], tuple]] = None
+    # ``(jit function, *fake args)`` of a kernel object: most kernels are the jit function themselves.
+    build: Callable[[object], tuple] = lambda kernel: (kernel, *kernel.fake_args())
+
+    def configs(self) -> list["Config"]:
+        return [Config(self, case, arch) for case in self.cases for arch in self.archs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    family: Family
+    case: tuple
+    arch: str
+
+    @property
+    def label(self) -> str:
+        return "-".join(map(str, self.case)).replace(" ", "")
+
+    @property
+    def id(self) -> str:
+        return f"{self.family.name}[{self.label}]-{self.arch}"
+
+    def kernel(self):
+        return self.family.make(*self.case)
+
+    def build(self) -> tuple:
+        return self.family.build(self.kernel())
+
+
+GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64)]
+STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float32", 1, 64, 1, 576)]
+STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
+QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims)
+    ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B
+    ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
+    ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent head straddling tiles
+]
+ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads[, fp8, gran])
+    ("bfloat16", 32, 8, 128, 16, 2, True),  # Llama-3-8B: 8 pages per 128-key tile, two 4-entry lookup vectors
+    ("bfloat16", 32, 4, 128, 64, 2, False),  # GQA 8, lookup entries read one by one
+    ("float16", 8, 8, 64, 128, 2, True),  # MHA, a page holds the whole tile: one copy
+    ("bfloat16", 16, 2, 256, 16, 2, True),  # head dim 256: 64-key tiles, four 128-byte boxes per row
+    ("bfloat16", 32, 8, 128, None, 2, True),  # contiguous [B, S, H, D] operand
+    ("bfloat16", 32, 8, 128, 16, 2, True, "float8_e4m3fn", 16),  # fp8 cache, float32 scale per 16 dims
+    ("float16", 16, 2, 64, 64, 2, True, "float8_e4m3fn", None),  # fp8 cache without scales
+    ("bfloat16", 32, 8, 128, 64, 2, True, "float8_e4m3fn", 32, True),  # fp8 cache, e8m0 scale per 32 dims
+]
+COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256)]
+
+
+def _smem_bound(threads: int, smem: int) -> int:
+    """CTAs per SM that shared memory (and threads) allow: a plan whose tile sets its occupancy claims this many,
+    so registers must not lower it."""
+    return min(MAX_THREADS_PER_SM // threads, SMEM_PER_SM // (smem + 1024))
+
+
+def _gather_plan(k: gather.PagedKVGather) -> Plan:
+    # The page's 128B-swizzled tile, 1 KiB of alignment slack for it, and the TMA barrier.
+    smem = k.page_size * k.head_dim * (k.dtype.width // 8) + 1024 + 8
+    return Plan(gather.THREADS, smem, _smem_bound(gather.THREADS, smem))
+
+
+def _store_plan(k: store.PagedKVStore) -> Plan:
+    # A copy is bound by the bytes in flight: 4 CTAs of 128 threads with VECS_PER_THREAD 16-byte vectors each
+    # keep 128 KiB per SM in flight, several times what covers HBM latency; shared memory holds the page and
+    # position of each of the CTA's rows.
+    return Plan(store.THREADS, 2 * k.rows * 4, 4)
+
+
+def _qkv(arch: str):
+    """``FusedQKVGemm`` on ``arch`` from a ``QKV_CASES`` tuple (quack is imported only when one is built)."""
+
+    def make(*case):
+        from cute_kv.kernels.qkv.gemm import FusedQKVGemm, QKVSpec
+
+        return FusedQKVGemm(QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10]), arch)
+
+    return make
+
+
+# quack's persistent GEMMs: SM90 ping-pong is a producer and two MMA warpgroups; SM100 is 8 warps (MMA, TMA loads,
+# scheduler and 4 epilogue warps). Both size their stages to fill shared memory: one CTA per SM.
+_QKV_THREADS = {"sm_90a": 384, "sm_100a": 256}
+
+
+def _attention_plan(k: attention_sm90.PagedAttention) -> Plan:
+    return Plan(attention_sm90.THREADS, k.smem_bytes(), k.plan.ctas_per_sm)
+
+
+def _combine_plan(k: combine.AttentionCombine) -> Plan:
+    return Plan(combine.THREADS, 0, _smem_bound(combine.THREADS, 0))  # no shared memory: a full SM of threads
+
+
+FAMILIES = [
+    Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan),
+    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES), ARCHS, _store_plan),
+    *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),
+             lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build()) for arch in ARCHS),
+    Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
+           _attention_plan, head_dim=lambda k: k.head_dim,
+           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
+    Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
+]
+
+
+def configs() -> list[Config]:
+    return [c for f in FAMILIES for c in f.configs()]

@@ -1,0 +1,373 @@
+"""Static evidence for a compiled kernel, without a GPU: ``ptxas -v`` resources, SASS instruction counts, the launch
+configuration the host code passes, and the CTAs per SM these allow.
+
+* ``ptxas -arch=sm_90a|sm_100a -v`` on the kernel's PTX: registers per thread, spill stores / loads, stack frame,
+  static shared memory, named barriers; the cubin it writes is disassembled with ``nvdisasm``.
+* The launch (threads per CTA, dynamic shared memory) is read from the host code the DSL generates: the fields
+  ``block`` and ``sharedMemBytes`` of the launch-config struct it fills before ``cudaLaunchKernelEx`` are constants
+  for every kernel here. For a kernel whose launch passes ``smem=`` that is the host's figure; for one that lets the
+  DSL size it, the DSL's own total of the kernel's allocations.
+* SASS counts per kernel: tensor-core MMAs (``HGMMA`` on SM90; tcgen05 ``UTC*MMA`` on SM100), barrier waits
+  (``BAR.SYNC``/``BAR.RED`` on barrier 0 without a count: CTA-wide; with an id and count: named barriers of some
+  warps; ``SYNCS.PHASECHK``: mbarrier waits), shared loads / stores
+  (``LDS``/``LDSM``, ``STS``/``STSM``), ``MUFU.EX2``, local-memory ``LDL``/``STL`` (spills, or an array the
+  compiler could not keep in registers: a stack frame without spills).
+* The main loop: every backward branch (a ``BRA`` to a label at a lower address) closes a loop spanning
+  [label, branch]. The main loop is, among the innermost loops that issue MMAs (a persistent kernel's loop over
+  work tiles holds the tile loop and is passed over), the one with the most MMAs (ties: the shortest, which for
+  FA4's causal prefill is the unmasked steady-state loop rather than its masked twin); a kernel without MMAs takes
+  the loop with the most instructions. Its instruction count is the static length of that address range, mbarrier
+  retry loops inside it counted once. A loop body may cover several tiles; ``instructions_per_s_block`` divides by
+  the 64x64 blocks of S its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are
+  in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
+  loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
+  runs in other warps, so the two loops differ.
+* CTAs per SM follow the CUDA occupancy rules for sm_90 / sm_100 (``occupancy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+# SM90 and SM100 alike, for what the occupancy rules need (CUDA occupancy calculator, compute capability 9.0/10.0).
+REGS_PER_SM = 64 * 1024
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+MAX_REGS_PER_THREAD = 255
+MAX_WARPS_PER_SM = 64
+MAX_CTAS_PER_SM = 32
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA_MAX = 227 * 1024
+SMEM_RESERVED_PER_CTA = 1024  # the system's share of each resident CTA
+SMEM_ALLOC_UNIT = 128
+
+
+class ToolMissing(RuntimeError):
+    pass
+
+
+def find_tool(name: str) -> str:
+    """``ptxas`` / ``nvdisasm``: from the CUDA wheels (``pip install -e .[sass]``), else from PATH."""
+    for root in _wheel_bin_dirs():
+        path = os.path.join(root, name)
+        if os.access(path, os.X_OK):
+            return path
+    path = shutil.which(name)
+    if path is None:
+        raise ToolMissing(f"{name} not found: pip install -e '.[sass]' (CUDA 13 wheels), or put a CUDA 13 {name} "
+                          "on PATH")
+    return path
+
+
+def _wheel_bin_dirs() -> list[str]:
+    try:
+        import nvidia  # namespace package of NVIDIA's CUDA wheels
+    except ImportError:
+        return []
+    return [os.path.join(p, sub, "bin") for p in nvidia.__path__ for sub in ("cu13", "cuda_nvcc", "cuda_nvdisasm")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """``ptxas -v`` figures of one kernel."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    static_smem: int
+    barriers: int
+
+
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+
+
+def parse_ptxas(log: str) -> Resources:
+    frame, used = _PTXAS_FRAME.search(log), _PTXAS_USED.search(log)
+    if frame is None or used is None:
+        raise ValueError(f"unexpected ptxas -v output:\n{log}")
+    return Resources(registers=int(used[1]), spill_stores=int(frame[2]), spill_loads=int(frame[3]),
+                     stack=int(frame[1]), static_smem=int(used[3] or 0), barriers=int(used[2] or 0))
+
+
+def assemble(ptx: str, arch: str, workdir: str) -> tuple[Resources, str]:
+    """``ptxas -v`` resources and the path of the cubin it wrote."""
+    src, cubin = os.path.join(workdir, "k.ptx"), os.path.join(workdir, "k.cubin")
+    with open(src, "w") as f:
+        f.write(ptx)
+    done = subprocess.run([find_tool("ptxas"), f"-arch={arch}", "-v", src, "-o", cubin],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"ptxas -arch={arch} failed:\n{done.stderr}")
+    return parse_ptxas(done.stdout + done.stderr), cubin
+
+
+def disassemble(cubin: str) -> str:
+    done = subprocess.run([find_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvdisasm failed:\n{done.stderr}")
+    return done.stdout
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str  # with modifiers, e.g. HGMMA.64x128x16.F32.BF16
+    text: str
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]*)(.*?);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
+    """Instructions of one kernel's SASS, and each label's address."""
+    instrs: list[Instruction] = []
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in text.splitlines():
+        m = _LABEL.match(line.strip())
+        if m:
+            pending.append(m[1])
+            continue
+        m = _INSTR.search(line)
+        if m:
+            ins = Instruction(int(m[1], 16), m[2], m[3])
+            for name in pending:
+                labels[name] = ins.address
+            pending = []
+            instrs.append(ins)
+    return instrs, labels
+
+
+def is_mma(op: str) -> bool:
+    return op.startswith("HGMMA") or bool(re.match(r"UTC\w*MMA", op))
+
+
+def is_barrier_wait(op: str) -> bool:
+    return op.startswith(("BAR.SYNC", "BAR.RED", "SYNCS.PHASECHK"))
+
+
+def is_cta_barrier(ins: Instruction) -> bool:
+    """``__syncthreads``: barrier 0 with no thread count (``BAR.SYNC.DEFER_BLOCKING 0x0``)."""
+    return ins.opcode.startswith(("BAR.SYNC", "BAR.RED")) and ins.text.strip() == "0x0"
+
+
+def is_named_barrier(ins: Instruction) -> bool:
+    """A wait on a named barrier of some warps (an id and a thread count, e.g. FA4's warpgroup turns)."""
+    return ins.opcode.startswith(("BAR.SYNC", "BAR.RED")) and not is_cta_barrier(ins)
+
+
+def is_lds(op: str) -> bool:
+    return op == "LDS" or op.startswith(("LDS.", "LDSM"))
+
+
+def is_sts(op: str) -> bool:
+    return op == "STS" or op.startswith(("STS.", "STSM"))
+
+
+def hgmma_flops(op: str) -> int:
+    """2*M*N*K of one warpgroup MMA (``HGMMA.64x128x16...``); 0 where the shape is not in the opcode (tcgen05)."""
+    m = re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", op)
+    return 2 * int(m[1]) * int(m[2]) * int(m[3]) if m else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    start: int
+    end: int
+    instructions: int
+    mma: int
+    mma_flops: int
+    ex2: int
+    lds: int
+    sts: int
+    barrier_waits: int
+    cta_barriers: int
+    named_barriers: int
+
+
+def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
+    """Every [label, backward branch] range."""
+    out = []
+    for ins in instrs:
+        if not ins.opcode.startswith("BRA"):
+            continue
+        m = _TARGET.search(ins.text)
+        if m is None or labels.get(m[1], ins.address + 1) > ins.address:
+            continue
+        body = [i for i in instrs if labels[m[1]] <= i.address <= ins.address]
+        out.append(Loop(labels[m[1]], ins.address, len(body), sum(is_mma(i.opcode) for i in body),
+                        sum(hgmma_flops(i.opcode) for i in body), sum(i.opcode.startswith("MUFU.EX2") for i in body),
+                        sum(is_lds(i.opcode) for i in body), sum(is_sts(i.opcode) for i in body),
+                        sum(is_barrier_wait(i.opcode) for i in body), sum(map(is_cta_barrier, body)),
+                        sum(map(is_named_barrier, body))))
+    return out
+
+
+def _innermost(candidates: list[Loop]) -> list[Loop]:
+    """Loops that hold no other candidate: a persistent kernel's loop over work tiles holds its tile loop."""
+    return [a for a in candidates
+            if not any(b is not a and a.start <= b.start and b.end <= a.end for b in candidates)]
+
+
+def main_loop(all_loops: list[Loop]) -> Optional[Loop]:
+    if not all_loops:
+        return None
+    with_mma = _innermost([lp for lp in all_loops if lp.mma])
+    if with_mma:
+        return max(with_mma, key=lambda lp: (lp.mma, -lp.instructions))
+    return max(all_loops, key=lambda lp: lp.instructions)
+
+
+def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
+    with_exp = _innermost([lp for lp in all_loops if lp.ex2])
+    return max(with_exp, key=lambda lp: (lp.ex2, -lp.instructions)) if with_exp else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    threads: int
+    dynamic_smem: int
+
+
+# The struct the generated host code fills for cudaLaunchKernelEx: grid, block, sharedMemBytes, stream, attrs, count.
+_LAUNCH_STRUCT = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
+_CONST = re.compile(r"(%\w+) = llvm\.mlir\.constant\((-?\d+) : i\d+\)")
+_GEP = re.compile(r"(%\w+) = llvm\.getelementptr %\w+\[0, ([\d, ]+)\] .*" + re.escape(_LAUNCH_STRUCT))
+_STORE = re.compile(r"llvm\.store (%\w+), (%\w+) :")
+
+
+def launch_from_host_ir(ir: str) -> Launch:
+    """Threads per CTA and dynamic shared memory of the (single) kernel launch in the compiled host IR."""
+    consts: dict[str, int] = {}
+    fields: dict[str, tuple[int, ...]] = {}
+    found: dict[tuple[int, ...], Optional[int]] = {}
+    for line in ir.splitlines():
+        s = line.strip()
+        if s.startswith("llvm.func"):
+            consts, fields = {}, {}
+        elif m := _CONST.match(s):
+            consts[m[1]] = int(m[2])
+        elif m := _GEP.match(s):
+            fields[m[1]] = tuple(int(x) for x in m[2].split(","))
+        elif (m := _STORE.match(s)) and m[2] in fields:
+            found[fields[m[2]]] = consts.get(m[1])
+    block = [found.get((1, i)) for i in range(3)]
+    smem = found.get((2,))
+    if None in block or smem is None:
+        raise ValueError("no launch with a constant block and shared-memory size in the host IR")
+    return Launch(block[0] * block[1] * block[2], smem)
+
+
+def occupancy(registers: int, threads: int, smem: int) -> dict:
+    """CTAs per SM allowed by each resource, and the least of them (``ctas_per_sm``)."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-registers * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = (REGS_PER_SM // regs_per_warp) // warps if registers else MAX_CTAS_PER_SM
+    by_threads = MAX_WARPS_PER_SM // warps
+    if smem > SMEM_PER_CTA_MAX:
+        by_smem = 0
+    else:
+        per_cta = -(-smem // SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT + SMEM_RESERVED_PER_CTA
+        by_smem = SMEM_PER_SM // per_cta
+    return {"ctas_by_regs": by_regs, "ctas_by_threads": by_threads, "ctas_by_smem": by_smem,
+            "ctas_per_sm": min(by_regs, by_threads, by_smem, MAX_CTAS_PER_SM)}
+
+
+def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Optional[int] = None,
+            keep_dir: Optional[str] = None) -> dict:
+    """One flat record: ptxas resources, launch, occupancy, SASS counts and the main / softmax loops."""
+    with tempfile.TemporaryDirectory() as work:
+        res, cubin = assemble(ptx, arch, work)
+        sass = disassemble(cubin)
+        if keep_dir:
+            os.makedirs(keep_dir, exist_ok=True)
+            for ext, text in (("ptx", ptx), ("sass", sass)):
+                with open(os.path.join(keep_dir, f"kernel.{arch}.{ext}"), "w") as f:
+                    f.write(text)
+    if launch is None:
+        launch = _launch_from_ptx(ptx)
+    instrs, labels = parse_sass(sass)
+    rec = dataclasses.asdict(res)
+    rec.update(arch=arch, threads=launch.threads, dynamic_smem=launch.dynamic_smem,
+               smem=res.static_smem + launch.dynamic_smem)
+    rec.update(occupancy(res.registers, launch.threads, rec["smem"]))
+    ops = [i.opcode for i in instrs]
+    rec.update(instructions=len(instrs), mma=sum(map(is_mma, ops)), barrier_waits=sum(map(is_barrier_wait, ops)),
+               cta_barriers=sum(map(is_cta_barrier, instrs)), named_barriers=sum(map(is_named_barrier, instrs)),
+               mbarrier_waits=sum(op.startswith("SYNCS.PHASECHK") for op in ops),
+               lds=sum(map(is_lds, ops)), sts=sum(map(is_sts, ops)), ex2=sum(op.startswith("MUFU.EX2") for op in ops),
+               local_loads=sum(op.startswith("LDL") for op in ops),
+               local_stores=sum(op.startswith("STL") for op in ops))
+    rec.update(ptx_facts(ptx))
+    all_loops = loops(instrs, labels)
+    for name, lp in (("loop", main_loop(all_loops)), ("softmax_loop", softmax_loop(all_loops))):
+        if lp is None:
+            continue
+        rec.update({f"{name}_instructions": lp.instructions, f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
+                    f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
+                    f"{name}_cta_barriers": lp.cta_barriers, f"{name}_named_barriers": lp.named_barriers})
+        if name == "loop" and head_dim and lp.mma_flops:
+            rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
+            rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)
+    return rec
+
+
+def analyze_config(config, keep_dir: Optional[str] = None) -> dict:
+    """Compile one ``cute_kv.kernels.catalog`` configuration and analyze it beside its plan."""
+    from cute_kv.kernels import compile_cache
+
+    kernel = config.kernel()
+    fn = compile_cache.compile_uncached(lambda: config.family.build(kernel), config.arch)
+    head_dim = config.family.head_dim(kernel) if config.family.head_dim else None
+    rec = {"kernel": config.family.name, "config": config.label, "impl": "cute-kv"}
+    rec.update(analyze(fn.__ptx__, config.arch, launch_from_host_ir(str(fn.ir_module)), head_dim, keep_dir))
+    plan = config.family.plan(kernel)
+    rec.update(plan_threads=plan.threads, plan_smem=plan.smem, plan_ctas_per_sm=plan.ctas_per_sm,
+               register_budget=plan.register_budget)
+    return rec
+
+
+def ptx_facts(ptx: str) -> dict:
+    """Warp-role register splits (``setmaxnreg`` targets) and the tensor-memory columns a tcgen05 kernel allocates
+    (``tcgen05.alloc``'s count, a constant moved into its register)."""
+    facts = {"setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+    m = re.search(r"tcgen05\.alloc\.[\w:.]+\s+\[[^\]]+\],\s*(%r\d+|\d+);", ptx)
+    if m:
+        count = m[1] if m[1].isdigit() else re.search(rf"mov\.[bu]32\s+{m[1]},\s*(\d+);", ptx)
+        facts["tmem_columns"] = int(count if isinstance(count, str) else count[1]) if count else None
+    return facts
+
+
+def _launch_from_ptx(ptx: str) -> Launch:
+    """Threads from the kernel's ``.reqntid`` where the host IR is not at hand (no dynamic shared memory known)."""
+    m = re.search(r"\.reqntid\s+(\d+),\s*(\d+),\s*(\d+)", ptx)
+    if m is None:
+        raise ValueError("the PTX has no .reqntid: pass the launch")
+    return Launch(int(m[1]) * int(m[2]) * int(m[3]), 0)
+
+
+@functools.lru_cache(maxsize=None)
+def tools_available() -> Optional[str]:
+    """None when ptxas and nvdisasm are found, else why not."""
+    try:
+        find_tool("ptxas"), find_tool("nvdisasm")
+    except ToolMissing as e:
+        return str(e)
+    return None
+
+
+if __name__ == "__main__":  # python perf/static.py k.ptx sm_90a
+    import json
+
+    print(json.dumps(analyze(open(sys.argv[1]).read(), sys.argv[2]), indent=1))
