@@ -20,10 +20,11 @@ MAX_SPLITS = 32
 
 
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
-                    causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None,
-                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                    validate: bool = True) -> torch.Tensor:
-    """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``).
+                    causal: bool = True, window: Optional[int] = None, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None, return_lse: bool = False, scale: Optional[float] = None,
+                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, validate: bool = True):
+    """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``),
+    or ``(out, lse)`` with ``return_lse``.
 
     Query ``i`` of request ``b`` is at position ``p = cache_lengths[b] + i`` and sees keys ``j`` in
     ``[0, cache_lengths[b] + seq_len_b)`` read through the lookup table, so this step's K/V must already be
@@ -32,31 +33,46 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     dtype (bf16/fp16/fp32 for fp8 caches, which are dequantized with their scales). An MLA cache needs
     ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``).
 
+    Logits are ``s = scale * q.k``; ``softcap = c > 0`` (Gemma 2) makes them ``c * tanh(s / c)`` before masking
+    (None or 0: off). ``sinks`` (gpt-oss), float32 ``[Hq]``: a logit per query head that joins the softmax
+    denominator only, ``out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m))``. ``return_lse`` also
+    returns ``lse`` float32 ``[T, Hq]``, the NATURAL log of that denominator plus ``m`` (the sink included), -inf
+    for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
+    chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
+
     On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
     the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
     CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
     """
-    d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
+    d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
+                 mla_v_dim, out, validate)
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
                                           layer_idx, c.max_seq_length, c.max_cache_length,
-                                          c.quantization_granularity, causal, window, scale, mla_v_dim, out)
+                                          c.quantization_granularity, causal, window, scale, softcap, sinks,
+                                          mla_v_dim, out, lse)
     else:  # eager: skip the op's dispatcher (host time)
-        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, mla_v_dim, out)
-    return out
+        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, lse)
+    return (out, lse) if return_lse else out
 
 
-def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out) -> None:
-    """Checked arguments to the kernel serving them, else to the reference, writing ``out``."""
-    run = _kernel_for(collection, q, window, mla_v_dim) or reference.paged_attention
-    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, mla_v_dim=mla_v_dim,
-        out=out)
+def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out,
+             lse) -> None:
+    """Checked arguments to the kernel serving them, else to the reference, writing ``out`` (and ``lse`` if given)."""
+    features = softcap is not None or sinks is not None or lse is not None
+    run = None if features else _kernel_for(collection, q, window, mla_v_dim)
+    run = run or reference.paged_attention
+    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
+        sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
 
 
-def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> int:
+def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
+           out, validate) -> int:
     """Every argument, before anything runs; returns the output head dim ``D_v``."""
     collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
@@ -76,6 +92,13 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, m
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 or None: off), got {softcap!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, shape=[hq], device=collection.device)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     d_v = _check_mla_v_dim(mla_v_dim, collection)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=[t, hq, d_v], device=collection.device)
