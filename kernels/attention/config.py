@@ -60,9 +60,34 @@ def tiling(head_dim: int, kv_fp8: bool) -> Tiling:
     raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
 
 
+@dataclasses.dataclass(frozen=True)
+class WSTiling:
+    """``PagedAttentionWS``'s plan: ``bn`` keys a tile, ``stages`` K and V tiles in their rings, beside the two
+    warpgroups' Q tiles (reused for their O) and the barriers (bytes, ``smem``)."""
+
+    bn: int
+    stages: int
+    smem: int
+
+
+WS_BM = 128  # two consumer warpgroups of 64 rows
+
+
+def ws_tiling(head_dim: int) -> WSTiling:
+    """128-key tiles up to head dim 128 (S is 64 registers a thread), 64 at 256 (O takes 128); the deepest ring
+    (up to 4 stages) one CTA's shared memory holds."""
+    bn = 128 if head_dim <= 128 else 64
+    q = WS_BM * head_dim * 2
+    stage = 2 * bn * head_dim * 2  # K and V
+    fixed = q + 2 * 2 * 4 * 8 + 1024  # + 4 stages x (full, empty) x (K, V) barriers, alignment slack
+    stages = min(4, (SMEM_PER_SM - 2048 - fixed) // stage)
+    return WSTiling(bn, stages, fixed + stages * stage)
+
+
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
-              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
-    """Why the kernel cannot take the problem, or None."""
+              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None, *, bm: int = BM,
+              bn: int = BN) -> Optional[str]:
+    """Why the kernel (``bm`` rows x ``bn`` keys a tile) cannot take the problem, or None."""
     if kv_dtype_name not in (None, FP8, *DTYPE_NAMES):
         return f"the cache dtype must be 16-bit or {FP8}, got {kv_dtype_name}"
     if kv_dtype_name == FP8 and page_size is None:
@@ -73,10 +98,10 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
                 f"got {granularity}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
-    if num_q_heads // num_kv_heads > BM:
-        return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
+    if num_q_heads // num_kv_heads > bm:
+        return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {bm}-row tile"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
-    if page_size is not None and (page_size < 16 or (page_size % BN and BN % page_size)):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {BN}-key tile"
+    if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
+        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
     return None

@@ -1,0 +1,523 @@
+"""``PagedAttentionWS`` (SM90): warp-specialized FlashAttention-3 pipeline over a KV operand, decode and ragged
+prefill alike.
+
+A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); packed rows interleave the
+``group = Hq/H`` query heads of a KV head with the tokens (row ``i*group + g`` is token ``i``, head
+``kv_head*group + g``), as in ``PagedAttention``. Three warpgroups:
+
+* the producer (warp 0; 24 registers): for each key tile, ``populate`` (the lookup-table reads) of the tile after it
+  is issued while the tile's TMAs are in flight, then one TMA per page slot for K into the K ring and for V into the
+  V ring (separate pipelines, so QK of a tile can start before its V lands);
+* two consumer warpgroups (240 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
+  registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
+  operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` is computed
+  (QK of ``j + 1`` and PV of ``j`` are issued back to back, then only the QK is waited for); between the two
+  warpgroups two named barriers alternate who issues its wgmmas (ping-pong), so one's softmax overlaps the other's
+  MMAs. No CTA-wide barrier runs in the loop.
+
+Tiles are walked from the last to the first: the tile that holds the request's last key (and any slot past it) comes
+first; its V rows past the keys are zeroed in shared memory once (P is exactly 0 there, but 0 * NaN is not). Tiles
+the masks cannot touch skip the masking. Soft-cap (``c * tanh(s / c)``) is applied to S before masking; sinks join
+the denominator once, in split 0. Split-KV: each split writes ``O/l`` and its base-2 ``lse`` in float32 and
+``AttentionCombine`` merges them; one split writes the output (and the natural-log ``lse`` when asked) itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
+
+from cute_kv.kernels.attention import softmax
+from cute_kv.kernels.attention.config import DTYPE_NAMES, VEC, ring_swizzle, supported, ws_tiling
+from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.paged import tma_tiles
+
+WG_THREADS = 128
+THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
+WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
+BM = 2 * WG_ROWS
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+LOG2E = math.log2(math.e)
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+assert set(DTYPES) == set(DTYPE_NAMES)
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
+
+    SCHED_WG1 = 1  # ping-pong: consumer warpgroup 1 may issue its wgmmas
+    SCHED_WG2 = 2
+    STALE_V = 3  # both consumer warpgroups around the zeroing of stale V rows
+    EPILOGUE_WG1 = 4  # one consumer warpgroup: its Q rows loaded / its O rows staged
+    EPILOGUE_WG2 = 5
+
+
+class PagedAttentionWS:
+    """Compile-time key: dtype (Q, O, the MMAs and the 16-bit cache), heads (Hq, H), head dim, the operand
+    (``page_size``; None for a dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, and
+    the optional features: soft-cap, sinks, and writing the natural-log ``lse``."""
+
+    def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
+                 sinks: bool = False, return_lse: bool = False):
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, dtype_name, None, bm=BM,
+                            bn=ws_tiling(head_dim).bn)
+        if problem:
+            raise ValueError(problem)
+        self.dtype = DTYPES[dtype_name]
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group = num_q_heads // num_kv_heads
+        self.page_size, self.kv_dim = page_size, kv_dim
+        self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
+        self.plan = ws_tiling(head_dim)
+        self.bn, self.stages = self.plan.bn, self.plan.stages
+        self.swizzle = ring_swizzle(head_dim, False)
+        if page_size is None:
+            self.k_op = self.v_op = DenseMHAOperand(self.bn)
+        else:
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+
+    # -- host ------------------------------------------------------------------------------------
+
+    def smem_bytes(self) -> int:
+        return self.plan.smem
+
+    def fake_args(self) -> tuple:
+        dt, d, hq, h = self.dtype, self.head_dim, self.num_q_heads, self.num_kv_heads
+        t = cute.sym_int32()
+        row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
+        q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        out = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        lse = make_fake_compact_tensor(Float32, (t, hq), stride_order=(1, 0), assumed_align=4) if self.return_lse \
+            else None
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, d),
+                                          stride_order=(3, 2, 1, 0), assumed_align=16)
+        lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
+                                            stride_order=(2, 1, 0), assumed_align=4)
+        sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
+        b = cute.sym_int32()
+        if self.page_size is None:
+            cache = lambda: make_fake_tensor(dt, (cute.sym_int32(), cute.sym_int32(), h, d), stride=(  # noqa: E731
+                cute.sym_int64(divisibility=h * d), h * d, d, 1), assumed_align=16)
+            k_src, v_src, lut = cache(), cache(), None
+        else:
+            kvd, p = self.kv_dim, self.page_size
+            k_src = v_src = make_fake_tensor(dt, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
+                cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
+                h * d, d, 1), assumed_align=16)
+            width = self.k_op.lut_width
+            lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
+                                   assumed_align=4 * width)
+        offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
+        lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
+        return (q, out, lse, o_part, lse_part, sinks, k_src, v_src, offsets, lengths, lut, Int32(0), Int32(1),
+                Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                 lse_part: cute.Tensor, sinks: Optional[cute.Tensor], k_src: cute.Tensor, v_src: cute.Tensor,
+                 input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
+                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32,
+                 score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
+        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Without soft-cap ``score_scale`` is
+        unused and ``softmax_scale_log2 = scale * log2(e)``; with soft-cap ``c``, ``score_scale = scale / c`` (S
+        becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive."""
+        dt, d, bn = self.dtype, self.head_dim, self.bn
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                         (1, 1, 1), (WG_ROWS, bn))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                         (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM)
+        k_rows = self.k_op.row_view(k_src, layer_idx)
+        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.swizzle)
+        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
+                                                  self.swizzle)
+        grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part, lse_part, sinks,
+                    input_row_offsets, cache_lengths, lookup_table, self.k_op.rows_per_page(k_src), k_rows.shape[0],
+                    num_splits, causal, window, score_scale, softmax_scale_log2).launch(
+            grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    # -- device ----------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
+               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
+               out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
+               sinks: Optional[cute.Tensor], input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
+               lookup_table: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32, num_splits: Int32,
+               causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
+        dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
+        m_block, head_split, b = cute.arch.block_idx()
+        kv_head = head_split % self.num_kv_heads
+        split = head_split // self.num_kv_heads
+        q_start = Int32(input_row_offsets[b])
+        seq_len = Int32(input_row_offsets[b + 1]) - q_start
+        m0 = m_block * BM
+        if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+            cache_len = Int32(cache_lengths[b])
+            num_keys = cache_len + seq_len
+            # Key tiles any row of this block may see, then this split's share of them.
+            tok_first = m0 // group
+            tok_last = (cutlass.min(m0 + BM, seq_len * group) - 1) // group
+            k_end = num_keys
+            if causal != 0:
+                k_end = cache_len + tok_last + 1
+            k_begin = Int32(0)
+            if window > 0:
+                k_begin = cutlass.max(cache_len + tok_first - window + 1, 0)
+            tile_begin = k_begin // bn
+            tiles = (k_end + bn - 1) // bn - tile_begin
+            per_split = (tiles + num_splits - 1) // num_splits
+            first_tile = tile_begin + split * per_split
+            n_tiles = cutlass.max(cutlass.min(per_split, tiles - split * per_split), 0)
+            last_tile = first_tile + n_tiles - 1  # walked from here down to first_tile
+
+            smem = SmemAllocator()
+            mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
+            mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
+            sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
+            ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
+            s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
+            s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+            s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+
+            stage_bytes = bn * d * dt.width // 8
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
+            pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                      producer_group=producer, consumer_group=consumers,
+                                                      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout(
+                                                          (1, 1, 1, 1)), defer_sync=True)
+            pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                      producer_group=producer, consumer_group=consumers,
+                                                      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout(
+                                                          (1, 1, 1, 1)))  # (its sync publishes both inits)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
+                                 kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                wg = warp_idx // 4 - 1
+                self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, s_q, s_k, s_v, q, out, lse, o_part, lse_part,
+                             sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split, num_splits,
+                             causal, window, first_tile, last_tile, n_tiles, score_scale, softmax_scale_log2)
+
+    @cute.jit
+    def produce(self, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync, tma_k: cute.CopyAtom,
+                g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_v: cute.Tensor,
+                s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32, kv_head: Int32,
+                num_keys: Int32, rows_per_page: Int32, oob_row: Int32, first_tile: Int32, last_tile: Int32,
+                n_tiles: Int32):
+        """Warp 0: K then V of each tile, last to first. The next tile's lookup entries are read right after this
+        tile's copies are issued, so their latency hides behind the wait for a free stage."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        if n_tiles > 0:
+            self.k_op.populate(rows, lookup_table, b, last_tile * self.bn, num_keys, rows_per_page, oob_row)
+        for i in cutlass.range(n_tiles, unroll=1):
+            for pipe, g_rows, ring, atom in ((pipe_k, g_k, s_k, tma_k), (pipe_v, g_v, s_v, tma_v)):
+                pipe.producer_acquire(state)
+                self.copy_tile(atom, g_rows, ring, s_slot, rows, state.index, kv_head,
+                               pipe.producer_get_barrier(state))
+                pipe.producer_commit(state)
+            if i + 1 < n_tiles:
+                self.k_op.populate(rows, lookup_table, b, (last_tile - i - 1) * self.bn, num_keys, rows_per_page,
+                                   oob_row)
+            state.advance()
+
+    @cute.jit
+    def copy_tile(self, atom: cute.CopyAtom, g_rows: cute.Tensor, ring: cute.Tensor, s_slot: cute.ComposedLayout,
+                  rows: cute.Tensor, stage: Int32, kv_head: Int32, bar):
+        """One TMA per page slot of the tile (one in all when a page holds the tile): rows ``rows[p]`` onward."""
+        box = (self.k_op.rows_per_copy, cute.size(s_slot, mode=[1]))
+        for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
+            src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
+            dst = cute.local_tile(ring[None, None, stage], box, (p, 0))
+            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                             cute.group_modes(src, 0, 2))
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineTmaAsync,
+                pipe_v: pipeline.PipelineTmaAsync, s_q: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
+                q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                lse_part: cute.Tensor, sinks: Optional[cute.Tensor], wg: Int32, q_start: Int32, seq_len: Int32,
+                cache_len: Int32, num_keys: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32,
+                causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32,
+                score_scale: Float32, softmax_scale_log2: Float32):
+        """One consumer warpgroup: rows ``m0 + 64*wg ..`` of the block."""
+        d, bn, group = self.head_dim, self.bn, self.group
+        tidx = cute.arch.thread_idx()[0] % WG_THREADS
+        rows0 = m0 + wg * WG_ROWS
+        s_q_wg = s_q[None, None, wg]
+        self.load_q(s_q_wg, q, q_start, seq_len, rows0, kv_head, tidx, wg)
+
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q_wg))
+        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
+        s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
+        t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
+        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_ROWS, bn)))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, d)), Float32)
+        acc_o.fill(0.0)
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, bn)), Float32)
+        # (row, key) of each S register, and the key range of each of the thread's rows
+        coords = softmax.mn_view(thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, bn))))
+        n_rows = cute.size(coords, mode=[0])
+        row_begin = cute.make_rmem_tensor((n_rows,), Int32)
+        row_end = cute.make_rmem_tensor((n_rows,), Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            tok = (rows0 + coords[r, 0][0]) // group
+            row_end[r] = num_keys
+            if causal != 0:
+                row_end[r] = cutlass.min(cache_len + tok + 1, num_keys)
+            row_begin[r] = 0
+            if window > 0:
+                row_begin[r] = cache_len + tok - window + 1
+            if tok >= seq_len:
+                row_end[r] = 0  # a padding row: everything masked
+        # Tiles every live row of the block sees whole need no mask.
+        tok_lo = rows0 // group
+        tok_hi = cutlass.min((cutlass.min(rows0 + WG_ROWS, seq_len * group) - 1) // group, seq_len - 1)
+        unmasked_end = num_keys
+        if causal != 0:
+            unmasked_end = cutlass.min(cache_len + tok_lo + 1, num_keys)
+        unmasked_begin = Int32(0)
+        if window > 0:
+            unmasked_begin = cache_len + tok_hi - window + 1
+
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_scale = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(softmax.NEG_INF)
+        row_sum.fill(0.0)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if wg == 0:  # ping-pong: the first warpgroup may issue first
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG1), number_of_threads=2 * WG_THREADS)
+        if n_tiles > 0:
+            # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
+            pipe_k.consumer_wait(read)
+            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(read)
+            self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, unmasked_begin, unmasked_end,
+                        score_scale)
+            softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
+            t_rp.store(softmax.a_fragment_view(acc_s).load().to(self.dtype))
+            if (last_tile + 1) * bn > num_keys:
+                pipe_v.consumer_wait(read)
+                self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
+            for i in cutlass.range(1, n_tiles, unroll=1):
+                prev = read.clone()
+                read.advance()
+                pipe_k.consumer_wait(read)
+                self.sched_wait(wg)
+                self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+                pipe_v.consumer_wait(prev)
+                self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
+                self.sched_release(wg)
+                warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
+                pipe_k.consumer_release(read)
+                self.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * bn, unmasked_begin, unmasked_end,
+                            score_scale)
+                softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(prev)
+                t_rp.store(softmax.a_fragment_view(acc_s).load().to(self.dtype))
+                softmax.rescale_rows(acc_o, row_scale)
+            pipe_v.consumer_wait(read)
+            self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(read)
+        self.epilogue(thr_pv, acc_o, row_max, row_sum, softmax_scale_log2, coords, s_q_wg, out, lse, o_part,
+                      lse_part, sinks, q_start, seq_len, rows0, kv_head, split, num_splits, tidx, wg)
+
+    @cute.jit
+    def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
+                stage: Int32):
+        """Issue ``S = Q K^T`` for one K stage (no wait). A fresh atom per call: its accumulate flag is set here, and
+        an atom shared across the loop's regions would carry the flag out of them."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        warpgroup.fence()
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
+            cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb, stage], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_pv(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rp: cute.Tensor, t_rv: cute.Tensor,
+                stage: Int32):
+        """Issue ``O += P V`` with P from registers (no wait)."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        warpgroup.fence()
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
+            cute.gemm(atom, acc, t_rp[None, None, kb], t_rv[None, None, kb, stage], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def sched_wait(self, wg: Int32):
+        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + wg, number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def sched_release(self, wg: Int32):
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - wg, number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
+               tile_base: Int32, unmasked_begin: Int32, unmasked_end: Int32, score_scale: Float32):
+        """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then the masks, the latter
+        only on a tile some live row does not see whole."""
+        s_mn = softmax.mn_view(acc_s)
+        if cutlass.const_expr(self.softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
+        if tile_base < unmasked_begin or tile_base + self.bn > unmasked_end:
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                lo = row_begin[r] - tile_base
+                hi = row_end[r] - tile_base
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    key = coords[0, c][1]
+                    if key < lo or key >= hi:
+                        s_mn[r, c] = softmax.NEG_INF
+
+    @cute.jit
+    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, rows0: Int32,
+               kv_head: Int32, tidx: Int32, wg: Int32):
+        """The warpgroup's 64 packed rows of ``q`` into its swizzled Q tile, 16 bytes a thread at a time (rows past
+        the request are 0): a packed row is (token, head), which one TMA box cannot address for any group size."""
+        d, group = self.head_dim, self.group
+        chunks = d // VEC
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
+            idx = tidx + j * WG_THREADS
+            r = idx // chunks
+            c = idx % chunks
+            tok = (rows0 + r) // group
+            vals.fill(0.0)
+            if tok < seq_len:
+                src = q[q_start + tok, kv_head * group + (rows0 + r) % group, None]
+                cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals)
+            cute.autovec_copy(vals, cute.local_tile(s_q[r, None], (VEC,), (c,)))
+        cute.arch.fence_view_async_shared()  # read by wgmma next
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
+
+    @cute.jit
+    def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32, ctidx: Int32):
+        """Both consumer warpgroups zero V rows ``[first_row, BN)`` of ``stage`` (past the request's keys)."""
+        d = self.head_dim
+        chunks = d // VEC
+        zeros = cute.make_rmem_tensor((VEC,), self.dtype)
+        zeros.fill(0.0)
+        cute.arch.barrier(barrier_id=int(Barrier.STALE_V), number_of_threads=2 * WG_THREADS)
+        for idx in cutlass.range(ctidx, self.bn * chunks, 2 * WG_THREADS, unroll=1):
+            if idx // chunks >= first_row:
+                cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Barrier.STALE_V), number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def epilogue(self, thr_pv: cute.ThrMma, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 softmax_scale_log2: Float32, coords: cute.Tensor, s_q: cute.Tensor, out: cute.Tensor,
+                 lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
+                 sinks: Optional[cute.Tensor], q_start: Int32, seq_len: Int32, rows0: Int32, kv_head: Int32,
+                 split: Int32, num_splits: Int32, tidx: Int32, wg: Int32):
+        """Rows' sums over the quad, the sink (split 0 only), ``O / l`` and the base-2 ``lse``; then the output through
+        the warpgroup's Q tile (its wgmmas are done with it) in 16-byte stores, or the float32 partial."""
+        d, group = self.head_dim, self.group
+        n_rows = cute.size(row_max)
+        inv = cute.make_rmem_tensor((n_rows,), Float32)
+        lse2 = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            total = softmax.quad_sum(row_sum[r])
+            top = row_max[r] * softmax_scale_log2
+            weight = Float32(1.0)
+            if cutlass.const_expr(self.sinks):
+                if split == 0:
+                    head = kv_head * group + (rows0 + coords[r, 0][0]) % group
+                    sink = Float32(sinks[head]) * LOG2E
+                    new_top = cute.arch.fmax(top, sink)
+                    if new_top != softmax.NEG_INF:
+                        weight = cute.math.exp2(top - new_top, fastmath=True)  # 0 for a row with no key
+                        total = total * weight + cute.math.exp2(sink - new_top, fastmath=True)
+                        top = new_top
+            inv[r] = Float32(0.0)
+            lse2[r] = softmax.NEG_INF
+            if total > 0.0:
+                inv[r] = weight / total
+                lse2[r] = top + cute.math.log2(total, fastmath=True)
+        softmax.rescale_rows(acc_o, inv)
+        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d))))
+        o_mn = softmax.mn_view(acc_o)
+        if num_splits == 1:
+            o_16 = cute.make_rmem_tensor(acc_o.shape, self.dtype)
+            o_16.store(acc_o.load().to(self.dtype))
+            thr_pv.partition_C(s_q).store(o_16.load())
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
+            self.store_rows(s_q, out, q_start, seq_len, rows0, kv_head, tidx)
+            if cutlass.const_expr(self.return_lse):
+                self.store_lse(lse, lse2, o_coords, Float32(math.log(2.0)), q_start, seq_len, rows0, kv_head, tidx)
+        else:
+            for r in cutlass.range_constexpr(n_rows):
+                packed = rows0 + o_coords[r, 0][0]
+                tok = packed // group
+                if tok < seq_len:
+                    dst = o_part[split, q_start + tok, kv_head * group + packed % group, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = o_mn[r, 2 * c]
+                        pair[1] = o_mn[r, 2 * c + 1]
+                        cute.autovec_copy(pair, cute.local_tile(dst, (2,), (o_coords[0, 2 * c][1] // 2,)))
+            self.store_lse(lse_part[split, None, None], lse2, o_coords, Float32(1.0), q_start, seq_len, rows0,
+                           kv_head, tidx)
+
+    @cute.jit
+    def store_rows(self, s_o: cute.Tensor, out: cute.Tensor, q_start: Int32, seq_len: Int32, rows0: Int32,
+                   kv_head: Int32, tidx: Int32):
+        """Staged 16-bit O rows to their (token, head) rows of ``out``, 16 bytes a thread at a time. Rows are walked
+        from the last: with ``load_q``'s walk the compiler would keep its addresses live (spilled) through the loop."""
+        d, group = self.head_dim, self.group
+        chunks = d // VEC
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
+            idx = tidx + j * WG_THREADS
+            r = WG_ROWS - 1 - idx // chunks
+            c = idx % chunks
+            tok = (rows0 + r) // group
+            if tok < seq_len:
+                cute.autovec_copy(cute.local_tile(s_o[r, None], (VEC,), (c,)), vals)
+                dst = out[q_start + tok, self.group * kv_head + (rows0 + r) % group, None]
+                cute.autovec_copy(vals, cute.local_tile(dst, (VEC,), (c,)))
+
+    @cute.jit
+    def store_lse(self, dst: cute.Tensor, lse2: cute.Tensor, o_coords: cute.Tensor, factor: Float32,
+                  q_start: Int32, seq_len: Int32, rows0: Int32, kv_head: Int32, tidx: Int32):
+        """``lse2 * factor`` of the thread's rows into ``dst [T, Hq]``, by the first thread of each quad."""
+        group = self.group
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse2)):
+                packed = rows0 + o_coords[r, 0][0]
+                tok = packed // group
+                if tok < seq_len:
+                    dst[q_start + tok, kv_head * group + packed % group] = lse2[r] * factor
