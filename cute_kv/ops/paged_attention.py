@@ -10,13 +10,14 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, supported, tiling
+from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, WS_BM, supported, tiling, ws_tiling
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
 
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
+SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue and combine share
 
 
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
@@ -40,8 +41,9 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
     chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
 
-    On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
-    the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
+    On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttentionWS`` kernel, an fp8 cache
+    ``PagedAttention`` (without soft-cap, sinks or lse), both split-KV when the grid would not fill the GPU; other
+    cases (a non-positive ``scale`` without soft-cap included), and CPU tensors, run the reference. ``validate=False`` (for
     CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
     """
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
@@ -64,9 +66,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
 def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out,
              lse) -> None:
     """Checked arguments to the kernel serving them, else to the reference, writing ``out`` (and ``lse`` if given)."""
-    features = softcap is not None or sinks is not None or lse is not None
-    run = None if features else _kernel_for(collection, q, window, mla_v_dim)
-    run = run or reference.paged_attention
+    run = _kernel_for(collection, q, scale, softcap, sinks, lse) or reference.paged_attention
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
 
@@ -118,37 +118,48 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
     return mla_v_dim
 
 
-def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
-    """The SM90 ``PagedAttention`` launcher for these arguments, or None for the reference (``kernel_key``)."""
+def _kernel_for(collection, q, scale, softcap, sinks, lse) -> Optional[Callable]:
+    """The SM90 launcher for these arguments, or None for the reference (``kernel_key``)."""
     c = collection
-    if c.device.type != "cuda":
-        return None
+    if c.device.type != "cuda" or (not softcap and scale is not None and scale <= 0):
+        return None  # (the kernels track the running max of unscaled scores: the scale must be positive)
     from cute_kv.kernels.compile_cache import target_arch
 
     arch = target_arch(c.device)
-    key = kernel_key(c, q, arch)
+    key = kernel_key(c, q, arch, softcap is not None, sinks is not None, lse is not None)
     return None if key is None else _launcher(key, arch)
 
 
-def kernel_key(collection, q, arch: str) -> Optional[tuple]:
-    """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
-    reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache,
-    or more rows than int32 TMA coordinates reach."""
+def kernel_key(collection, q, arch: str, softcap: bool = False, sinks: bool = False,
+               return_lse: bool = False) -> Optional[tuple]:
+    """The compile-time key of the kernel serving these arguments on ``arch``, or None where the reference runs
+    instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache, head dims, page
+    sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache, more rows than
+    int32 TMA coordinates reach, or soft-cap / sinks / lse over an fp8 cache.
+
+    16-bit caches run ``PagedAttentionWS`` (key ``"paged_attention_ws"``); fp8 caches ``PagedAttention``."""
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     if arch != "sm_90a" or c.is_mla or q_dtype_name not in DTYPE_NAMES:
         return None
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
         return None
-    granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
-    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
-            or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
+    if c.blocks.data_ptr() % 16 or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31:
+        return None
+    lut = c.lookup_table
+    if kv_dtype_name != FP8:
+        bn = ws_tiling(d).bn
+        if supported(hq, h, d, p, kv_dtype_name, bm=WS_BM, bn=bn):
+            return None
+        chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
+        lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
+        return ("paged_attention_ws", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, softcap, sinks, return_lse)
+    granularity = c.quantization_granularity if c.scales is not None else None
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    if softcap or sinks or return_lse or supported(hq, h, d, p, kv_dtype_name, granularity):
         return None
     chunk = lut_chunk(tile_geometry(BN, p)[1], BN, p)
-    lut = c.lookup_table
     lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
     return ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
 
@@ -156,6 +167,47 @@ def kernel_key(collection, q, arch: str) -> Optional[tuple]:
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
+    return (_ws_launcher if key[0] == "paged_attention_ws" else _fp8_launcher)(key, arch)
+
+
+def _ws_launcher(key: tuple, arch: str) -> Callable:
+    from cute_kv.kernels.compile_cache import compiled
+
+    _, dtype_name, hq, h, d, _, _, _, softcap_on, _, return_lse = key
+    bn = ws_tiling(d).bn
+
+    def build():
+        from cute_kv.kernels.attention.sm90_ws import PagedAttentionWS
+
+        kernel = PagedAttentionWS(*key[1:])
+        return kernel, *kernel.fake_args()
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
+        t = q.shape[0]
+        if t == 0:  # a grid of zero CTAs is a launch error
+            return (out, lse) if return_lse else out
+        c = collection
+        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device), WS_BM, bn, causal)
+        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        o_part, lse_part = _partials(splits, t, hq, d, q.device)
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        sinks = None if sinks is None else sinks.contiguous()
+        compiled(key, build, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks,
+                                   c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths,
+                                   c.lookup_table, layer_idx, m_blocks, splits, int(causal), _window_arg(window),
+                                   score_scale, softmax_scale_log2)
+        if splits > 1:
+            _combine(dtype_name, hq, d, return_lse, arch)(dst, lse, o_part, lse_part, splits)
+        if dst is not out:
+            out.copy_(dst)
+        return (out, lse) if return_lse else out
+
+    return run
+
+
+def _fp8_launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.kernels.compile_cache import compiled
 
     _, dtype_name, hq, h, d, _, _, _, kv_dtype_name, granularity, e8m0 = key
@@ -167,31 +219,46 @@ def _launcher(key: tuple, arch: str) -> Callable:
         kernel = PagedAttention(*key[1:])
         return kernel, *kernel.fake_args()
 
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, mla_v_dim=None,
-            out=None):
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
         t = q.shape[0]
         if t == 0:  # a grid of zero CTAs is a launch error
             return out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device) * ctas_per_sm)
+        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device) * ctas_per_sm, BM, BN, causal)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        if splits > 1:
-            o_part = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
-            lse_part = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-        else:  # one split writes the output itself; the kernel's signature still takes partials
-            o_part, lse_part = _unused_partials(q.device, hq, d)
+        o_part, lse_part = _partials(splits, t, hq, d, q.device)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
                                    _scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits, int(causal),
                                    _window_arg(window), scale * LOG2E)
         if splits > 1:
-            combine = compiled(("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d),
-                               arch)
-            combine(dst, o_part, lse_part, splits)
+            _combine(dtype_name, hq, d, False, arch)(dst, None, o_part, lse_part, splits)
         return out if dst is out else out.copy_(dst)
 
     return run
+
+
+def _partials(splits: int, t: int, num_q_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials ``O/l [splits, T, Hq, D]`` and base-2 ``lse [splits, T, Hq]`` (float32); one split writes
+    the output itself, but the kernel's signature still takes them."""
+    if splits == 1:
+        return _unused_partials(device, num_q_heads, head_dim)
+    return (torch.empty((splits, t, num_q_heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((splits, t, num_q_heads), dtype=torch.float32, device=device))
+
+
+def _combine(dtype_name: str, num_q_heads: int, head_dim: int, return_lse: bool, arch: str):
+    from cute_kv.kernels.compile_cache import compiled
+
+    def build():
+        from cute_kv.kernels.attention.combine import AttentionCombine
+
+        kernel = AttentionCombine(dtype_name, num_q_heads, head_dim, return_lse)
+        return kernel, *kernel.fake_args()
+
+    return compiled(("attention_combine", dtype_name, num_q_heads, head_dim, return_lse), build, arch)
 
 
 def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
@@ -201,21 +268,35 @@ def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def launch_shape(collection, num_q_heads: int, slots: int) -> tuple[int, int]:
-    """``(m_blocks, splits)``: query blocks of ``BM`` packed rows per (request, KV head) for the longest new-token
-    run, and key splits for ``slots`` resident CTAs (SMs x CTAs per SM)."""
+def launch_shape(collection, num_q_heads: int, slots: int, bm: int = BM, bn: int = BN,
+                 causal: bool = True) -> tuple[int, int]:
+    """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
+    run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
+    query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest
+    leaves the shortest with empty splits."""
     c = collection
-    m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // BM)
-    key_tiles = -(-c.max_cache_length // BN)
+    m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // bm)
+    if causal and m_blocks > 1:
+        return m_blocks, 1
+    key_tiles = -(-c.max_cache_length // bn)
     return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
 
 
 def num_splits(ctas: int, key_tiles: int, slots: int) -> int:
-    """Key splits per (query block, KV head, request): none once the grid fills the ``slots`` CTAs the GPU holds at
-    once, else enough to fill them, keeping at least two key tiles per split (the ring's depth)."""
-    if ctas >= slots or key_tiles < 4:
-        return 1
-    return max(1, min(-(-slots // ctas), key_tiles // 2, MAX_SPLITS))
+    """Key splits per (query block, KV head, request) by wave quantization: splitting ``key_tiles`` ``s`` ways makes
+    ``ctas * s`` CTAs of ``ceil(key_tiles / s)`` tiles each, which run in ``ceil(ctas * s / slots)`` waves; the
+    estimated time is waves x (tiles per CTA + ``SPLIT_COST`` for a CTA's prologue, epilogue and its share of the
+    combine). The fastest ``s`` wins (the smallest on a tie); every split keeps at least two tiles and no split is
+    empty (``(s - 1) * ceil(key_tiles / s) < key_tiles``)."""
+    best, best_cost = 1, None
+    for s in range(1, min(MAX_SPLITS, key_tiles // 2) + 1):
+        per = -(-key_tiles // s)
+        if (s - 1) * per >= key_tiles:
+            continue
+        cost = -(-ctas * s // slots) * (per + SPLIT_COST)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def _window_arg(window: Optional[int]) -> int:
@@ -233,10 +314,3 @@ def _unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> t
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _build_combine(dtype_name: str, num_q_heads: int, head_dim: int):
-    from cute_kv.kernels.attention.combine import AttentionCombine
-
-    kernel = AttentionCombine(dtype_name, num_q_heads, head_dim)
-    return kernel, *kernel.fake_args()
