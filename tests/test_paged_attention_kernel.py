@@ -1,4 +1,5 @@
-"""``PagedAttention`` (``gpu`` marker, SM90): against the float32 reference on the same random batch.
+"""``PagedAttentionWS`` (16-bit caches) and ``PagedAttention`` (fp8 caches), ``gpu`` marker, SM90: against the float32
+reference on the same random batch.
 
 The reference runs on a CPU copy of the batch (same seed); an fp8 cache is dequantized by both (the kernel rounds the
 dequantized values to the 16-bit MMA dtype, hence the same tolerance). Every slot attention must not read is NaN on both
@@ -13,6 +14,7 @@ import torch
 
 import cute_kv
 from cute_kv import reference as ref
+from cute_kv.kernels.attention.config import WS_BM, ws_tiling
 from cute_kv.ops.paged_attention import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
@@ -87,9 +89,28 @@ def test_attention_kernel_split_kv_decode():
     """One long context and few heads: the grid splits the keys (combine pass), one short request beside it."""
     cached, new = [20000, 3], [1, 2]
     (cpu, _), _ = _pair((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
-    assert launch_shape(cpu.collection, 8, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert launch_shape(cpu.collection, 8, sms, WS_BM, ws_tiling(128).bn)[1] > 1
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=7, window=700)
+
+
+@pytest.mark.parametrize("cached,new", [(CACHED, NEW), ([20000, 3], [1, 2])], ids=["mixed", "split-kv"])
+@pytest.mark.parametrize("softcap,with_sinks", [(30.0, False), (None, True), (5.0, True)])
+def test_attention_kernel_softcap_sinks_lse(cached, new, softcap, with_sinks):
+    """Soft-cap, sinks and the natural-log lse from the kernel (and the combine, split) against the reference;
+    the lse poisoned with NaN first and checked written."""
+    case = (torch.bfloat16, 2, 8, 128, 64)
+    (cpu, gpu), q = _pair(case, cached, new, seed=12)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(13)) * 3 if with_sinks else None
+    kw = {"softcap": softcap, "sinks": sinks, "return_lse": True}
+    want, want_lse = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, **kw)
+    kw["sinks"] = None if sinks is None else sinks.cuda()
+    out, lse = cute_kv.paged_attention(q.cuda(), gpu.input_row_offsets, gpu.collection, 1, **kw)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_err(out.cpu(), want) < TOL[q.dtype]
+    assert (lse.cpu() - want_lse).abs().max() < 2e-2
 
 
 def test_attention_kernel_spec_decode_and_empty_step():
@@ -115,7 +136,7 @@ def test_attention_kernel_strided_q_and_out():
 def test_dense_operand_matches_sdpa():
     """The same kernel over a contiguous ``[B, S, H, D]`` cache (``DenseMHAOperand``), against torch SDPA."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.attention.sm90 import BM, PagedAttention
+    from cute_kv.kernels.attention.sm90_ws import BM, PagedAttentionWS
 
     b, s, h, hq, d = 3, 300, 2, 8, 128
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -125,11 +146,12 @@ def test_dense_operand_matches_sdpa():
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)]).to(torch.uint32).cuda()
     q = torch.randn(int(new.sum()), hq, d, generator=g, device="cuda").to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    kernel = PagedAttention("bfloat16", hq, h, d, None)
+    kernel = PagedAttentionWS("bfloat16", hq, h, d, None)
     fn = compiled(("dense_attention_test", hq, h, d), lambda: (kernel, *kernel.fake_args()), "sm_90a")
     m_blocks = math.ceil(int(new.max()) * (hq // h) / BM)
     scratch = torch.empty(1, 1, hq, d, device="cuda"), torch.empty(1, 1, hq, device="cuda")
-    fn(q, out, *scratch, k, v, offsets, cache_lengths, None, 0, m_blocks, 1, 1, 0, math.log2(math.e) / math.sqrt(d))
+    fn(q, out, None, *scratch, None, k, v, offsets, cache_lengths, None, 0, m_blocks, 1, 1, 0, 1.0,
+       math.log2(math.e) / math.sqrt(d))
     torch.cuda.synchronize()
     for i, n in enumerate(new.tolist()):
         rows = slice(int(offsets[i]), int(offsets[i]) + n)

@@ -391,7 +391,7 @@ class PagedAttentionWS:
         only on a tile some live row does not see whole."""
         s_mn = softmax.mn_view(acc_s)
         if cutlass.const_expr(self.softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
                 acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
         if tile_base < unmasked_begin or tile_base + self.bn > unmasked_end:
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):

@@ -1,0 +1,118 @@
+"""``PagedAttentionWS`` compiled for sm_90a from fake tensors (no GPU): the pipeline it claims, read from its PTX (and
+from ptxas where installed)."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cute_kv.kernels import compile_cache
+from cute_kv.kernels.attention.sm90_ws import CONSUMER_REGS, PRODUCER_REGS, THREADS, WG_THREADS, PagedAttentionWS
+
+pytestmark = pytest.mark.compile
+
+CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads[, soft-cap, sinks, lse])
+    ("bfloat16", 32, 8, 128, 16, 2, True),  # Llama-3-8B: 8 pages per 128-key tile, two 4-entry lookup vectors
+    ("bfloat16", 32, 4, 128, 64, 2, False),  # GQA 8, lookup entries read one by one
+    ("float16", 8, 8, 64, 128, 2, True),  # MHA, a page holds the whole tile: one copy
+    ("bfloat16", 16, 2, 256, 16, 2, True),  # head dim 256: 64-key tiles
+    ("bfloat16", 32, 8, 128, None, 2, True),  # contiguous [B, S, H, D] operand
+    ("bfloat16", 64, 8, 128, 32, 2, True, True, True, True),  # gpt-oss-like: soft-cap, sinks, lse
+]
+MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
+SS = re.compile(MMA + r"%rd\d+, %rd\d+")  # A and B from shared memory (descriptors)
+RS = re.compile(MMA + r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+")  # A (P) from registers
+WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
+def compiled(request):
+    kernel = PagedAttentionWS(*request.param)
+    return kernel, compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+
+
+def test_mma_forms_and_counts(compiled):
+    """QK: D/16 SS wgmmas of N = BN at two sites (the first tile, the loop); PV: BN/16 RS wgmmas of N = D (P in
+    registers, V MN-major) at two sites (the loop, the last tile)."""
+    kernel, ptx = compiled
+    d, bn = kernel.head_dim, kernel.bn
+    qk, pv = SS.findall(ptx), RS.findall(ptx)
+    assert len(qk) == 2 * d // 16 and set(qk) == {str(bn)}
+    assert len(pv) == 2 * bn // 16 and set(pv) == {str(d)}
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == len(qk) + len(pv)
+
+
+def test_pv_runs_under_the_next_softmax(compiled):
+    """In the loop QK(j+1) and PV(j) are issued back to back, then only the QK is waited for (wait_group 1): no
+    wait_group 0 between the QK issue and the softmax's first exp2, so the PV is in flight during it."""
+    _, ptx = compiled
+    waits = [(m.start(), int(m.group(1))) for m in WAIT.finditer(ptx)]
+    assert sorted(n for _, n in waits) == [0, 0, 0, 1]
+    wait1 = next(pos for pos, n in waits if n == 1)
+    loop_qk = [m.start() for m in SS.finditer(ptx) if m.start() < wait1][-1]
+    loop_pv = [m.start() for m in RS.finditer(ptx) if loop_qk < m.start() < wait1]
+    softmax = ptx.index("ex2.approx", wait1)
+    assert loop_pv and not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
+
+
+def test_no_cta_wide_barrier_past_the_prologue(compiled):
+    """The only CTA-wide barrier publishes the pipelines' barrier init, before the warpgroups part (setmaxnreg);
+    the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong) only."""
+    _, ptx = compiled
+    cta_wide = [m.start() for m in re.finditer(r"\b(?:bar|barrier)(?:\.cta)?\.sync(?:\.aligned)?\s+0;", ptx)]
+    assert len(cta_wide) == 1 and cta_wide[0] < ptx.index("setmaxnreg.dec")
+    named = re.findall(r"\bbar\.(sync|arrive)\s+[^,;]+,\s*(\d+);", ptx)
+    assert {n for _, n in named} <= {str(WG_THREADS), str(2 * WG_THREADS)}
+    assert ("arrive", str(2 * WG_THREADS)) in named  # a warpgroup lets the other issue its wgmmas
+
+
+def test_register_split(compiled):
+    """24 registers for the producer warpgroup, 240 for each consumer one: within the SM's 64K."""
+    _, ptx = compiled
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [
+        ("dec", str(PRODUCER_REGS)), ("inc", str(CONSUMER_REGS))]
+    assert PRODUCER_REGS * WG_THREADS + CONSUMER_REGS * (THREADS - WG_THREADS) <= 65536
+    assert f".reqntid {THREADS}, 1, 1" in ptx
+
+
+def test_softmax_in_registers(compiled):
+    """Per thread and tile: one exp2 per score of its two rows (BN/2), plus the two rows' O rescale in the loop,
+    plus a sink's two per row; a quad max per row per tile site and a quad sum per row at the end; one tanh per
+    score with soft-cap. No S or P goes through shared memory: the only shared stores are Q (16-byte), the stale V
+    rows (16-byte, one site) and the staged 16-bit O (4-byte pairs)."""
+    kernel, ptx = compiled
+    bn = kernel.bn
+    assert ptx.count("ex2.approx") == bn // 2 + bn // 2 + 2 + (4 if kernel.sinks else 0)
+    assert ptx.count("tanh.approx") == (2 * bn // 2 if kernel.softcap else 0)
+    assert ptx.count("shfl.sync.bfly.b32") == 2 * 2 * 2 + 2 * 2
+    chunks = kernel.head_dim // 8 * 64 // WG_THREADS
+    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == chunks + 1
+    assert len(re.findall(r"st\.shared\.b32", ptx)) == kernel.head_dim // 8 * 2  # O: 2 rows x D/8 pairs
+    assert len(re.findall(r"ld\.shared", ptx)) == chunks  # only the staged O, read back in 16-byte rows
+
+
+def test_one_tma_per_page_slot(compiled):
+    """K and V of a tile: one TMA per page slot and 128-byte box, at one site each (the producer's loop)."""
+    kernel, ptx = compiled
+    boxes = kernel.head_dim * 2 // 128
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
+    assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes
+
+
+PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas not installed")
+def test_ptxas_fits_without_spills(compiled, tmp_path):
+    """The whole kernel in the 168 registers 384 threads get at launch (the consumer code past setmaxnreg.inc may
+    use up to 240), no spill, no stack."""
+    _, ptx = compiled
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    info = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs <= 65536 // THREADS // 8 * 8
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info
