@@ -47,8 +47,8 @@ WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 BM = 2 * WG_ROWS
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
+PRODUCER_REGS = 32
+CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 assert set(DTYPES) == set(DTYPE_NAMES)
@@ -323,7 +323,7 @@ class PagedAttentionWS:
             self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, unmasked_begin, unmasked_end,
                         score_scale)
             softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
-            t_rp.store(softmax.a_fragment_view(acc_s).load().to(self.dtype))
+            softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
             if (last_tile + 1) * bn > num_keys:
                 pipe_v.consumer_wait(read)
                 self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
@@ -343,7 +343,7 @@ class PagedAttentionWS:
                 softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(prev)
-                t_rp.store(softmax.a_fragment_view(acc_s).load().to(self.dtype))
+                softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
                 softmax.rescale_rows(acc_o, row_scale)
             pipe_v.consumer_wait(read)
             self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
@@ -473,6 +473,8 @@ class PagedAttentionWS:
         if num_splits == 1:
             o_16 = cute.make_rmem_tensor(acc_o.shape, self.dtype)
             o_16.store(acc_o.load().to(self.dtype))
+            # every warp of the warpgroup is past its last QK wgmma (the only reader of these Q rows)
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
             thr_pv.partition_C(s_q).store(o_16.load())
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
             self.store_rows(s_q, out, q_start, seq_len, rows0, kv_head, tidx)

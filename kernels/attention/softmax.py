@@ -14,7 +14,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
@@ -40,6 +42,25 @@ def a_fragment_view(acc: cute.Tensor) -> cute.Tensor:
         stride=((layout.stride[0][0], layout.stride[0][1], layout.stride[0][2][0]), layout.stride[1],
                 (layout.stride[0][2][1], layout.stride[2])))
     return cute.make_tensor(acc.iterator, view)
+
+
+@dsl_user_op
+def _cvt_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two float32 -> one packed 16-bit pair (``lo`` in the low half), one ``cvt.rn.{bf16x2,f16x2}.f32``."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+                                 f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """``dst`` (16-bit) = ``src`` (float32, same shape), a pair per instruction, converted where written: a plain
+    ``.to()`` lets the compiler sink the conversion into the next iteration, which keeps the float32 P live (in 32
+    more registers) across the next QK issue and makes ptxas wait for the PV before the softmax."""
+    packed = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(packed)):
+        packed[i] = _cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
 
 
 @cute.jit
