@@ -33,28 +33,32 @@ def compiled(request):
     return kernel, compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
 
 
+LOOPS = 3  # masked tiles at the keys' end, whole tiles, masked tiles at the window's start: no branch in a loop
+
+
 def test_mma_forms_and_counts(compiled):
-    """QK: D/16 SS wgmmas of N = BN at two sites (the first tile, the loop); PV: BN/16 RS wgmmas of N = D (P in
-    registers, V MN-major) at two sites (the loop, the last tile)."""
+    """QK: D/16 SS wgmmas of N = BN at four sites (the first tile, the three loops); PV: BN/16 RS wgmmas of N = D
+    (P in registers, V MN-major) at four sites (the loops, the last tile)."""
     kernel, ptx = compiled
     d, bn = kernel.head_dim, kernel.bn
     qk, pv = SS.findall(ptx), RS.findall(ptx)
-    assert len(qk) == 2 * d // 16 and set(qk) == {str(bn)}
-    assert len(pv) == 2 * bn // 16 and set(pv) == {str(d)}
+    assert len(qk) == (1 + LOOPS) * d // 16 and set(qk) == {str(bn)}
+    assert len(pv) == (LOOPS + 1) * bn // 16 and set(pv) == {str(d)}
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == len(qk) + len(pv)
 
 
 def test_pv_runs_under_the_next_softmax(compiled):
-    """In the loop QK(j+1) and PV(j) are issued back to back, then only the QK is waited for (wait_group 1): no
+    """In each loop QK(j+1) and PV(j) are issued back to back, then only the QK is waited for (wait_group 1): no
     wait_group 0 between the QK issue and the softmax's first exp2, so the PV is in flight during it."""
     _, ptx = compiled
     waits = [(m.start(), int(m.group(1))) for m in WAIT.finditer(ptx)]
-    assert sorted(n for _, n in waits) == [0, 0, 0, 1]
-    wait1 = next(pos for pos, n in waits if n == 1)
-    loop_qk = [m.start() for m in SS.finditer(ptx) if m.start() < wait1][-1]
-    loop_pv = [m.start() for m in RS.finditer(ptx) if loop_qk < m.start() < wait1]
-    softmax = ptx.index("ex2.approx", wait1)
-    assert loop_pv and not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
+    assert sorted(n for _, n in waits) == [0] * (LOOPS + 2) + [1] * LOOPS
+    for wait1 in (pos for pos, n in waits if n == 1):
+        loop_qk = [m.start() for m in SS.finditer(ptx) if m.start() < wait1][-1]
+        loop_pv = [m.start() for m in RS.finditer(ptx) if loop_qk < m.start() < wait1]
+        softmax = ptx.index("ex2.approx", wait1)
+        assert len(loop_pv) == len(RS.findall(ptx)) // (LOOPS + 1)  # the whole PV of the previous tile
+        assert not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
 
 
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
@@ -78,15 +82,15 @@ def test_register_split(compiled):
 
 
 def test_softmax_in_registers(compiled):
-    """Per thread and tile: one exp2 per score of its two rows (BN/2), plus the two rows' O rescale in the loop,
+    """Per thread and tile: one exp2 per score of its two rows (BN/2), plus the two rows' O rescale in the loops,
     plus a sink's two per row; a quad max per row per tile site and a quad sum per row at the end; one tanh per
     score with soft-cap. No S or P goes through shared memory: the only shared stores are Q (16-byte), the stale V
     rows (16-byte, one site) and the staged 16-bit O (4-byte pairs)."""
     kernel, ptx = compiled
     bn = kernel.bn
-    assert ptx.count("ex2.approx") == bn // 2 + bn // 2 + 2 + (4 if kernel.sinks else 0)
-    assert ptx.count("tanh.approx") == (2 * bn // 2 if kernel.softcap else 0)
-    assert ptx.count("shfl.sync.bfly.b32") == 2 * 2 * 2 + 2 * 2
+    assert ptx.count("ex2.approx") == bn // 2 + LOOPS * (bn // 2 + 2) + (4 if kernel.sinks else 0)
+    assert ptx.count("tanh.approx") == ((1 + LOOPS) * bn // 2 if kernel.softcap else 0)
+    assert ptx.count("shfl.sync.bfly.b32") == (1 + LOOPS) * 2 * 2 + 2 * 2
     chunks = kernel.head_dim // 8 * 64 // WG_THREADS
     assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == chunks + 1
     assert len(re.findall(r"st\.shared\.b32", ptx)) == kernel.head_dim // 8 * 2  # O: 2 rows x D/8 pairs

@@ -320,37 +320,64 @@ class PagedAttentionWS:
             self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(read)
-            self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, unmasked_begin, unmasked_end,
-                        score_scale)
+            self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, True)
             softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
             softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
             if (last_tile + 1) * bn > num_keys:
                 pipe_v.consumer_wait(read)
                 self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
-            for i in cutlass.range(1, n_tiles, unroll=1):
-                prev = read.clone()
-                read.advance()
-                pipe_k.consumer_wait(read)
-                self.sched_wait(wg)
-                self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
-                pipe_v.consumer_wait(prev)
-                self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
-                self.sched_release(wg)
-                warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
-                pipe_k.consumer_release(read)
-                self.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * bn, unmasked_begin, unmasked_end,
-                            score_scale)
-                softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(prev)
-                softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
-                softmax.rescale_rows(acc_o, row_scale)
+            # Then three loops, so the steady state has no branch: the tiles past the first whose keys some live row
+            # does not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
+            masked_end = cutlass.max(cutlass.min(last_tile - unmasked_end // bn + 1, n_tiles), 1)
+            unmasked_stop = n_tiles
+            if unmasked_begin > 0:
+                unmasked_stop = cutlass.max(cutlass.min(last_tile - (unmasked_begin + bn - 1) // bn + 1, n_tiles),
+                                            masked_end)
+            for i in cutlass.range(1, masked_end, unroll=1):
+                read = self.step(i, read, True, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq, t_rk,
+                                 t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile, wg,
+                                 score_scale, softmax_scale_log2)
+            for i in cutlass.range(masked_end, unmasked_stop, unroll=1):
+                read = self.step(i, read, False, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq,
+                                 t_rk, t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile,
+                                 wg, score_scale, softmax_scale_log2)
+            for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
+                read = self.step(i, read, True, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq, t_rk,
+                                 t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile, wg,
+                                 score_scale, softmax_scale_log2)
             pipe_v.consumer_wait(read)
             self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, softmax_scale_log2, coords, s_q_wg, out, lse, o_part,
                       lse_part, sinks, q_start, seq_len, rows0, kv_head, split, num_splits, tidx, wg)
+
+    @cute.jit
+    def step(self, i: Int32, read: pipeline.PipelineState, masked: cutlass.Constexpr[bool], tiled_mma_qk: cute.TiledMma,
+             tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync,
+             acc_s: cute.Tensor, acc_o: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor, t_rp: cute.Tensor,
+             t_rv: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
+             row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, wg: Int32,
+             score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
+        """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn), wait
+        for the QK only, run the softmax while the PV runs, then fold the rescale into O. Returns the read state."""
+        prev = read.clone()
+        read.advance()
+        pipe_k.consumer_wait(read)
+        self.sched_wait(wg)
+        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+        pipe_v.consumer_wait(prev)
+        self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
+        self.sched_release(wg)
+        warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
+        pipe_k.consumer_release(read)
+        self.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, masked)
+        softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(prev)
+        softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
+        softmax.rescale_rows(acc_o, row_scale)
+        return read
 
     @cute.jit
     def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
@@ -386,14 +413,14 @@ class PagedAttentionWS:
 
     @cute.jit
     def scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
-               tile_base: Int32, unmasked_begin: Int32, unmasked_end: Int32, score_scale: Float32):
-        """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then the masks, the latter
-        only on a tile some live row does not see whole."""
-        s_mn = softmax.mn_view(acc_s)
+               tile_base: Int32, score_scale: Float32, masked: cutlass.Constexpr[bool]):
+        """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, the
+        masks of each row."""
         if cutlass.const_expr(self.softcap):
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
                 acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
-        if tile_base < unmasked_begin or tile_base + self.bn > unmasked_end:
+        if cutlass.const_expr(masked):
+            s_mn = softmax.mn_view(acc_s)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 lo = row_begin[r] - tile_base
                 hi = row_end[r] - tile_base
