@@ -62,26 +62,35 @@ def tiling(head_dim: int, kv_fp8: bool) -> Tiling:
 
 @dataclasses.dataclass(frozen=True)
 class WSTiling:
-    """``PagedAttentionWS``'s plan: ``bn`` keys a tile, ``stages`` K and V tiles in their rings, beside the two
+    """``PagedAttentionWS``'s plan: ``bn`` keys a tile, ``stages`` 16-bit K and V tiles in their rings (what the MMAs
+    read), ``fp8_stages`` fp8 K+V tiles as loaded (an fp8 cache; dequantized into the 16-bit rings), beside the two
     warpgroups' Q tiles (reused for their O) and the barriers (bytes, ``smem``)."""
 
     bn: int
     stages: int
+    fp8_stages: int
     smem: int
 
 
 WS_BM = 128  # two consumer warpgroups of 64 rows
+WS_MAX_STAGES = 4
 
 
-def ws_tiling(head_dim: int) -> WSTiling:
-    """128-key tiles up to head dim 128 (S is 64 registers a thread), 64 at 256 (O takes 128); the deepest ring
-    (up to 4 stages) one CTA's shared memory holds."""
+def ws_tiling(head_dim: int, kv_fp8: bool = False) -> WSTiling:
+    """128-key tiles up to head dim 128 (S is 64 registers a thread), 64 at 256 (O takes 128); the deepest rings one
+    CTA's shared memory holds: 16-bit caches put all of it in the 16-bit rings, fp8 caches keep two 16-bit stages
+    and give the rest to the fp8 ring."""
     bn = 128 if head_dim <= 128 else 64
     q = WS_BM * head_dim * 2
-    stage = 2 * bn * head_dim * 2  # K and V
-    fixed = q + 2 * 2 * 4 * 8 + 1024  # + 4 stages x (full, empty) x (K, V) barriers, alignment slack
-    stages = min(4, (SMEM_PER_SM - 2048 - fixed) // stage)
-    return WSTiling(bn, stages, fixed + stages * stage)
+    stage = 2 * bn * head_dim * 2  # K and V, 16-bit
+    fixed = q + 2 * WS_MAX_STAGES * 3 * 8 + 1024  # + (full, empty) x (K, V, fp8) barriers, alignment slack
+    budget = SMEM_PER_SM - 2048 - fixed
+    if not kv_fp8:
+        stages = min(WS_MAX_STAGES, budget // stage)
+        return WSTiling(bn, stages, 0, fixed + stages * stage)
+    fp8_stage = stage // 2
+    fp8_stages = min(WS_MAX_STAGES, (budget - 2 * stage) // fp8_stage)
+    return WSTiling(bn, 2, fp8_stages, fixed + 2 * stage + fp8_stages * fp8_stage)
 
 
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],

@@ -33,13 +33,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.attention import softmax
-from cute_kv.kernels.attention.config import DTYPE_NAMES, VEC, ring_swizzle, supported, ws_tiling
+from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, ws_tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
 
@@ -49,6 +49,8 @@ WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 BM = 2 * WG_ROWS
 PRODUCER_REGS = 32
 CONSUMER_REGS = 232
+FP8_PRODUCER_REGS = 32
+FP8_CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 assert set(DTYPES) == set(DTYPE_NAMES)
@@ -62,28 +64,43 @@ class Barrier(enum.IntEnum):
     STALE_V = 3  # both consumer warpgroups around the zeroing of stale V rows
     EPILOGUE_WG1 = 4  # one consumer warpgroup: its Q rows loaded / its O rows staged
     EPILOGUE_WG2 = 5
+    DEQUANT = 6  # the producer warpgroup: every thread has read an fp8 stage before it is released
 
 
 class PagedAttentionWS:
-    """Compile-time key: dtype (Q, O, the MMAs and the 16-bit cache), heads (Hq, H), head dim, the operand
-    (``page_size``; None for a dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, and
-    the optional features: soft-cap, sinks, and writing the natural-log ``lse``."""
+    """Compile-time key: dtype (Q, O and the MMAs), heads (Hq, H), head dim, the operand (``page_size``; None for a
+    dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, the optional features (soft-cap,
+    sinks, writing the natural-log ``lse``), and an fp8 cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over
+    ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
+    uint8 bits).
+
+    An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
+    granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
+    16-bit K and V rings the consumers read, so nothing of it runs on the math path."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
-                 sinks: bool = False, return_lse: bool = False):
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, dtype_name, None, bm=BM,
-                            bn=ws_tiling(head_dim).bn)
+                 sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
+                 granularity: Optional[int] = None, e8m0_scales: bool = False):
+        self.kv_fp8 = kv_dtype_name == FP8
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
+                            granularity, bm=BM, bn=ws_tiling(head_dim, self.kv_fp8).bn)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
+        self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
+        self.granularity, self.e8m0_scales = granularity, e8m0_scales
+        # the dequantizing producer needs registers; the consumers' loop fits in what is left
+        self.producer_regs, self.consumer_regs = (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS) if self.kv_fp8 else (
+            PRODUCER_REGS, CONSUMER_REGS)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.plan = ws_tiling(head_dim)
-        self.bn, self.stages = self.plan.bn, self.plan.stages
+        self.plan = ws_tiling(head_dim, self.kv_fp8)
+        self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
         self.swizzle = ring_swizzle(head_dim, False)
+        self.load_swizzle = ring_swizzle(head_dim, self.kv_fp8)  # of the tiles TMA writes
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
@@ -109,45 +126,58 @@ class PagedAttentionWS:
                                             stride_order=(2, 1, 0), assumed_align=4)
         sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
         b = cute.sym_int32()
+        scales = None
         if self.page_size is None:
             cache = lambda: make_fake_tensor(dt, (cute.sym_int32(), cute.sym_int32(), h, d), stride=(  # noqa: E731
                 cute.sym_int64(divisibility=h * d), h * d, d, 1), assumed_align=16)
             k_src, v_src, lut = cache(), cache(), None
         else:
             kvd, p = self.kv_dim, self.page_size
-            k_src = v_src = make_fake_tensor(dt, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
+            k_src = v_src = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
                 cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
                 h * d, d, 1), assumed_align=16)
+            if self.granularity:
+                g = d // self.granularity
+                scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
+                    cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
+                    cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1),
+                    assumed_align=1 if self.e8m0_scales else 4)  # one 4-byte load a float32 scale
             width = self.k_op.lut_width
             lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                    assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
-        return (q, out, lse, o_part, lse_part, sinks, k_src, v_src, offsets, lengths, lut, Int32(0), Int32(1),
+        return (q, out, lse, o_part, lse_part, sinks, k_src, v_src, offsets, lengths, lut, scales, Int32(0), Int32(1),
                 Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
                  lse_part: cute.Tensor, sinks: Optional[cute.Tensor], k_src: cute.Tensor, v_src: cute.Tensor,
                  input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
-                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32,
-                 score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
+                 scales: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
+                 window: Int32, score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
         """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Without soft-cap ``score_scale`` is
         unused and ``softmax_scale_log2 = scale * log2(e)``; with soft-cap ``c``, ``score_scale = scale / c`` (S
-        becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive."""
+        becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive. ``scales``:
+        the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
         dt, d, bn = self.dtype, self.head_dim, self.bn
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                          (1, 1, 1), (WG_ROWS, bn))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                          (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM)
         k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.swizzle)
+        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzle)
         tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
-                                                  self.swizzle)
+                                                  self.load_swizzle)
+        k_scales = v_scales = None
+        if cutlass.const_expr(scales is not None):
+            k_scales = self.k_op.scale_view(scales, layer_idx)
+            v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part, lse_part, sinks,
-                    input_row_offsets, cache_lengths, lookup_table, self.k_op.rows_per_page(k_src), k_rows.shape[0],
-                    num_splits, causal, window, score_scale, softmax_scale_log2).launch(
+                    input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
+                    self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, score_scale,
+                    softmax_scale_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
 
     # -- device ----------------------------------------------------------------------------------
@@ -157,8 +187,9 @@ class PagedAttentionWS:
                g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
                out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
                sinks: Optional[cute.Tensor], input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
-               lookup_table: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32, num_splits: Int32,
-               causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
+               lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
+               rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
+               score_scale: Float32, softmax_scale_log2: Float32):
         dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
@@ -199,23 +230,50 @@ class PagedAttentionWS:
             s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
 
             stage_bytes = bn * d * dt.width // 8
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+            one = cute.make_layout((1, 1, 1, 1))
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
-            pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
-                                                      producer_group=producer, consumer_group=consumers,
-                                                      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout(
-                                                          (1, 1, 1, 1)), defer_sync=True)
-            pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
-                                                      producer_group=producer, consumer_group=consumers,
-                                                      tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout(
-                                                          (1, 1, 1, 1)))  # (its sync publishes both inits)
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                if warp_idx == 0:
-                    self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
-                                 kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+            if cutlass.const_expr(self.kv_fp8):
+                # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
+                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
+                ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
+                                                          stages=self.fp8_stages)
+                ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
+                                               swizzle=ring8_layout.inner)
+                ring8_v = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
+                                               swizzle=ring8_layout.inner)
+                pipe_8 = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbars_8, num_stages=self.fp8_stages,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
+                    tx_count=2 * bn * d, cta_layout_vmnk=one, defer_sync=True)
+                dequantizers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+                readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS)
+                pipe_k = pipeline.PipelineAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                       producer_group=dequantizers, consumer_group=readers,
+                                                       defer_sync=True)
+                pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                       producer_group=dequantizers, consumer_group=readers)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+                pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                          producer_group=producer, consumer_group=consumers,
+                                                          tx_count=stage_bytes, cta_layout_vmnk=one, defer_sync=True)
+                pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                          producer_group=producer, consumer_group=consumers,
+                                                          tx_count=stage_bytes, cta_layout_vmnk=one)
+                # (the last create's sync publishes every barrier's init)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if cutlass.const_expr(self.kv_fp8):
+                    self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
+                                     s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
+                                     oob_row, last_tile, n_tiles, warp_idx)
+                else:
+                    if warp_idx == 0:
+                        self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
+                                     kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 wg = warp_idx // 4 - 1
                 self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, s_q, s_k, s_v, q, out, lse, o_part, lse_part,
                              sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split, num_splits,
@@ -257,8 +315,111 @@ class PagedAttentionWS:
             cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
 
     @cute.jit
-    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineTmaAsync,
-                pipe_v: pipeline.PipelineTmaAsync, s_q: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
+    def produce_fp8(self, pipe_8: pipeline.PipelineTmaAsync, pipe_k: pipeline.PipelineAsync,
+                    pipe_v: pipeline.PipelineAsync, tma_k: cute.CopyAtom, g_k: cute.Tensor, ring8_k: cute.Tensor,
+                    tma_v: cute.CopyAtom, g_v: cute.Tensor, ring8_v: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
+                    s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor],
+                    v_scales: Optional[cute.Tensor], b: Int32, kv_head: Int32, num_keys: Int32, rows_per_page: Int32,
+                    oob_row: Int32, last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
+        """The producer warpgroup over an fp8 cache: warp 0 keeps the fp8 ring ``fp8_stages`` tiles ahead (TMA);
+        all four warps dequantize each landed tile into the 16-bit K and V stages, then release its fp8 stage once
+        every thread has read it."""
+        bn = self.bn
+        tidx = cute.arch.thread_idx()[0]
+        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fp8_stages)
+        read8 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
+        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        if warp_idx == 0:
+            for i in cutlass.range(cutlass.min(self.fp8_stages, n_tiles), unroll=1):
+                self.k_op.populate(rows, lookup_table, b, (last_tile - i) * bn, num_keys, rows_per_page, oob_row)
+                self.load_fp8_tile(pipe_8, load, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_slot, rows, kv_head)
+                load.advance()
+        for i in cutlass.range(n_tiles, unroll=1):
+            tile_base = (last_tile - i) * bn
+            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)  # scale rows
+            pipe_8.consumer_wait(read8)
+            pipe_k.producer_acquire(write)
+            self.dequantize(ring8_k, s_k, read8.index, write.index, k_scales, rows, tile_base, num_keys, kv_head, tidx)
+            cute.arch.fence_view_async_shared()  # read by wgmma next
+            pipe_k.producer_commit(write)
+            pipe_v.producer_acquire(write)
+            self.dequantize(ring8_v, s_v, read8.index, write.index, v_scales, rows, tile_base, num_keys, kv_head, tidx)
+            cute.arch.fence_view_async_shared()
+            pipe_v.producer_commit(write)
+            cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
+            pipe_8.consumer_release(read8)
+            read8.advance()
+            write.advance()
+            if warp_idx == 0:
+                if i + self.fp8_stages < n_tiles:
+                    self.k_op.populate(rows, lookup_table, b, (last_tile - i - self.fp8_stages) * bn, num_keys,
+                                       rows_per_page, oob_row)
+                    self.load_fp8_tile(pipe_8, load, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_slot, rows, kv_head)
+                    load.advance()
+
+    @cute.jit
+    def load_fp8_tile(self, pipe_8: pipeline.PipelineTmaAsync, load: pipeline.PipelineState, tma_k: cute.CopyAtom,
+                      g_k: cute.Tensor, ring8_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
+                      ring8_v: cute.Tensor, s_slot: cute.ComposedLayout, rows: cute.Tensor, kv_head: Int32):
+        pipe_8.producer_acquire(load)
+        bar = pipe_8.producer_get_barrier(load)
+        self.copy_tile(tma_k, g_k, ring8_k, s_slot, rows, load.index, kv_head, bar)
+        self.copy_tile(tma_v, g_v, ring8_v, s_slot, rows, load.index, kv_head, bar)
+        pipe_8.producer_commit(load)
+
+    @cute.jit
+    def dequantize(self, ring8: cute.Tensor, ring: cute.Tensor, stage8: Int32, stage: Int32,
+                   scales: Optional[cute.Tensor], rows: cute.Tensor, tile_base: Int32, num_keys: Int32,
+                   kv_head: Int32, tidx: Int32):
+        """fp8 rows of ``ring8[stage8]`` -> the 16-bit ``ring[stage]``, 8 values a thread at a time: ``x * scale`` of
+        the values' granule (``scales[row, kv_head, dim // granularity]``, the row from the tile's ``populate``; the
+        element offset in 64 bits), rounded once. Rows past the request's keys are written as zeros (P is 0 there;
+        stale values could be NaN)."""
+        d, per_copy = self.head_dim, self.k_op.rows_per_copy
+        chunks = d // VEC
+        step = WG_THREADS // chunks  # rows a pass covers: within one page slot (pages hold >= 16 rows)
+        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(self.bn // step):
+            r = j * step + tidx // chunks
+            c = tidx % chunks
+            vals.fill(0.0)
+            if tile_base + r < num_keys:
+                cute.autovec_copy(cute.local_tile(ring8[r, None, stage8], (VEC,), (c,)), raw)
+                x = raw.load().to(Float32)
+                if cutlass.const_expr(scales is not None):
+                    # the pass's page slot is known here: no dynamic index into the rows registers
+                    row = rows[j * step // per_copy] + j * step % per_copy + tidx // chunks
+                    x = x * self.scale_of(scales, row, kv_head, c * VEC // self.granularity)
+                vals.store(x.to(self.dtype))
+            cute.autovec_copy(vals, cute.local_tile(ring[r, None, stage], (VEC,), (c,)))
+
+    @cute.jit
+    def scale_of(self, scales: cute.Tensor, row: Int32, kv_head: Int32, granule: Int32) -> Float32:
+        """The scale of ``(row, kv_head, granule)`` of the ``[rows, H, G]`` scale view: its offset computed in 64 bits
+        (rows x H x G passes 2^31 in a large cache). e8m0 bits ``e`` decode as torch does: ``2^(e - 127)``, with
+        ``e = 0`` giving ``2^-127`` (a subnormal float32) and ``e = 255`` NaN."""
+        per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
+        offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
+        value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
+        scale = Float32(0.0)
+        if cutlass.const_expr(self.e8m0_scales):
+            e = Uint32(value)
+            bits = cute.make_rmem_tensor((1,), Uint32)
+            bits[0] = e << 23
+            if e == 0:
+                bits[0] = Uint32(0x00400000)
+            if e == 255:
+                bits[0] = Uint32(0x7FC00000)
+            scale = cute.recast_tensor(bits, Float32)[0]
+        else:
+            scale = Float32(value)
+        return scale
+
+    @cute.jit
+    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineAsync,
+                pipe_v: pipeline.PipelineAsync, s_q: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
                 q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
                 lse_part: cute.Tensor, sinks: Optional[cute.Tensor], wg: Int32, q_start: Int32, seq_len: Int32,
                 cache_len: Int32, num_keys: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32,
@@ -323,9 +484,10 @@ class PagedAttentionWS:
             self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, True)
             softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
             softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
-            if (last_tile + 1) * bn > num_keys:
-                pipe_v.consumer_wait(read)
-                self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
+            if cutlass.const_expr(not self.kv_fp8):  # (dequantization writes those rows as zeros)
+                if (last_tile + 1) * bn > num_keys:
+                    pipe_v.consumer_wait(read)
+                    self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
             # Then three loops, so the steady state has no branch: the tiles past the first whose keys some live row
             # does not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
             masked_end = cutlass.max(cutlass.min(last_tile - unmasked_end // bn + 1, n_tiles), 1)
@@ -354,7 +516,7 @@ class PagedAttentionWS:
 
     @cute.jit
     def step(self, i: Int32, read: pipeline.PipelineState, masked: cutlass.Constexpr[bool], tiled_mma_qk: cute.TiledMma,
-             tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync,
+             tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineAsync, pipe_v: pipeline.PipelineAsync,
              acc_s: cute.Tensor, acc_o: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor, t_rp: cute.Tensor,
              t_rv: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, wg: Int32,
