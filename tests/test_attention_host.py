@@ -58,13 +58,14 @@ def _key(cache=None, q_dtype=torch.bfloat16, q_heads=8, arch="sm_90a", features=
 
 
 def test_kernel_serves_16_bit_and_fp8_caches():
-    assert _key() == ("paged_attention_ws", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False)
-    assert _key(features=(True, True, True))[8:] == (True, True, True)  # soft-cap, sinks, lse
+    assert _key() == ("paged_attention", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False, None, None, False)
+    assert _key(features=(True, True, True))[8:11] == (True, True, True)  # soft-cap, sinks, lse
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     fp8 = {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 32}
-    assert _key(fp8)[8:] == ("float8_e4m3fn", 32, False)
-    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[8:] == ("float8_e4m3fn", 32, True)
-    assert _key({"dtype": FP8})[8:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key(fp8)[11:] == ("float8_e4m3fn", 32, False)
+    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:] == ("float8_e4m3fn", 32, True)
+    assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key({"dtype": FP8}, features=(True, True, True))[8:11] == (True, True, True)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
 
 
@@ -77,8 +78,6 @@ def test_kernel_serves_16_bit_and_fp8_caches():
     {"cache": {"page_size": 8}},
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_heads": 3},
-    {"cache": {"dtype": FP8}, "features": (True, False, False)},  # the fp8 kernel has no soft-cap, sinks or lse
-    {"cache": {"dtype": FP8}, "features": (False, False, True)},
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_reference_serves_what_the_kernel_cannot(case):
     assert _key(**case) is None

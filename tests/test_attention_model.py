@@ -1,8 +1,8 @@
-"""The ``PagedAttentionWS`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
+"""The ``PagedAttention`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
 
 A GPU run is what proves the kernel; this proves its plan. ``model_attention`` walks the same grid the host launches
-(``launch_shape``, ``WS_BM``, ``ws_tiling``'s key tile, the window argument) and does per CTA what
-``kernels/attention/sm90_ws.py`` does: pack the GQA heads into rows, pick the key tiles any row may see and this
+(``launch_shape``, ``BM``, ``key_tile``, the window argument) and does per CTA what
+``kernels/attention/sm90.py`` does: pack the GQA heads into rows, pick the key tiles any row may see and this
 split's share of them, walk them from the last, mask each tile by row (soft-capped first; a warpgroup skips tiles
 its live rows all see whole), run the base-2 online
 softmax of unscaled scores with the kernel's guards, round P to 16 bits, zero V past the keys, fold the sink in
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention.config import WS_BM, ws_tiling
+from cute_kv.kernels.attention.config import BM, key_tile
 from cute_kv.ops.paged_attention import _window_arg, launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
@@ -32,7 +32,7 @@ LOG2E = math.log2(math.e)
 def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale,
               softcap, sinks):
     """One CTA: ``(rows [(token, head)], live, O/l [rows, D], lse (log2) [rows])`` for its packed rows."""
-    bm, bn = WS_BM, ws_tiling(q.shape[-1]).bn
+    bm, bn = BM, key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
     m0 = m_block * bm
     tok_first, tok_last = m0 // group, (min(m0 + bm, seq_len * group) - 1) // group
@@ -112,7 +112,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
     win = _window_arg(window)
-    m_blocks, splits = launch_shape(c, hq, slots, WS_BM, ws_tiling(d).bn, causal)
+    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal)
     splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
     lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
@@ -121,13 +121,13 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
         v = pb.dense(1, layer, b, cache_len + n).to(q.dtype)
         for m_block in range(m_blocks):
-            if m_block * WS_BM >= n * group:
+            if m_block * BM >= n * group:
                 continue  # the CTA has no rows
             for kv_head in range(h):
                 for split in range(splits):
                     (toks, heads), live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head,
                                                             split, splits, group, causal, win, scale, softcap, sinks)
-                    for r in range(WS_BM):
+                    for r in range(BM):
                         if live[r]:
                             o_part[split, offsets[b] + toks[r], heads[r]] = o[r]
                             lse_part[split, offsets[b] + toks[r], heads[r]] = lse[r]
@@ -197,3 +197,16 @@ def test_plan_at_tile_and_block_boundaries():
     for window, splits in ((None, None), (None, 3), (1, None), (128, 2)):
         want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, window=window)
         assert rel_err(model_attention(q, pb, 0, window=window, force_splits=splits)[0], want.float()) < 1e-2
+
+
+def test_plan_over_fp8_caches():
+    """An fp8 cache (float32 and e8m0 scales, and unscaled): the plan reads the dequantized values rounded once to
+    the MMA dtype, as the producer warpgroup writes them."""
+    gen = torch.Generator().manual_seed(5)
+    for fp8 in ({"scale_dtype": torch.float32, "quantization_granularity": 16},
+                {"scale_dtype": torch.float8_e8m0fnu, "quantization_granularity": 32}, {}):
+        pb = random_paged_batch([300, 17, 0], [1, 3, 40], num_heads=2, head_size=64, page_size=16,
+                                dtype=torch.float8_e4m3fn, generator=gen, **fp8)
+        q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
+        want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0)
+        assert rel_err(model_attention(q, pb, 0)[0], want.float()) < 1e-2

@@ -1,5 +1,4 @@
-"""``PagedAttentionWS`` (16-bit caches) and ``PagedAttention`` (fp8 caches), ``gpu`` marker, SM90: against the float32
-reference on the same random batch.
+"""``PagedAttention`` (``gpu`` marker, SM90): against the float32 reference on the same random batch.
 
 The reference runs on a CPU copy of the batch (same seed); an fp8 cache is dequantized by both (the kernel rounds the
 dequantized values to the 16-bit MMA dtype, hence the same tolerance). Every slot attention must not read is NaN on both
@@ -14,7 +13,7 @@ import torch
 
 import cute_kv
 from cute_kv import reference as ref
-from cute_kv.kernels.attention.config import WS_BM, ws_tiling
+from cute_kv.kernels.attention.config import BM, key_tile
 from cute_kv.ops.paged_attention import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
@@ -90,7 +89,7 @@ def test_attention_kernel_split_kv_decode():
     cached, new = [20000, 3], [1, 2]
     (cpu, _), _ = _pair((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert launch_shape(cpu.collection, 8, sms, WS_BM, ws_tiling(128).bn)[1] > 1
+    assert launch_shape(cpu.collection, 8, sms, BM, key_tile(128))[1] > 1
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=7, window=700)
 
@@ -136,7 +135,7 @@ def test_attention_kernel_strided_q_and_out():
 def test_dense_operand_matches_sdpa():
     """The same kernel over a contiguous ``[B, S, H, D]`` cache (``DenseMHAOperand``), against torch SDPA."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.attention.sm90_ws import BM, PagedAttentionWS
+    from cute_kv.kernels.attention.sm90 import PagedAttention
 
     b, s, h, hq, d = 3, 300, 2, 8, 128
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -146,7 +145,7 @@ def test_dense_operand_matches_sdpa():
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)]).to(torch.uint32).cuda()
     q = torch.randn(int(new.sum()), hq, d, generator=g, device="cuda").to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    kernel = PagedAttentionWS("bfloat16", hq, h, d, None)
+    kernel = PagedAttention("bfloat16", hq, h, d, None)
     fn = compiled(("dense_attention_test", hq, h, d), lambda: (kernel, *kernel.fake_args()), "sm_90a")
     m_blocks = math.ceil(int(new.max()) * (hq // h) / BM)
     scratch = torch.empty(1, 1, hq, d, device="cuda"), torch.empty(1, 1, hq, device="cuda")

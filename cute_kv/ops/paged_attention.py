@@ -10,7 +10,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, WS_BM, supported, tiling, ws_tiling
+from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, key_tile, supported
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor
@@ -41,9 +41,9 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
     chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
 
-    On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttentionWS`` kernel, an fp8 cache
-    ``PagedAttention`` (without soft-cap, sinks or lse), both split-KV when the grid would not fill the GPU; other
-    cases (a non-positive ``scale`` without soft-cap included), and CPU tensors, run the reference. ``validate=False`` (for
+    On SM90 an MHA/GQA cache (bf16/fp16, or fp8 e4m3 read by bf16/fp16 q) with head_dim 64/128/256 runs the
+    ``PagedAttention`` kernel (split-KV when the grid would not fill the GPU); other cases (a non-positive ``scale``
+    without soft-cap included), and CPU tensors, run the reference. ``validate=False`` (for
     CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
     """
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
@@ -135,9 +135,7 @@ def kernel_key(collection, q, arch: str, softcap: bool = False, sinks: bool = Fa
     """The compile-time key of the kernel serving these arguments on ``arch``, or None where the reference runs
     instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache, head dims, page
     sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache, more rows than
-    int32 TMA coordinates reach, or soft-cap / sinks / lse over an fp8 cache.
-
-    16-bit caches run ``PagedAttentionWS`` (key ``"paged_attention_ws"``); fp8 caches ``PagedAttention``."""
+    int32 TMA coordinates reach."""
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     if arch != "sm_90a" or c.is_mla or q_dtype_name not in DTYPE_NAMES:
@@ -147,71 +145,25 @@ def kernel_key(collection, q, arch: str, softcap: bool = False, sinks: bool = Fa
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
     if c.blocks.data_ptr() % 16 or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31:
         return None
-    lut = c.lookup_table
-    if kv_dtype_name != FP8:
-        bn = ws_tiling(d).bn
-        if supported(hq, h, d, p, kv_dtype_name, bm=WS_BM, bn=bn):
-            return None
-        chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
-        lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-        return ("paged_attention_ws", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, softcap, sinks, return_lse)
-    granularity = c.quantization_granularity if c.scales is not None else None
+    granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    if softcap or sinks or return_lse or supported(hq, h, d, p, kv_dtype_name, granularity):
+    if supported(hq, h, d, p, kv_dtype_name, granularity):
         return None
-    chunk = lut_chunk(tile_geometry(BN, p)[1], BN, p)
+    bn = key_tile(d)
+    chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
+    lut = c.lookup_table
     lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    return ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+    return ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, softcap, sinks, return_lse,
+            kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
 
 
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
-    return (_ws_launcher if key[0] == "paged_attention_ws" else _fp8_launcher)(key, arch)
-
-
-def _ws_launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.kernels.compile_cache import compiled
 
-    _, dtype_name, hq, h, d, _, _, _, softcap_on, _, return_lse = key
-    bn = ws_tiling(d).bn
-
-    def build():
-        from cute_kv.kernels.attention.sm90_ws import PagedAttentionWS
-
-        kernel = PagedAttentionWS(*key[1:])
-        return kernel, *kernel.fake_args()
-
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
-        t = q.shape[0]
-        if t == 0:  # a grid of zero CTAs is a launch error
-            return (out, lse) if return_lse else out
-        c = collection
-        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device), WS_BM, bn, causal)
-        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        o_part, lse_part = _partials(splits, t, hq, d, q.device)
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
-        sinks = None if sinks is None else sinks.contiguous()
-        compiled(key, build, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks,
-                                   c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths,
-                                   c.lookup_table, layer_idx, m_blocks, splits, int(causal), _window_arg(window),
-                                   score_scale, softmax_scale_log2)
-        if splits > 1:
-            _combine(dtype_name, hq, d, return_lse, arch)(dst, lse, o_part, lse_part, splits)
-        if dst is not out:
-            out.copy_(dst)
-        return (out, lse) if return_lse else out
-
-    return run
-
-
-def _fp8_launcher(key: tuple, arch: str) -> Callable:
-    from cute_kv.kernels.compile_cache import compiled
-
-    _, dtype_name, hq, h, d, _, _, _, kv_dtype_name, granularity, e8m0 = key
-    ctas_per_sm = tiling(d, kv_dtype_name == FP8).ctas_per_sm
+    _, dtype_name, hq, h, d, _, _, _, softcap_on, _, return_lse, kv_dtype_name, granularity, e8m0 = key
+    bn = key_tile(d)
 
     def build():
         from cute_kv.kernels.attention.sm90 import PagedAttention
@@ -223,19 +175,23 @@ def _fp8_launcher(key: tuple, arch: str) -> Callable:
             sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
         t = q.shape[0]
         if t == 0:  # a grid of zero CTAs is a launch error
-            return out
+            return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device) * ctas_per_sm, BM, BN, causal)
+        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device), BM, bn, causal)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = _partials(splits, t, hq, d, q.device)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
+        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        sinks = None if sinks is None else sinks.contiguous()
+        compiled(key, build, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
                                    _scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits, int(causal),
-                                   _window_arg(window), scale * LOG2E)
+                                   _window_arg(window), score_scale, softmax_scale_log2)
         if splits > 1:
-            _combine(dtype_name, hq, d, False, arch)(dst, None, o_part, lse_part, splits)
-        return out if dst is out else out.copy_(dst)
+            _combine(dtype_name, hq, d, return_lse, arch)(dst, lse, o_part, lse_part, splits)
+        if dst is not out:
+            out.copy_(dst)
+        return (out, lse) if return_lse else out
 
     return run
 
@@ -268,8 +224,7 @@ def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def launch_shape(collection, num_q_heads: int, slots: int, bm: int = BM, bn: int = BN,
-                 causal: bool = True) -> tuple[int, int]:
+def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True) -> tuple[int, int]:
     """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
     run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
     query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest

@@ -19,7 +19,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.softmax import LN2, NEG_INF
-from cute_kv.kernels.attention.sm90_ws import DTYPES
+from cute_kv.kernels.attention.sm90 import DTYPES
 
 THREADS = 128
 F32_VEC = 4  # float32 per 16-byte load
