@@ -52,8 +52,6 @@ THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 PRODUCER_REGS = 32
 CONSUMER_REGS = 232
-FP8_PRODUCER_REGS = 32
-FP8_CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 assert set(DTYPES) == set(DTYPE_NAMES)
@@ -93,9 +91,7 @@ class PagedAttention:
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        # the dequantizing producer needs registers; the consumers' loop fits in what is left
-        self.producer_regs, self.consumer_regs = (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS) if self.kv_fp8 else (
-            PRODUCER_REGS, CONSUMER_REGS)
+        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -340,7 +336,8 @@ class PagedAttention:
                 load.advance()
         for i in cutlass.range(n_tiles, unroll=1):
             tile_base = (last_tile - i) * bn
-            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)  # scale rows
+            if cutlass.const_expr(k_scales is not None):  # the rows whose scales apply
+                self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             pipe_8.consumer_wait(read8)
             pipe_k.producer_acquire(write)
             self.dequantize(ring8_k, s_k, read8.index, write.index, k_scales, rows, tile_base, num_keys, kv_head, tidx)
