@@ -149,7 +149,7 @@ def test_dense_operand_matches_sdpa():
     fn = compiled(("dense_attention_test", hq, h, d), lambda: (kernel, *kernel.fake_args()), "sm_90a")
     m_blocks = math.ceil(int(new.max()) * (hq // h) / BM)
     scratch = torch.empty(1, 1, hq, d, device="cuda"), torch.empty(1, 1, hq, device="cuda")
-    fn(q, out, None, *scratch, None, k, v, offsets, cache_lengths, None, 0, m_blocks, 1, 1, 0, 1.0,
+    fn(q, out, None, *scratch, None, k, v, offsets, cache_lengths, None, None, 0, m_blocks, 1, 1, 0, 1.0,
        math.log2(math.e) / math.sqrt(d))
     torch.cuda.synchronize()
     for i, n in enumerate(new.tolist()):
