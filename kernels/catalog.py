@@ -83,15 +83,17 @@ QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, 
     ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
     ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent head straddling tiles
 ]
-ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads[, fp8, gran])
-    ("bfloat16", 32, 8, 128, 16, 2, True),  # Llama-3-8B: 8 pages per 128-key tile, two 4-entry lookup vectors
-    ("bfloat16", 32, 4, 128, 64, 2, False),  # GQA 8, lookup entries read one by one
-    ("float16", 8, 8, 64, 128, 2, True),  # MHA, a page holds the whole tile: one copy
-    ("bfloat16", 16, 2, 256, 16, 2, True),  # head dim 256: 64-key tiles, four 128-byte boxes per row
-    ("bfloat16", 32, 8, 128, None, 2, True),  # contiguous [B, S, H, D] operand
-    ("bfloat16", 32, 8, 128, 16, 2, True, "float8_e4m3fn", 16),  # fp8 cache, float32 scale per 16 dims
-    ("float16", 16, 2, 64, 64, 2, True, "float8_e4m3fn", None),  # fp8 cache without scales
-    ("bfloat16", 32, 8, 128, 64, 2, True, "float8_e4m3fn", 32, True),  # fp8 cache, e8m0 scale per 32 dims
+ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads, soft-cap,
+    # sinks, lse[, fp8, granularity, e8m0]); the pipeline's PTX is
+    # checked in tests/test_paged_attention_ptx.py
+    ("bfloat16", 32, 8, 128, 16, 2, True),
+    ("float16", 8, 8, 64, 128, 2, True),
+    ("bfloat16", 16, 2, 256, 16, 2, True),
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 16),
+    ("bfloat16", 16, 2, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 256),
+    ("bfloat16", 32, 4, 128, 64, 2, False),  # lookup entries read one by one
+    ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True),  # soft-cap, sinks, lse
+    ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
 ]
 COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256)]
 
@@ -132,7 +134,9 @@ _QKV_THREADS = {"sm_90a": 384, "sm_100a": 256}
 
 
 def _attention_plan(k: attention_sm90.PagedAttention) -> Plan:
-    return Plan(attention_sm90.THREADS, k.smem_bytes(), k.plan.ctas_per_sm)
+    # One CTA per SM: the rings take what shared memory the two warpgroups' Q tiles leave (config.tiling); the
+    # ping-pong of the two consumer warpgroups is the overlap, not a second CTA.
+    return Plan(attention_sm90.THREADS, k.smem_bytes(), 1)
 
 
 def _combine_plan(k: combine.AttentionCombine) -> Plan:

@@ -5,49 +5,69 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_kv.ops.paged_attention import MAX_SPLITS, num_splits, plan
+from cute_kv.ops.paged_attention import MAX_SPLITS, SPLIT_COST, launch_shape, num_splits, plan
 from cute_kv.reference.batch import random_paged_batch
 
 H100_SMS = 132
 
 
 @given(ctas=st.integers(1, 5000), key_tiles=st.integers(1, 2000), slots=st.sampled_from([78, 132, 264, 296]))
-def test_splits_fill_the_gpu_without_thin_splits(ctas, key_tiles, slots):
+def test_splits_by_wave_quantization(ctas, key_tiles, slots):
     s = num_splits(ctas, key_tiles, slots)
     assert 1 <= s <= MAX_SPLITS
-    if ctas >= slots or key_tiles < 4:
-        assert s == 1  # the grid already fills the GPU, or there is too little to split
-    else:
-        assert s * 2 <= key_tiles  # every split keeps at least two tiles (the K/V ring's depth)
-        assert ctas * s >= slots or s in (MAX_SPLITS, key_tiles // 2)
+    per = -(-key_tiles // s)
+    assert (s - 1) * per < key_tiles  # no split is empty
+    if s > 1:
+        assert s * 2 <= key_tiles  # every split keeps at least two tiles
+    if ctas % slots == 0:
+        assert s == 1  # whole waves already: splitting only adds waves
+
+    def cost(n):
+        return -(-ctas * n // slots) * (-(-key_tiles // n) + SPLIT_COST)
+
+    # no admissible split count is estimated faster
+    assert all(cost(s) <= cost(n) for n in range(1, min(MAX_SPLITS, key_tiles // 2) + 1)
+               if (n - 1) * -(-key_tiles // n) < key_tiles)
 
 
 def test_issue_decode_shapes():
-    """32 q / 8 KV heads, 64-key tiles, one 64-row query block per request, 2 CTAs per SM on an H100 (264 slots):
-    batch 1 at 16k splits 32 ways (the cap), batch 128 at 4k does not split, batch 8 at 512 keeps two tiles a
-    split."""
-    assert num_splits(1 * 8, 16384 // 64, 2 * H100_SMS) == MAX_SPLITS
-    assert num_splits(128 * 8, 4096 // 64, 2 * H100_SMS) == 1
-    assert num_splits(8 * 8, 512 // 64, 2 * H100_SMS) == 4
+    """32 q / 8 KV heads, 128-key tiles, one 128-row query block per request, one CTA per SM on an H100 (132
+    slots): batch 1 at 16k splits 16 ways (8 x 16 CTAs make one wave), batch 128 at 4k does not split, batch 8 at 2k
+    splits until the wave is full."""
+    assert num_splits(1 * 8, 16384 // 128, H100_SMS) == 16
+    assert num_splits(128 * 8, 4096 // 128, H100_SMS) == 1
+    assert num_splits(8 * 8, 2048 // 128, H100_SMS) == 2
+
+
+def test_causal_prefill_of_several_blocks_does_not_split():
+    pb = random_paged_batch([4000], [300], num_heads=2, head_size=128, page_size=16,
+                            generator=torch.Generator().manual_seed(0))
+    assert launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True) == (10, 1)
+    m_blocks, splits = launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=False)
+    assert m_blocks == 10 and splits > 1
 
 
 FP8 = torch.float8_e4m3fn
 
 
-def _key(cache=None, q_dtype=torch.bfloat16, q_heads=8, arch="sm_90a", **kw):
+def _key(cache=None, q_dtype=torch.bfloat16, q_heads=8, arch="sm_90a", features=(), **kw):
     args = {"num_heads": 2, "head_size": 128, "page_size": 16, **(cache or {})}
     pb = random_paged_batch([5, 40], [3, 1], generator=torch.Generator().manual_seed(0), **args, **kw)
     q = torch.zeros(pb.total_rows, q_heads, args["head_size"], dtype=q_dtype)
-    return plan(pb.collection, q, arch).key
+    softcap, sinks, return_lse = (tuple(features) + (False,) * 3)[:3]
+    return plan(pb.collection, q, arch, None, 30.0 if softcap else None, torch.zeros(q_heads) if sinks else None,
+                return_lse).key
 
 
 def test_kernel_serves_16_bit_and_fp8_caches():
-    assert _key() == ("paged_attention", "bfloat16", 8, 2, 128, 16, 2, True, "bfloat16", None, False)
+    assert _key() == ("paged_attention", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False, None, None, False)
+    assert _key(features=(True, True, True))[8:11] == (True, True, True)  # soft-cap, sinks, lse
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     fp8 = {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 32}
-    assert _key(fp8)[8:] == ("float8_e4m3fn", 32, False)
-    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[8:] == ("float8_e4m3fn", 32, True)
-    assert _key({"dtype": FP8})[8:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key(fp8)[11:] == ("float8_e4m3fn", 32, False)
+    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:] == ("float8_e4m3fn", 32, True)
+    assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key({"dtype": FP8}, features=(True, True, True))[8:11] == (True, True, True)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
 
 
@@ -78,20 +98,20 @@ def test_lookup_vectors_need_a_padded_table():
 
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("lut_vector", [True, False])
-def test_operand_keeps_populates_promises(page_size, lut_vector):
+@pytest.mark.parametrize("bn", [64, 128])
+def test_operand_keeps_populates_promises(page_size, lut_vector, bn):
     """Tiles start at multiples of BN, so BN must be a multiple of ``base_alignment`` (else populate drops the
     in-page offset of a tile inside a larger page); a multi-page tile needs it >= P. The lookup table the kernel
     declares (row stride and base) must be exactly as aligned as the vector width populate reads."""
-    from cute_kv.kernels.attention.config import BN
     from cute_kv.kernels.attention.operand import KVCacheMHAOperand
     from cute_kv.row_indices import lut_chunk, tile_geometry
 
-    op = KVCacheMHAOperand(0, page_size, BN, lut_vector)
+    op = KVCacheMHAOperand(0, page_size, bn, lut_vector)
     assert op.bn % op.base_alignment == 0
     if op.copies_per_tile > 1:
         assert op.base_alignment >= page_size
-    pages = tile_geometry(BN, page_size)[1]
-    assert op.lut_width == (lut_chunk(pages, BN, page_size) if lut_vector else 1)
+    pages = tile_geometry(bn, page_size)[1]
+    assert op.lut_width == (lut_chunk(pages, bn, page_size) if lut_vector else 1)
 
 
 def test_index_limits_bound_what_the_kernel_indexes():

@@ -1,11 +1,14 @@
 """The ``PagedAttention`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
 
 A GPU run is what proves the kernel; this proves its plan. ``model_attention`` walks the same grid the host launches
-(``launch_shape``, ``BM``, ``BN``, the window argument) and does per CTA what ``kernels/attention/sm90.py`` does:
-pack the GQA heads into rows, pick the key tiles any row may see and this split's share of them, mask each tile by
-row, run the base-2 online softmax with the kernel's guards, round P to 16 bits, zero V past the keys, and write
-either the output or float32 partials that ``AttentionCombine``'s formula merges. Ragged steps, windows, GQA ratios
-and forced splits are drawn by hypothesis; any off-by-one in the tile or split ranges shows as a mismatch.
+(``launch_shape``, ``BM``, ``key_tile``, the window argument) and does per CTA what
+``kernels/attention/sm90.py`` does: pack the GQA heads into rows, pick the key tiles any row may see and this
+split's share of them, walk them from the last, mask each tile by row (soft-capped first; a warpgroup skips tiles
+its live rows all see whole), run the base-2 online
+softmax of unscaled scores with the kernel's guards, round P to 16 bits, zero V past the keys, fold the sink in
+(split 0), and write either the output and lse or float32 partials that ``AttentionCombine``'s formula merges.
+Ragged steps, windows, GQA ratios, soft-caps, sinks and forced splits are drawn by hypothesis; any off-by-one in the
+tile or split ranges shows as a mismatch.
 """
 
 import math
@@ -15,21 +18,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention.config import BM, BN
-from cute_kv.ops.paged_attention import _window_arg, launch_shape
+from cute_kv.kernels.attention.config import BM, key_tile
+from cute_kv.ops.paged_attention import launch_shape, window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
 
 NEG_INF = float("-inf")
+WG_ROWS = 64  # packed rows a consumer warpgroup computes
+LOG2E = math.log2(math.e)
 
 
-def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale):
-    """One CTA: ``(rows [(token, head)], O/l [rows, D], lse (log2) [rows])`` for its packed rows."""
-    bn = BN
+def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale,
+              softcap, sinks):
+    """One CTA: ``(rows [(token, head)], live, O/l [rows, D], lse (log2) [rows])`` for its packed rows."""
+    bm, bn = BM, key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
-    m0 = m_block * BM
-    tok_first, tok_last = m0 // group, (min(m0 + BM, seq_len * group) - 1) // group
+    m0 = m_block * bm
+    tok_first, tok_last = m0 // group, (min(m0 + bm, seq_len * group) - 1) // group
     k_end = cache_len + tok_last + 1 if causal else num_keys
     k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
     tile_begin = k_begin // bn
@@ -38,49 +44,75 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     first_tile = tile_begin + split * per_split
     n_tiles = max(min(per_split, tiles - split * per_split), 0)
 
-    rows = [(m0 + r) // group for r in range(BM)], [kv_head * group + (m0 + r) % group for r in range(BM)]
+    rows = [(m0 + r) // group for r in range(bm)], [kv_head * group + (m0 + r) % group for r in range(bm)]
     toks = torch.tensor(rows[0])
     live = toks < seq_len
-    qr = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
+    qr = torch.zeros(bm, q.shape[-1], dtype=torch.float64)
     qr[live] = q[q_start + toks[live], torch.tensor(rows[1])[live]].double()
     pos = cache_len + toks
     row_end = torch.where(live, torch.clamp(pos + 1, max=num_keys) if causal else torch.full_like(pos, num_keys), 0)
     row_begin = pos - window + 1 if window > 0 else torch.zeros_like(pos)
+    # unscaled scores, and the softmax's scale (kernel arguments score_scale, softmax_scale_log2)
+    score_scale, scale_log2 = (scale / softcap, softcap * LOG2E) if softcap else (None, scale * LOG2E)
 
-    row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
-    row_sum = torch.zeros(BM, dtype=torch.float64)
-    acc = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
-    scale_log2 = scale * math.log2(math.e)
-    for t in range(first_tile, first_tile + n_tiles):
+    unmasked = []  # per consumer warpgroup: the keys every live row of it sees
+    for w in range(bm // WG_ROWS):
+        rows0 = m0 + w * WG_ROWS
+        tok_lo = rows0 // group
+        tok_hi = min((min(rows0 + WG_ROWS, seq_len * group) - 1) // group, seq_len - 1)
+        unmasked.append((cache_len + tok_hi - window + 1 if window > 0 else 0,
+                         min(cache_len + tok_lo + 1, num_keys) if causal else num_keys))
+    row_max = torch.full((bm,), NEG_INF, dtype=torch.float64)
+    row_sum = torch.zeros(bm, dtype=torch.float64)
+    acc = torch.zeros(bm, q.shape[-1], dtype=torch.float64)
+    for t in reversed(range(first_tile, first_tile + n_tiles)):  # last tile first
         keys = torch.arange(t * bn, (t + 1) * bn)
         kt = torch.zeros(bn, q.shape[-1], dtype=torch.float64)
         vt = torch.zeros_like(kt)
         inside = keys < num_keys  # past the keys: zero-filled pages / zeroed V rows
         kt[inside] = k[keys[inside], kv_head].double()
         vt[inside] = v[keys[inside], kv_head].double()
-        x = (qr @ kt.T) * scale_log2
-        x = x.masked_fill((keys[None, :] < row_begin[:, None]) | (keys[None, :] >= row_end[:, None]), NEG_INF)
-        new_max = torch.maximum(row_max, x.max(dim=1).values)
-        ref_max = torch.where(new_max == NEG_INF, 0.0, new_max)
-        corr = torch.exp2(row_max - ref_max)
-        p = torch.exp2(x - ref_max[:, None])
+        s = qr @ kt.T
+        if softcap:
+            s = torch.tanh(s * score_scale)
+        masked = s.masked_fill((keys[None, :] < row_begin[:, None]) | (keys[None, :] >= row_end[:, None]), NEG_INF)
+        for w in range(bm // WG_ROWS):  # a warpgroup skips the masks on a tile all its live rows see whole
+            if not (t * bn < unmasked[w][0] or (t + 1) * bn > unmasked[w][1]):
+                masked[w * WG_ROWS:(w + 1) * WG_ROWS] = s[w * WG_ROWS:(w + 1) * WG_ROWS]
+        s = masked
+        new_max = torch.maximum(row_max, s.max(dim=1).values)
+        ref_max = torch.where(new_max == NEG_INF, 0.0, new_max * scale_log2)
+        corr = torch.exp2(row_max * scale_log2 - ref_max)
+        p = torch.exp2(s * scale_log2 - ref_max[:, None])
         row_sum = row_sum * corr + p.sum(dim=1)
         acc = acc * corr[:, None] + p.to(q.dtype).double() @ vt  # P is rounded to the MMA dtype
         row_max = new_max
-    out = torch.where(row_sum[:, None] > 0, acc / row_sum.clamp_min(1e-300)[:, None], 0.0)
-    lse = torch.where(row_sum > 0, row_max + torch.log2(row_sum.clamp_min(1e-300)), NEG_INF)
+    top = row_max * scale_log2
+    weight = torch.ones(bm, dtype=torch.float64)
+    if sinks is not None and split == 0:  # the sink joins the denominator once, in split 0
+        sink = sinks[torch.tensor(rows[1])].double() * LOG2E
+        new_top = torch.maximum(top, sink)
+        ok = new_top != NEG_INF
+        weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
+        row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
+        top = torch.where(ok, new_top, top)
+    pos_sum = row_sum > 0
+    out = torch.where(pos_sum[:, None], acc * (weight / row_sum.clamp_min(1e-300))[:, None], 0.0)
+    lse = torch.where(pos_sum, top + torch.log2(row_sum.clamp_min(1e-300)), NEG_INF)
     return rows, live, out, lse
 
 
-def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots=264, force_splits=None):
-    """The whole launch (grid, splits, combine) for ``q [T, Hq, D]`` over ``pb``'s cache; float64 ``[T, Hq, D]``."""
+def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, sinks=None, slots=132,
+                    force_splits=None):
+    """The whole launch (grid, splits, combine) for ``q [T, Hq, D]`` over ``pb``'s cache: float64 ``[T, Hq, D]``
+    and the natural-log ``lse [T, Hq]``."""
     c = pb.collection
     t, hq, d = q.shape
     h = c.num_heads
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
-    win = _window_arg(window)
-    m_blocks, splits = launch_shape(c, hq, slots)
+    win = window_arg(window)
+    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal)
     splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
     lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
@@ -94,16 +126,18 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots
             for kv_head in range(h):
                 for split in range(splits):
                     (toks, heads), live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head,
-                                                            split, splits, group, causal, win, scale)
+                                                            split, splits, group, causal, win, scale, softcap, sinks)
                     for r in range(BM):
                         if live[r]:
                             o_part[split, offsets[b] + toks[r], heads[r]] = o[r]
                             lse_part[split, offsets[b] + toks[r], heads[r]] = lse[r]
     if splits == 1:
-        return o_part[0]
+        return o_part[0], lse_part[0] * math.log(2)
     top = lse_part.max(dim=0).values
     w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    return (w[..., None] * o_part).sum(0) / w.sum(0)[..., None]
+    total = w.sum(0)
+    lse = torch.where(total > 0, (top + torch.log2(total)) * math.log(2), NEG_INF)
+    return (w[..., None] * o_part).sum(0) / total[..., None], lse
 
 
 @settings(max_examples=25, deadline=None)
@@ -115,9 +149,12 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, slots
     causal=st.booleans(),
     window=st.one_of(st.none(), st.integers(1, 200)),
     splits=st.one_of(st.none(), st.integers(2, 5)),
+    softcap=st.sampled_from([None, 0.7, 30.0]),
+    with_sinks=st.booleans(),
     seed=st.integers(0, 2**31),
 )
-def test_kernel_plan_matches_reference(lengths, page_size, group, head_dim, causal, window, splits, seed):
+def test_kernel_plan_matches_reference(lengths, page_size, group, head_dim, causal, window, splits, softcap,
+                                       with_sinks, seed):
     gen = torch.Generator().manual_seed(seed)
     cached, new = zip(*lengths)
     if not sum(new) or (window is not None and not causal):
@@ -125,32 +162,51 @@ def test_kernel_plan_matches_reference(lengths, page_size, group, head_dim, caus
     pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=page_size, dtype=torch.bfloat16,
                             generator=gen)
     q = torch.randn(pb.total_rows, 2 * group, head_dim, generator=gen).to(torch.bfloat16)
-    want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, causal=causal, window=window)
-    got = model_attention(q, pb, 0, causal=causal, window=window, force_splits=splits)
-    assert not got.isnan().any()  # every (token, head) written, by some CTA
+    sinks = torch.randn(2 * group, generator=gen) * 3 if with_sinks else None
+    kw = {"causal": causal, "window": window, "softcap": softcap, "sinks": sinks}
+    want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, return_lse=True, **kw)
+    got, lse = model_attention(q, pb, 0, force_splits=splits, **kw)
+    assert not got.isnan().any() and not lse.isnan().any()  # every (token, head) written, by some CTA
     assert rel_err(got, want.float()) < 1e-2
+    assert (lse - want_lse.double()).abs().max() < 1e-3
 
 
 def test_plan_splits_long_decode_and_merges_exactly():
     """A 3000-key decode split 5 ways (splits empty of visible keys under a window) equals one split, up to P's
-    16-bit rounding (which depends on each split's running max)."""
+    16-bit rounding (which depends on each split's running max); the sink is counted once."""
     gen = torch.Generator().manual_seed(3)
     pb = random_paged_batch([3000, 40], [1, 2], num_heads=1, head_size=64, page_size=64, dtype=torch.bfloat16,
                             generator=gen)
     q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(8, generator=gen)
     for window in (None, 300):
-        one = model_attention(q, pb, 0, window=window, force_splits=1)
-        five = model_attention(q, pb, 0, window=window, force_splits=5)
-        assert rel_err(five, one) < 1e-3
-        assert rel_err(one, ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, window=window)) < 1e-2
+        one, one_lse = model_attention(q, pb, 0, window=window, sinks=sinks, force_splits=1)
+        five, five_lse = model_attention(q, pb, 0, window=window, sinks=sinks, force_splits=5)
+        assert rel_err(five, one) < 1e-3 and (five_lse - one_lse).abs().max() < 1e-6
+        want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, window=window, sinks=sinks,
+                                             return_lse=True)
+        assert rel_err(one, want) < 1e-2 and (one_lse - want_lse.double()).abs().max() < 1e-4
 
 
 def test_plan_at_tile_and_block_boundaries():
-    """Steps whose last key starts or ends a 128-key tile, and whose packed rows fill or spill a 64-row block."""
+    """Steps whose last key starts or ends a 128-key tile, and whose packed rows fill or spill a 128-row block."""
     gen = torch.Generator().manual_seed(4)
-    cached, new = [128, 127, 0, 255, 0, 64], [1, 1, 129, 2, 1, 16]
+    cached, new = [128, 127, 0, 255, 0, 64], [1, 1, 129, 2, 1, 32]
     pb = random_paged_batch(cached, new, num_heads=2, head_size=64, page_size=16, dtype=torch.bfloat16, generator=gen)
     q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
     for window, splits in ((None, None), (None, 3), (1, None), (128, 2)):
         want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, window=window)
-        assert rel_err(model_attention(q, pb, 0, window=window, force_splits=splits), want.float()) < 1e-2
+        assert rel_err(model_attention(q, pb, 0, window=window, force_splits=splits)[0], want.float()) < 1e-2
+
+
+def test_plan_over_fp8_caches():
+    """An fp8 cache (float32 and e8m0 scales, and unscaled): the plan reads the dequantized values rounded once to
+    the MMA dtype, as the producer warpgroup writes them."""
+    gen = torch.Generator().manual_seed(5)
+    for fp8 in ({"scale_dtype": torch.float32, "quantization_granularity": 16},
+                {"scale_dtype": torch.float8_e8m0fnu, "quantization_granularity": 32}, {}):
+        pb = random_paged_batch([300, 17, 0], [1, 3, 40], num_heads=2, head_size=64, page_size=16,
+                                dtype=torch.float8_e4m3fn, generator=gen, **fp8)
+        q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
+        want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0)
+        assert rel_err(model_attention(q, pb, 0)[0], want.float()) < 1e-2

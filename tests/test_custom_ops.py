@@ -123,13 +123,24 @@ def test_paged_attention_opcheck(rng, cache, window):
     pb = _batch(cache)
     q, out, mla_v_dim = _attention_args(pb, rng)
     tensors, sizes = _collection_args(pb.collection)
-    args = (q, pb.input_row_offsets, *tensors, 1, *sizes, True, window, 0.3, mla_v_dim, out)
+    args = (q, pb.input_row_offsets, *tensors, 1, *sizes, True, window, 0.3, None, None, mla_v_dim, out, None)
+    _opcheck(torch.ops.cute_kv.paged_attention.default, args, pb.collection)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8 scales"])
+def test_paged_attention_opcheck_softcap_sinks_lse(rng, cache):
+    pb = _batch(cache)
+    q, out, _ = _attention_args(pb, rng)
+    sinks = torch.randn(q.shape[1], generator=rng)
+    lse = torch.full(q.shape[:2], float("nan"))
+    tensors, sizes = _collection_args(pb.collection)
+    args = (q, pb.input_row_offsets, *tensors, 1, *sizes, True, None, None, 20.0, sinks, None, out, lse)
     _opcheck(torch.ops.cute_kv.paged_attention.default, args, pb.collection)
 
 
 @pytest.mark.parametrize("op,written", [(torch.ops.cute_kv.store_kv, {"blocks", "scales"}),
                                         (torch.ops.cute_kv.fused_qkv_matmul_kv_cache, {"blocks", "scales", "output"}),
-                                        (torch.ops.cute_kv.paged_attention, {"out"})])
+                                        (torch.ops.cute_kv.paged_attention, {"out", "lse"})])
 def test_ops_declare_what_they_write(op, written):
     """Functionalization and CUDA graphs trust these declarations; opcheck's test_schema cannot check ``scales``."""
     schema = op.default._schema
@@ -175,6 +186,20 @@ def test_paged_attention_entry_matches_reference(rng, cache, with_out):
     want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=mla_v_dim, window=4)
     assert got is out if with_out else got.shape == out.shape
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8 e8m0 scales", "mla"])
+def test_paged_attention_entry_softcap_sinks_lse_match_reference(rng, cache):
+    pb = _batch(cache)
+    q, _, mla_v_dim = _attention_args(pb, rng)
+    sinks = torch.randn(q.shape[1], generator=rng)
+    kw = {"mla_v_dim": mla_v_dim, "softcap": 5.0, "sinks": sinks, "return_lse": True}
+    out, lse = cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, **kw)
+    want_out, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, **kw)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    plain = cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=mla_v_dim, softcap=0.0)
+    assert torch.equal(plain, ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=mla_v_dim))
 
 
 # -- validate=False --------------------------------------------------------------------------------------------------
@@ -337,6 +362,19 @@ def test_paged_attention_compiles_fullgraph(rng):
     for _ in range(2):
         q, _, _ = _attention_args(pb, rng)
         assert torch.equal(step(q), ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, window=6))
+
+
+@inductor_noise
+def test_paged_attention_with_lse_compiles_fullgraph(rng):
+    pb = _batch()
+    sinks = torch.randn(4, generator=rng)
+    kw = {"softcap": 2.0, "sinks": sinks, "return_lse": True}
+    step = torch.compile(lambda q: cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, validate=False,
+                                                           **kw), fullgraph=True)
+    q, _, _ = _attention_args(pb, rng)
+    out, lse = step(q)
+    want_out, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, **kw)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 
 import cute_kv
 from cute_kv import reference as ref
+from cute_kv.kernels.attention.config import BM, key_tile
 from cute_kv.ops.paged_attention import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
@@ -87,9 +88,28 @@ def test_attention_kernel_split_kv_decode():
     """One long context and few heads: the grid splits the keys (combine pass), one short request beside it."""
     cached, new = [20000, 3], [1, 2]
     (cpu, _), _ = _pair((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
-    assert launch_shape(cpu.collection, 8, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert launch_shape(cpu.collection, 8, sms, BM, key_tile(128))[1] > 1
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=7, window=700)
+
+
+@pytest.mark.parametrize("cached,new", [(CACHED, NEW), ([20000, 3], [1, 2])], ids=["mixed", "split-kv"])
+@pytest.mark.parametrize("softcap,with_sinks", [(30.0, False), (None, True), (5.0, True)])
+def test_attention_kernel_softcap_sinks_lse(cached, new, softcap, with_sinks):
+    """Soft-cap, sinks and the natural-log lse from the kernel (and the combine, split) against the reference;
+    the lse poisoned with NaN first and checked written."""
+    case = (torch.bfloat16, 2, 8, 128, 64)
+    (cpu, gpu), q = _pair(case, cached, new, seed=12)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(13)) * 3 if with_sinks else None
+    kw = {"softcap": softcap, "sinks": sinks, "return_lse": True}
+    want, want_lse = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, **kw)
+    kw["sinks"] = None if sinks is None else sinks.cuda()
+    out, lse = cute_kv.paged_attention(q.cuda(), gpu.input_row_offsets, gpu.collection, 1, **kw)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_err(out.cpu(), want) < TOL[q.dtype]
+    assert (lse.cpu() - want_lse).abs().max() < 2e-2
 
 
 def test_attention_kernel_spec_decode_and_empty_step():
@@ -115,7 +135,7 @@ def test_attention_kernel_strided_q_and_out():
 def test_dense_operand_matches_sdpa():
     """The same kernel over a contiguous ``[B, S, H, D]`` cache (``DenseMHAOperand``), against torch SDPA."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.attention.sm90 import BM, PagedAttention
+    from cute_kv.kernels.attention.sm90 import PagedAttention
 
     b, s, h, hq, d = 3, 300, 2, 8, 128
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -130,7 +150,8 @@ def test_dense_operand_matches_sdpa():
     fn = compiled(("dense_attention_test", hq, h, d), lambda: (kernel, *kernel.fake_args()), "sm_90a")
     m_blocks = math.ceil(int(new.max()) * (hq // h) / BM)
     scratch = torch.empty(1, 1, hq, d, device="cuda"), torch.empty(1, 1, hq, device="cuda")
-    fn(q, out, *scratch, k, v, offsets, cache_lengths, None, 0, m_blocks, 1, 1, 0, math.log2(math.e) / math.sqrt(d))
+    fn(q, out, None, *scratch, None, k, v, offsets, cache_lengths, None, None, 0, m_blocks, 1, 1, 0, 1.0,
+       math.log2(math.e) / math.sqrt(d))
     torch.cuda.synchronize()
     for i, n in enumerate(new.tolist()):
         rows = slice(int(offsets[i]), int(offsets[i]) + n)

@@ -17,13 +17,16 @@ CACHED = [0, 37, 5, 130, 9]
 NEW = [5, 1, 0, 17, 1]
 
 
-def dense_attention(pb, q, layer, *, causal=True, window=None, scale=None, mla_v_dim=None):
-    """float64 ``[T, Hq, D_v]``: each request's queries against a dense copy of its K/V, head by head."""
+def dense_attention(pb, q, layer, *, causal=True, window=None, scale=None, mla_v_dim=None, softcap=None, sinks=None,
+                    with_lse=False):
+    """float64 ``[T, Hq, D_v]`` (and the natural-log ``lse [T, Hq]`` with ``with_lse``): each request's queries
+    against a dense copy of its K/V, head by head; soft-cap and sink written out term by term."""
     c = pb.collection
     t, hq, d = q.shape
     group = hq // c.num_heads
     scale = 1 / math.sqrt(d) if scale is None else scale
     out = torch.full((t, hq, mla_v_dim or d), float("nan"), dtype=torch.float64)
+    lse = torch.full((t, hq), float("nan"), dtype=torch.float64)
     for b, (cl, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         keys = pb.dense(0, layer, b, cl + n)
         values = keys[..., :mla_v_dim] if c.is_mla else pb.dense(1, layer, b, cl + n)
@@ -34,8 +37,15 @@ def dense_attention(pb, q, layer, *, causal=True, window=None, scale=None, mla_v
             hi = p + 1 if causal else cl + n
             for h in range(hq):
                 s = keys[lo:hi, h // group] @ q[rows][i, h].double() * scale
-                out[rows.start + i, h] = torch.softmax(s, 0) @ values[lo:hi, h // group]
-    return out
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                sink = None if sinks is None else float(sinks[h])
+                m = s.max() if sink is None else torch.clamp(s.max(), min=sink)
+                e = torch.exp(s - m)
+                den = e.sum() + (0.0 if sink is None else math.exp(sink - m))
+                out[rows.start + i, h] = e @ values[lo:hi, h // group] / den
+                lse[rows.start + i, h] = m + torch.log(den)
+    return (out, lse) if with_lse else out
 
 
 def _run(pb, q, layer, **kw):
@@ -111,3 +121,46 @@ def test_attention_random_steps(lengths, page_size, group, window, seed):
     got = _run(pb, q, 0, window=window)
     if pb.total_rows:
         assert rel_err(got, dense_attention(pb, q, 0, window=window)) < 1e-5
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5, 30.0])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_softcap_sinks_lse_fp32(rng, softcap, with_sinks, window):
+    """Soft-cap (small and large, so it shapes or merely passes the scores), sinks from far below to far above the
+    logits, and the natural-log lse, against the float64 formula; ``lse`` written into a NaN-poisoned tensor."""
+    pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=16, page_size=16, dtype=torch.float32,
+                            generator=rng)
+    pb.poison_unread(0)
+    q = torch.randn(pb.total_rows, 8, 16, generator=rng) * 3
+    sinks = (torch.randn(8, generator=rng) * 4).index_fill_(0, torch.tensor([0, 5]), -30.0).index_fill_(
+        0, torch.tensor([3]), 60.0) if with_sinks else None
+    kw = {"window": window, "softcap": softcap, "sinks": sinks, "scale": 0.4}
+    out = torch.full(q.shape, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    got, got_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, out=out, lse=lse, return_lse=True,
+                                       **kw)
+    assert got is out and got_lse is lse and not lse.isnan().any()
+    want, want_lse = dense_attention(pb, q, 0, with_lse=True, **kw)
+    assert rel_err(got, want) < 1e-5
+    assert (got_lse.double() - want_lse).abs().max() < 1e-4
+    if with_sinks:  # a sink far above every logit takes all the weight: head 3 attends to nothing
+        assert got[:, 3].abs().max() < 1e-6 and (got_lse[:, 3] - 60).abs().max() < 1e-4
+
+
+def test_attention_lse_merges_disjoint_caches(rng):
+    """What ``lse`` is for: attention over a shared prefix and over each request's own keys, computed separately
+    (non-causal), merges as ``o = sum_i e^(lse_i - lse) o_i`` into attention over both."""
+    kw = {"num_heads": 2, "head_size": 16, "page_size": 16, "dtype": torch.float32, "generator": rng}
+    prefix, own = (random_paged_batch([0, 0], [40, 24], **kw) for _ in range(2))
+    both = random_paged_batch([40, 24], [40, 24], **kw)  # keys: the prefix's, then the request's own
+    for b, n in enumerate((40, 24)):
+        for plane, cache in ((0, both.collection.get_key_cache(0)), (1, both.collection.get_value_cache(0))):
+            cache.scatter(b, 0, torch.cat([prefix.dense(plane, 0, b, n), own.dense(plane, 0, b, n)]).float())
+    q = torch.randn(both.total_rows, 4, 16, generator=rng)
+    (o1, l1), (o2, l2), (o, lse) = (ref.paged_attention(q, x.input_row_offsets, x.collection, 0, causal=False,
+                                                        return_lse=True) for x in (prefix, own, both))
+    merged_lse = torch.logaddexp(l1, l2)
+    merged = torch.exp(l1 - merged_lse)[..., None] * o1 + torch.exp(l2 - merged_lse)[..., None] * o2
+    assert (merged_lse - lse).abs().max() < 1e-4
+    assert rel_err(merged, o) < 1e-5

@@ -1,7 +1,7 @@
 """``torch.ops.cute_kv``: the entry points as ``torch.library`` custom ops.
 
 The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
-``output``, ``out``) and return nothing, so torch.compile traces through them. They expect arguments already
+``output``, ``out``, ``lse``) and return nothing, so torch.compile traces through them. They expect arguments already
 validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
 ``cute_kv/ops/paged_attention.py``) and run the entry point's ``dispatch`` (its kernel where one applies, else the
 reference). The entry points call these ops only while torch.compile traces; an eager call (CUDA-graph capture
@@ -62,15 +62,18 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     fused_qkv_entry.dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm)
 
 
-@torch.library.custom_op("cute_kv::paged_attention", mutates_args=("out",))
+@torch.library.custom_op("cute_kv::paged_attention", mutates_args=("out", "lse"))
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, blocks: torch.Tensor,
                     cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor],
                     layer_idx: int, max_seq_length: int, max_cache_length: int, quantization_granularity: int,
-                    causal: bool, window: Optional[int], scale: Optional[float], mla_v_dim: Optional[int],
-                    out: torch.Tensor) -> None:
+                    causal: bool, window: Optional[int], scale: Optional[float], softcap: Optional[float],
+                    sinks: Optional[torch.Tensor], mla_v_dim: Optional[int], out: torch.Tensor,
+                    lse: Optional[torch.Tensor]) -> None:
+    """``lse`` (float32 ``[T, Hq]``) is written when given: the entry point's ``return_lse``."""
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity)
-    paged_attention_entry.dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out)
+    paged_attention_entry.dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks,
+                                   mla_v_dim, out, lse)
 
 
 @store_kv.register_fake

@@ -10,7 +10,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, BN, DTYPE_NAMES, FP8, VEC, index_limits, supported, tiling
+from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_limits, key_tile, supported
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
@@ -19,13 +19,15 @@ from cute_kv.validate import check_activation, check_step, check_tensor, uint32_
 OP = "paged_attention"
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
+SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue and combine share
 
 
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
-                    causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None,
-                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                    validate: bool = True) -> torch.Tensor:
-    """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``).
+                    causal: bool = True, window: Optional[int] = None, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None, return_lse: bool = False, scale: Optional[float] = None,
+                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, validate: bool = True):
+    """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``),
+    or ``(out, lse)`` with ``return_lse``.
 
     Query ``i`` of request ``b`` is at position ``p = cache_lengths[b] + i`` and sees keys ``j`` in
     ``[0, cache_lengths[b] + seq_len_b)`` read through the lookup table, so this step's K/V must already be
@@ -34,41 +36,60 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     dtype (bf16/fp16/fp32 for fp8 caches, which are dequantized with their scales). An MLA cache needs
     ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``).
 
-    On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
-    the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
-    CUDA-graph capture) skips the checks that read device values, as a torch.compile trace does (``store_kv``).
+    Logits are ``s = scale * q.k``; ``softcap = c > 0`` (Gemma 2) makes them ``c * tanh(s / c)`` before masking
+    (None or 0: off). ``sinks`` (gpt-oss), float32 ``[Hq]``: a logit per query head that joins the softmax
+    denominator only, ``out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m))``. ``return_lse`` also
+    returns ``lse`` float32 ``[T, Hq]``, the NATURAL log of that denominator plus ``m`` (the sink included), -inf
+    for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
+    chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
+
+    An MHA/GQA cache (bf16/fp16, or fp8 e4m3 read by bf16/fp16 q) with head_dim 64/128/256 runs ``PagedAttention``
+    on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would not fill the GPU); other cases (a
+    non-positive ``scale`` without soft-cap included), and CPU tensors, run the reference: on CUDA with a
+    ``FallbackWarning`` (``cute_kv.explain`` says why). ``validate=False`` (for CUDA-graph capture) skips the
+    checks that read device values, as a torch.compile trace does (``store_kv``).
     """
-    d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
+    d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
+                 mla_v_dim, out, validate)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
                                           layer_idx, c.max_seq_length, c.max_cache_length,
-                                          c.quantization_granularity, causal, window, scale, mla_v_dim, out)
+                                          c.quantization_granularity, causal, window, scale, softcap, sinks,
+                                          mla_v_dim, out, lse)
     else:  # eager: skip the op's dispatcher (host time)
-        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, mla_v_dim, out)
-    return out
+        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, lse)
+    return (out, lse) if return_lse else out
 
 
-def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out) -> None:
-    """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out``."""
-    path = paths.route(collection.device, lambda arch: plan(collection, q, arch))
+def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out,
+             lse) -> None:
+    """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
+    ``lse`` if given)."""
+    path = paths.route(collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks, lse is not None))
     run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
-    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, mla_v_dim=mla_v_dim,
-        out=out)
+    run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
+        sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
 
 
 def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = True, window: Optional[int] = None,
+            softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
             scale: Optional[float] = None, mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
             validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(paged_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
-    _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
-    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, q, arch))
+    _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
+           out, validate)
+    return paths.planned(OP, collection.device, arch,
+                         lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse))
 
 
-def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate) -> int:
+def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
+           out, validate) -> int:
     """Every argument, before anything runs; returns the output head dim ``D_v``."""
     collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
@@ -88,6 +109,13 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, m
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 or None: off), got {softcap!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, shape=[hq], device=collection.device)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     d_v = _check_mla_v_dim(mla_v_dim, collection)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=[t, hq, d_v], device=collection.device)
@@ -107,136 +135,175 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
     return mla_v_dim
 
 
-def plan(collection, q, arch: str) -> paths.KernelPath:
-    """The ``PagedAttention`` serving these arguments on ``arch`` (its compile-time key), or why the reference runs
-    instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache, head dims, page
-    sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache or float32 scales,
-    or a cache past the kernel's int32 indices (``attention/config.index_limits``)."""
+def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optional[float] = None,
+         sinks: Optional[torch.Tensor] = None, return_lse: bool = False) -> paths.KernelPath:
+    """The kernel serving these arguments on ``arch`` (``PagedAttention`` on SM90, ``PagedAttentionSm100`` on
+    SM100) with its compile-time key, or why the reference runs instead: MLA caches, q in another dtype than a
+    16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
+    ``attention/sm100_config.supported``), a misaligned cache or float32 scales, a cache past the kernels' int32
+    indices (``attention/config.index_limits``), a non-positive scale without soft-cap."""
     c = collection
-    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
 
     def fallback(reason):
         return paths.reference(OP, reason, arch)
 
-    if arch != "sm_90a":
-        return fallback(f"no {arch} attention kernel yet (tcgen05); the kernel is SM90's")
+    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
+    if not softcap and scale is not None and scale <= 0:
+        return fallback("a non-positive scale without soft-cap (the kernels track the max of unscaled scores)")
     if c.is_mla:
-        return fallback("MLA caches (KVD=1) have no attention kernel yet")
+        return fallback("MLA caches have no attention kernel yet")
     if q_dtype_name not in DTYPE_NAMES:
-        return fallback(f"q is {q_dtype_name}; the kernel takes {' or '.join(DTYPE_NAMES)}")
+        return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
-        return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernel needs them equal")
+        return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernels need them equal")
+    if c.blocks.data_ptr() % 16:
+        return fallback("blocks is not 16-byte aligned")
+    problem = index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
+    if problem:
+        return fallback(problem)
     granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
-    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
+        return fallback("the float32 scales are not 4-byte aligned")
+    if arch == "sm_100a":
+        from cute_kv.ops.paged_attention_sm100 import plan_sm100
+
+        return plan_sm100(c, q, granularity, bool(softcap), sinks is not None, return_lse)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
     problem = supported(hq, h, d, p, kv_dtype_name, granularity)
     if problem:
         return fallback(problem)
-    if c.blocks.data_ptr() % 16:
-        return fallback("blocks is not 16-byte aligned")
-    problem = index_limits(c.num_pages, c.kv_dim, c.num_layers, p, c.max_cache_length)
-    if problem:
-        return fallback(problem)
-    if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
-        return fallback("the float32 scales are not 4-byte aligned")
-    chunk = lut_chunk(tile_geometry(BN, p)[1], BN, p)
-    lut = c.lookup_table
-    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, kv_dtype_name, granularity, e8m0)
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
+           sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
     return paths.kernel(OP, "PagedAttention", key, arch)
+
+
+def lut_vector(collection, key_tile: int) -> bool:
+    """Whether the kernel may read the lookup table's rows in ``lut_chunk`` vectors (width, stride, alignment)."""
+    p = collection.page_size
+    chunk = lut_chunk(tile_geometry(key_tile, p)[1], key_tile, p)
+    lut = collection.lookup_table
+    return lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
     """``(compile key, build)`` of each kernel one ``plan`` key launches (the attention kernel, then the split-KV
     combine): what the launcher compiles and ``prebuild`` compiles ahead."""
-    dtype_name, hq, d = key[1], key[2], key[4]
+    dtype_name_, hq, d, return_lse = key[1], key[2], key[4], key[10]
 
     def build():
-        from cute_kv.kernels.attention.sm90 import PagedAttention
-
-        kernel = PagedAttention(*key[1:])
+        if key[0] == "paged_attention_sm100":
+            from cute_kv.kernels.attention.sm100 import PagedAttentionSm100 as kernel_class
+        else:
+            from cute_kv.kernels.attention.sm90 import PagedAttention as kernel_class
+        kernel = kernel_class(*key[1:])
         return kernel, *kernel.fake_args()
 
-    return [(key, build), (("attention_combine", dtype_name, hq, d), lambda: _build_combine(dtype_name, hq, d))]
+    def build_combine():
+        from cute_kv.kernels.attention.combine import AttentionCombine
+
+        kernel = AttentionCombine(dtype_name_, hq, d, return_lse)
+        return kernel, *kernel.fake_args()
+
+    return [(key, build), (("attention_combine", dtype_name_, hq, d, return_lse), build_combine)]
 
 
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
+    if key[0] == "paged_attention_sm100":
+        from cute_kv.ops.paged_attention_sm100 import launcher_sm100
+
+        return launcher_sm100(key, arch)
     from cute_kv.kernels.compile_cache import compiled
 
-    _, dtype_name, hq, h, d, _, _, _, kv_dtype_name, granularity, e8m0 = key
-    ctas_per_sm = tiling(d, kv_dtype_name == FP8).ctas_per_sm
+    _, _, hq, h, d, _, _, _, softcap_on, _, return_lse, kv_dtype_name, granularity, e8m0 = key
+    bn = key_tile(d)
     attention_unit, combine_unit = compile_units(key, arch)
 
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, mla_v_dim=None,
-            out=None):
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
         t = q.shape[0]
         if t == 0:  # a grid of zero CTAs is a launch error
-            return out
+            return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, _sm_count(q.device) * ctas_per_sm)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        if splits > 1:
-            o_part = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
-            lse_part = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-        else:  # one split writes the output itself; the kernel's signature still takes partials
-            o_part, lse_part = _unused_partials(q.device, hq, d)
+        o_part, lse_part = partials(splits, t, hq, d, q.device)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
-        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, c.blocks, c.blocks,
-                                   input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
-                                   _scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits, int(causal),
-                                   _window_arg(window), scale * LOG2E)
+        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        sinks = None if sinks is None else sinks.contiguous()
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
+                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+                                        scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits,
+                                        int(causal), window_arg(window), score_scale, softmax_scale_log2)
         if splits > 1:
-            compiled(*combine_unit, arch)(dst, o_part, lse_part, splits)
-        return out if dst is out else out.copy_(dst)
+            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, splits)
+        if dst is not out:
+            out.copy_(dst)
+        return (out, lse) if return_lse else out
 
     return run
 
 
-def _scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
+def partials(splits: int, t: int, num_q_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials ``O/l [splits, T, Hq, D]`` and base-2 ``lse [splits, T, Hq]`` (float32); one split writes
+    the output itself, but the kernel's signature still takes them."""
+    if splits == 1:
+        return unused_partials(device, num_q_heads, head_dim)
+    return (torch.empty((splits, t, num_q_heads, head_dim), dtype=torch.float32, device=device),
+            torch.empty((splits, t, num_q_heads), dtype=torch.float32, device=device))
+
+
+def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
     """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
     if granularity is None:
         return None
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def launch_shape(collection, num_q_heads: int, slots: int) -> tuple[int, int]:
-    """``(m_blocks, splits)``: query blocks of ``BM`` packed rows per (request, KV head) for the longest new-token
-    run, and key splits for ``slots`` resident CTAs (SMs x CTAs per SM)."""
+def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True) -> tuple[int, int]:
+    """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
+    run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
+    query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest
+    leaves the shortest with empty splits."""
     c = collection
-    m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // BM)
-    key_tiles = -(-c.max_cache_length // BN)
+    m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // bm)
+    if causal and m_blocks > 1:
+        return m_blocks, 1
+    key_tiles = -(-c.max_cache_length // bn)
     return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
 
 
 def num_splits(ctas: int, key_tiles: int, slots: int) -> int:
-    """Key splits per (query block, KV head, request): none once the grid fills the ``slots`` CTAs the GPU holds at
-    once, else enough to fill them, keeping at least two key tiles per split (the ring's depth)."""
-    if ctas >= slots or key_tiles < 4:
-        return 1
-    return max(1, min(-(-slots // ctas), key_tiles // 2, MAX_SPLITS))
+    """Key splits per (query block, KV head, request) by wave quantization: splitting ``key_tiles`` ``s`` ways makes
+    ``ctas * s`` CTAs of ``ceil(key_tiles / s)`` tiles each, which run in ``ceil(ctas * s / slots)`` waves; the
+    estimated time is waves x (tiles per CTA + ``SPLIT_COST`` for a CTA's prologue, epilogue and its share of the
+    combine). The fastest ``s`` wins (the smallest on a tie); every split keeps at least two tiles and no split is
+    empty (``(s - 1) * ceil(key_tiles / s) < key_tiles``)."""
+    best, best_cost = 1, None
+    for s in range(1, min(MAX_SPLITS, key_tiles // 2) + 1):
+        per = -(-key_tiles // s)
+        if (s - 1) * per >= key_tiles:
+            continue
+        cost = -(-ctas * s // slots) * (per + SPLIT_COST)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
-def _window_arg(window: Optional[int]) -> int:
+def window_arg(window: Optional[int]) -> int:
     """The kernel's int32 ``window``: 0 for none; a wider window than int32 holds masks nothing more than 2^31-1."""
     return 0 if window is None else min(window, 2**31 - 1)
 
 
 @functools.lru_cache(maxsize=None)
-def _unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Placeholder partials for single-split launches (never written), allocated once per device and shape."""
     return (torch.empty((1, 1, num_q_heads, head_dim), dtype=torch.float32, device=device),
             torch.empty((1, 1, num_q_heads), dtype=torch.float32, device=device))
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _build_combine(dtype_name: str, num_q_heads: int, head_dim: int):
-    from cute_kv.kernels.attention.combine import AttentionCombine
-
-    kernel = AttentionCombine(dtype_name, num_q_heads, head_dim)
-    return kernel, *kernel.fake_args()

@@ -1,8 +1,8 @@
 """``PagedAttention``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
 
-One warpgroup computes a CTA's tile step by step (QK, softmax, PV), so the overlap of one CTA's softmax with
-another's MMAs and loads comes from two CTAs sharing an SM: 64-key tiles and a two-stage K/V ring keep a CTA
-under half the shared memory wherever the head dim allows (64, 128); head dim 256 takes one CTA per SM.
+A CTA is 128 packed query rows (two consumer warpgroups of 64, one wgmma M each) and walks the keys in tiles of
+``bn``; one CTA fills an SM (its K/V rings take most of the shared memory), so its producer warp and the two
+consumer warpgroups' ping-pong are what overlap loads, MMAs and softmax.
 """
 
 from __future__ import annotations
@@ -10,33 +10,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-BM = 64  # packed query rows per CTA: one wgmma M
-BN = 64  # keys per tile
+BM = 128  # packed query rows per CTA: two consumer warpgroups of 64
 VEC = 8  # 16-bit elements per 16-byte access
-S_PAD = 4  # fp32 words of padding per staged S/O row: rows start on different banks
 HEAD_DIMS = (64, 128, 256)
 DTYPE_NAMES = ("bfloat16", "float16")  # Q, O and the MMAs
 FP8 = "float8_e4m3fn"
 SMEM_PER_SM = 228 * 1024  # SM90: a CTA may take 227 KiB, and the SM reserves 1 KiB per resident CTA
-MAX_STAGES = 3
+MAX_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Shared-memory plan of one CTA (bytes): Q, staged S, P, row statistics and barriers (``fixed``), then the
-    ring of ``stages`` K/V tiles as loaded, the dequantized 16-bit K/V tile of an fp8 cache (``mma_tile``), and the
-    fp32 O staged over the ring after the last tile."""
+    """One CTA's plan: ``bn`` keys a tile, ``stages`` 16-bit K and V tiles in their rings (what the MMAs read),
+    ``fp8_stages`` fp8 K+V tiles as loaded (an fp8 cache; dequantized into the 16-bit rings), beside the two
+    warpgroups' Q tiles (reused for their O) and the barriers (bytes, ``smem``)."""
 
+    bn: int
     stages: int
-    stage: int
-    mma_tile: int
-    fixed: int
-    ring: int
-    ctas_per_sm: int
+    fp8_stages: int
+    smem: int
 
-    @property
-    def smem(self) -> int:
-        return self.fixed + self.ring
+
+def key_tile(head_dim: int) -> int:
+    """128 keys a tile up to head dim 128 (S is 64 registers a thread), 64 at 256 (O takes 128 already)."""
+    return 128 if head_dim <= 128 else 64
 
 
 def ring_swizzle(head_dim: int, kv_fp8: bool) -> int:
@@ -45,19 +42,20 @@ def ring_swizzle(head_dim: int, kv_fp8: bool) -> int:
     return min(128, head_dim * (1 if kv_fp8 else 2))
 
 
-def tiling(head_dim: int, kv_fp8: bool) -> Tiling:
-    """The deepest ring (2 or 3 stages) that lets two CTAs share an SM, else one CTA."""
-    stage = 2 * BN * head_dim * (1 if kv_fp8 else 2)
-    mma_tile = 2 * BN * head_dim * 2 if kv_fp8 else 0
-    fixed = BM * head_dim * 2 + BM * (BN + S_PAD) * 4 + BM * BN * 2 + 3 * BM * 4 + 2 * MAX_STAGES * 8 + 3 * 1024
-    o_staged = BM * (head_dim + S_PAD) * 4
-    for ctas in (2, 1):
-        budget = SMEM_PER_SM // ctas - 1024
-        stages = min(MAX_STAGES, (budget - fixed - mma_tile) // stage)
-        ring = max(stages * stage + mma_tile, o_staged)
-        if stages >= 2 and fixed + ring <= budget:
-            return Tiling(stages, stage, mma_tile, fixed, ring, ctas)
-    raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
+def tiling(head_dim: int, kv_fp8: bool = False) -> Tiling:
+    """The deepest rings one CTA's shared memory holds: a 16-bit cache puts all of it in the 16-bit rings, an fp8
+    cache keeps two 16-bit stages and gives the rest to the fp8 ring."""
+    bn = key_tile(head_dim)
+    q = BM * head_dim * 2
+    stage = 2 * bn * head_dim * 2  # K and V, 16-bit
+    fixed = q + 2 * MAX_STAGES * 3 * 8 + 1024  # + (full, empty) x (K, V, fp8) barriers, alignment slack
+    budget = SMEM_PER_SM - 2048 - fixed
+    if not kv_fp8:
+        stages = min(MAX_STAGES, budget // stage)
+        return Tiling(bn, stages, 0, fixed + stages * stage)
+    fp8_stage = stage // 2
+    fp8_stages = min(MAX_STAGES, (budget - 2 * stage) // fp8_stage)
+    return Tiling(bn, 2, fp8_stages, fixed + 2 * stage + fp8_stages * fp8_stage)
 
 
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
@@ -77,8 +75,9 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
-    if page_size is not None and (page_size < 16 or (page_size % BN and BN % page_size)):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {BN}-key tile"
+    bn = key_tile(head_dim)
+    if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
+        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
     return None
 
 
@@ -90,7 +89,7 @@ def index_limits(num_pages: int, kv_dim: int, num_layers: int, page_size: int, m
     rows = (num_pages - 1) * kv_dim * num_layers * page_size + page_size
     if rows > 2**31 - 1:
         return f"the cache's {rows} rows per (K or V, layer) plane exceed int32 TMA coordinates"
-    if max_cache_length > 2**31 - 1 - BN:
+    if max_cache_length > 2**31 - 1 - max(map(key_tile, HEAD_DIMS)):  # a tile past the keys stays int32
         return f"max_cache_length ({max_cache_length}) exceeds int32 key positions"
     return None
 

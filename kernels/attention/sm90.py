@@ -1,24 +1,35 @@
-"""``PagedAttention`` (SM90): FlashAttention over a KV operand, for decode and ragged prefill alike.
+"""``PagedAttention`` (SM90): warp-specialized FlashAttention-3 pipeline over a KV operand, decode and ragged
+prefill alike (MAX's ``flash_attention_kv_cache_ragged``).
 
-MAX's ``flash_attention_kv_cache_ragged``. A CTA is (block of ``BM`` packed query rows, KV head, split, request).
-Packed rows interleave the ``group = Hq/H`` query heads sharing a KV head with the tokens (row ``i*group + g`` is
-token ``i``, head ``kv_head*group + g``; FA's pack-GQA), so a decode step's heads fill the MMA's M instead of one
-row per CTA. Keys ``[0, cache_length + seq_len)`` come through the operand (``operand.py``): ``populate`` names
-the rows of a BN-token tile and warp 0 issues one TMA per page slot into a ``STAGES``-deep K/V ring
-(``PipelineTmaAsync``) that runs ahead of the math.
+A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); packed rows interleave the
+``group = Hq/H`` query heads of a KV head with the tokens (row ``i*group + g`` is token ``i``, head
+``kv_head*group + g``; FA's pack-GQA), so a decode step's heads fill the MMA's M. Three warpgroups:
 
-Per key tile, one warpgroup: ``S = Q K^T`` (wgmma, fp32) is staged in shared memory; two threads per row mask it
-(causal / sliding window / past the keys), run the online softmax in base 2, write ``P`` (16-bit, swizzled) and the
-row's rescale factor; ``O`` is rescaled in registers and ``O += P V`` (wgmma, V read MN-major from the same tile as
-K's layout). V rows past the request's keys (a partly written last page) are zeroed in shared memory first, so stale
-values, NaN included, never reach ``O``.
+* the producer (32 registers): warp 0, for each key tile, issues one TMA per page slot for K into the K ring and for
+  V into the V ring (separate pipelines, so QK of a tile can start before its V lands) and then reads the lookup
+  entries of the next tile (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring
+  and the whole warpgroup dequantizes them into the 16-bit rings;
+* two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
+  registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
+  operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
+  of ``j + 1`` and PV of ``j`` are issued back to back, then only the QK is waited for); between the two
+  warpgroups two named barriers alternate who issues its wgmmas (ping-pong), so one's softmax overlaps the other's
+  MMAs. No CTA-wide barrier runs past the prologue.
 
-Split-KV: the CTAs of one (rows, head) divide its key tiles; each writes ``O/l`` and ``lse = m + log2 l`` in
-float32 and ``AttentionCombine`` merges them. With one split the CTA writes the output itself.
+Tiles are walked from the last to the first: the tile that holds the request's last key (and any slot past it) comes
+first; its V rows past the keys are zeroed in shared memory once (P is exactly 0 there, but 0 * NaN is not; an fp8
+tile is dequantized with those rows as zeros). Three loops follow, none with a branch: masked tiles at the keys'
+end, tiles every live row sees whole (no mask), masked tiles at the window's start. Soft-cap (``c * tanh(s / c)``)
+is applied to S before masking; sinks join the denominator once, in split 0. Split-KV: each split writes ``O/l`` and
+its base-2 ``lse`` in float32 and ``AttentionCombine`` merges them; one split writes the output (through its
+warpgroup's Q tile, 16-byte stores: a packed row is a (token, head) pair one TMA box cannot address for every group
+size) and the natural-log ``lse`` when asked.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -31,45 +42,65 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels.paged import tma_tiles
-from cute_kv.kernels.attention.config import BM, BN, FP8, S_PAD, VEC, ring_swizzle, supported, tiling
-from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.quant import e8m0_to_float32
+from cute_kv.kernels.attention import softmax
+from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
+from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.paged import tma_tiles
 
-THREADS = 128  # one warpgroup
-BATCH = 8  # 16-byte loads a thread issues before it uses them (Q, fp8 K/V)
-NEG_INF = Float32(float("-inf"))
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}  # config.DTYPE_NAMES
+WG_THREADS = 128
+THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
+WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
+PRODUCER_REGS = 32
+CONSUMER_REGS = 232
+LOG2E = math.log2(math.e)
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+assert set(DTYPES) == set(DTYPE_NAMES)
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
+
+    SCHED_WG1 = 1  # ping-pong: consumer warpgroup 1 may issue its wgmmas
+    SCHED_WG2 = 2
+    STALE_V = 3  # both consumer warpgroups around the zeroing of stale V rows
+    EPILOGUE_WG1 = 4  # one consumer warpgroup: its Q rows loaded / its O rows staged
+    EPILOGUE_WG2 = 5
+    DEQUANT = 6  # the producer warpgroup: every thread has read an fp8 stage before it is released
 
 
 class PagedAttention:
-    """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, the operand (``page_size``, None for
-    a dense ``[B, S, H, D]`` cache), KVD of a paged cache, whether the lookup table takes vector reads, and an fp8
-    cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32
-    or, with ``e8m0_scales``, float8_e8m0fnu (passed as their uint8 bits, decoded as torch does: ``kernels/quant.py``).
+    """Compile-time key: dtype (Q, O and the MMAs), heads (Hq, H), head dim, the operand (``page_size``; None for a
+    dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, the optional features (soft-cap,
+    sinks, writing the natural-log ``lse``), and an fp8 cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over
+    ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
+    uint8 bits).
 
-    An fp8 tile lands in a staging ring and is dequantized (``x * scale``, rounded to ``dtype``) into one 16-bit
-    K/V tile that the MMAs read; its stage is released once the CTA barrier after the conversion has passed (every
-    thread's reads of it done), before the tile's MMAs.
-    """
+    An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
+    granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
+    16-bit K and V rings the consumers read, so nothing of it runs on the math path."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True,
-                 kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None, e8m0_scales: bool = False):
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity)
+                 page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
+                 sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
+                 granularity: Optional[int] = None, e8m0_scales: bool = False):
+        self.kv_fp8 = kv_dtype_name == FP8
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
+                            granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
-        self.kv_fp8 = kv_dtype_name == FP8
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.swizzle = ring_swizzle(head_dim, self.kv_fp8)
-        self.plan = tiling(head_dim, self.kv_fp8)
-        self.stages = self.plan.stages
+        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
-        self.bn = BN
+        self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
+        self.plan = tiling(head_dim, self.kv_fp8)
+        self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
+        self.swizzle = ring_swizzle(head_dim, False)
+        self.load_swizzle = ring_swizzle(head_dim, self.kv_fp8)  # of the tiles TMA writes
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
@@ -82,17 +113,19 @@ class PagedAttention:
         return self.plan.smem
 
     def fake_args(self) -> tuple:
-        dt, d, hq = self.dtype, self.head_dim, self.num_q_heads
+        dt, d, hq, h = self.dtype, self.head_dim, self.num_q_heads, self.num_kv_heads
         t = cute.sym_int32()
         row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
         q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
         out = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        lse = make_fake_compact_tensor(Float32, (t, hq), stride_order=(1, 0), assumed_align=4) if self.return_lse \
+            else None
         o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, d),
                                           stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
                                             stride_order=(2, 1, 0), assumed_align=4)
+        sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
         b = cute.sym_int32()
-        h = self.num_kv_heads
         scales = None
         if self.page_size is None:
             cache = lambda: make_fake_tensor(dt, (cute.sym_int32(), cute.sym_int32(), h, d), stride=(  # noqa: E731
@@ -108,54 +141,56 @@ class PagedAttention:
                 scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
                     cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
                     cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1),
-                    assumed_align=1 if self.e8m0_scales else 4)  # whole float32s: one 4-byte load per scale
-            # What the TVM-FFI wrapper checks on every call: only what populate's vector loads need.
+                    assumed_align=1 if self.e8m0_scales else 4)  # one 4-byte load a float32 scale
             width = self.k_op.lut_width
             lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                    assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
-        return (q, out, o_part, lse_part, k_src, v_src, offsets, lengths, lut, scales, Int32(0), Int32(1), Int32(1),
-                Int32(1), Int32(0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+        return (q, out, lse, o_part, lse_part, sinks, k_src, v_src, offsets, lengths, lut, scales, Int32(0), Int32(1),
+                Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
-    def __call__(self, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
-                 k_src: cute.Tensor, v_src: cute.Tensor, input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
-                 lookup_table: Optional[cute.Tensor], scales: Optional[cute.Tensor], layer_idx: Int32,
-                 m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32, scale_log2: Float32,
-                 stream: cuda.CUstream):
-        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none; ``scale_log2``: scale * log2(e);
-        ``scales``: the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
+    def __call__(self, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                 lse_part: cute.Tensor, sinks: Optional[cute.Tensor], k_src: cute.Tensor, v_src: cute.Tensor,
+                 input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
+                 scales: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
+                 window: Int32, score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
+        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Without soft-cap ``score_scale`` is
+        unused and ``softmax_scale_log2 = scale * log2(e)``; with soft-cap ``c``, ``score_scale = scale / c`` (S
+        becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive. ``scales``:
+        the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
         dt, d, bn = self.dtype, self.head_dim, self.bn
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                         (1, 1, 1), (BM, bn))
+                                                         (1, 1, 1), (WG_ROWS, bn))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                         (1, 1, 1), (BM, d))
+                                                         (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM)
         k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.swizzle)
+        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzle)
         tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
-                                                  self.swizzle)
+                                                  self.load_swizzle)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
             v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part, lse_part, sinks,
                     input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
-                    self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, scale_log2).launch(
-            grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream)
+                    self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, score_scale,
+                    softmax_scale_log2).launch(
+            grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
 
     # -- device ----------------------------------------------------------------------------------
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
                g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
-               out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, input_row_offsets: cute.Tensor,
-               cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor],
-               v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32, num_splits: Int32,
-               causal: Int32, window: Int32, scale_log2: Float32):
+               out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
+               sinks: Optional[cute.Tensor], input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
+               lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
+               rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
+               score_scale: Float32, softmax_scale_log2: Float32):
         dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
-        tidx, _, _ = cute.arch.thread_idx()
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
@@ -183,310 +218,490 @@ class PagedAttention:
             per_split = (tiles + num_splits - 1) // num_splits
             first_tile = tile_begin + split * per_split
             n_tiles = cutlass.max(cutlass.min(per_split, tiles - split * per_split), 0)
+            last_tile = first_tile + n_tiles - 1  # walked from here down to first_tile
 
             smem = SmemAllocator()
-            mbars = smem.allocate_array(cutlass.Int64, 2 * stages)
-            s_corr = smem.allocate_tensor(Float32, cute.make_layout(BM), byte_alignment=16)
-            s_max = smem.allocate_tensor(Float32, cute.make_layout(BM), byte_alignment=16)
-            s_sum = smem.allocate_tensor(Float32, cute.make_layout(BM), byte_alignment=16)
-            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
-            sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
-            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.swizzle, stages=stages)
+            mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
+            mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
+            sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
+            ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-            s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
-            s_s = smem.allocate_tensor(Float32, cute.make_layout((BM, bn), stride=(bn + S_PAD, 1)),
-                                       byte_alignment=16)
-            ring = smem.allocate(self.plan.ring, byte_alignment=1024)
-            kv_bytes = stages * self.plan.stage // 2
-            ring_k = cute.make_tensor(cute.recast_ptr(ring, ring_layout.inner, dtype=self.kv_dtype), ring_layout.outer)
-            ring_v = cute.make_tensor(cute.recast_ptr(ring + kv_bytes, ring_layout.inner, dtype=self.kv_dtype),
-                                      ring_layout.outer)
-            s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles after it
+            s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+            s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+
+            stage_bytes = bn * d * dt.width // 8
+            one = cute.make_layout((1, 1, 1, 1))
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
             if cutlass.const_expr(self.kv_fp8):
-                mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
-                s_k = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes, mma_layout.inner, dtype=dt),
-                                       mma_layout.outer)
-                s_v = cute.make_tensor(cute.recast_ptr(ring + 2 * kv_bytes + self.plan.mma_tile // 2,
-                                                       mma_layout.inner, dtype=dt), mma_layout.outer)
-            # V as the MMA's B operand: (D, BN) with D contiguous (MN-major), the same bytes.
-            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, cute.size(s_v, mode=[2])), order=(1, 0, 2)))
-
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbars, num_stages=stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-                tx_count=self.plan.stage, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-            # The producer's rows of its next tile: read from the lookup table one tile ahead (load_tile).
-            next_rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
-            if warp_idx == 0:
-                self.k_op.populate(next_rows, lookup_table, b, first_tile * bn, num_keys, rows_per_page, oob_row)
-                for _ in cutlass.range(cutlass.min(stages, n_tiles), unroll=1):
-                    self.load_tile(pipe, prod, first_tile + prod.count, next_rows, tma_k, g_k, ring_k, tma_v, g_v,
-                                   ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
-                    prod.advance()
-
-            self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
-
-            thr_qk = tiled_mma_qk.get_slice(tidx)
-            thr_pv = tiled_mma_pv.get_slice(tidx)
-            t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
-            t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
-            t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
-            t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, bn)), Float32)
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, d)), Float32)
-            acc_o.fill(0.0)
-            tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)  # O starts at 0 and is rescaled, never reset
-            rows_o = thr_pv.partition_C(cute.make_identity_tensor((BM, d)))  # (row, col) of each O register
-
-            # Softmax: thread t owns half t % 2 of row t // 2, and the row's key range.
-            r = tidx // 2
-            half = tidx % 2
-            tok = (m0 + r) // group
-            pos = cache_len + tok
-            row_end = num_keys
-            if causal != 0:
-                row_end = cutlass.min(pos + 1, num_keys)
-            row_begin = Int32(0)
-            if window > 0:
-                row_begin = pos - window + 1
-            if tok >= seq_len:
-                row_end = Int32(0)  # a padding row: everything masked
-            row_max = NEG_INF
-            row_sum = Float32(0.0)
-            scores = cute.make_rmem_tensor((bn // 2,), Float32)
-            probs = cute.make_rmem_tensor((bn // 2,), dt)
-
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-            k_blocks = cute.size(t_rq, mode=[2])
-            pv_blocks = cute.size(t_rp, mode=[2])
-            # fp8 scales: every thread's rows of the tile it dequantizes next, read one tile ahead as the producer's.
-            scale_rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
-            if cutlass.const_expr(k_scales is not None):
-                self.k_op.populate(scale_rows, lookup_table, b, first_tile * bn, num_keys, rows_per_page, oob_row)
-            for _ in cutlass.range(n_tiles, unroll=1):
-                tile_base = (first_tile + read.count) * bn
-                pipe.consumer_wait(read)
-                mma_stage = read.index
+                # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
+                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
+                ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
+                                                          stages=self.fp8_stages)
+                ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
+                                               swizzle=ring8_layout.inner)
+                ring8_v = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
+                                               swizzle=ring8_layout.inner)
+                pipe_8 = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbars_8, num_stages=self.fp8_stages,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
+                    tx_count=2 * bn * d, cta_layout_vmnk=one, defer_sync=True)
+                dequantizers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+                readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS)
+                pipe_k = pipeline.PipelineAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                       producer_group=dequantizers, consumer_group=readers,
+                                                       defer_sync=True)
+                pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                       producer_group=dequantizers, consumer_group=readers)
+            else:
+                producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+                pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                          producer_group=producer, consumer_group=consumers,
+                                                          tx_count=stage_bytes, cta_layout_vmnk=one, defer_sync=True)
+                pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                          producer_group=producer, consumer_group=consumers,
+                                                          tx_count=stage_bytes, cta_layout_vmnk=one)
+                # (the last create's sync publishes every barrier's init)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if cutlass.const_expr(self.kv_fp8):
-                    mma_stage = Int32(0)
-                    cute.arch.sync_threads()  # the previous tile's MMAs are done with the 16-bit tiles
-                    self.dequantize(ring_k, s_k, read.index, k_scales, scale_rows, tile_base, num_keys, kv_head)
-                    self.dequantize(ring_v, s_v, read.index, v_scales, scale_rows, tile_base, num_keys, kv_head)
-                    if cutlass.const_expr(k_scales is not None):
-                        self.k_op.populate(scale_rows, lookup_table, b, tile_base + bn, num_keys, rows_per_page,
-                                           oob_row)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_threads()
-                    pipe.consumer_release(read)  # every thread's reads of the stage are done (the barrier above)
-                    if warp_idx == 0 and prod.count < n_tiles:
-                        self.load_tile(pipe, prod, first_tile + prod.count, next_rows, tma_k, g_k, ring_k, tma_v, g_v,
-                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
-                        prod.advance()
-                tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, mma_stage], acc_s)
-                    tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                thr_qk.partition_C(s_s).store(acc_s.load())
-                if cutlass.const_expr(not self.kv_fp8):  # (dequantize wrote those rows as zeros)
-                    if tile_base + bn > num_keys:
-                        self.zero_stale_rows(s_v, read.index, num_keys - tile_base)
-                cute.arch.sync_threads()
-
-                # Online softmax of this thread's half row, in base 2.
-                cute.autovec_copy(cute.local_tile(s_s[r, None], (bn // 2,), (half,)), scores)
-                tile_max = NEG_INF
-                for c in cutlass.range(bn // 2, unroll_full=True):
-                    key = tile_base + half * (bn // 2) + c
-                    x = scores[c] * scale_log2
-                    if key < row_begin:
-                        x = NEG_INF
-                    if key >= row_end:
-                        x = NEG_INF
-                    scores[c] = x
-                    tile_max = cute.arch.fmax(tile_max, x)
-                tile_max = cute.arch.warp_reduction(tile_max, cute.arch.fmax, threads_in_group=2)
-                new_max = cute.arch.fmax(row_max, tile_max)
-                ref = new_max
-                if new_max == NEG_INF:
-                    ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
-                corr = cute.math.exp2(row_max - ref, fastmath=True)
-                tile_sum = Float32(0.0)
-                for c in cutlass.range(bn // 2, unroll_full=True):
-                    p = cute.math.exp2(scores[c] - ref, fastmath=True)
-                    tile_sum = tile_sum + p
-                    scores[c] = p
-                probs.store(scores.load().to(dt))
-                cute.autovec_copy(probs, cute.local_tile(s_p[r, None], (bn // 2,), (half,)))
-                row_sum = row_sum * corr + cute.arch.warp_reduction(tile_sum, lambda a, c: a + c,
-                                                                    threads_in_group=2)
-                row_max = new_max
-                if half == 0:
-                    s_corr[r] = corr
-                cute.arch.fence_view_async_shared()  # P (and zeroed V rows) are read by wgmma next
-                cute.arch.sync_threads()
-
-                for i in cutlass.range(cute.size(acc_o), unroll_full=True):
-                    acc_o[i] = acc_o[i] * s_corr[rows_o[i][0]]
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(pv_blocks):
-                    cute.gemm(tiled_mma_pv, acc_o, t_rp[None, None, kb], t_rv[None, None, kb, mma_stage], acc_o)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                if cutlass.const_expr(not self.kv_fp8):
-                    pipe.consumer_release(read)
-                    if warp_idx == 0 and prod.count < n_tiles:
-                        self.load_tile(pipe, prod, first_tile + prod.count, next_rows, tma_k, g_k, ring_k, tma_v, g_v,
-                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
-                        prod.advance()
-                read.advance()
-
-            if half == 0:
-                s_max[r] = row_max
-                s_sum[r] = row_sum
-            s_o = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32),
-                                   cute.make_layout((BM, d), stride=(d + S_PAD, 1)))
-            cute.arch.sync_threads()  # every wgmma has read the ring before it holds O
-            thr_pv.partition_C(s_o).store(acc_o.load())
-            cute.arch.sync_threads()
-            self.store_o(s_o, s_max, s_sum, out, o_part, lse_part, q_start, seq_len, m0, kv_head, split, num_splits)
+                    self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
+                                     s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
+                                     oob_row, last_tile, n_tiles, warp_idx)
+                else:
+                    if warp_idx == 0:
+                        self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
+                                     kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                wg = warp_idx // 4 - 1
+                self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, s_q, s_k, s_v, q, out, lse, o_part, lse_part,
+                             sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split, num_splits,
+                             causal, window, first_tile, last_tile, n_tiles, score_scale, softmax_scale_log2)
 
     @cute.jit
-    def load_tile(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tile: Int32, rows: cute.Tensor,
-                  tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
-                  s_v: cute.Tensor, s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32,
-                  kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
-        """Producer: K and V of key tile ``tile`` into stage ``prod.index``, one TMA per page slot each (K and V
-        planes share the row numbering, so one ``populate`` serves both). ``rows`` holds the tile's rows on entry
-        and the next tile's on return: their lookup entries load while this stage is in flight, not before the
-        next copies."""
-        op = self.k_op
-        pipe.producer_acquire(prod)
-        bar = pipe.producer_get_barrier(prod)
-        box = (op.rows_per_copy, cute.size(s_slot, mode=[1]))
-        for g_rows, s_tiles, atom in ((g_k, s_k, tma_k), (g_v, s_v, tma_v)):
-            for p in cutlass.range_constexpr(op.copies_per_tile):
-                src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
-                dst = cute.local_tile(s_tiles[None, None, prod.index], box, (p, 0))
-                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                                 cute.group_modes(src, 0, 2))
-                cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
-        pipe.producer_commit(prod)
-        op.populate(rows, lookup_table, b, (tile + 1) * self.bn, num_keys, rows_per_page, oob_row)
+    def produce(self, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync, tma_k: cute.CopyAtom,
+                g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_v: cute.Tensor,
+                s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32, kv_head: Int32,
+                num_keys: Int32, rows_per_page: Int32, oob_row: Int32, first_tile: Int32, last_tile: Int32,
+                n_tiles: Int32):
+        """Warp 0: K then V of each tile, last to first. The next tile's lookup entries are read right after this
+        tile's copies are issued, so their latency hides behind the wait for a free stage."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        if n_tiles > 0:
+            self.k_op.populate(rows, lookup_table, b, last_tile * self.bn, num_keys, rows_per_page, oob_row)
+        for i in cutlass.range(n_tiles, unroll=1):
+            for pipe, g_rows, ring, atom in ((pipe_k, g_k, s_k, tma_k), (pipe_v, g_v, s_v, tma_v)):
+                pipe.producer_acquire(state)
+                self.copy_tile(atom, g_rows, ring, s_slot, rows, state.index, kv_head,
+                               pipe.producer_get_barrier(state))
+                pipe.producer_commit(state)
+            if i + 1 < n_tiles:
+                self.k_op.populate(rows, lookup_table, b, (last_tile - i - 1) * self.bn, num_keys, rows_per_page,
+                                   oob_row)
+            state.advance()
 
     @cute.jit
-    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32):
-        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time; rows past the request are 0.
-
-        Unrolled: each thread issues ``BATCH`` loads before its first store."""
-        d, group = self.head_dim, self.group
-        chunks = d // VEC
-        tidx, _, _ = cute.arch.thread_idx()
-        c = tidx % chunks  # THREADS is a multiple of chunks: a thread keeps its column chunk
-        trips = BM * chunks // THREADS
-        for j0 in cutlass.range_constexpr(0, trips, BATCH):
-            vals = [cute.make_rmem_tensor((VEC,), self.dtype) for _ in range(min(BATCH, trips - j0))]
-            for j in cutlass.range_constexpr(len(vals)):
-                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
-                tok = (m0 + r) // group
-                vals[j].fill(0.0)
-                if tok < seq_len:
-                    src = q[q_start + tok, kv_head * group + (m0 + r) % group, None]
-                    cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals[j])
-            for j in cutlass.range_constexpr(len(vals)):
-                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
-                cute.autovec_copy(vals[j], cute.local_tile(s_q[r, None], (VEC,), (c,)))
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
+    def copy_tile(self, atom: cute.CopyAtom, g_rows: cute.Tensor, ring: cute.Tensor, s_slot: cute.ComposedLayout,
+                  rows: cute.Tensor, stage: Int32, kv_head: Int32, bar):
+        """One TMA per page slot of the tile (one in all when a page holds the tile): rows ``rows[p]`` onward."""
+        box = (self.k_op.rows_per_copy, cute.size(s_slot, mode=[1]))
+        for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
+            src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
+            dst = cute.local_tile(ring[None, None, stage], box, (p, 0))
+            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                             cute.group_modes(src, 0, 2))
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
 
     @cute.jit
-    def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
-                   rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
-        """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
-        granule (``scales[row, kv_head, dim // granularity]``, the row from the tile's ``populate``), rounded once.
-        Rows past the request's keys are written as zeros.
+    def produce_fp8(self, pipe_8: pipeline.PipelineTmaAsync, pipe_k: pipeline.PipelineAsync,
+                    pipe_v: pipeline.PipelineAsync, tma_k: cute.CopyAtom, g_k: cute.Tensor, ring8_k: cute.Tensor,
+                    tma_v: cute.CopyAtom, g_v: cute.Tensor, ring8_v: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
+                    s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor],
+                    v_scales: Optional[cute.Tensor], b: Int32, kv_head: Int32, num_keys: Int32, rows_per_page: Int32,
+                    oob_row: Int32, last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
+        """The producer warpgroup over an fp8 cache: warp 0 keeps the fp8 ring ``fp8_stages`` tiles ahead (TMA);
+        all four warps dequantize each landed tile into the 16-bit K and V stages, then release its fp8 stage once
+        every thread has read it."""
+        bn = self.bn
+        tidx = cute.arch.thread_idx()[0]
+        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.fp8_stages)
+        read8 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
+        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        if warp_idx == 0:
+            for i in cutlass.range(cutlass.min(self.fp8_stages, n_tiles), unroll=1):
+                self.k_op.populate(rows, lookup_table, b, (last_tile - i) * bn, num_keys, rows_per_page, oob_row)
+                self.load_fp8_tile(pipe_8, load, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_slot, rows, kv_head)
+                load.advance()
+        for i in cutlass.range(n_tiles, unroll=1):
+            tile_base = (last_tile - i) * bn
+            if cutlass.const_expr(k_scales is not None):  # the rows whose scales apply
+                self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            pipe_8.consumer_wait(read8)
+            pipe_k.producer_acquire(write)
+            self.dequantize(ring8_k, s_k, read8.index, write.index, k_scales, rows, tile_base, num_keys, kv_head, tidx)
+            cute.arch.fence_view_async_shared()  # read by wgmma next
+            pipe_k.producer_commit(write)
+            pipe_v.producer_acquire(write)
+            self.dequantize(ring8_v, s_v, read8.index, write.index, v_scales, rows, tile_base, num_keys, kv_head, tidx)
+            cute.arch.fence_view_async_shared()
+            pipe_v.producer_commit(write)
+            cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
+            pipe_8.consumer_release(read8)
+            read8.advance()
+            write.advance()
+            if warp_idx == 0:
+                if i + self.fp8_stages < n_tiles:
+                    self.k_op.populate(rows, lookup_table, b, (last_tile - i - self.fp8_stages) * bn, num_keys,
+                                       rows_per_page, oob_row)
+                    self.load_fp8_tile(pipe_8, load, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_slot, rows, kv_head)
+                    load.advance()
 
-        Unrolled like ``load_q``: a thread's ``BATCH`` shared and scale loads are issued before its conversions.
-        The scale's element index is 64-bit: ``row * H * G`` passes 2^31 on large caches."""
+    @cute.jit
+    def load_fp8_tile(self, pipe_8: pipeline.PipelineTmaAsync, load: pipeline.PipelineState, tma_k: cute.CopyAtom,
+                      g_k: cute.Tensor, ring8_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
+                      ring8_v: cute.Tensor, s_slot: cute.ComposedLayout, rows: cute.Tensor, kv_head: Int32):
+        pipe_8.producer_acquire(load)
+        bar = pipe_8.producer_get_barrier(load)
+        self.copy_tile(tma_k, g_k, ring8_k, s_slot, rows, load.index, kv_head, bar)
+        self.copy_tile(tma_v, g_v, ring8_v, s_slot, rows, load.index, kv_head, bar)
+        pipe_8.producer_commit(load)
+
+    @cute.jit
+    def dequantize(self, ring8: cute.Tensor, ring: cute.Tensor, stage8: Int32, stage: Int32,
+                   scales: Optional[cute.Tensor], rows: cute.Tensor, tile_base: Int32, num_keys: Int32,
+                   kv_head: Int32, tidx: Int32):
+        """fp8 rows of ``ring8[stage8]`` -> the 16-bit ``ring[stage]``, 8 values a thread at a time: ``x * scale`` of
+        the values' granule (``scales[row, kv_head, dim // granularity]``, the row from the tile's ``populate``; the
+        element offset in 64 bits), rounded once. Rows past the request's keys are written as zeros (P is 0 there;
+        stale values could be NaN)."""
         d, per_copy = self.head_dim, self.k_op.rows_per_copy
         chunks = d // VEC
-        tidx, _, _ = cute.arch.thread_idx()
-        c = tidx % chunks
-        trips = self.bn * chunks // THREADS
-        for j0 in cutlass.range_constexpr(0, trips, BATCH):
-            n = min(BATCH, trips - j0)
-            raw = [cute.make_rmem_tensor((VEC,), self.kv_dtype) for _ in range(n)]
-            scale = cute.make_rmem_tensor((n,), Float32)
-            for j in cutlass.range_constexpr(n):
-                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
-                scale[j] = Float32(1.0)
-                if tile_base + r < num_keys:
-                    cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw[j])
-                    if cutlass.const_expr(scales is not None):
-                        row = rows[0]
-                        for p in cutlass.range_constexpr(1, self.k_op.copies_per_tile):  # a select, not a stack load
-                            if r >= p * per_copy:
-                                row = rows[p]
-                        s = scales[Int64(row) + r % per_copy, kv_head, c * VEC // self.granularity]
-                        if cutlass.const_expr(self.e8m0_scales):
-                            s = e8m0_to_float32(Uint32(s))
-                        scale[j] = s
-            for j in cutlass.range_constexpr(n):
-                r = tidx // chunks + (j0 + j) * (THREADS // chunks)
-                vals = cute.make_rmem_tensor((VEC,), self.dtype)
-                vals.fill(0.0)
-                if tile_base + r < num_keys:
-                    vals.store((raw[j].load().to(Float32) * scale[j]).to(self.dtype))
-                cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
+        step = WG_THREADS // chunks  # rows a pass covers: within one page slot (pages hold >= 16 rows)
+        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(self.bn // step):
+            r = j * step + tidx // chunks
+            c = tidx % chunks
+            vals.fill(0.0)
+            if tile_base + r < num_keys:
+                cute.autovec_copy(cute.local_tile(ring8[r, None, stage8], (VEC,), (c,)), raw)
+                x = raw.load().to(Float32)
+                if cutlass.const_expr(scales is not None):
+                    # the pass's page slot is known here: no dynamic index into the rows registers
+                    row = rows[j * step // per_copy] + j * step % per_copy + tidx // chunks
+                    x = x * self.scale_of(scales, row, kv_head, c * VEC // self.granularity)
+                vals.store(x.to(self.dtype))
+            cute.autovec_copy(vals, cute.local_tile(ring[r, None, stage], (VEC,), (c,)))
 
     @cute.jit
-    def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
-        """Zero V rows ``[first_row, BN)`` of ``stage``: past the request's keys (P is 0 there, but 0 * NaN is not)."""
-        d = self.head_dim
-        chunks = d // VEC
-        tidx, _, _ = cute.arch.thread_idx()
-        zeros = cute.make_rmem_tensor((VEC,), self.dtype)
-        zeros.fill(0.0)
-        for idx in cutlass.range(tidx, self.bn * chunks, THREADS, unroll=1):
-            if idx // chunks >= first_row:
-                cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
+    def scale_of(self, scales: cute.Tensor, row: Int32, kv_head: Int32, granule: Int32) -> Float32:
+        """The scale of ``(row, kv_head, granule)`` of the ``[rows, H, G]`` scale view: its offset computed in 64 bits
+        (rows x H x G passes 2^31 in a large cache). e8m0 bits decode as torch does (``kernels/quant.py``)."""
+        per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
+        offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
+        value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
+        scale = Float32(0.0)
+        if cutlass.const_expr(self.e8m0_scales):
+            scale = e8m0_to_float32(Uint32(value))
+        else:
+            scale = Float32(value)
+        return scale
 
     @cute.jit
-    def store_o(self, s_o: cute.Tensor, s_max: cute.Tensor, s_sum: cute.Tensor, out: cute.Tensor,
-                o_part: cute.Tensor, lse_part: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32,
-                kv_head: Int32, split: Int32, num_splits: Int32):
-        """Row ``r`` of the staged O, divided by its sum: to ``out`` (one split) or to this split's float32 partial
-        with its log2-sum-exp. A row with no visible key writes 0 (and lse = -inf)."""
+    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineAsync,
+                pipe_v: pipeline.PipelineAsync, s_q: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
+                q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                lse_part: cute.Tensor, sinks: Optional[cute.Tensor], wg: Int32, q_start: Int32, seq_len: Int32,
+                cache_len: Int32, num_keys: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32,
+                causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32,
+                score_scale: Float32, softmax_scale_log2: Float32):
+        """One consumer warpgroup: rows ``m0 + 64*wg ..`` of the block."""
+        d, bn, group = self.head_dim, self.bn, self.group
+        tidx = cute.arch.thread_idx()[0] % WG_THREADS
+        rows0 = m0 + wg * WG_ROWS
+        s_q_wg = s_q[None, None, wg]
+        self.load_q(s_q_wg, q, q_start, seq_len, rows0, kv_head, tidx, wg)
+
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q_wg))
+        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
+        s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
+        t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
+        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_ROWS, bn)))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, d)), Float32)
+        acc_o.fill(0.0)
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, bn)), Float32)
+        # (row, key) of each S register, and the key range of each of the thread's rows
+        coords = softmax.mn_view(thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, bn))))
+        n_rows = cute.size(coords, mode=[0])
+        row_begin = cute.make_rmem_tensor((n_rows,), Int32)
+        row_end = cute.make_rmem_tensor((n_rows,), Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            tok = (rows0 + coords[r, 0][0]) // group
+            row_end[r] = num_keys
+            if causal != 0:
+                row_end[r] = cutlass.min(cache_len + tok + 1, num_keys)
+            row_begin[r] = 0
+            if window > 0:
+                row_begin[r] = cache_len + tok - window + 1
+            if tok >= seq_len:
+                row_end[r] = 0  # a padding row: everything masked
+        # Tiles every live row of the block sees whole need no mask.
+        tok_lo = rows0 // group
+        tok_hi = cutlass.min((cutlass.min(rows0 + WG_ROWS, seq_len * group) - 1) // group, seq_len - 1)
+        unmasked_end = num_keys
+        if causal != 0:
+            unmasked_end = cutlass.min(cache_len + tok_lo + 1, num_keys)
+        unmasked_begin = Int32(0)
+        if window > 0:
+            unmasked_begin = cache_len + tok_hi - window + 1
+
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_scale = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(softmax.NEG_INF)
+        row_sum.fill(0.0)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if wg == 0:  # ping-pong: the first warpgroup may issue first
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG1), number_of_threads=2 * WG_THREADS)
+        if n_tiles > 0:
+            # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
+            pipe_k.consumer_wait(read)
+            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(read)
+            self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, True)
+            softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
+            softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
+            if cutlass.const_expr(not self.kv_fp8):  # (dequantization writes those rows as zeros)
+                if (last_tile + 1) * bn > num_keys:
+                    pipe_v.consumer_wait(read)
+                    self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
+            # Then three loops, so the steady state has no branch: the tiles past the first whose keys some live row
+            # does not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
+            masked_end = cutlass.max(cutlass.min(last_tile - unmasked_end // bn + 1, n_tiles), 1)
+            unmasked_stop = n_tiles
+            if unmasked_begin > 0:
+                unmasked_stop = cutlass.max(cutlass.min(last_tile - (unmasked_begin + bn - 1) // bn + 1, n_tiles),
+                                            masked_end)
+            for i in cutlass.range(1, masked_end, unroll=1):
+                read = self.step(i, read, True, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq, t_rk,
+                                 t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile, wg,
+                                 score_scale, softmax_scale_log2)
+            for i in cutlass.range(masked_end, unmasked_stop, unroll=1):
+                read = self.step(i, read, False, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq,
+                                 t_rk, t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile,
+                                 wg, score_scale, softmax_scale_log2)
+            for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
+                read = self.step(i, read, True, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq, t_rk,
+                                 t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile, wg,
+                                 score_scale, softmax_scale_log2)
+            pipe_v.consumer_wait(read)
+            self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(read)
+        self.epilogue(thr_pv, acc_o, row_max, row_sum, softmax_scale_log2, coords, s_q_wg, out, lse, o_part,
+                      lse_part, sinks, q_start, seq_len, rows0, kv_head, split, num_splits, tidx, wg)
+
+    @cute.jit
+    def step(self, i: Int32, read: pipeline.PipelineState, masked: cutlass.Constexpr[bool], tiled_mma_qk: cute.TiledMma,
+             tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineAsync, pipe_v: pipeline.PipelineAsync,
+             acc_s: cute.Tensor, acc_o: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor, t_rp: cute.Tensor,
+             t_rv: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
+             row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, wg: Int32,
+             score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
+        """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn), wait
+        for the QK only, run the softmax while the PV runs, then fold the rescale into O. Returns the read state."""
+        prev = read.clone()
+        read.advance()
+        pipe_k.consumer_wait(read)
+        self.sched_wait(wg)
+        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+        pipe_v.consumer_wait(prev)
+        self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
+        self.sched_release(wg)
+        warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
+        pipe_k.consumer_release(read)
+        self.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, masked)
+        softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(prev)
+        softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
+        softmax.rescale_rows(acc_o, row_scale)
+        return read
+
+    @cute.jit
+    def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
+                stage: Int32):
+        """Issue ``S = Q K^T`` for one K stage (no wait). A fresh atom per call: its accumulate flag is set here, and
+        an atom shared across the loop's regions would carry the flag out of them."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        warpgroup.fence()
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
+            cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb, stage], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_pv(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rp: cute.Tensor, t_rv: cute.Tensor,
+                stage: Int32):
+        """Issue ``O += P V`` with P from registers (no wait)."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        warpgroup.fence()
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
+            cute.gemm(atom, acc, t_rp[None, None, kb], t_rv[None, None, kb, stage], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def sched_wait(self, wg: Int32):
+        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + wg, number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def sched_release(self, wg: Int32):
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - wg, number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
+               tile_base: Int32, score_scale: Float32, masked: cutlass.Constexpr[bool]):
+        """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, the
+        masks of each row."""
+        if cutlass.const_expr(self.softcap):
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+                acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
+        if cutlass.const_expr(masked):
+            s_mn = softmax.mn_view(acc_s)
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                lo = row_begin[r] - tile_base
+                hi = row_end[r] - tile_base
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    key = coords[0, c][1]
+                    if key < lo or key >= hi:
+                        s_mn[r, c] = softmax.NEG_INF
+
+    @cute.jit
+    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, rows0: Int32,
+               kv_head: Int32, tidx: Int32, wg: Int32):
+        """The warpgroup's 64 packed rows of ``q`` into its swizzled Q tile, 16 bytes a thread at a time (rows past
+        the request are 0): a packed row is (token, head), which one TMA box cannot address for any group size."""
         d, group = self.head_dim, self.group
         chunks = d // VEC
-        tidx, _, _ = cute.arch.thread_idx()
-        vals = cute.make_rmem_tensor((VEC,), Float32)
-        res = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, BM * chunks, THREADS, unroll=1):
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
+            idx = tidx + j * WG_THREADS
             r = idx // chunks
             c = idx % chunks
-            tok = (m0 + r) // group
+            tok = (rows0 + r) // group
+            vals.fill(0.0)
             if tok < seq_len:
-                row = q_start + tok
-                head = kv_head * group + (m0 + r) % group
-                total = s_sum[r]
-                inv = Float32(0.0)
-                if total > 0.0:
-                    inv = 1.0 / total
+                src = q[q_start + tok, kv_head * group + (rows0 + r) % group, None]
+                cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals)
+            cute.autovec_copy(vals, cute.local_tile(s_q[r, None], (VEC,), (c,)))
+        cute.arch.fence_view_async_shared()  # read by wgmma next
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
+
+    @cute.jit
+    def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32, ctidx: Int32):
+        """Both consumer warpgroups zero V rows ``[first_row, BN)`` of ``stage`` (past the request's keys)."""
+        d = self.head_dim
+        chunks = d // VEC
+        zeros = cute.make_rmem_tensor((VEC,), self.dtype)
+        zeros.fill(0.0)
+        cute.arch.barrier(barrier_id=int(Barrier.STALE_V), number_of_threads=2 * WG_THREADS)
+        for idx in cutlass.range(ctidx, self.bn * chunks, 2 * WG_THREADS, unroll=1):
+            if idx // chunks >= first_row:
+                cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(Barrier.STALE_V), number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def epilogue(self, thr_pv: cute.ThrMma, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 softmax_scale_log2: Float32, coords: cute.Tensor, s_q: cute.Tensor, out: cute.Tensor,
+                 lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
+                 sinks: Optional[cute.Tensor], q_start: Int32, seq_len: Int32, rows0: Int32, kv_head: Int32,
+                 split: Int32, num_splits: Int32, tidx: Int32, wg: Int32):
+        """Rows' sums over the quad, the sink (split 0 only), ``O / l`` and the base-2 ``lse``; then the output through
+        the warpgroup's Q tile (its wgmmas are done with it) in 16-byte stores, or the float32 partial."""
+        d, group = self.head_dim, self.group
+        n_rows = cute.size(row_max)
+        inv = cute.make_rmem_tensor((n_rows,), Float32)
+        lse2 = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            total = softmax.quad_sum(row_sum[r])
+            top = row_max[r] * softmax_scale_log2
+            weight = Float32(1.0)
+            if cutlass.const_expr(self.sinks):
+                if split == 0:
+                    head = kv_head * group + (rows0 + coords[r, 0][0]) % group
+                    sink = Float32(sinks[head]) * LOG2E
+                    new_top = cute.arch.fmax(top, sink)
+                    if new_top != softmax.NEG_INF:
+                        weight = cute.math.exp2(top - new_top, fastmath=True)  # 0 for a row with no key
+                        total = total * weight + cute.math.exp2(sink - new_top, fastmath=True)
+                        top = new_top
+            inv[r] = Float32(0.0)
+            lse2[r] = softmax.NEG_INF
+            if total > 0.0:
+                inv[r] = weight / total
+                lse2[r] = top + cute.math.log2(total, fastmath=True)
+        softmax.rescale_rows(acc_o, inv)
+        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d))))
+        o_mn = softmax.mn_view(acc_o)
+        if num_splits == 1:
+            o_16 = cute.make_rmem_tensor(acc_o.shape, self.dtype)
+            o_16.store(acc_o.load().to(self.dtype))
+            # every warp of the warpgroup is past its last QK wgmma (the only reader of these Q rows)
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
+            thr_pv.partition_C(s_q).store(o_16.load())
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
+            self.store_rows(s_q, out, q_start, seq_len, rows0, kv_head, tidx)
+            if cutlass.const_expr(self.return_lse):
+                self.store_lse(lse, lse2, o_coords, Float32(math.log(2.0)), q_start, seq_len, rows0, kv_head, tidx)
+        else:
+            for r in cutlass.range_constexpr(n_rows):
+                packed = rows0 + o_coords[r, 0][0]
+                tok = packed // group
+                if tok < seq_len:
+                    dst = o_part[split, q_start + tok, kv_head * group + packed % group, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = o_mn[r, 2 * c]
+                        pair[1] = o_mn[r, 2 * c + 1]
+                        cute.autovec_copy(pair, cute.local_tile(dst, (2,), (o_coords[0, 2 * c][1] // 2,)))
+            self.store_lse(lse_part[split, None, None], lse2, o_coords, Float32(1.0), q_start, seq_len, rows0,
+                           kv_head, tidx)
+
+    @cute.jit
+    def store_rows(self, s_o: cute.Tensor, out: cute.Tensor, q_start: Int32, seq_len: Int32, rows0: Int32,
+                   kv_head: Int32, tidx: Int32):
+        """Staged 16-bit O rows to their (token, head) rows of ``out``, 16 bytes a thread at a time. Rows are walked
+        from the last: with ``load_q``'s walk the compiler would keep its addresses live (spilled) through the loop."""
+        d, group = self.head_dim, self.group
+        chunks = d // VEC
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
+            idx = tidx + j * WG_THREADS
+            r = WG_ROWS - 1 - idx // chunks
+            c = idx % chunks
+            tok = (rows0 + r) // group
+            if tok < seq_len:
                 cute.autovec_copy(cute.local_tile(s_o[r, None], (VEC,), (c,)), vals)
-                for e in cutlass.range_constexpr(VEC):
-                    vals[e] = vals[e] * inv
-                if num_splits == 1:
-                    res.store(vals.load().to(self.dtype))
-                    cute.autovec_copy(res, cute.local_tile(out[row, head, None], (VEC,), (c,)))
-                else:
-                    cute.autovec_copy(vals, cute.local_tile(o_part[split, row, head, None], (VEC,), (c,)))
-                    if c == 0:
-                        lse = NEG_INF
-                        if total > 0.0:
-                            lse = s_max[r] + cute.math.log2(total, fastmath=True)
-                        lse_part[split, row, head] = lse
+                dst = out[q_start + tok, self.group * kv_head + (rows0 + r) % group, None]
+                cute.autovec_copy(vals, cute.local_tile(dst, (VEC,), (c,)))
+
+    @cute.jit
+    def store_lse(self, dst: cute.Tensor, lse2: cute.Tensor, o_coords: cute.Tensor, factor: Float32,
+                  q_start: Int32, seq_len: Int32, rows0: Int32, kv_head: Int32, tidx: Int32):
+        """``lse2 * factor`` of the thread's rows into ``dst [T, Hq]``, by the first thread of each quad."""
+        group = self.group
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse2)):
+                packed = rows0 + o_coords[r, 0][0]
+                tok = packed // group
+                if tok < seq_len:
+                    dst[q_start + tok, kv_head * group + packed % group] = lse2[r] * factor

@@ -1,0 +1,159 @@
+"""``PagedAttention`` compiled for sm_90a from fake tensors (no GPU): the pipeline it claims, read from its PTX (and
+from ptxas where installed)."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cute_kv.kernels import compile_cache
+from cute_kv.kernels.attention.sm90 import THREADS, WG_THREADS, PagedAttention
+
+pytestmark = pytest.mark.compile
+
+FP8 = "float8_e4m3fn"
+CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads[, soft-cap, sinks, lse,
+    # fp8 cache, scale granularity, e8m0 scales])
+    ("bfloat16", 32, 8, 128, 16, 2, True),  # Llama-3-8B: 8 pages per 128-key tile, two 4-entry lookup vectors
+    ("bfloat16", 32, 4, 128, 64, 2, False),  # GQA 8, lookup entries read one by one
+    ("float16", 8, 8, 64, 128, 2, True),  # MHA, a page holds the whole tile: one copy
+    ("bfloat16", 16, 2, 256, 16, 2, True),  # head dim 256: 64-key tiles
+    ("bfloat16", 32, 8, 128, None, 2, True),  # contiguous [B, S, H, D] operand
+    ("bfloat16", 64, 8, 128, 32, 2, True, True, True, True),  # gpt-oss-like: soft-cap, sinks, lse
+    ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, FP8, 32, True),  # fp8, e8m0 scale per 32 dims
+    ("float16", 16, 2, 64, 64, 2, True, False, False, False, FP8),  # fp8 without scales: a plain cast
+    ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True, FP8, 16),  # fp8, float32 scale per 16 dims, features
+]
+# ptxas spills a few prologue values (16 bytes) of this configuration: not claimed spill-free
+SPILLS = {CASES[-1]}
+MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
+SS = re.compile(MMA + r"%rd\d+, %rd\d+")  # A and B from shared memory (descriptors)
+RS = re.compile(MMA + r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+")  # A (P) from registers
+WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
+def compiled(request):
+    kernel = PagedAttention(*request.param)
+    return kernel, compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a"), request.param
+
+
+LOOPS = 3  # masked tiles at the keys' end, whole tiles, masked tiles at the window's start: no branch in a loop
+
+
+def test_mma_forms_and_counts(compiled):
+    """QK: D/16 SS wgmmas of N = BN at four sites (the first tile, the three loops); PV: BN/16 RS wgmmas of N = D
+    (P in registers, V MN-major) at four sites (the loops, the last tile)."""
+    kernel, ptx, _ = compiled
+    d, bn = kernel.head_dim, kernel.bn
+    qk, pv = SS.findall(ptx), RS.findall(ptx)
+    assert len(qk) == (1 + LOOPS) * d // 16 and set(qk) == {str(bn)}
+    assert len(pv) == (LOOPS + 1) * bn // 16 and set(pv) == {str(d)}
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == len(qk) + len(pv)
+
+
+def test_pv_runs_under_the_next_softmax(compiled):
+    """In each loop QK(j+1) and PV(j) are issued back to back, then only the QK is waited for (wait_group 1): no
+    wait_group 0 between the QK issue and the softmax's first exp2, so the PV is in flight during it."""
+    _, ptx, _ = compiled
+    waits = [(m.start(), int(m.group(1))) for m in WAIT.finditer(ptx)]
+    assert sorted(n for _, n in waits) == [0] * (LOOPS + 2) + [1] * LOOPS
+    for wait1 in (pos for pos, n in waits if n == 1):
+        loop_qk = [m.start() for m in SS.finditer(ptx) if m.start() < wait1][-1]
+        loop_pv = [m.start() for m in RS.finditer(ptx) if loop_qk < m.start() < wait1]
+        softmax = ptx.index("ex2.approx", wait1)
+        assert len(loop_pv) == len(RS.findall(ptx)) // (LOOPS + 1)  # the whole PV of the previous tile
+        assert not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
+
+
+def test_no_cta_wide_barrier_past_the_prologue(compiled):
+    """The only CTA-wide barrier publishes the pipelines' barrier init, before the warpgroups part (setmaxnreg);
+    the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong) only."""
+    _, ptx, _ = compiled
+    cta_wide = [m.start() for m in re.finditer(r"\b(?:bar|barrier)(?:\.cta)?\.sync(?:\.aligned)?\s+0;", ptx)]
+    assert len(cta_wide) == 1 and cta_wide[0] < ptx.index("setmaxnreg.dec")
+    named = re.findall(r"\bbar\.(sync|arrive)\s+[^,;]+,\s*(\d+);", ptx)
+    assert {n for _, n in named} <= {str(WG_THREADS), str(2 * WG_THREADS)}
+    assert ("arrive", str(2 * WG_THREADS)) in named  # a warpgroup lets the other issue its wgmmas
+
+
+def test_register_split(compiled):
+    """The producer warpgroup gives registers to the two consumer ones (32 / 232): within the SM's 64K."""
+    kernel, ptx, _ = compiled
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [
+        ("dec", str(kernel.producer_regs)), ("inc", str(kernel.consumer_regs))]
+    assert kernel.producer_regs * WG_THREADS + kernel.consumer_regs * (THREADS - WG_THREADS) <= 65536
+    assert f".reqntid {THREADS}, 1, 1" in ptx
+
+
+def test_softmax_in_registers(compiled):
+    """Per thread and tile: one exp2 per score of its two rows (BN/2), plus the two rows' O rescale in the loops,
+    plus a sink's two per row; a quad max per row per tile site and a quad sum per row at the end; one tanh per
+    score with soft-cap. No S or P goes through shared memory: the only shared stores are Q (16-byte), the stale V
+    rows (16-byte, one site) and the staged 16-bit O (4-byte pairs)."""
+    kernel, ptx, _ = compiled
+    bn = kernel.bn
+    assert ptx.count("ex2.approx") == bn // 2 + LOOPS * (bn // 2 + 2) + (4 if kernel.sinks else 0)
+    assert ptx.count("tanh.approx") == ((1 + LOOPS) * bn // 2 if kernel.softcap else 0)
+    assert ptx.count("shfl.sync.bfly.b32") == (1 + LOOPS) * 2 * 2 + 2 * 2
+    chunks = kernel.head_dim // 8 * 64 // WG_THREADS
+    passes = 2 * kernel.bn // (WG_THREADS // (kernel.head_dim // 8))  # fp8: K and V dequantized 8 values a thread
+    # Q, then the stale V rows (16-bit cache) or the dequantized K and V (fp8)
+    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == chunks + (passes if kernel.kv_fp8 else 1)
+    assert len(re.findall(r"st\.shared\.b32", ptx)) == kernel.head_dim // 8 * 2  # O: 2 rows x D/8 pairs
+    # the staged O read back in 16-byte rows, and 8 fp8 bytes per dequantized vector
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == chunks
+    assert len(re.findall(r"ld\.shared\.v2\.b32", ptx)) == (passes if kernel.kv_fp8 else 0)
+
+
+def test_fp8_dequantized_in_the_producer(compiled):
+    """fp8: 8 values (4 conversions) a thread at a time, each times its granule's scale: a 4-byte load (float32) or
+    a byte made a float32 by shifting it into the exponent field (e8m0, 0 and 255 decoded apart), offset in 64 bits;
+    all of it before the consumers' setmaxnreg (the producer warpgroup's code), none in the math loops."""
+    kernel, ptx, _ = compiled
+    if not kernel.kv_fp8:
+        assert "e4m3x2" not in ptx
+        return
+    passes = 2 * kernel.bn // (WG_THREADS // (kernel.head_dim // 8))
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4 * passes
+    consumer = ptx.index("setmaxnreg.inc")
+    assert ptx.rindex("cvt.rn.f16x2.e4m3x2") < consumer
+    if kernel.granularity and not kernel.e8m0_scales:
+        assert len(re.findall(r"ld\.global\.(?:nc\.)?b32", ptx[:consumer])) >= passes
+    if kernel.e8m0_scales:
+        assert len(re.findall(r"ld\.global\.(?:nc\.)?[ub]8", ptx)) == passes
+        assert len(re.findall(r"shl\.b32\s+%r\d+, %r\d+, 23;", ptx)) == passes
+        assert "0f00400000" in ptx.lower() or "4194304" in ptx  # 2^-127 for e = 0
+    if kernel.granularity:
+        assert re.search(r"mul\.wide\.[su]32|mul\.lo\.s64|mad\.wide", ptx[:consumer])
+
+
+def test_one_tma_per_page_slot(compiled):
+    """K and V of a tile: one TMA per page slot and 128-byte box (an fp8 row of 64: one 64-byte box), at one site
+    each (the producer's loop)."""
+    kernel, ptx, _ = compiled
+    boxes = max(kernel.head_dim * (1 if kernel.kv_fp8 else 2) // 128, 1)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
+    sites = 2 if kernel.kv_fp8 else 1  # fp8: the ring's first fill, then one tile per dequantized tile
+    assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes * sites
+
+
+PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
+
+
+@pytest.mark.skipif(PTXAS is None, reason="ptxas not installed")
+def test_ptxas_fits_without_spills(compiled, tmp_path):
+    """The whole kernel in the 168 registers 384 threads get at launch (the consumer code past setmaxnreg.inc may
+    use up to 232), no spill, no stack."""
+    _, ptx, case = compiled
+    if case in SPILLS:
+        pytest.skip("known to spill a few prologue values")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    info = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs <= 65536 // THREADS // 8 * 8
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info
