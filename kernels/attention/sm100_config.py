@@ -1,0 +1,77 @@
+"""``PagedAttentionSm100``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
+
+A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) and walks key tiles of ``BN``
+keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j) and the O accumulator:
+``2 * BN + D <= 512`` columns, so one CTA per SM. Shared memory holds Q, P (16-bit, the PV MMA's A operand) and a
+ring of K/V stages, as deep as the 227 KiB a CTA may take allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+BM = 128  # packed query rows per CTA: the tcgen05.mma M, one TMEM lane each
+VEC = 8  # 16-bit elements per 16-byte access
+HEAD_DIMS = (64, 128, 256)
+DTYPE_NAMES = ("bfloat16", "float16")
+TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
+SMEM_PER_CTA = 227 * 1024
+MAX_STAGES = 4
+BARRIER_BYTES = 1024  # mbarriers, TMEM address slot, alignment slack
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100Tiling:
+    """Key tile ``bn``, K/V ring ``stages``; byte sizes of Q, P and one K+V stage."""
+
+    bn: int
+    stages: int
+    q_bytes: int
+    p_bytes: int
+    stage_bytes: int
+
+    @property
+    def smem(self) -> int:
+        return self.q_bytes + self.p_bytes + self.stages * self.stage_bytes + BARRIER_BYTES
+
+    @property
+    def tmem_columns(self) -> int:
+        """Columns used: S tiles at ``[0, 2*bn)``, O at ``[2*bn, 2*bn + D)``."""
+        return 2 * self.bn + self.q_bytes // (2 * BM)
+
+
+def key_tile(head_dim: int) -> int:
+    """128 keys per tile; 64 at head dim 256, where a 128-key K+V stage alone would take 128 KiB."""
+    return 64 if head_dim > 128 else 128
+
+
+def tiling(head_dim: int) -> Sm100Tiling:
+    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q and P."""
+    bn = key_tile(head_dim)
+    q_bytes, p_bytes, stage_bytes = BM * head_dim * 2, BM * bn * 2, 2 * bn * head_dim * 2
+    stages = min(MAX_STAGES, (SMEM_PER_CTA - BARRIER_BYTES - q_bytes - p_bytes) // stage_bytes)
+    if stages < 2:
+        raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
+    plan = Sm100Tiling(bn, stages, q_bytes, p_bytes, stage_bytes)
+    assert plan.tmem_columns <= TMEM_COLUMNS
+    return plan
+
+
+def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
+              kv_dtype_name: Optional[str] = None) -> Optional[str]:
+    """Why the SM100 kernel cannot take the problem, or None (16-bit paged caches only so far)."""
+    if kv_dtype_name not in DTYPE_NAMES:
+        return f"the SM100 kernel reads 16-bit caches, got {kv_dtype_name}"
+    if page_size is None:
+        return "the SM100 kernel reads paged caches"
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
+    if num_q_heads // num_kv_heads > BM:
+        return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    bn = key_tile(head_dim)
+    if page_size < 16 or (page_size % bn and bn % page_size):
+        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
+    return None
