@@ -33,7 +33,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``).
 
     On SM90 a bf16/fp16 MHA/GQA cache with head_dim 64/128/256 runs the ``PagedAttention`` kernel (split-KV when
-    the grid would not fill the GPU); other cases, and CPU tensors, run the reference. ``validate=False`` (for
+    the grid would not fill the GPU), on SM100 ``PagedAttentionSm100`` (16-bit caches); other cases, and CPU
+    tensors, run the reference. ``validate=False`` (for
     CUDA-graph capture) skips the checks that read device values, as in ``store_kv``.
     """
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, mla_v_dim, out, validate)
@@ -109,9 +110,13 @@ def _kernel_for(collection, q, window, mla_v_dim) -> Optional[Callable]:
 
 def kernel_key(collection, q, arch: str) -> Optional[tuple]:
     """The compile-time key of the ``PagedAttention`` serving these arguments on ``arch``, or None where the
-    reference runs instead: SM100 (no tcgen05 kernel yet), MLA caches, q in another dtype than a 16-bit cache,
-    head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``), a misaligned cache,
-    or more rows than int32 TMA coordinates reach."""
+    reference runs instead: MLA caches, q in another dtype than a 16-bit cache, head dims, page sizes or granules
+    the kernel cannot tile (``attention/config.supported``), a misaligned cache, or more rows than int32 TMA
+    coordinates reach. ``sm_100a`` takes ``PagedAttentionSm100``'s key (``paged_attention_sm100.py``)."""
+    if arch == "sm_100a":
+        from cute_kv.ops.paged_attention_sm100 import kernel_key_sm100
+
+        return kernel_key_sm100(collection, q)
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     if arch != "sm_90a" or c.is_mla or q_dtype_name not in DTYPE_NAMES:
@@ -134,6 +139,11 @@ def kernel_key(collection, q, arch: str) -> Optional[tuple]:
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     from cute_kv.kernels.compile_cache import compiled
+
+    if key[0] == "paged_attention_sm100":
+        from cute_kv.ops.paged_attention_sm100 import launcher_sm100
+
+        return launcher_sm100(key, arch)
 
     _, dtype_name, hq, h, d, _, _, _, kv_dtype_name, granularity, e8m0 = key
     ctas_per_sm = tiling(d, kv_dtype_name == FP8).ctas_per_sm
