@@ -50,6 +50,9 @@ def test_sm100_serves_16_bit_paged_caches():
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
     assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
+    assert _key({"page_size": 8})[5] == 8  # small pages: gather4
+    assert _key({"page_size": 48})[5] == 48  # neither divides nor is divided by the 128-key tile: gather4
+    assert _key({"page_size": 1})[5] == 1
     sinks = torch.zeros(8)
     assert _key(softcap=30.0, sinks=sinks, return_lse=True)[8:] == (True, True, True)
     assert _key(softcap=0.0)[8] is False  # 0 means off
@@ -61,8 +64,6 @@ def test_sm100_serves_16_bit_paged_caches():
     {"q_dtype": torch.float16},
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
     {"cache": {"head_size": 96}},
-    {"cache": {"page_size": 8}},
-    {"cache": {"page_size": 48}},  # neither divides nor is divided by the 128-key tile
     {"q_heads": 3},
     {"cache": {"num_heads": 1}, "q_heads": 256},  # a GQA group larger than the 128-row tile
     {"sinks": torch.zeros(8, dtype=torch.float64)},
@@ -226,7 +227,7 @@ def oracle(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, 
 @settings(max_examples=20, deadline=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 40)), min_size=1, max_size=3),
-    page_size=st.sampled_from([16, 64, 128, 256]),
+    page_size=st.sampled_from([1, 8, 16, 48, 64, 128, 256]),
     group=st.sampled_from([1, 4, 16]),
     head_dim=st.sampled_from([64, 256]),
     causal=st.booleans(),
@@ -289,6 +290,8 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 8, 2, 64, 16),
     ("float16", 32, 2, 256, 64),
     ("bfloat16", 64, 8, 128, 32, {"softcap": True, "sinks": True, "return_lse": True}),
+    ("bfloat16", 8, 2, 128, 8),  # gather4
+    ("float16", 16, 2, 256, 48),  # gather4: a page that does not tile the 64-key tile
 ]
 
 
@@ -313,9 +316,20 @@ def test_sm100_ptx(case, tmp_path):
     assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
     # S full, P consumed (O stable), K/V stage free: three MMA completions signalled by tcgen05.commit.
     assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == 3
-    # One TMA per page slot, per 64-column box of the head dim, for K and for V.
-    slots = max(bn // page, 1)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile", ptx)) == 2 * slots * d // 64
+    if kernel.gather4:  # 4 rows x one 128-byte swizzle row per instruction, for K and for V
+        g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
+        assert len(g4) == 2 * (bn // 4) * (d // 64)
+        # Swizzle on the pointer: every instruction has its own destination, 512 B (4 rows of 128 B) apart within a
+        # 64-column block, and blocks follow each other (K's then V's).
+        offsets = [int(re.search(r"\+(\d+)$", x).group(1)) if "+" in x else 0 for x in g4]
+        assert len(set(g4)) == len(g4)
+        k_offsets = offsets[:len(g4) // 2]
+        assert all(b - a == 512 for a, b in zip(k_offsets, k_offsets[1:]))
+        assert "cp.async.bulk.tensor.3d" not in ptx
+    else:  # one TMA per page slot, per 64-column box of the head dim, for K and for V
+        slots = max(bn // page, 1)
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile", ptx)) == 2 * slots * d // 64
+        assert "gather4" not in ptx
     # Softmax: one ex2 per score; tanh only with the soft-cap; P written as 16-byte rows.
     flags = case[5] if case[5:] else {}
     assert ptx.count("tanh.approx.f32") == (bn if flags.get("softcap") else 0)
@@ -342,6 +356,8 @@ GPU_CASES = [  # (dtype, kv heads, q heads, D, page)
     (torch.bfloat16, 2, 16, 128, 128),
     (torch.float16, 4, 4, 64, 256),
     (torch.bfloat16, 1, 4, 256, 64),
+    (torch.bfloat16, 2, 8, 128, 8),  # gather4
+    (torch.float16, 2, 4, 64, 3),  # gather4, a page of 3
 ]
 
 

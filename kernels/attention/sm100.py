@@ -40,7 +40,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
-from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, VEC, supported, tiling
+from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, VEC, supported, tiling, uses_gather4
 from cute_kv.kernels.paged import tma_tiles
 
 SOFTMAX_THREADS = 128  # warps 0-3
@@ -52,6 +52,7 @@ NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
 
 class PagedAttentionSm100:
@@ -71,8 +72,11 @@ class PagedAttentionSm100:
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
-        self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+        self.gather4 = uses_gather4(page_size, self.bn)
+        if not self.gather4:  # one TMA per page slot, rows from populate
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+        self.box_width = SWIZZLE * 8 // self.dtype.width  # gather4 columns per instruction: one swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
         self.o_col = 2 * self.bn  # first TMEM column of O
 
@@ -96,7 +100,7 @@ class PagedAttentionSm100:
         blocks = make_fake_tensor(dt, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
             cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
             h * d, d, 1), assumed_align=16)
-        width = self.k_op.lut_width  # what populate's vector loads need, checked per call by TVM-FFI
+        width = 1 if self.gather4 else self.k_op.lut_width  # what populate's vector loads need (TVM-FFI checks)
         lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
@@ -119,14 +123,30 @@ class PagedAttentionSm100:
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, d))
-        k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
-        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d)
+        k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
+        v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
+        if cutlass.const_expr(self.gather4):
+            # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
+            index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
+            tma_k, g_k, s_slot = tma_tiles.create_gather4_tma_tile(self.rows_2d(k_rows), index, bn, self.box_width,
+                                                                   SWIZZLE)
+            tma_v, g_v, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(v_rows), index, bn, self.box_width,
+                                                              SWIZZLE)
+        else:
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
+            tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d)
+        rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part, lse,
-                    input_row_offsets, cache_lengths, lookup_table, sinks, self.k_op.rows_per_page(k_src),
+                    input_row_offsets, cache_lengths, lookup_table, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream)
+
+    @staticmethod
+    def rows_2d(rows: cute.Tensor) -> cute.Tensor:
+        """``[rows, H, D]`` -> ``[rows, H*D]``: gather4's 2-D view (the column picks head and depth)."""
+        return cute.make_tensor(rows.iterator, cute.make_layout((rows.shape[0], rows.shape[1] * rows.shape[2]),
+                                                                stride=(rows.stride[0], 1)))
 
     # -- device ----------------------------------------------------------------------------------
 
@@ -156,6 +176,9 @@ class PagedAttentionSm100:
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
             s_bars = smem.allocate_array(cutlass.Int64, 4)
             p_bars = smem.allocate_array(cutlass.Int64, 2)
+            s_rows = None
+            if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
+                s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
             sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
             ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=stages)
@@ -204,8 +227,12 @@ class PagedAttentionSm100:
                 cpasync.prefetch_descriptor(tma_v)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for _ in cutlass.range(n_tiles, unroll=1):
-                    self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot,
-                                   lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                    if cutlass.const_expr(self.gather4):
+                        self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v,
+                                         s_rows, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                    else:
+                        self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v,
+                                       s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
@@ -259,6 +286,38 @@ class PagedAttentionSm100:
                 t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
                                                  cute.group_modes(src, 0, 2))
                 cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def gather_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
+                    tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
+                    s_v: cute.Tensor, s_rows: cute.Tensor, lookup_table: cute.Tensor, b: Int32, kv_head: Int32,
+                    num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        """Load warp, small or uneven pages: each lane resolves BN/32 of the tile's token rows (lookup entry x
+        page pitch + offset in the page; ``oob_row``, which TMA zero-fills, past the keys) into the stage's row
+        array, then gather4 brings K and V, 4 rows x one 128-byte swizzle row per instruction, straight into the
+        MMA's swizzled tiles."""
+        bn, width = self.bn, self.box_width
+        lane = cute.arch.lane_idx()
+        pipe.producer_acquire(prod)
+        cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
+        for t in cutlass.range(lane, bn, 32, unroll=1):
+            token = tile * bn + t
+            row = oob_row
+            if token < num_keys:
+                row = Int32(lookup_table[b, token // self.page_size]) * rows_per_page + token % self.page_size
+            s_rows[t, prod.index] = row
+        cute.arch.sync_warp()
+        bar = pipe.producer_get_barrier(prod)
+        index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
+                                                    cute.make_layout((bn, width), stride=(1, 0))), (bn, width))
+        for g_rows, s_tiles, atom in ((g_k, s_k, tma_k), (g_v, s_v, tma_v)):
+            for c in cutlass.range_constexpr(self.head_dim // width):
+                src = cute.zipped_divide(cute.domain_offset((0, kv_head * self.head_dim + c * width), g_rows),
+                                         (bn, width))
+                dst = cute.local_tile(s_tiles[None, None, prod.index], (bn, width), (0, c))
+                t_s, t_g, t_i = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                      [src, index])
+                cute.copy(atom, [t_g[None, (0, 0)], t_i[None, (0, 0)]], t_s, tma_bar_ptr=bar)
 
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
@@ -417,7 +476,7 @@ class PagedAttentionSm100:
                  out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
                  seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
         """Row ``tidx``: ``O / l`` to ``out`` (one split) or to this split's float32 partial with its base-2 lse. The
-        sink joins split 0's denominator. A row with no visible key (and no sink) writes 0 and lse = -inf."""
+        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one)."""
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
@@ -430,7 +489,7 @@ class PagedAttentionSm100:
                 total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
                                                                                                 fastmath=True)
         inv = Float32(0.0)
-        if total > 0.0:
+        if row_sum > 0.0:
             inv = cute.math.exp2(row_max - top, fastmath=True) / total
         load, _, src, _, shape = self.o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
@@ -439,6 +498,8 @@ class PagedAttentionSm100:
             cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
             for e in cutlass.range_constexpr(cute.size(vals)):
                 vals[e] = vals[e] * inv
+            if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
+                vals.fill(0.0)
             if tok < seq_len:
                 row = q_start + tok
                 if num_splits == 1:

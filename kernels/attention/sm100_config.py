@@ -3,7 +3,8 @@
 A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) and walks key tiles of ``BN``
 keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j) and the O accumulator:
 ``2 * BN + D <= 512`` columns, so one CTA per SM. Shared memory holds Q, P (16-bit, the PV MMA's A operand) and a
-ring of K/V stages, as deep as the 227 KiB a CTA may take allows.
+ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page size: pages that tile the key tile load
+by one TMA per page slot, others by gather4 (``uses_gather4``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def tiling(head_dim: int) -> Sm100Tiling:
     return plan
 
 
+def uses_gather4(page_size: int, bn: int) -> bool:
+    """K/V rows by gather4 (4 arbitrary rows per TMA, each token's row computed on its own) for pages under 16 rows,
+    or pages that neither divide nor are divided by the key tile; else one tiled TMA per page slot, which moves at
+    least as many rows per instruction."""
+    return page_size < 16 or (page_size % bn != 0 and bn % page_size != 0)
+
+
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
               kv_dtype_name: Optional[str] = None) -> Optional[str]:
     """Why the SM100 kernel cannot take the problem, or None (16-bit paged caches only so far)."""
@@ -71,7 +79,6 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
-    bn = key_tile(head_dim)
-    if page_size < 16 or (page_size % bn and bn % page_size):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
+    if page_size < 1:
+        return f"page_size must be positive, got {page_size}"
     return None
