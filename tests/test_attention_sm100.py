@@ -73,14 +73,17 @@ def test_sm100_leaves_the_rest_to_the_reference(case):
     assert _key(**case) is None
 
 
+@pytest.mark.parametrize("page_size", [8, 128])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm100_tiling_fits_one_cta_per_sm(head_dim):
-    plan = tiling(head_dim)
-    assert plan.bn == key_tile(head_dim) and plan.stages >= 2
+def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size):
+    plan = tiling(head_dim, page_size)
+    assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 8)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
     assert plan.tmem_columns <= TMEM_COLUMNS  # S x2 and O
     assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 2, 384),
                                                           256: (64, 2, 384)}[head_dim]
+    # Ahead of the 1024-aligned tiles: the barriers, and the gather4 row arrays (int32 per key per stage).
+    assert plan.fixed >= 64 + 8 * (2 * plan.stages + 6) + (4 * plan.bn * plan.stages if plan.gather4 else 0)
 
 
 def test_sm100_decode_splits_fill_the_gpu():

@@ -40,7 +40,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
-from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, VEC, supported, tiling, uses_gather4
+from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
 
 SOFTMAX_THREADS = 128  # warps 0-3
@@ -66,13 +66,13 @@ class PagedAttentionSm100:
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
-        self.plan = tiling(head_dim)
+        self.plan = tiling(head_dim, page_size)
         self.bn, self.stages = self.plan.bn, self.plan.stages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.gather4 = uses_gather4(page_size, self.bn)
+        self.gather4 = self.plan.gather4
         if not self.gather4:  # one TMA per page slot, rows from populate
             self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
             self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
@@ -81,9 +81,6 @@ class PagedAttentionSm100:
         self.o_col = 2 * self.bn  # first TMEM column of O
 
     # -- host ------------------------------------------------------------------------------------
-
-    def smem_bytes(self) -> int:
-        return self.plan.smem
 
     def fake_args(self) -> tuple:
         dt, d, hq = self.dtype, self.head_dim, self.num_q_heads
@@ -137,10 +134,11 @@ class PagedAttentionSm100:
             tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d)
         rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
+        # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that).
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part, lse,
                     input_row_offsets, cache_lengths, lookup_table, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
-            grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream)
+            grid=grid, block=(THREADS, 1, 1), stream=stream)
 
     @staticmethod
     def rows_2d(rows: cute.Tensor) -> cute.Tensor:

@@ -19,22 +19,25 @@ DTYPE_NAMES = ("bfloat16", "float16")
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
 SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
-BARRIER_BYTES = 1024  # mbarriers, TMEM address slot, alignment slack
+RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahead of the kernel's buffers
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm100Tiling:
-    """Key tile ``bn``, K/V ring ``stages``; byte sizes of Q, P and one K+V stage."""
+    """Key tile ``bn``, K/V ring ``stages``, K/V by ``gather4``; bytes of the barriers and gather4 row arrays ahead
+    of the 1024-aligned tiles (``fixed``), of Q, P and one K+V stage."""
 
     bn: int
     stages: int
+    gather4: bool
+    fixed: int
     q_bytes: int
     p_bytes: int
     stage_bytes: int
 
     @property
     def smem(self) -> int:
-        return self.q_bytes + self.p_bytes + self.stages * self.stage_bytes + BARRIER_BYTES
+        return self.fixed + self.q_bytes + self.p_bytes + self.stages * self.stage_bytes
 
     @property
     def tmem_columns(self) -> int:
@@ -47,16 +50,24 @@ def key_tile(head_dim: int) -> int:
     return 64 if head_dim > 128 else 128
 
 
-def tiling(head_dim: int) -> Sm100Tiling:
+def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
+    """Barriers (K/V ring full/empty, S x2, P) and, for gather4, one int32 row per key per stage, rounded up to the
+    1024-byte alignment of the tiles that follow."""
+    used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2) + (4 * bn * stages if gather4 else 0)
+    return -(-used // 1024) * 1024
+
+
+def tiling(head_dim: int, page_size: int) -> Sm100Tiling:
     """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q and P."""
     bn = key_tile(head_dim)
+    gather4 = uses_gather4(page_size, bn)
     q_bytes, p_bytes, stage_bytes = BM * head_dim * 2, BM * bn * 2, 2 * bn * head_dim * 2
-    stages = min(MAX_STAGES, (SMEM_PER_CTA - BARRIER_BYTES - q_bytes - p_bytes) // stage_bytes)
-    if stages < 2:
-        raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
-    plan = Sm100Tiling(bn, stages, q_bytes, p_bytes, stage_bytes)
-    assert plan.tmem_columns <= TMEM_COLUMNS
-    return plan
+    for stages in range(MAX_STAGES, 1, -1):
+        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, p_bytes, stage_bytes)
+        if plan.smem <= SMEM_PER_CTA:
+            assert plan.tmem_columns <= TMEM_COLUMNS
+            return plan
+    raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
 
 
 def uses_gather4(page_size: int, bn: int) -> bool:
