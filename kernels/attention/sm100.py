@@ -394,29 +394,31 @@ class PagedAttentionSm100:
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
 
-            tile_max = NEG_INF
             for c in cutlass.range(cute.size(scores), unroll_full=True):
-                key = tile_base + cols[c][1]
                 x = scores[c] * score_scale
                 if cutlass.const_expr(self.softcap):
                     x = cap_log2 * cute.math.tanh(x, fastmath=True)
-                if key < row_begin:
-                    x = NEG_INF
-                if key >= row_end:
-                    x = NEG_INF
                 scores[c] = x
-                tile_max = cute.arch.fmax(tile_max, x)
-            new_max = cute.arch.fmax(row_max, tile_max)
+            masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
+            if tile_base < row_begin:
+                masked = Int32(1)
+            if tile_base + bn > row_end:
+                masked = Int32(1)
+            if masked != 0:
+                for c in cutlass.range(cute.size(scores), unroll_full=True):
+                    key = tile_base + cols[c][1]
+                    if key < row_begin:
+                        scores[c] = NEG_INF
+                    if key >= row_end:
+                        scores[c] = NEG_INF
+            new_max = self.row_reduce(scores, row_max, cute.arch.fmax)
             ref = new_max
             if new_max == NEG_INF:
                 ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
             corr = cute.math.exp2(row_max - ref, fastmath=True)
-            tile_sum = Float32(0.0)
             for c in cutlass.range(cute.size(scores), unroll_full=True):
-                p = cute.math.exp2(scores[c] - ref, fastmath=True)
-                tile_sum = tile_sum + p
-                scores[c] = p
-            row_sum = row_sum * corr + tile_sum
+                scores[c] = cute.math.exp2(scores[c] - ref, fastmath=True)
+            row_sum = self.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
             row_max = new_max
             probs.store(scores.load().to(self.dtype))
 
@@ -424,14 +426,26 @@ class PagedAttentionSm100:
             cute.autovec_copy(probs, t_p_dst)
             if tile_base + bn > num_keys:
                 self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
+            # O changes only where a row's max moved; the TMEM copies are warp-wide, so a warp skips the
+            # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
-                self.rescale_o(t_o, corr)
+                if cute.arch.vote_any_sync(corr != 1.0):
+                    self.rescale_o(t_o, corr)
             cute.arch.fence_view_async_tmem_store()
             cute.arch.fence_view_async_shared()  # P and zeroed V rows are read by the MMA next
             p_pipe.producer_commit(p_write)
             p_write.advance()
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
         return row_max, row_sum
+
+    @staticmethod
+    def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:
+        """``op`` over ``init`` and the row's values (traced inline), in four independent chains: a quarter of the
+        dependency latency of one chain."""
+        part = [op(init, vals[0]), vals[1], vals[2], vals[3]]
+        for c in range(4, cute.size(vals)):
+            part[c % 4] = op(part[c % 4], vals[c])
+        return op(op(part[0], part[1]), op(part[2], part[3]))
 
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
