@@ -50,7 +50,8 @@ def test_sm100_serves_16_bit_paged_caches():
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
     assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
-    assert _key({"page_size": 8})[5] == 8  # small pages: gather4
+    assert _key({"page_size": 8})[5] == 8  # one 8-row TMA per page slot
+    assert _key({"page_size": 4})[5] == 4  # smaller pages: gather4
     assert _key({"page_size": 48})[5] == 48  # neither divides nor is divided by the 128-key tile: gather4
     assert _key({"page_size": 1})[5] == 1
     sinks = torch.zeros(8)
@@ -73,11 +74,11 @@ def test_sm100_leaves_the_rest_to_the_reference(case):
     assert _key(**case) is None
 
 
-@pytest.mark.parametrize("page_size", [8, 128])
+@pytest.mark.parametrize("page_size", [4, 8, 128])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size):
     plan = tiling(head_dim, page_size)
-    assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 8)
+    assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
     assert plan.tmem_columns <= TMEM_COLUMNS  # S x2 and O
     assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 2, 384),
@@ -230,7 +231,7 @@ def oracle(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, 
 @settings(max_examples=20, deadline=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 40)), min_size=1, max_size=3),
-    page_size=st.sampled_from([1, 8, 16, 48, 64, 128, 256]),
+    page_size=st.sampled_from([1, 4, 8, 16, 48, 64, 128, 256]),
     group=st.sampled_from([1, 4, 16]),
     head_dim=st.sampled_from([64, 256]),
     causal=st.booleans(),
@@ -293,7 +294,8 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 8, 2, 64, 16),
     ("float16", 32, 2, 256, 64),
     ("bfloat16", 64, 8, 128, 32, {"softcap": True, "sinks": True, "return_lse": True}),
-    ("bfloat16", 8, 2, 128, 8),  # gather4
+    ("bfloat16", 8, 2, 128, 4),  # gather4
+    ("bfloat16", 8, 2, 64, 8),  # 16 TMAs of 8 rows per K tile
     ("float16", 16, 2, 256, 48),  # gather4: a page that does not tile the 64-key tile
 ]
 
@@ -359,7 +361,8 @@ GPU_CASES = [  # (dtype, kv heads, q heads, D, page)
     (torch.bfloat16, 2, 16, 128, 128),
     (torch.float16, 4, 4, 64, 256),
     (torch.bfloat16, 1, 4, 256, 64),
-    (torch.bfloat16, 2, 8, 128, 8),  # gather4
+    (torch.bfloat16, 2, 8, 128, 4),  # gather4
+    (torch.bfloat16, 2, 8, 64, 8),  # 8-row TMA boxes
     (torch.float16, 2, 4, 64, 3),  # gather4, a page of 3
 ]
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.sm100_config import BM, DTYPE_NAMES, VEC, key_tile, supported
+from cute_kv.kernels.attention.sm100_config import BM, DTYPE_NAMES, VEC, key_tile, supported, uses_gather4
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 
@@ -39,9 +39,11 @@ def kernel_key_sm100(collection, q, *, softcap: Optional[float] = None, sinks: O
                               or sinks.device != c.device):
         return None
     bn = key_tile(d)
-    chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
-    lut = c.lookup_table
-    lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
+    lut_vector = False  # gather4 reads one lookup entry per token
+    if not uses_gather4(p, bn):
+        chunk = lut_chunk(tile_geometry(bn, p)[1], bn, p)
+        lut = c.lookup_table
+        lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
     return (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, bool(softcap), sinks is not None,
             bool(return_lse))
 

@@ -12,7 +12,10 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 * warp 4, the MMA warp: ``S[j % 2] = Q K_j^T`` as soon as K/V tile j lands, then ``O += P_{j-1} V_{j-1}`` once the
   softmax has handed P over, so the QK of one tile overlaps the softmax of the previous one. It owns the TMEM
   allocation (512 columns: two S tiles and O).
-* warp 5, the load warp: ``populate`` names a tile's page rows and TMA brings K and V into a ``stages``-deep ring.
+* warp 5, the load warp: K and V tiles into a ``stages``-deep ring, straight in the MMA's swizzled layout. Pages
+  that tile the key tile: ``populate`` names the tile's page rows, one TMA per page slot. Other pages (under 8 rows,
+  or not dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4
+  rows each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
 
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two

@@ -71,10 +71,10 @@ def tiling(head_dim: int, page_size: int) -> Sm100Tiling:
 
 
 def uses_gather4(page_size: int, bn: int) -> bool:
-    """K/V rows by gather4 (4 arbitrary rows per TMA, each token's row computed on its own) for pages under 16 rows,
-    or pages that neither divide nor are divided by the key tile; else one tiled TMA per page slot, which moves at
-    least as many rows per instruction."""
-    return page_size < 16 or (page_size % bn != 0 and bn % page_size != 0)
+    """K/V rows by gather4 (4 arbitrary rows per TMA, each token's row computed on its own) for pages under 8 rows
+    (a tiled box must cover whole 8-row swizzle atoms), or pages that neither divide nor are divided by the key tile;
+    else one tiled TMA per page slot, which moves 8 or more rows per instruction (gather4 moves 4)."""
+    return page_size < 8 or (page_size % bn != 0 and bn % page_size != 0)
 
 
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
