@@ -100,7 +100,7 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
-                                   sinks if has_sinks else None, layer_idx, m_blocks, splits, int(causal),
+                                   sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, int(causal),
                                    _window_arg(window), score_scale, cap_log2)
         if splits > 1:
             combine = compiled(("attention_combine", dt_name, hq, d), lambda: _build_combine(dt_name, hq, d), arch)

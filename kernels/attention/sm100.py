@@ -397,11 +397,12 @@ class PagedAttentionSm100:
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
 
-            for c in cutlass.range(cute.size(scores), unroll_full=True):
-                x = scores[c] * score_scale
+            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
+                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
+                                                                      (score_scale, score_scale))
                 if cutlass.const_expr(self.softcap):
-                    x = cap_log2 * cute.math.tanh(x, fastmath=True)
-                scores[c] = x
+                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
+                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
             masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
             if tile_base < row_begin:
                 masked = Int32(1)
@@ -419,8 +420,10 @@ class PagedAttentionSm100:
             if new_max == NEG_INF:
                 ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
             corr = cute.math.exp2(row_max - ref, fastmath=True)
-            for c in cutlass.range(cute.size(scores), unroll_full=True):
-                scores[c] = cute.math.exp2(scores[c] - ref, fastmath=True)
+            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
+                scores[c] = cute.math.exp2(scores[c], fastmath=True)
+                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
             row_sum = self.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
             row_max = new_max
             probs.store(scores.load().to(self.dtype))
@@ -482,8 +485,8 @@ class PagedAttentionSm100:
         vals = cute.make_rmem_tensor(shape, Float32)
         for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
             cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(cute.size(vals)):
-                vals[e] = vals[e] * corr
+            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
+                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
             cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
 
     @cute.jit
