@@ -46,7 +46,8 @@ def _key(cache=None, q_dtype=torch.bfloat16, q_heads=8, **flags):
 
 
 def test_sm100_serves_16_bit_paged_caches():
-    assert _key() == ("paged_attention_sm100", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False)
+    assert _key() == ("paged_attention_sm100", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "bfloat16",
+                      None, False)
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
     assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
@@ -55,13 +56,25 @@ def test_sm100_serves_16_bit_paged_caches():
     assert _key({"page_size": 48})[5] == 48  # neither divides nor is divided by the 128-key tile: gather4
     assert _key({"page_size": 1})[5] == 1
     sinks = torch.zeros(8)
-    assert _key(softcap=30.0, sinks=sinks, return_lse=True)[8:] == (True, True, True)
+    assert _key(softcap=30.0, sinks=sinks, return_lse=True)[8:11] == (True, True, True)
     assert _key(softcap=0.0)[8] is False  # 0 means off
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_sm100_serves_fp8_caches_that_tile():
+    fp8 = {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 32}
+    assert _key(fp8)[11:] == ("float8_e4m3fn", 32, False)
+    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:] == ("float8_e4m3fn", 32, True)
+    assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key({**fp8, "page_size": 8}, torch.float16)[1] == "float16"  # q in any 16-bit dtype
 
 
 @pytest.mark.parametrize("case", [
     {"cache": {"num_heads": 1, "is_mla": True}},
-    {"cache": {"dtype": torch.float8_e4m3fn}},  # fp8 caches stay on the reference on SM100
+    {"cache": {"dtype": FP8, "page_size": 4}},  # fp8 ring by gather4: not built
+    {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_dtype": torch.float16},
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
     {"cache": {"head_size": 96}},
@@ -74,15 +87,17 @@ def test_sm100_leaves_the_rest_to_the_reference(case):
     assert _key(**case) is None
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("page_size", [4, 8, 128])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size):
-    plan = tiling(head_dim, page_size)
+def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
+    plan = tiling(head_dim, page_size, kv_fp8)
     assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
     assert plan.tmem_columns <= TMEM_COLUMNS  # S x2 and O
-    assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 2, 384),
+    assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 2 + kv_fp8, 384),
                                                           256: (64, 2, 384)}[head_dim]
+    assert plan.mma_tiles == (2 * plan.bn * head_dim * 2 if kv_fp8 else 0)  # the dequantized K and V
     # Ahead of the 1024-aligned tiles: the barriers, and the gather4 row arrays (int32 per key per stage).
     assert plan.fixed >= 64 + 8 * (2 * plan.stages + 6) + (4 * plan.bn * plan.stages if plan.gather4 else 0)
 
@@ -239,15 +254,18 @@ def oracle(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, 
     splits=st.one_of(st.none(), st.integers(2, 5)),
     softcap=st.one_of(st.none(), st.sampled_from([5.0, 30.0])),
     sinks=st.booleans(),
+    fp8=st.sampled_from([None, {}, {"scale_dtype": torch.float32, "quantization_granularity": 16}]),
     seed=st.integers(0, 2**31),
 )
-def test_sm100_plan_matches_the_api(lengths, page_size, group, head_dim, causal, window, splits, softcap, sinks, seed):
+def test_sm100_plan_matches_the_api(lengths, page_size, group, head_dim, causal, window, splits, softcap, sinks, fp8,
+                                    seed):
     gen = torch.Generator().manual_seed(seed)
     cached, new = zip(*lengths)
     if not sum(new) or (window is not None and not causal):
         return
-    pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=page_size, dtype=torch.bfloat16,
-                            generator=gen)
+    cache = {"dtype": torch.bfloat16} if fp8 is None else {"dtype": FP8, **fp8}
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=page_size, generator=gen,
+                            **cache)
     q = (2 * torch.randn(pb.total_rows, 2 * group, head_dim, generator=gen)).to(torch.bfloat16)
     sink = 3 * torch.randn(2 * group, generator=gen) if sinks else None
     kw = dict(causal=causal, window=window, softcap=softcap, sinks=sink)
@@ -297,6 +315,9 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 8, 2, 128, 4),  # gather4
     ("bfloat16", 8, 2, 64, 8),  # 16 TMAs of 8 rows per K tile
     ("float16", 16, 2, 256, 48),  # gather4: a page that does not tile the 64-key tile
+    ("bfloat16", 8, 2, 128, 16, {"kv_dtype_name": "float8_e4m3fn", "granularity": 32}),
+    ("float16", 8, 1, 256, 128, {"kv_dtype_name": "float8_e4m3fn", "granularity": 64, "e8m0_scales": True}),
+    ("bfloat16", 4, 2, 64, 8, {"kv_dtype_name": "float8_e4m3fn", "softcap": True, "sinks": True}),
 ]
 
 
@@ -319,8 +340,15 @@ def test_sm100_ptx(case, tmp_path):
     assert len(re.findall(r"tcgen05\.alloc\.cta_group::1", ptx)) == 1
     assert len(re.findall(r"tcgen05\.dealloc\.cta_group::1", ptx)) == 1
     assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
-    # S full, P consumed (O stable), K/V stage free: three MMA completions signalled by tcgen05.commit.
-    assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == 3
+    # S full, P consumed (O stable), K/V stage free (fp8: the 16-bit K tile after QK, V after PV): MMA completions
+    # signalled by tcgen05.commit, so a stage is never refilled while an MMA may read it.
+    assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == (4 if kernel.kv_fp8 else 3)
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+    if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk; registers moved to the softmax
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 4
+        assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)) == 1
+        assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4  # load, MMA, idle, converter branches
+        assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
     if kernel.gather4:  # 4 rows x one 128-byte swizzle row per instruction, for K and for V
         g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
         assert len(g4) == 2 * (bn // 4) * (d // 64)
@@ -331,9 +359,10 @@ def test_sm100_ptx(case, tmp_path):
         k_offsets = offsets[:len(g4) // 2]
         assert all(b - a == 512 for a, b in zip(k_offsets, k_offsets[1:]))
         assert "cp.async.bulk.tensor.3d" not in ptx
-    else:  # one TMA per page slot, per 64-column box of the head dim, for K and for V
+    else:  # one TMA per page slot, per swizzle-wide box of the head dim, for K and for V
         slots = max(bn // page, 1)
-        assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile", ptx)) == 2 * slots * d // 64
+        boxes = d * kernel.kv_dtype.width // 8 // kernel.ring_swizzle
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.[23]d\.shared::cta\.global\.tile\.", ptx)) == 2 * slots * boxes
         assert "gather4" not in ptx
     # Softmax: one ex2 per score; tanh only with the soft-cap; P written as 16-byte rows.
     flags = case[5] if case[5:] else {}
@@ -346,8 +375,9 @@ def test_sm100_ptx(case, tmp_path):
     info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(ptx_file), "-o", "/dev/null"], capture_output=True,
                           text=True, check=True).stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in info
+    assert "C7508" not in info  # setmaxnreg applied, not ignored
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    assert regs <= 65536 // 192 and regs <= 200  # 192 threads, one CTA per SM; measured 103-178
+    assert regs <= 65536 // kernel.threads and regs <= 200  # one CTA per SM; measured 153-168
 
 
 # -- GPU (B200) ----------------------------------------------------------------------------------------------------
@@ -356,13 +386,16 @@ def _sm100():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
 
 
-GPU_CASES = [  # (dtype, kv heads, q heads, D, page)
+GPU_CASES = [  # (dtype, kv heads, q heads, D, page[, fp8 cache: {scale dtype, granularity}])
     (torch.bfloat16, 8, 32, 128, 16),
     (torch.bfloat16, 2, 16, 128, 128),
     (torch.float16, 4, 4, 64, 256),
     (torch.bfloat16, 1, 4, 256, 64),
     (torch.bfloat16, 2, 8, 128, 4),  # gather4
     (torch.bfloat16, 2, 8, 64, 8),  # 8-row TMA boxes
+    (torch.bfloat16, 2, 8, 128, 16, {"scale_dtype": torch.float32, "quantization_granularity": 16}),
+    (torch.float16, 1, 8, 256, 128, {"scale_dtype": torch.float8_e8m0fnu, "quantization_granularity": 64}),
+    (torch.bfloat16, 2, 4, 64, 64, {}),  # fp8 without scales
     (torch.float16, 2, 4, 64, 3),  # gather4, a page of 3
 ]
 
@@ -375,13 +408,14 @@ def test_sm100_kernel_matches_reference(case, window):
     import cute_kv
     from numerics import bits
 
-    dtype, h, hq, d, page = case
+    dtype, h, hq, d, page = case[:5]
+    cache = {"dtype": dtype} if len(case) == 5 else {"dtype": FP8, **case[5]}
     cached, new = [0, 37, 5, 300, 1, 1000], [3, 1, 0, 17, 1, 90]
     gen = torch.Generator().manual_seed(7)
-    pb = random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=page, dtype=dtype, generator=gen,
-                            device="cuda")
-    cpu = random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=page, dtype=dtype,
-                             generator=torch.Generator().manual_seed(7))
+    pb = random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=page, generator=gen, device="cuda",
+                            **cache)
+    cpu = random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=page,
+                             generator=torch.Generator().manual_seed(7), **cache)
     q = torch.randn(pb.total_rows, hq, d, generator=gen).to(dtype)
     key = kernel_key(pb.collection, q.cuda(), "sm_100a")
     assert key is not None and key[0] == "paged_attention_sm100"

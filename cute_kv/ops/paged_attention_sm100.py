@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.sm100_config import BM, DTYPE_NAMES, VEC, key_tile, supported, uses_gather4
+from cute_kv.kernels.attention.sm100_config import BM, DTYPE_NAMES, FP8, VEC, key_tile, supported, uses_gather4
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 
@@ -24,15 +24,18 @@ KEY = "paged_attention_sm100"
 def kernel_key_sm100(collection, q, *, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                      return_lse: bool = False) -> Optional[tuple]:
     """The compile-time key of the ``PagedAttentionSm100`` serving these arguments, or None where the reference
-    runs instead: MLA caches, fp8 caches (not yet on SM100), q in another dtype than the 16-bit cache, head dims or
-    page sizes the kernel cannot tile (``sm100_config.supported``), a misaligned cache, more rows than int32 TMA
-    coordinates reach, or sinks that are not float32 ``[Hq]`` on the cache's device."""
+    runs instead: MLA caches, q in another dtype than a 16-bit cache, head dims, page sizes or granules the kernel
+    cannot tile (``sm100_config.supported``: fp8 caches need pages of 8+ rows that tile the key tile), a misaligned
+    cache, more rows than int32 TMA coordinates reach, or sinks that are not float32 ``[Hq]`` on the cache's
+    device."""
     c = collection
-    q_dtype_name = dtype_name(q.dtype)
-    if c.is_mla or q_dtype_name not in DTYPE_NAMES or c.dtype != q.dtype:
+    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
+    if c.is_mla or q_dtype_name not in DTYPE_NAMES or (kv_dtype_name != FP8 and c.dtype != q.dtype):
         return None
+    granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    if (supported(hq, h, d, p, dtype_name(c.dtype)) or c.blocks.data_ptr() % 16
+    if (supported(hq, h, d, p, kv_dtype_name, granularity) or c.blocks.data_ptr() % 16
             or c.num_pages * c.kv_dim * c.num_layers * p >= 2**31):
         return None
     if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (hq,)
@@ -45,7 +48,7 @@ def kernel_key_sm100(collection, q, *, softcap: Optional[float] = None, sinks: O
         lut = c.lookup_table
         lut_vector = lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
     return (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector, bool(softcap), sinks is not None,
-            bool(return_lse))
+            bool(return_lse), kv_dtype_name, granularity, e8m0)
 
 
 def launch_shape_sm100(collection, num_q_heads: int, slots: int) -> tuple[int, int]:
@@ -72,9 +75,9 @@ def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) 
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape, plus the API flags)."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import _build_combine, _sm_count, _unused_partials, _window_arg
+    from cute_kv.ops.paged_attention import _build_combine, _scales_arg, _sm_count, _unused_partials, _window_arg
 
-    _, dt_name, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse = key
+    _, dt_name, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
 
     def build():
         from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
@@ -100,7 +103,8 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         compiled(key, build, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
                                    input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
-                                   sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, int(causal),
+                                   _scales_arg(c.scales, granularity, e8m0), sinks.contiguous() if has_sinks else None,
+                                   layer_idx, m_blocks, splits, int(causal),
                                    _window_arg(window), score_scale, cap_log2)
         if splits > 1:
             combine = compiled(("attention_combine", dt_name, hq, d), lambda: _build_combine(dt_name, hq, d), arch)

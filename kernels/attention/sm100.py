@@ -17,6 +17,10 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
   or not dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4
   rows each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
 
+* fp8 caches add warps 8-11, the converter warpgroup: each ring stage is dequantized (``x * scale`` of the value's
+  granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read; the three warpgroups
+  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 120).
+
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
 buffers), P (softmax -> MMA, one buffer: its "empty" arrival is the commit of the PV MMA, which also says O is
@@ -37,20 +41,23 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
-from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, VEC, supported, tiling
+from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
 
 SOFTMAX_THREADS = 128  # warps 0-3
 MMA_WARP = 4
 LOAD_WARP = 5
-THREADS = 192
-TMEM_BARRIER_ID = 1  # named barrier: TMEM address handed from the MMA warp to the softmax warps
+CONVERT_WARPS = (8, 9, 10, 11)  # fp8 caches only: dequantize the K/V ring into the MMA's 16-bit tiles
+CONVERT_THREADS = 32 * len(CONVERT_WARPS)
+# fp8: three warpgroups (warps 6-7 idle) share the register file unevenly; ptxas sizes a 384-thread kernel at 168.
+FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 120}  # sums to 512: 65536 / 128 threads
+TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -59,17 +66,31 @@ SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
 
 class PagedAttentionSm100:
-    """Compile-time key: dtype (of Q, O, the cache and the MMAs), heads (Hq, H), head dim, ``page_size``, KVD, whether
-    the lookup table takes vector reads, and the flags ``softcap``, ``sinks``, ``return_lse``."""
+    """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, ``page_size``, KVD, whether the
+    lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, and an fp8 cache:
+    ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
+    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits.
+
+    An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 8-11) into one
+    16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
+    that reads it completes, the V tile once the PV MMA completes.
+    """
 
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
-                 return_lse: bool = False):
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, dtype_name)
+                 return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
+                 e8m0_scales: bool = False):
+        kv_dtype_name = kv_dtype_name or dtype_name
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
-        self.plan = tiling(head_dim, page_size)
+        self.kv_fp8 = kv_dtype_name == FP8
+        self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
+        self.granularity, self.e8m0_scales = granularity, e8m0_scales
+        self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else LOAD_WARP + 1)  # 384 or 192
+        self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
+        self.plan = tiling(head_dim, page_size, self.kv_fp8)
         self.bn, self.stages = self.plan.bn, self.plan.stages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
@@ -97,27 +118,35 @@ class PagedAttentionSm100:
                                             stride_order=(2, 1, 0), assumed_align=4)
         lse = make_fake_compact_tensor(Float32, (cute.sym_int32(), hq), stride_order=(1, 0), assumed_align=4)
         b, h, kvd, p = cute.sym_int32(), self.num_kv_heads, self.kv_dim, self.page_size
-        blocks = make_fake_tensor(dt, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
+        blocks = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
             cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
             h * d, d, 1), assumed_align=16)
+        scales = None
+        if self.granularity:
+            g = d // self.granularity
+            scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
+                cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
+                cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=1)
         width = 1 if self.gather4 else self.k_op.lut_width  # what populate's vector loads need (TVM-FFI checks)
         lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
-        return (q, out, o_part, lse_part, lse, blocks, blocks, offsets, lengths, lut, sinks, Int32(0), Int32(1),
-                Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+        return (q, out, o_part, lse_part, lse, blocks, blocks, offsets, lengths, lut, scales, sinks, Int32(0),
+                Int32(1), Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0),
+                make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
                  lse: cute.Tensor, k_src: cute.Tensor, v_src: cute.Tensor, input_row_offsets: cute.Tensor,
-                 cache_lengths: cute.Tensor, lookup_table: cute.Tensor, sinks: Optional[cute.Tensor],
-                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32,
-                 score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
+                 cache_lengths: cute.Tensor, lookup_table: cute.Tensor, scales: Optional[cute.Tensor],
+                 sinks: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
+                 window: Int32, score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
         """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Logits in base 2 are
         ``score_scale * q.k`` (``scale * log2 e``), or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``
-        (``score_scale = scale / c``, ``cap_log2 = c * log2 e``). ``sinks``: float32 ``[Hq]`` (natural log units)."""
+        (``score_scale = scale / c``, ``cap_log2 = c * log2 e``). ``sinks``: float32 ``[Hq]`` (natural log units).
+        ``scales``: an fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
         dt, d, bn = self.dtype, self.head_dim, self.bn
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
@@ -133,15 +162,20 @@ class PagedAttentionSm100:
             tma_v, g_v, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(v_rows), index, bn, self.box_width,
                                                               SWIZZLE)
         else:
-            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
-            tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d)
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
+            tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d, self.ring_swizzle)
+        k_scales = v_scales = None
+        if cutlass.const_expr(scales is not None):
+            k_scales = self.k_op.scale_view(scales, layer_idx)
+            v_scales = self.v_op.scale_view(scales, layer_idx)
         rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
-        # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that).
+        # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
+        # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part, lse,
-                    input_row_offsets, cache_lengths, lookup_table, sinks, rows_per_page,
+                    input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
-            grid=grid, block=(THREADS, 1, 1), stream=stream)
+            grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     @staticmethod
     def rows_2d(rows: cute.Tensor) -> cute.Tensor:
@@ -156,8 +190,9 @@ class PagedAttentionSm100:
                g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
                out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
-               sinks: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32,
-               window: Int32, score_scale: Float32, cap_log2: Float32):
+               k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
+               rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
+               score_scale: Float32, cap_log2: Float32):
         dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head_split, b = cute.arch.block_idx()
@@ -177,25 +212,46 @@ class PagedAttentionSm100:
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
             s_bars = smem.allocate_array(cutlass.Int64, 4)
             p_bars = smem.allocate_array(cutlass.Int64, 2)
+            k_bars = smem.allocate_array(cutlass.Int64, 2)  # fp8: dequantized K and V tiles
+            v_bars = smem.allocate_array(cutlass.Int64, 2)
             s_rows = None
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
             sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
-            ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=stages)
+            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
-            s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
-            s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+            ring_k = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
+                                          swizzle=ring_layout.inner)
+            ring_v = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
+                                          swizzle=ring_layout.inner)
+            s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles
+            if cutlass.const_expr(self.kv_fp8):
+                mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
+                s_k = smem.allocate_tensor(dt, mma_layout.outer, byte_alignment=1024, swizzle=mma_layout.inner)
+                s_v = smem.allocate_tensor(dt, mma_layout.outer, byte_alignment=1024, swizzle=mma_layout.inner)
             # V as the PV MMA's B operand: (D, BN) with D contiguous (MN-major), the same bytes.
-            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, stages), order=(1, 0, 2)))
+            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, cute.size(s_v, mode=[2])), order=(1, 0, 2)))
 
             one_cta = cute.make_layout((1, 1, 1, 1))
             thread = pipeline.Agent.Thread
-            kv_pipe = pipeline.PipelineTmaUmma.create(
-                barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
-                consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
-                cta_layout_vmnk=one_cta, defer_sync=True)
+            k_pipe = v_pipe = None
+            if cutlass.const_expr(self.kv_fp8):  # ring -> converter warpgroup -> 16-bit K, V tiles -> MMA
+                kv_pipe = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
+                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
+                k_pipe, v_pipe = [pipeline.PipelineAsyncUmma.create(
+                    barrier_storage=bars, num_stages=1,
+                    producer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+                    for bars in (k_bars, v_bars)]
+            else:
+                kv_pipe = pipeline.PipelineTmaUmma.create(
+                    barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
+                    consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
+                    cta_layout_vmnk=one_cta, defer_sync=True)
             s_pipe = pipeline.PipelineUmmaAsync.create(
                 barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
                 consumer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS), cta_layout_vmnk=one_cta,
@@ -206,7 +262,7 @@ class PagedAttentionSm100:
                 consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
-                                                                            num_threads=THREADS),
+                                                                            num_threads=self.threads),
                                  allocator_warp_id=MMA_WARP)
             tmem.allocate(TMEM_COLUMNS)
             self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
@@ -223,29 +279,50 @@ class PagedAttentionSm100:
             t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, d)))
             t_o = cute.make_tensor(tmem_ptr + self.o_col, t_o.layout)
 
+            # Each role sets its register budget first thing in its own branch (fp8: three warpgroups), so ptxas
+            # allocates each branch under its own limit.
             if warp_idx == LOAD_WARP:
+                self.set_registers("mma_load")
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for _ in cutlass.range(n_tiles, unroll=1):
                     if cutlass.const_expr(self.gather4):
-                        self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v,
-                                         s_rows, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                        self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
+                                         ring_v, s_rows, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     else:
-                        self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, s_k, tma_v, g_v, s_v,
-                                       s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                        self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
+                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
+                self.set_registers("mma_load")
                 self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
-                         p_pipe, n_tiles)
+                         p_pipe, k_pipe, v_pipe, n_tiles)
+            if cutlass.const_expr(self.kv_fp8):
+                if warp_idx > LOAD_WARP and warp_idx < CONVERT_WARPS[0]:
+                    self.set_registers("mma_load")  # idle warps of the MMA / load warpgroup
+                if warp_idx >= CONVERT_WARPS[0]:
+                    self.set_registers("convert")
+                    self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, lookup_table,
+                                 first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
             if warp_idx < SOFTMAX_THREADS // 32:
+                self.set_registers("softmax")
                 row_max, row_sum = self.softmax(t_s, t_o, s_p, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
                                                 cache_len, num_keys, causal, window, score_scale, cap_log2)
                 self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
                               kv_head, split, num_splits)
             cute.arch.sync_threads()  # every TMEM access is done
             tmem.free(tmem_ptr)
+
+    def set_registers(self, role: str):
+        """fp8 kernels (384 threads, 168 registers each as launched): move registers to the softmax warpgroup."""
+        if self.kv_fp8:
+            regs = FP8_REGS[role]
+            if role == "softmax":
+                cute.arch.setmaxregister_increase(regs)
+            else:
+                cute.arch.setmaxregister_decrease(regs)
 
     @cute.jit
     def split_tiles(self, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
@@ -324,8 +401,11 @@ class PagedAttentionSm100:
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
             thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
             t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
-            p_pipe: pipeline.PipelineAsyncUmma, n_tiles: Int32):
-        """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (so QK_j runs during softmax j-1)."""
+            p_pipe: pipeline.PipelineAsyncUmma, k_pipe: Optional[pipeline.PipelineAsyncUmma],
+            v_pipe: Optional[pipeline.PipelineAsyncUmma], n_tiles: Int32):
+        """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (so QK_j runs during softmax j-1).
+        K and V come from the ring, or with an fp8 cache from the converter's 16-bit tiles (``k_pipe``, ``v_pipe``;
+        each released by the commit of the MMA that reads it)."""
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
@@ -334,25 +414,43 @@ class PagedAttentionSm100:
         kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         p_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)  # fp8: the 16-bit tiles
+        v_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for j in cutlass.range(n_tiles + 1, unroll=1):
             if j < n_tiles:
-                kv_pipe.consumer_wait(kv_read)
+                k_stage = kv_read.index
+                if cutlass.const_expr(self.kv_fp8):
+                    k_stage = Int32(0)
+                    k_pipe.consumer_wait(k_read)
+                else:
+                    kv_pipe.consumer_wait(kv_read)
                 s_pipe.producer_acquire(s_write)
                 acc_s = t_s[None, None, None, s_write.index]
                 for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, kv_read.index], acc_s)
+                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, k_stage], acc_s)
                 s_pipe.producer_commit(s_write)
+                if cutlass.const_expr(self.kv_fp8):
+                    k_pipe.consumer_release(k_read)  # on completion: the converter may write the next K
+                    k_read.advance()
                 s_write.advance()
                 kv_read.advance()
             if j > 0:
+                v_stage = kv_done.index
+                if cutlass.const_expr(self.kv_fp8):
+                    v_stage = Int32(0)
+                    v_pipe.consumer_wait(v_read)
                 p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled
                 tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
                 for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
-                    cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, kv_done.index], t_o)
+                    cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
                     tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
                 p_pipe.consumer_release(p_read)  # on completion: P free, O final for this tile
-                kv_pipe.consumer_release(kv_done)  # on completion: K/V stage free
+                if cutlass.const_expr(self.kv_fp8):
+                    v_pipe.consumer_release(v_read)  # on completion: the converter may write the next V
+                    v_read.advance()
+                else:
+                    kv_pipe.consumer_release(kv_done)  # on completion: K/V stage free
                 p_read.advance()
                 kv_done.advance()
 
@@ -430,8 +528,9 @@ class PagedAttentionSm100:
 
             p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable
             cute.autovec_copy(probs, t_p_dst)
-            if tile_base + bn > num_keys:
-                self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
+            if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
+                if tile_base + bn > num_keys:
+                    self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
             # O changes only where a row's max moved; the TMEM copies are warp-wide, so a warp skips the
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
@@ -452,6 +551,75 @@ class PagedAttentionSm100:
         for c in range(4, cute.size(vals)):
             part[c % 4] = op(part[c % 4], vals[c])
         return op(op(part[0], part[1]), op(part[2], part[3]))
+
+    @cute.jit
+    def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,
+                v_pipe: pipeline.PipelineAsyncUmma, ring_k: cute.Tensor, ring_v: cute.Tensor, s_k: cute.Tensor,
+                s_v: cute.Tensor, k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
+                lookup_table: cute.Tensor, first_tile: Int32, n_tiles: Int32, b: Int32, kv_head: Int32,
+                num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        """Converter warpgroup (fp8): each ring stage -> the 16-bit K tile (once the previous QK read it) and V tile
+        (once the previous PV read it); the stage is released when both are written."""
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        k_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        v_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        for j in cutlass.range(n_tiles, unroll=1):
+            tile_base = (first_tile + j) * self.bn
+            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            kv_pipe.consumer_wait(read)
+            for ring, tile, scales, pipe, state in ((ring_k, s_k, k_scales, k_pipe, k_write),
+                                                    (ring_v, s_v, v_scales, v_pipe, v_write)):
+                pipe.producer_acquire(state)
+                self.dequantize(ring, tile, read.index, scales, rows, tile_base, num_keys, kv_head)
+                cute.arch.fence_view_async_shared()  # the MMA reads the tile next
+                pipe.producer_commit(state)
+                state.advance()
+            kv_pipe.consumer_release(read)
+            read.advance()
+
+    @cute.jit
+    def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
+                   rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
+        granule (the row from the tile's ``populate``; its offset in 64 bits: rows x H x G can pass 2^31), rounded
+        once. Rows past the request's keys are written as zeros."""
+        d, per_copy = self.head_dim, self.k_op.rows_per_copy
+        chunks = d // VEC
+        tidx = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
+        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for idx in cutlass.range(tidx, self.bn * chunks, CONVERT_THREADS, unroll=1):
+            r = idx // chunks
+            c = idx % chunks
+            vals.fill(0.0)
+            if tile_base + r < num_keys:
+                cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
+                x = raw.load().to(Float32)
+                if cutlass.const_expr(scales is not None):
+                    row = Int64(rows[r // per_copy] + r % per_copy)
+                    g = scales.shape[2]
+                    flat = cute.make_tensor(scales.iterator + (row * (scales.shape[1] * g) + kv_head * g
+                                                               + c * VEC // self.granularity), cute.make_layout(1))
+                    scale = self.decode_scale(flat[0])
+                    x = x * scale
+                vals.store(x.to(self.dtype))
+            cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
+
+    @cute.jit
+    def decode_scale(self, scale) -> Float32:
+        """A float32 scale as is; an e8m0 byte as torch decodes float8_e8m0fnu: ``2^(e - 127)``, 0 -> 2^-127 (a
+        float32 subnormal), 255 -> NaN."""
+        if cutlass.const_expr(not self.e8m0_scales):
+            return scale
+        bits = cute.make_rmem_tensor((1,), Uint32)
+        e = Uint32(scale)
+        bits[0] = e << 23
+        if e == 0:
+            bits[0] = Uint32(0x00400000)
+        if e == 255:
+            bits[0] = Uint32(0x7FC00000)
+        return cute.recast_tensor(bits, Float32)[0]
 
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
@@ -543,7 +711,7 @@ class PagedAttentionSm100:
         chunks = d // VEC
         tidx, _, _ = cute.arch.thread_idx()
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, BM * chunks, THREADS, unroll=1):
+        for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):
             r = idx // chunks
             c = idx % chunks
             tok = (m0 + r) // group

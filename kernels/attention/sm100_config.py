@@ -16,6 +16,7 @@ BM = 128  # packed query rows per CTA: the tcgen05.mma M, one TMEM lane each
 VEC = 8  # 16-bit elements per 16-byte access
 HEAD_DIMS = (64, 128, 256)
 DTYPE_NAMES = ("bfloat16", "float16")
+FP8 = "float8_e4m3fn"
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
 SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
@@ -25,7 +26,8 @@ RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahea
 @dataclasses.dataclass(frozen=True)
 class Sm100Tiling:
     """Key tile ``bn``, K/V ring ``stages``, K/V by ``gather4``; bytes of the barriers and gather4 row arrays ahead
-    of the 1024-aligned tiles (``fixed``), of Q, P and one K+V stage."""
+    of the 1024-aligned tiles (``fixed``), of Q, P, one K+V stage as loaded, and the 16-bit K and V tiles the MMAs
+    read when an fp8 ring is dequantized (``mma_tiles``, 0 otherwise)."""
 
     bn: int
     stages: int
@@ -34,10 +36,11 @@ class Sm100Tiling:
     q_bytes: int
     p_bytes: int
     stage_bytes: int
+    mma_tiles: int = 0
 
     @property
     def smem(self) -> int:
-        return self.fixed + self.q_bytes + self.p_bytes + self.stages * self.stage_bytes
+        return self.fixed + self.q_bytes + self.p_bytes + self.stages * self.stage_bytes + self.mma_tiles
 
     @property
     def tmem_columns(self) -> int:
@@ -51,19 +54,21 @@ def key_tile(head_dim: int) -> int:
 
 
 def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
-    """Barriers (K/V ring full/empty, S x2, P) and, for gather4, one int32 row per key per stage, rounded up to the
-    1024-byte alignment of the tiles that follow."""
-    used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2) + (4 * bn * stages if gather4 else 0)
+    """Barriers (K/V ring full/empty, S x2, P, dequantized K and V) and, for gather4, one int32 row per key per
+    stage, rounded up to the 1024-byte alignment of the tiles that follow."""
+    used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2 + 4) + (4 * bn * stages if gather4 else 0)
     return -(-used // 1024) * 1024
 
 
-def tiling(head_dim: int, page_size: int) -> Sm100Tiling:
-    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q and P."""
+def tiling(head_dim: int, page_size: int, kv_fp8: bool = False) -> Sm100Tiling:
+    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q and P (and, for fp8, one 16-bit K and V tile)."""
     bn = key_tile(head_dim)
     gather4 = uses_gather4(page_size, bn)
-    q_bytes, p_bytes, stage_bytes = BM * head_dim * 2, BM * bn * 2, 2 * bn * head_dim * 2
+    q_bytes, p_bytes, stage_bytes = BM * head_dim * 2, BM * bn * 2, 2 * bn * head_dim * (1 if kv_fp8 else 2)
+    mma_tiles = 2 * bn * head_dim * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
-        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, p_bytes, stage_bytes)
+        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, p_bytes, stage_bytes,
+                           mma_tiles)
         if plan.smem <= SMEM_PER_CTA:
             assert plan.tmem_columns <= TMEM_COLUMNS
             return plan
@@ -78,12 +83,18 @@ def uses_gather4(page_size: int, bn: int) -> bool:
 
 
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
-              kv_dtype_name: Optional[str] = None) -> Optional[str]:
-    """Why the SM100 kernel cannot take the problem, or None (16-bit paged caches only so far)."""
-    if kv_dtype_name not in DTYPE_NAMES:
-        return f"the SM100 kernel reads 16-bit caches, got {kv_dtype_name}"
+              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
+    """Why the SM100 kernel cannot take the problem, or None."""
+    if kv_dtype_name not in (FP8, *DTYPE_NAMES):
+        return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
     if page_size is None:
         return "the SM100 kernel reads paged caches"
+    if kv_dtype_name == FP8 and uses_gather4(page_size, key_tile(head_dim)):
+        return f"an fp8 cache needs pages of 8+ rows that divide or are divided by the {key_tile(head_dim)}-key tile"
+    if granularity is not None and (kv_dtype_name != FP8 or granularity < VEC or granularity & (granularity - 1)
+                                    or head_dim % granularity):
+        return (f"scales need an fp8 cache and a power-of-two granularity >= {VEC} dividing head_dim, "
+                f"got {granularity}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
     if num_q_heads // num_kv_heads > BM:
