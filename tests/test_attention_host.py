@@ -72,7 +72,6 @@ def test_kernel_serves_16_bit_and_fp8_caches():
 
 
 @pytest.mark.parametrize("case", [
-    {"arch": "sm_100a"},  # no tcgen05 kernel yet
     {"cache": {"num_heads": 1, "is_mla": True}},
     {"q_dtype": torch.float16},  # q in another dtype than the bf16 cache
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},

@@ -143,17 +143,24 @@ def flat_scales(scales: cute.Tensor, kv_idx, layer_idx) -> cute.Tensor:
     return cute.make_tensor(plane.iterator, cute.make_layout((1, total), stride=(total, 1)))
 
 
-def create_gather4_tma_tile(row_view_2d: cute.Tensor, row_indices: cute.Tensor, tile_height: int, tile_width: int):
+def create_gather4_tma_tile(row_view_2d: cute.Tensor, row_indices: cute.Tensor, tile_height: int, tile_width: int,
+                            swizzle_bytes: int = 0):
     """SM100 gather4: ``tile_height`` (a multiple of 4) rows named by ``row_indices`` x ``tile_width`` columns.
 
     ``row_view_2d``: ``[num_kv_rows, tile_stride]`` (``tile_stride >= tile_width``, the row pitch).
-    ``row_indices``: int32 ``[T]`` physical rows of one request's tokens. Unswizzled row-major smem (MAX's
-    SWIZZLE_NONE default): with a swizzled layout 4.8.1 gave every gather4 of a tile the same destination
-    (guide pitfall 18). ``tile_width`` is at most 256 elements (a TMA box limit).
+    ``row_indices``: int32 ``[T]`` physical rows of one request's tokens. ``tile_width`` is at most 256 elements (a
+    TMA box limit). Default: unswizzled row-major smem (MAX's SWIZZLE_NONE). With ``swizzle_bytes`` the tile is the
+    MMA's K-major swizzled layout (``tile_width`` = the swizzle width); the kernel must then allocate it with the
+    swizzle on the pointer (``allocate_tensor(dtype, layout.outer, swizzle=layout.inner)``): a swizzle inside the
+    layout leaves each 4-row group's offset where the copy lowering ignores it, and every gather4 of the tile gets
+    the same destination.
     """
     if tile_height % 4:
         raise ValueError(f"gather4 tile_height must be a multiple of 4, got {tile_height}")
-    smem = cute.make_layout((tile_height, tile_width), stride=(tile_width, 1))  # row-major: one box per 4 rows
+    if swizzle_bytes:
+        smem = smem_tile_layout(row_view_2d.element_type, tile_height, tile_width, swizzle_bytes)
+    else:
+        smem = cute.make_layout((tile_height, tile_width), stride=(tile_width, 1))  # row-major: one box per 4 rows
     index_layout = cute.make_tensor(row_indices.iterator,
                                     cute.make_layout((row_indices.shape[0], tile_width), stride=(1, 0)))
     atom, coords = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensor2DGather4G2SOp(), row_view_2d, smem,

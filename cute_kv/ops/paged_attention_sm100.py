@@ -1,0 +1,92 @@
+"""``paged_attention`` on SM100 (Blackwell): which calls ``PagedAttentionSm100`` serves, its key and launcher.
+
+The SM90 entry (``paged_attention.py``) checks what both archs share (dtypes, alignment, int32 limits) and hands
+``sm_100a`` calls here. The API flags (``softcap``, ``sinks``, ``return_lse``) are part of the compile key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+
+from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile, supported, uses_gather4
+from cute_kv.ops import paths
+from cute_kv.ops.vectors import heads_packed, packed_heads
+
+LOG2E = math.log2(math.e)
+KEY = "paged_attention_sm100"
+
+
+def plan_sm100(collection, q, granularity: Optional[int], softcap: bool, sinks: bool,
+               return_lse: bool) -> paths.KernelPath:
+    """``PagedAttentionSm100``'s key for these arguments, or why the reference runs instead: head dims, page sizes
+    or granules the kernel cannot tile (``sm100_config.supported``: fp8 caches need pages of 8+ rows that tile the
+    key tile)."""
+    from cute_kv.ops.paged_attention import OP, lut_vector
+
+    c = collection
+    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
+    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
+    problem = supported(hq, h, d, p, kv_dtype_name, granularity)
+    if problem:
+        return paths.reference(OP, problem, "sm_100a")
+    bn = key_tile(d)
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), softcap, sinks,
+           return_lse, kv_dtype_name, granularity, e8m0)  # gather4 reads one lookup entry per token
+    return paths.kernel(OP, "PagedAttentionSm100", key, "sm_100a")
+
+
+def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True) -> tuple[int, int]:
+    """``(m_blocks, splits)`` of ``paged_attention.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM,
+    a CTA takes all of its tensor memory)."""
+    from cute_kv.ops.paged_attention import launch_shape
+
+    return launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal)
+
+
+def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
+    """``(score_scale, cap_log2)``: base-2 logits are ``score_scale * q.k``, or with a soft-cap ``c``,
+    ``cap_log2 * tanh(score_scale * q.k)`` (``c * tanh(scale * q.k / c)`` in base 2)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def launcher_sm100(key: tuple, arch: str) -> Callable:
+    """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.ops.paged_attention import compile_units, partials, scales_arg, sm_count, unused_partials, window_arg
+
+    _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
+    attention_unit, combine_unit = compile_units(key, arch)
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
+        t = q.shape[0]
+        if t == 0:  # a grid of zero CTAs is a launch error
+            return (out, lse) if return_lse else out
+        c = collection
+        m_blocks, splits = launch_shape_sm100(c, hq, sm_count(q.device), causal)
+        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        o_part, lse_part = partials(splits, t, hq, d, q.device)
+        lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d)[1][0]
+        score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
+                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+                                        scales_arg(c.scales, granularity, e8m0),
+                                        sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits,
+                                        int(causal), window_arg(window), score_scale, cap_log2)
+        if splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
+            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, splits)
+        if dst is not out:
+            out.copy_(dst)
+        return (out, lse) if return_lse else out
+
+    return run

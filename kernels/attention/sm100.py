@@ -1,0 +1,723 @@
+"""``PagedAttentionSm100`` (Blackwell): FlashAttention over a paged KV cache with ``tcgen05.mma`` and tensor memory.
+
+Same problem and grid as the SM90 kernel (``sm90.py``): a CTA is (block of ``BM`` = 128 packed query rows, KV
+head, split, request); packed row ``i*group + g`` is token ``i``, query head ``kv_head*group + g`` (pack-GQA), so
+decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
+
+* warps 0-3, the softmax warpgroup: thread ``t`` owns packed row ``t`` (TMEM lane ``t``). Per key tile it reads its
+  row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the keys), optionally soft-caps it, runs
+  the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) to shared memory, zeroes V rows past
+  the request's keys, and rescales its row of O in TMEM (``tcgen05.ld``/``st``) before the MMA warp adds ``P V``.
+  At the end it divides O by the row sum (adding the sink's term) and writes the output, or a split's partial.
+* warp 4, the MMA warp: ``S[j % 2] = Q K_j^T`` as soon as K/V tile j lands, then ``O += P_{j-1} V_{j-1}`` once the
+  softmax has handed P over, so the QK of one tile overlaps the softmax of the previous one. It owns the TMEM
+  allocation (512 columns: two S tiles and O).
+* warp 5, the load warp: K and V tiles into a ``stages``-deep ring, straight in the MMA's swizzled layout. Pages
+  that tile the key tile: ``populate`` names the tile's page rows, one TMA per page slot. Other pages (under 8 rows,
+  or not dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4
+  rows each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
+
+* fp8 caches add warps 8-11, the converter warpgroup: each ring stage is dequantized (``x * scale`` of the value's
+  granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read; the three warpgroups
+  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 120).
+
+Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
+that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
+buffers), P (softmax -> MMA, one buffer: its "empty" arrival is the commit of the PV MMA, which also says O is
+stable for the next rescale and, after the last tile, for the epilogue).
+
+Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a split writes ``O/l`` and
+``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
+``return_lse`` a single split writes ``lse`` (natural log) itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator, TmemAllocator
+
+from cute_kv.kernels.attention.operand import KVCacheMHAOperand
+from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
+from cute_kv.kernels.paged import tma_tiles
+
+SOFTMAX_THREADS = 128  # warps 0-3
+MMA_WARP = 4
+LOAD_WARP = 5
+CONVERT_WARPS = (8, 9, 10, 11)  # fp8 caches only: dequantize the K/V ring into the MMA's 16-bit tiles
+CONVERT_THREADS = 32 * len(CONVERT_WARPS)
+# fp8: three warpgroups (warps 6-7 idle) share the register file unevenly; ptxas sizes a 384-thread kernel at 168.
+FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 120}  # sums to 512: 65536 / 128 threads
+TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
+NEG_INF = Float32(float("-inf"))
+LN2 = math.log(2.0)
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
+
+
+class PagedAttentionSm100:
+    """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, ``page_size``, KVD, whether the
+    lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, and an fp8 cache:
+    ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
+    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits.
+
+    An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 8-11) into one
+    16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
+    that reads it completes, the V tile once the PV MMA completes.
+    """
+
+    def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
+                 return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
+                 e8m0_scales: bool = False):
+        kv_dtype_name = kv_dtype_name or dtype_name
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity)
+        if problem:
+            raise ValueError(problem)
+        self.dtype = DTYPES[dtype_name]
+        self.kv_fp8 = kv_dtype_name == FP8
+        self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
+        self.granularity, self.e8m0_scales = granularity, e8m0_scales
+        self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else LOAD_WARP + 1)  # 384 or 192
+        self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
+        self.plan = tiling(head_dim, page_size, self.kv_fp8)
+        self.bn, self.stages = self.plan.bn, self.plan.stages
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group = num_q_heads // num_kv_heads
+        self.page_size, self.kv_dim = page_size, kv_dim
+        self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
+        self.gather4 = self.plan.gather4
+        if not self.gather4:  # one TMA per page slot, rows from populate
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+        self.box_width = SWIZZLE * 8 // self.dtype.width  # gather4 columns per instruction: one swizzle row
+        self.s_cols = self.bn  # TMEM columns of one S tile
+        self.o_col = 2 * self.bn  # first TMEM column of O
+
+    # -- host ------------------------------------------------------------------------------------
+
+    def fake_args(self) -> tuple:
+        dt, d, hq = self.dtype, self.head_dim, self.num_q_heads
+        t = cute.sym_int32()
+        row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
+        q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        out = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, d),
+                                          stride_order=(3, 2, 1, 0), assumed_align=16)
+        lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
+                                            stride_order=(2, 1, 0), assumed_align=4)
+        lse = make_fake_compact_tensor(Float32, (cute.sym_int32(), hq), stride_order=(1, 0), assumed_align=4)
+        b, h, kvd, p = cute.sym_int32(), self.num_kv_heads, self.kv_dim, self.page_size
+        blocks = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
+            cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
+            h * d, d, 1), assumed_align=16)
+        scales = None
+        if self.granularity:
+            g = d // self.granularity
+            scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
+                cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
+                cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=1)
+        width = 1 if self.gather4 else self.k_op.lut_width  # what populate's vector loads need (TVM-FFI checks)
+        lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
+                               assumed_align=4 * width)
+        offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
+        lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
+        sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
+        return (q, out, o_part, lse_part, lse, blocks, blocks, offsets, lengths, lut, scales, sinks, Int32(0),
+                Int32(1), Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0),
+                make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
+                 lse: cute.Tensor, k_src: cute.Tensor, v_src: cute.Tensor, input_row_offsets: cute.Tensor,
+                 cache_lengths: cute.Tensor, lookup_table: cute.Tensor, scales: Optional[cute.Tensor],
+                 sinks: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
+                 window: Int32, score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
+        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Logits in base 2 are
+        ``score_scale * q.k`` (``scale * log2 e``), or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``
+        (``score_scale = scale / c``, ``cap_log2 = c * log2 e``). ``sinks``: float32 ``[Hq]`` (natural log units).
+        ``scales``: an fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
+        dt, d, bn = self.dtype, self.head_dim, self.bn
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                          tcgen05.CtaGroup.ONE, (BM, bn))
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                          tcgen05.CtaGroup.ONE, (BM, d))
+        k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
+        v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
+        if cutlass.const_expr(self.gather4):
+            # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
+            index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
+            tma_k, g_k, s_slot = tma_tiles.create_gather4_tma_tile(self.rows_2d(k_rows), index, bn, self.box_width,
+                                                                   SWIZZLE)
+            tma_v, g_v, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(v_rows), index, bn, self.box_width,
+                                                              SWIZZLE)
+        else:
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
+            tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d, self.ring_swizzle)
+        k_scales = v_scales = None
+        if cutlass.const_expr(scales is not None):
+            k_scales = self.k_op.scale_view(scales, layer_idx)
+            v_scales = self.v_op.scale_view(scales, layer_idx)
+        rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
+        grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
+        # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
+        # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part, lse,
+                    input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, sinks, rows_per_page,
+                    k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
+            grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    @staticmethod
+    def rows_2d(rows: cute.Tensor) -> cute.Tensor:
+        """``[rows, H, D]`` -> ``[rows, H*D]``: gather4's 2-D view (the column picks head and depth)."""
+        return cute.make_tensor(rows.iterator, cute.make_layout((rows.shape[0], rows.shape[1] * rows.shape[2]),
+                                                                stride=(rows.stride[0], 1)))
+
+    # -- device ----------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
+               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
+               out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
+               input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
+               k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
+               rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
+               score_scale: Float32, cap_log2: Float32):
+        dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head_split, b = cute.arch.block_idx()
+        kv_head = head_split % self.num_kv_heads
+        split = head_split // self.num_kv_heads
+        q_start = Int32(input_row_offsets[b])
+        seq_len = Int32(input_row_offsets[b + 1]) - q_start
+        m0 = m_block * BM
+        if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            cache_len = Int32(cache_lengths[b])
+            num_keys = cache_len + seq_len
+            first_tile, n_tiles = self.split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split,
+                                                   num_splits)
+
+            smem = SmemAllocator()
+            kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
+            s_bars = smem.allocate_array(cutlass.Int64, 4)
+            p_bars = smem.allocate_array(cutlass.Int64, 2)
+            k_bars = smem.allocate_array(cutlass.Int64, 2)  # fp8: dequantized K and V tiles
+            v_bars = smem.allocate_array(cutlass.Int64, 2)
+            s_rows = None
+            if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
+                s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
+            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
+            sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
+            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
+            s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
+            s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
+            ring_k = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
+                                          swizzle=ring_layout.inner)
+            ring_v = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
+                                          swizzle=ring_layout.inner)
+            s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles
+            if cutlass.const_expr(self.kv_fp8):
+                mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
+                s_k = smem.allocate_tensor(dt, mma_layout.outer, byte_alignment=1024, swizzle=mma_layout.inner)
+                s_v = smem.allocate_tensor(dt, mma_layout.outer, byte_alignment=1024, swizzle=mma_layout.inner)
+            # V as the PV MMA's B operand: (D, BN) with D contiguous (MN-major), the same bytes.
+            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, cute.size(s_v, mode=[2])), order=(1, 0, 2)))
+
+            one_cta = cute.make_layout((1, 1, 1, 1))
+            thread = pipeline.Agent.Thread
+            k_pipe = v_pipe = None
+            if cutlass.const_expr(self.kv_fp8):  # ring -> converter warpgroup -> 16-bit K, V tiles -> MMA
+                kv_pipe = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
+                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
+                k_pipe, v_pipe = [pipeline.PipelineAsyncUmma.create(
+                    barrier_storage=bars, num_stages=1,
+                    producer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+                    for bars in (k_bars, v_bars)]
+            else:
+                kv_pipe = pipeline.PipelineTmaUmma.create(
+                    barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
+                    consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
+                    cta_layout_vmnk=one_cta, defer_sync=True)
+            s_pipe = pipeline.PipelineUmmaAsync.create(
+                barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
+                consumer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS), cta_layout_vmnk=one_cta,
+                defer_sync=True)
+            p_pipe = pipeline.PipelineAsyncUmma.create(
+                barrier_storage=p_bars, num_stages=1,
+                producer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS),
+                consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+
+            tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
+                                                                            num_threads=self.threads),
+                                 allocator_warp_id=MMA_WARP)
+            tmem.allocate(TMEM_COLUMNS)
+            self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
+            cute.arch.mbarrier_init_fence()
+            tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
+            tmem.relinquish_alloc_permit()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+
+            thr_qk = tiled_mma_qk.get_slice(0)
+            thr_pv = tiled_mma_pv.get_slice(0)
+            # TMEM: S tiles at columns [0, BN) and [BN, 2 BN), O at [2 BN, 2 BN + D).
+            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, bn)), 2))
+            t_s = cute.make_tensor(tmem_ptr, t_s.layout)
+            t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, d)))
+            t_o = cute.make_tensor(tmem_ptr + self.o_col, t_o.layout)
+
+            # Each role sets its register budget first thing in its own branch (fp8: three warpgroups), so ptxas
+            # allocates each branch under its own limit.
+            if warp_idx == LOAD_WARP:
+                self.set_registers("mma_load")
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                for _ in cutlass.range(n_tiles, unroll=1):
+                    if cutlass.const_expr(self.gather4):
+                        self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
+                                         ring_v, s_rows, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                    else:
+                        self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
+                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                    prod.advance()
+                kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
+            if warp_idx == MMA_WARP:
+                self.set_registers("mma_load")
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
+                         p_pipe, k_pipe, v_pipe, n_tiles)
+            if cutlass.const_expr(self.kv_fp8):
+                if warp_idx > LOAD_WARP and warp_idx < CONVERT_WARPS[0]:
+                    self.set_registers("mma_load")  # idle warps of the MMA / load warpgroup
+                if warp_idx >= CONVERT_WARPS[0]:
+                    self.set_registers("convert")
+                    self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, lookup_table,
+                                 first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
+            if warp_idx < SOFTMAX_THREADS // 32:
+                self.set_registers("softmax")
+                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
+                                                cache_len, num_keys, causal, window, score_scale, cap_log2)
+                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
+                              kv_head, split, num_splits)
+            cute.arch.sync_threads()  # every TMEM access is done
+            tmem.free(tmem_ptr)
+
+    def set_registers(self, role: str):
+        """fp8 kernels (384 threads, 168 registers each as launched): move registers to the softmax warpgroup."""
+        if self.kv_fp8:
+            regs = FP8_REGS[role]
+            if role == "softmax":
+                cute.arch.setmaxregister_increase(regs)
+            else:
+                cute.arch.setmaxregister_decrease(regs)
+
+    @cute.jit
+    def split_tiles(self, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
+                    window: Int32, split: Int32, num_splits: Int32):
+        """``(first_tile, n_tiles)``: the key tiles any row of the block may see, this split's share of them."""
+        bn, group = self.bn, self.group
+        tok_first = m0 // group
+        tok_last = (cutlass.min(m0 + BM, seq_len * group) - 1) // group
+        k_end = num_keys
+        if causal != 0:
+            k_end = cache_len + tok_last + 1
+        k_begin = Int32(0)
+        if window > 0:
+            k_begin = cutlass.max(cache_len + tok_first - window + 1, 0)
+        tile_begin = k_begin // bn
+        tiles = (k_end + bn - 1) // bn - tile_begin
+        per_split = (tiles + num_splits - 1) // num_splits
+        first_tile = tile_begin + split * per_split
+        n_tiles = cutlass.max(cutlass.min(per_split, tiles - split * per_split), 0)
+        return first_tile, n_tiles
+
+    @cute.jit
+    def load_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
+                  tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
+                  s_v: cute.Tensor, s_slot: cute.ComposedLayout, lookup_table: cute.Tensor, b: Int32,
+                  kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        """Load warp: K and V of key tile ``tile`` into stage ``prod.index``, one TMA per page slot each (the K and
+        V planes share the row numbering, so one ``populate`` serves both)."""
+        op = self.k_op
+        rows = cute.make_rmem_tensor((op.copies_per_tile,), Int32)
+        op.populate(rows, lookup_table, b, tile * self.bn, num_keys, rows_per_page, oob_row)
+        pipe.producer_acquire(prod)
+        bar = pipe.producer_get_barrier(prod)
+        box = (op.rows_per_copy, cute.size(s_slot, mode=[1]))
+        for g_rows, s_tiles, atom in ((g_k, s_k, tma_k), (g_v, s_v, tma_v)):
+            for p in cutlass.range_constexpr(op.copies_per_tile):
+                src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
+                dst = cute.local_tile(s_tiles[None, None, prod.index], box, (p, 0))
+                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                 cute.group_modes(src, 0, 2))
+                cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def gather_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
+                    tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
+                    s_v: cute.Tensor, s_rows: cute.Tensor, lookup_table: cute.Tensor, b: Int32, kv_head: Int32,
+                    num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        """Load warp, small or uneven pages: each lane resolves BN/32 of the tile's token rows (lookup entry x
+        page pitch + offset in the page; ``oob_row``, which TMA zero-fills, past the keys) into the stage's row
+        array, then gather4 brings K and V, 4 rows x one 128-byte swizzle row per instruction, straight into the
+        MMA's swizzled tiles."""
+        bn, width = self.bn, self.box_width
+        lane = cute.arch.lane_idx()
+        pipe.producer_acquire(prod)
+        cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
+        for t in cutlass.range(lane, bn, 32, unroll=1):
+            token = tile * bn + t
+            row = oob_row
+            if token < num_keys:
+                row = Int32(lookup_table[b, token // self.page_size]) * rows_per_page + token % self.page_size
+            s_rows[t, prod.index] = row
+        cute.arch.sync_warp()
+        bar = pipe.producer_get_barrier(prod)
+        index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
+                                                    cute.make_layout((bn, width), stride=(1, 0))), (bn, width))
+        for g_rows, s_tiles, atom in ((g_k, s_k, tma_k), (g_v, s_v, tma_v)):
+            for c in cutlass.range_constexpr(self.head_dim // width):
+                src = cute.zipped_divide(cute.domain_offset((0, kv_head * self.head_dim + c * width), g_rows),
+                                         (bn, width))
+                dst = cute.local_tile(s_tiles[None, None, prod.index], (bn, width), (0, c))
+                t_s, t_g, t_i = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                      [src, index])
+                cute.copy(atom, [t_g[None, (0, 0)], t_i[None, (0, 0)]], t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
+            thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
+            t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
+            p_pipe: pipeline.PipelineAsyncUmma, k_pipe: Optional[pipeline.PipelineAsyncUmma],
+            v_pipe: Optional[pipeline.PipelineAsyncUmma], n_tiles: Int32):
+        """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (so QK_j runs during softmax j-1).
+        K and V come from the ring, or with an fp8 cache from the converter's 16-bit tiles (``k_pipe``, ``v_pipe``;
+        each released by the commit of the MMA that reads it)."""
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
+        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
+        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
+        t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
+        kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        p_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)  # fp8: the 16-bit tiles
+        v_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for j in cutlass.range(n_tiles + 1, unroll=1):
+            if j < n_tiles:
+                k_stage = kv_read.index
+                if cutlass.const_expr(self.kv_fp8):
+                    k_stage = Int32(0)
+                    k_pipe.consumer_wait(k_read)
+                else:
+                    kv_pipe.consumer_wait(kv_read)
+                s_pipe.producer_acquire(s_write)
+                acc_s = t_s[None, None, None, s_write.index]
+                for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
+                    tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, k_stage], acc_s)
+                s_pipe.producer_commit(s_write)
+                if cutlass.const_expr(self.kv_fp8):
+                    k_pipe.consumer_release(k_read)  # on completion: the converter may write the next K
+                    k_read.advance()
+                s_write.advance()
+                kv_read.advance()
+            if j > 0:
+                v_stage = kv_done.index
+                if cutlass.const_expr(self.kv_fp8):
+                    v_stage = Int32(0)
+                    v_pipe.consumer_wait(v_read)
+                p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled
+                tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
+                for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
+                    cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
+                    tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
+                p_pipe.consumer_release(p_read)  # on completion: P free, O final for this tile
+                if cutlass.const_expr(self.kv_fp8):
+                    v_pipe.consumer_release(v_read)  # on completion: the converter may write the next V
+                    v_read.advance()
+                else:
+                    kv_pipe.consumer_release(kv_done)  # on completion: K/V stage free
+                p_read.advance()
+                kv_done.advance()
+
+    @cute.jit
+    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_v: cute.Tensor,
+                s_pipe: pipeline.PipelineUmmaAsync, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
+                n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
+                window: Int32, score_scale: Float32, cap_log2: Float32):
+        """Softmax warpgroup: row ``tidx`` of every S tile -> P; rescales O's row. Returns ``(row_max, row_sum)``
+        (base 2) after waiting for the last PV MMA."""
+        bn = self.bn
+        tidx, _, _ = cute.arch.thread_idx()
+        tok = (m0 + tidx) // self.group
+        pos = cache_len + tok
+        row_end = num_keys
+        if causal != 0:
+            row_end = cutlass.min(pos + 1, num_keys)
+        row_begin = Int32(0)
+        if window > 0:
+            row_begin = pos - window + 1
+        if tok >= seq_len:
+            row_end = Int32(0)  # a padding row: everything masked
+
+        s_tile = t_s[(None, None), 0, 0, 0]
+        load_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)),
+                                                            Float32), s_tile).get_slice(tidx)
+        t_s_src = load_s.partition_S(s_tile)
+        cols = load_s.partition_D(cute.make_identity_tensor((BM, bn)))  # (row, key) of each S register
+        scores = cute.make_rmem_tensor(cols.shape, Float32)
+        probs = cute.make_rmem_tensor(cols.shape, self.dtype)
+        t_p_dst = load_s.partition_D(s_p)  # this thread's row of P, in the same register order
+
+        row_max = NEG_INF
+        row_sum = Float32(0.0)
+        s_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        p_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for j in cutlass.range(n_tiles, unroll=1):
+            tile_base = (first_tile + j) * bn
+            s_pipe.consumer_wait(s_read)
+            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * self.s_cols, t_s_src.layout), scores)
+            cute.arch.fence_view_async_tmem_load()
+            s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
+            s_read.advance()
+
+            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
+                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
+                                                                      (score_scale, score_scale))
+                if cutlass.const_expr(self.softcap):
+                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
+                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+            masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
+            if tile_base < row_begin:
+                masked = Int32(1)
+            if tile_base + bn > row_end:
+                masked = Int32(1)
+            if masked != 0:
+                for c in cutlass.range(cute.size(scores), unroll_full=True):
+                    key = tile_base + cols[c][1]
+                    if key < row_begin:
+                        scores[c] = NEG_INF
+                    if key >= row_end:
+                        scores[c] = NEG_INF
+            new_max = self.row_reduce(scores, row_max, cute.arch.fmax)
+            ref = new_max
+            if new_max == NEG_INF:
+                ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
+            corr = cute.math.exp2(row_max - ref, fastmath=True)
+            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
+                scores[c] = cute.math.exp2(scores[c], fastmath=True)
+                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
+            row_sum = self.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
+            row_max = new_max
+            probs.store(scores.load().to(self.dtype))
+
+            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable
+            cute.autovec_copy(probs, t_p_dst)
+            if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
+                if tile_base + bn > num_keys:
+                    self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
+            # O changes only where a row's max moved; the TMEM copies are warp-wide, so a warp skips the
+            # rescale only when none of its rows moved (exact: the skipped factor is 1).
+            if j > 0:
+                if cute.arch.vote_any_sync(corr != 1.0):
+                    self.rescale_o(t_o, corr)
+            cute.arch.fence_view_async_tmem_store()
+            cute.arch.fence_view_async_shared()  # P and zeroed V rows are read by the MMA next
+            p_pipe.producer_commit(p_write)
+            p_write.advance()
+        p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
+        return row_max, row_sum
+
+    @staticmethod
+    def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:
+        """``op`` over ``init`` and the row's values (traced inline), in four independent chains: a quarter of the
+        dependency latency of one chain."""
+        part = [op(init, vals[0]), vals[1], vals[2], vals[3]]
+        for c in range(4, cute.size(vals)):
+            part[c % 4] = op(part[c % 4], vals[c])
+        return op(op(part[0], part[1]), op(part[2], part[3]))
+
+    @cute.jit
+    def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,
+                v_pipe: pipeline.PipelineAsyncUmma, ring_k: cute.Tensor, ring_v: cute.Tensor, s_k: cute.Tensor,
+                s_v: cute.Tensor, k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
+                lookup_table: cute.Tensor, first_tile: Int32, n_tiles: Int32, b: Int32, kv_head: Int32,
+                num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+        """Converter warpgroup (fp8): each ring stage -> the 16-bit K tile (once the previous QK read it) and V tile
+        (once the previous PV read it); the stage is released when both are written."""
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        k_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        v_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        for j in cutlass.range(n_tiles, unroll=1):
+            tile_base = (first_tile + j) * self.bn
+            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            kv_pipe.consumer_wait(read)
+            for ring, tile, scales, pipe, state in ((ring_k, s_k, k_scales, k_pipe, k_write),
+                                                    (ring_v, s_v, v_scales, v_pipe, v_write)):
+                pipe.producer_acquire(state)
+                self.dequantize(ring, tile, read.index, scales, rows, tile_base, num_keys, kv_head)
+                cute.arch.fence_view_async_shared()  # the MMA reads the tile next
+                pipe.producer_commit(state)
+                state.advance()
+            kv_pipe.consumer_release(read)
+            read.advance()
+
+    @cute.jit
+    def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
+                   rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
+        granule (the row from the tile's ``populate``; its offset in 64 bits: rows x H x G can pass 2^31), rounded
+        once. Rows past the request's keys are written as zeros."""
+        d, per_copy = self.head_dim, self.k_op.rows_per_copy
+        chunks = d // VEC
+        tidx = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
+        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for idx in cutlass.range(tidx, self.bn * chunks, CONVERT_THREADS, unroll=1):
+            r = idx // chunks
+            c = idx % chunks
+            vals.fill(0.0)
+            if tile_base + r < num_keys:
+                cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
+                x = raw.load().to(Float32)
+                if cutlass.const_expr(scales is not None):
+                    row = Int64(rows[r // per_copy] + r % per_copy)
+                    g = scales.shape[2]
+                    flat = cute.make_tensor(scales.iterator + (row * (scales.shape[1] * g) + kv_head * g
+                                                               + c * VEC // self.granularity), cute.make_layout(1))
+                    scale = self.decode_scale(flat[0])
+                    x = x * scale
+                vals.store(x.to(self.dtype))
+            cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
+
+    @cute.jit
+    def decode_scale(self, scale) -> Float32:
+        """A float32 scale as is; an e8m0 byte as torch decodes float8_e8m0fnu: ``2^(e - 127)``, 0 -> 2^-127 (a
+        float32 subnormal), 255 -> NaN."""
+        if cutlass.const_expr(not self.e8m0_scales):
+            return scale
+        bits = cute.make_rmem_tensor((1,), Uint32)
+        e = Uint32(scale)
+        bits[0] = e << 23
+        if e == 0:
+            bits[0] = Uint32(0x00400000)
+        if e == 255:
+            bits[0] = Uint32(0x7FC00000)
+        return cute.recast_tensor(bits, Float32)[0]
+
+    @cute.jit
+    def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
+        """Zero V rows ``[first_row, BN)`` of ``stage``: past the request's keys (P is 0 there, but 0 * NaN is not).
+        The stage's TMA has landed: the S of the same tile, read before, was computed from it."""
+        chunks = self.head_dim // VEC
+        tidx, _, _ = cute.arch.thread_idx()
+        zeros = cute.make_rmem_tensor((VEC,), self.dtype)
+        zeros.fill(0.0)
+        for idx in cutlass.range(tidx, self.bn * chunks, SOFTMAX_THREADS, unroll=1):
+            if idx // chunks >= first_row:
+                cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
+
+    @cute.jit
+    def o_copies(self, t_o: cute.Tensor):
+        """This thread's row of O in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source, destination,
+        register shape)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
+        load = tcgen05.make_tmem_copy(cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+        store = tcgen05.make_tmem_copy(cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+        shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
+        return load, store, load.partition_S(piece), store.partition_D(piece), shape
+
+    @cute.jit
+    def rescale_o(self, t_o: cute.Tensor, corr: Float32):
+        """O's row *= ``corr`` in TMEM (between the PV MMAs of two tiles)."""
+        load, store, src, dst, shape = self.o_copies(t_o)
+        vals = cute.make_rmem_tensor(shape, Float32)
+        for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
+            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
+                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
+            cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
+
+    @cute.jit
+    def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
+                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
+                 seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
+        """Row ``tidx``: ``O / l`` to ``out`` (one split) or to this split's float32 partial with its base-2 lse. The
+        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tok = (m0 + tidx) // self.group
+        head = kv_head * self.group + (m0 + tidx) % self.group
+        total = row_sum
+        top = row_max
+        if cutlass.const_expr(self.sinks):
+            if split == 0:
+                sink = Float32(sinks[head]) * Float32(1.0 / LN2)
+                top = cute.arch.fmax(row_max, sink)
+                total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
+                                                                                                fastmath=True)
+        inv = Float32(0.0)
+        if row_sum > 0.0:
+            inv = cute.math.exp2(row_max - top, fastmath=True) / total
+        load, _, src, _, shape = self.o_copies(t_o)
+        vals = cute.make_rmem_tensor(shape, Float32)
+        res = cute.make_rmem_tensor(shape, self.dtype)
+        for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
+            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+            for e in cutlass.range_constexpr(cute.size(vals)):
+                vals[e] = vals[e] * inv
+            if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
+                vals.fill(0.0)
+            if tok < seq_len:
+                row = q_start + tok
+                if num_splits == 1:
+                    res.store(vals.load().to(self.dtype))
+                    cute.autovec_copy(res, cute.local_tile(out[row, head, None], (O_CHUNK,), (i,)))
+                else:
+                    cute.autovec_copy(vals, cute.local_tile(o_part[split, row, head, None], (O_CHUNK,), (i,)))
+        if tok < seq_len:
+            lse2 = NEG_INF
+            if total > 0.0:
+                lse2 = top + cute.math.log2(total, fastmath=True)
+            if num_splits == 1:
+                if cutlass.const_expr(self.return_lse):
+                    lse[q_start + tok, head] = lse2 * Float32(LN2)
+            else:
+                lse_part[split, q_start + tok, head] = lse2
+
+    @cute.jit
+    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32):
+        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time (all warps); rows past the
+        request are 0. Made visible to the MMA (async proxy) before the CTA's first barrier."""
+        d, group = self.head_dim, self.group
+        chunks = d // VEC
+        tidx, _, _ = cute.arch.thread_idx()
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):
+            r = idx // chunks
+            c = idx % chunks
+            tok = (m0 + r) // group
+            vals.fill(0.0)
+            if tok < seq_len:
+                src = q[q_start + tok, kv_head * group + (m0 + r) % group, None]
+                cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals)
+            cute.autovec_copy(vals, cute.local_tile(s_q[r, None], (VEC,), (c,)))
+        cute.arch.fence_view_async_shared()

@@ -1,0 +1,106 @@
+"""``PagedAttentionSm100``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
+
+A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) and walks key tiles of ``BN``
+keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j) and the O accumulator:
+``2 * BN + D <= 512`` columns, so one CTA per SM. Shared memory holds Q, P (16-bit, the PV MMA's A operand) and a
+ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page size: pages that tile the key tile load
+by one TMA per page slot, others by gather4 (``uses_gather4``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+BM = 128  # packed query rows per CTA: the tcgen05.mma M, one TMEM lane each
+VEC = 8  # 16-bit elements per 16-byte access
+HEAD_DIMS = (64, 128, 256)
+DTYPE_NAMES = ("bfloat16", "float16")
+FP8 = "float8_e4m3fn"
+TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
+SMEM_PER_CTA = 227 * 1024
+MAX_STAGES = 4
+RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahead of the kernel's buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100Tiling:
+    """Key tile ``bn``, K/V ring ``stages``, K/V by ``gather4``; bytes of the barriers and gather4 row arrays ahead
+    of the 1024-aligned tiles (``fixed``), of Q, P, one K+V stage as loaded, and the 16-bit K and V tiles the MMAs
+    read when an fp8 ring is dequantized (``mma_tiles``, 0 otherwise)."""
+
+    bn: int
+    stages: int
+    gather4: bool
+    fixed: int
+    q_bytes: int
+    p_bytes: int
+    stage_bytes: int
+    mma_tiles: int = 0
+
+    @property
+    def smem(self) -> int:
+        return self.fixed + self.q_bytes + self.p_bytes + self.stages * self.stage_bytes + self.mma_tiles
+
+    @property
+    def tmem_columns(self) -> int:
+        """Columns used: S tiles at ``[0, 2*bn)``, O at ``[2*bn, 2*bn + D)``."""
+        return 2 * self.bn + self.q_bytes // (2 * BM)
+
+
+def key_tile(head_dim: int) -> int:
+    """128 keys per tile; 64 at head dim 256, where a 128-key K+V stage alone would take 128 KiB."""
+    return 64 if head_dim > 128 else 128
+
+
+def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
+    """Barriers (K/V ring full/empty, S x2, P, dequantized K and V) and, for gather4, one int32 row per key per
+    stage, rounded up to the 1024-byte alignment of the tiles that follow."""
+    used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2 + 4) + (4 * bn * stages if gather4 else 0)
+    return -(-used // 1024) * 1024
+
+
+def tiling(head_dim: int, page_size: int, kv_fp8: bool = False) -> Sm100Tiling:
+    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q and P (and, for fp8, one 16-bit K and V tile)."""
+    bn = key_tile(head_dim)
+    gather4 = uses_gather4(page_size, bn)
+    q_bytes, p_bytes, stage_bytes = BM * head_dim * 2, BM * bn * 2, 2 * bn * head_dim * (1 if kv_fp8 else 2)
+    mma_tiles = 2 * bn * head_dim * 2 if kv_fp8 else 0
+    for stages in range(MAX_STAGES, 1, -1):
+        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, p_bytes, stage_bytes,
+                           mma_tiles)
+        if plan.smem <= SMEM_PER_CTA:
+            assert plan.tmem_columns <= TMEM_COLUMNS
+            return plan
+    raise ValueError(f"head_dim {head_dim} does not fit two K/V stages in shared memory")
+
+
+def uses_gather4(page_size: int, bn: int) -> bool:
+    """K/V rows by gather4 (4 arbitrary rows per TMA, each token's row computed on its own) for pages under 8 rows
+    (a tiled box must cover whole 8-row swizzle atoms), or pages that neither divide nor are divided by the key tile;
+    else one tiled TMA per page slot, which moves 8 or more rows per instruction (gather4 moves 4)."""
+    return page_size < 8 or (page_size % bn != 0 and bn % page_size != 0)
+
+
+def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
+              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
+    """Why the SM100 kernel cannot take the problem, or None."""
+    if kv_dtype_name not in (FP8, *DTYPE_NAMES):
+        return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
+    if page_size is None:
+        return "the SM100 kernel reads paged caches"
+    if kv_dtype_name == FP8 and uses_gather4(page_size, key_tile(head_dim)):
+        return f"an fp8 cache needs pages of 8+ rows that divide or are divided by the {key_tile(head_dim)}-key tile"
+    if granularity is not None and (kv_dtype_name != FP8 or granularity < VEC or granularity & (granularity - 1)
+                                    or head_dim % granularity):
+        return (f"scales need an fp8 cache and a power-of-two granularity >= {VEC} dividing head_dim, "
+                f"got {granularity}")
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
+    if num_q_heads // num_kv_heads > BM:
+        return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    if page_size < 1:
+        return f"page_size must be positive, got {page_size}"
+    return None

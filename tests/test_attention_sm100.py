@@ -1,0 +1,456 @@
+"""``PagedAttentionSm100``: which calls it serves (host), its plan replayed in PyTorch (no GPU), what it compiles to for
+sm_100a (PTX and ptxas), and the kernel against the reference on a B200 (``gpu``, skipped elsewhere).
+
+The plan replay walks the grid the host launches (``launch_shape_sm100``, 128 packed rows, the head dim's key tile)
+and does per CTA what ``kernels/attention/sm100.py`` does: the split's tile range, per-row masks, soft-cap, the
+base-2 online softmax with the kernel's guards, P rounded to 16 bits, O rescaled before each ``P V``, the sink in
+split 0's denominator, and the split merge. It is checked against a float64 dense oracle written here (soft-cap and
+sinks as the API defines them) and against ``reference.paged_attention``.
+"""
+
+import math
+import re
+import subprocess
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cute_kv import reference as ref
+from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, tiling
+from cute_kv.ops.paged_attention import plan, window_arg
+from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, score_args
+from cute_kv.reference.batch import random_paged_batch
+
+from numerics import rel_err
+
+NEG_INF = float("-inf")
+LN2 = math.log(2.0)
+B200_SMS = 148
+
+
+# -- host: what the kernel serves ------------------------------------------------------------------------------------
+
+def _batch(cache=None, **kw):
+    args = {"num_heads": 2, "head_size": 128, "page_size": 16, **(cache or {})}
+    return random_paged_batch([5, 40], [3, 1], generator=torch.Generator().manual_seed(0), **args, **kw)
+
+
+def _key(cache=None, q_dtype=torch.bfloat16, q_heads=8, **flags):
+    pb = _batch(cache)
+    q = torch.zeros(pb.total_rows, q_heads, pb.collection.head_size, dtype=q_dtype)
+    return _plan_key(pb.collection, q, **flags)
+
+
+def _plan_key(collection, q, softcap=None, sinks=None, return_lse=False):
+    return plan(collection, q, "sm_100a", None, softcap, sinks, return_lse).key
+
+
+def test_sm100_serves_16_bit_paged_caches():
+    assert _key() == ("paged_attention_sm100", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "bfloat16",
+                      None, False)
+    assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
+    assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
+    assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
+    assert _key({"page_size": 8})[5] == 8  # one 8-row TMA per page slot
+    assert _key({"page_size": 4})[5] == 4  # smaller pages: gather4
+    assert _key({"page_size": 48})[5] == 48  # neither divides nor is divided by the 128-key tile: gather4
+    assert _key({"page_size": 1})[5] == 1
+    sinks = torch.zeros(8)
+    assert _key(softcap=30.0, sinks=sinks, return_lse=True)[8:11] == (True, True, True)
+    assert _key(softcap=0.0)[8] is False  # 0 means off
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_sm100_serves_fp8_caches_that_tile():
+    fp8 = {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 32}
+    assert _key(fp8)[11:] == ("float8_e4m3fn", 32, False)
+    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:] == ("float8_e4m3fn", 32, True)
+    assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key({**fp8, "page_size": 8}, torch.float16)[1] == "float16"  # q in any 16-bit dtype
+
+
+@pytest.mark.parametrize("case", [
+    {"cache": {"num_heads": 1, "is_mla": True}},
+    {"cache": {"dtype": FP8, "page_size": 4}},  # fp8 ring by gather4: not built
+    {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
+    {"q_dtype": torch.float16},
+    {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
+    {"cache": {"head_size": 96}},
+    {"q_heads": 3},
+    {"cache": {"num_heads": 1}, "q_heads": 256},  # a GQA group larger than the 128-row tile
+], ids=lambda c: "-".join(f"{k}={v if not isinstance(v, torch.Tensor) else tuple(v.shape)}" for k, v in c.items()))
+def test_sm100_leaves_the_rest_to_the_reference(case):
+    assert _key(**case) is None
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("page_size", [4, 8, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
+    plan = tiling(head_dim, page_size, kv_fp8)
+    assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
+    assert plan.smem <= 227 * 1024  # the most one CTA may take
+    assert plan.tmem_columns <= TMEM_COLUMNS  # S x2 and O
+    assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 2 + kv_fp8, 384),
+                                                          256: (64, 2, 384)}[head_dim]
+    assert plan.mma_tiles == (2 * plan.bn * head_dim * 2 if kv_fp8 else 0)  # the dequantized K and V
+    # Ahead of the 1024-aligned tiles: the barriers, and the gather4 row arrays (int32 per key per stage).
+    assert plan.fixed >= 64 + 8 * (2 * plan.stages + 6) + (4 * plan.bn * plan.stages if plan.gather4 else 0)
+
+
+def test_sm100_decode_splits_fill_the_gpu():
+    """Batch 1 at 16k keys, 8 KV heads: 8 CTAs, so the keys split 18 ways (144 CTAs, one wave of 148 SMs; 19 would
+    take a second wave); batch 128 does not split."""
+    pb = random_paged_batch([16000], [1], num_heads=8, head_size=128, page_size=128,
+                            generator=torch.Generator().manual_seed(1))
+    assert launch_shape_sm100(pb.collection, 32, B200_SMS) == (1, 18)
+    pb = random_paged_batch([100] * 128, [1] * 128, num_heads=8, head_size=128, page_size=16,
+                            generator=torch.Generator().manual_seed(1))
+    assert launch_shape_sm100(pb.collection, 32, B200_SMS) == (1, 1)
+
+
+# -- plan replay --------------------------------------------------------------------------------------------------
+
+def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window,
+              score_scale, cap_log2, softcap, sinks, bn):
+    """One CTA: ``(rows, live, O/l [BM, D], lse (log2) [BM])`` for its packed rows."""
+    num_keys = cache_len + seq_len
+    m0 = m_block * BM
+    tok_first, tok_last = m0 // group, (min(m0 + BM, seq_len * group) - 1) // group
+    k_end = cache_len + tok_last + 1 if causal else num_keys
+    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
+    tile_begin = k_begin // bn
+    tiles = -(-k_end // bn) - tile_begin
+    per_split = -(-tiles // splits)
+    first_tile = tile_begin + split * per_split
+    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+
+    toks = torch.tensor([(m0 + r) // group for r in range(BM)])
+    heads = torch.tensor([kv_head * group + (m0 + r) % group for r in range(BM)])
+    live = toks < seq_len
+    qr = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
+    qr[live] = q[q_start + toks[live], heads[live]].double()
+    pos = cache_len + toks
+    row_end = torch.where(live, torch.clamp(pos + 1, max=num_keys) if causal else torch.full_like(pos, num_keys), 0)
+    row_begin = pos - window + 1 if window > 0 else torch.zeros_like(pos)
+
+    row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
+    row_sum = torch.zeros(BM, dtype=torch.float64)
+    acc = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
+    for j, t in enumerate(range(first_tile, first_tile + n_tiles)):
+        keys = torch.arange(t * bn, (t + 1) * bn)
+        kt = torch.zeros(bn, q.shape[-1], dtype=torch.float64)
+        vt = torch.zeros_like(kt)
+        inside = keys < num_keys  # past the keys: zero-filled page slots / zeroed V rows
+        kt[inside] = k[keys[inside], kv_head].double()
+        vt[inside] = v[keys[inside], kv_head].double()
+        x = (qr @ kt.T) * score_scale
+        if softcap:
+            x = cap_log2 * torch.tanh(x)
+        x = x.masked_fill((keys[None, :] < row_begin[:, None]) | (keys[None, :] >= row_end[:, None]), NEG_INF)
+        new_max = torch.maximum(row_max, x.max(dim=1).values)
+        ref_max = torch.where(new_max == NEG_INF, 0.0, new_max)
+        corr = torch.exp2(row_max - ref_max)
+        p = torch.exp2(x - ref_max[:, None])
+        row_sum = row_sum * corr + p.sum(dim=1)
+        if j > 0:
+            acc = acc * corr[:, None]  # O rescaled in TMEM before the PV MMA adds this tile
+        acc = acc + p.to(q.dtype).double() @ vt  # P is rounded to the MMA dtype
+        row_max = new_max
+    top, total = row_max, row_sum
+    if sinks is not None and split == 0:
+        sink = sinks[heads].double() / LN2
+        top = torch.maximum(row_max, sink)
+        total = row_sum * torch.exp2(row_max - top) + torch.exp2(sink - top)
+    inv = torch.where(total > 0, torch.exp2(row_max - top) / total.clamp_min(1e-300), 0.0)
+    out = acc * inv[:, None]
+    lse = torch.where(total > 0, top + torch.log2(total.clamp_min(1e-300)), NEG_INF)
+    return toks, heads, live, out, lse
+
+
+def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, sinks=None,
+                    slots=B200_SMS, force_splits=None):
+    """The whole launch (grid, splits, combine) for ``q [T, Hq, D]``: float64 ``(out [T, Hq, D], lse [T, Hq])``."""
+    c = pb.collection
+    t, hq, d = q.shape
+    h = c.num_heads
+    group = hq // h
+    bn = key_tile(d)
+    score_scale, cap_log2 = score_args(d, scale, softcap)
+    win = window_arg(window)
+    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal)
+    splits = force_splits or splits
+    o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
+    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    offsets = pb.input_row_offsets.tolist()
+    for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
+        k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
+        v = pb.dense(1, layer, b, cache_len + n).to(q.dtype)
+        for m_block in range(m_blocks):
+            if m_block * BM >= n * group:
+                continue  # the CTA has no rows
+            for kv_head in range(h):
+                for split in range(splits):
+                    toks, heads, live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head, split,
+                                                          splits, group, causal, win, score_scale, cap_log2,
+                                                          bool(softcap), sinks, bn)
+                    rows = offsets[b] + toks[live]
+                    o_part[split, rows, heads[live]] = o[live]
+                    lse_part[split, rows, heads[live]] = lse[live]
+    top = lse_part.max(dim=0).values
+    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
+    out = (w[..., None] * o_part).sum(0) / w.sum(0).clamp_min(1e-300)[..., None]
+    out = torch.where(w.sum(0)[..., None] > 0, out, 0.0)
+    lse = torch.logsumexp(lse_part * LN2, dim=0)
+    return out, lse
+
+
+def oracle(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, sinks=None):
+    """The API's definition, dense, float64: ``s = scale q.k``, soft-capped, masked; the sink in the denominator
+    only; ``lse`` the natural log of the denominator (-inf with no key and no sink)."""
+    c = pb.collection
+    t, hq, d = q.shape
+    group = hq // c.num_heads
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    lse = torch.full((t, hq), NEG_INF, dtype=torch.float64)
+    offsets = pb.input_row_offsets.tolist()
+    for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
+        k = pb.dense(0, layer, b, cache_len + n).to(q.dtype).double()
+        v = pb.dense(1, layer, b, cache_len + n).to(q.dtype).double()
+        for i in range(n):
+            pos = cache_len + i
+            keys = torch.arange(cache_len + n)
+            visible = keys <= pos if causal else torch.ones_like(keys, dtype=torch.bool)
+            if window is not None:
+                visible &= keys > pos - window
+            for hh in range(hq):
+                s = scale * (k[:, hh // group] @ q[offsets[b] + i, hh].double())
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                s = s.masked_fill(~visible, NEG_INF)
+                terms = s if sinks is None else torch.cat([s, sinks[hh:hh + 1].double()])
+                m = terms.max()
+                if m == NEG_INF:
+                    continue
+                e = torch.exp(s - m)
+                denom = torch.exp(terms - m).sum()
+                out[offsets[b] + i, hh] = (e @ v[:, hh // group]) / denom
+                lse[offsets[b] + i, hh] = m + torch.log(denom)
+    return out, lse
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 40)), min_size=1, max_size=3),
+    page_size=st.sampled_from([1, 4, 8, 16, 48, 64, 128, 256]),
+    group=st.sampled_from([1, 4, 16]),
+    head_dim=st.sampled_from([64, 256]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 200)),
+    splits=st.one_of(st.none(), st.integers(2, 5)),
+    softcap=st.one_of(st.none(), st.sampled_from([5.0, 30.0])),
+    sinks=st.booleans(),
+    fp8=st.sampled_from([None, {}, {"scale_dtype": torch.float32, "quantization_granularity": 16}]),
+    seed=st.integers(0, 2**31),
+)
+def test_sm100_plan_matches_the_api(lengths, page_size, group, head_dim, causal, window, splits, softcap, sinks, fp8,
+                                    seed):
+    gen = torch.Generator().manual_seed(seed)
+    cached, new = zip(*lengths)
+    if not sum(new) or (window is not None and not causal):
+        return
+    cache = {"dtype": torch.bfloat16} if fp8 is None else {"dtype": FP8, **fp8}
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=page_size, generator=gen,
+                            **cache)
+    q = (2 * torch.randn(pb.total_rows, 2 * group, head_dim, generator=gen)).to(torch.bfloat16)
+    sink = 3 * torch.randn(2 * group, generator=gen) if sinks else None
+    kw = dict(causal=causal, window=window, softcap=softcap, sinks=sink)
+    want, want_lse = oracle(q, pb, 0, **kw)
+    got, got_lse = model_attention(q, pb, 0, force_splits=splits, **kw)
+    assert not got.isnan().any()  # every (token, head) written, by some CTA
+    assert rel_err(got, want) < 1e-2
+    assert torch.equal(got_lse == NEG_INF, want_lse == NEG_INF)
+    finite = want_lse != NEG_INF
+    assert (got_lse[finite] - want_lse[finite]).abs().max().item() < 1e-6 if finite.any() else True
+    if softcap is None and sink is None:
+        plain = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, causal=causal, window=window)
+        assert rel_err(got, plain.double()) < 1e-2
+
+
+def test_sm100_plan_at_tile_and_block_boundaries():
+    """Keys ending on / just past a 128-key tile, packed rows filling / spilling the 128-row block, empty splits."""
+    gen = torch.Generator().manual_seed(4)
+    cached, new = [128, 127, 0, 255, 0, 64], [1, 1, 129, 2, 1, 32]
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=64, page_size=16, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
+    for window, splits in ((None, None), (None, 3), (1, None), (128, 2)):
+        want, _ = oracle(q, pb, 0, window=window)
+        got, _ = model_attention(q, pb, 0, window=window, force_splits=splits)
+        assert rel_err(got, want) < 1e-2
+
+
+def test_sm100_plan_rows_without_keys():
+    """A row that sees no key writes 0 and lse -inf; with a sink, 0 and lse = the sink."""
+    gen = torch.Generator().manual_seed(5)
+    pb = random_paged_batch([0], [3], num_heads=1, head_size=64, page_size=16, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
+    # A 3-key request split 3 ways: splits 1 and 2 see no key; the merge must ignore them.
+    for sinks in (None, torch.tensor([0.5, -2.0])):
+        got, lse = model_attention(q, pb, 0, sinks=sinks, force_splits=3)
+        want, want_lse = oracle(q, pb, 0, sinks=sinks)
+        assert rel_err(got, want) < 1e-2 and (lse - want_lse).abs().max() < 1e-6
+
+
+# -- compile: PTX and ptxas for sm_100a ----------------------------------------------------------------------------
+
+COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
+    ("bfloat16", 8, 2, 128, 128),
+    ("bfloat16", 8, 2, 64, 16),
+    ("float16", 32, 2, 256, 64),
+    ("bfloat16", 64, 8, 128, 32, {"softcap": True, "sinks": True, "return_lse": True}),
+    ("bfloat16", 8, 2, 128, 4),  # gather4
+    ("bfloat16", 8, 2, 64, 8),  # 16 TMAs of 8 rows per K tile
+    ("float16", 16, 2, 256, 48),  # gather4: a page that does not tile the 64-key tile
+    ("bfloat16", 8, 2, 128, 16, {"kv_dtype_name": "float8_e4m3fn", "granularity": 32}),
+    ("float16", 8, 1, 256, 128, {"kv_dtype_name": "float8_e4m3fn", "granularity": 64, "e8m0_scales": True}),
+    ("bfloat16", 4, 2, 64, 8, {"kv_dtype_name": "float8_e4m3fn", "softcap": True, "sinks": True}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:5])) + ("-flags" if c[5:] else ""))
+def test_sm100_ptx(case, tmp_path):
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+    kernel = PagedAttentionSm100(*case[:5], **(case[5] if case[5:] else {}))
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    d, bn, page = kernel.head_dim, kernel.bn, kernel.page_size
+    # One QK (D/16 MMAs of K=16) and one PV (BN/16) per key tile, M=128, fp32 accumulators in TMEM.
+    assert ptx.count("tcgen05.mma.cta_group::1.kind::f16") == d // 16 + bn // 16
+    # S read as BN/32 loads of 32 columns; O rescaled and stored back (D/32 each), then read by the epilogue.
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == bn // 32 + 2 * d // 32
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == d // 32
+    assert ptx.count("tcgen05.wait::ld") >= 1 and ptx.count("tcgen05.wait::st") >= 1
+    # TMEM allocated once (512 columns), relinquished, freed once.
+    assert len(re.findall(r"tcgen05\.alloc\.cta_group::1", ptx)) == 1
+    assert len(re.findall(r"tcgen05\.dealloc\.cta_group::1", ptx)) == 1
+    assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
+    # S full, P consumed (O stable), K/V stage free (fp8: the 16-bit K tile after QK, V after PV): MMA completions
+    # signalled by tcgen05.commit, so a stage is never refilled while an MMA may read it.
+    assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == (4 if kernel.kv_fp8 else 3)
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+    if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk; registers moved to the softmax
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 4
+        assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)) == 1
+        assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4  # load, MMA, idle, converter branches
+        assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
+    if kernel.gather4:  # 4 rows x one 128-byte swizzle row per instruction, for K and for V
+        g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
+        assert len(g4) == 2 * (bn // 4) * (d // 64)
+        # Swizzle on the pointer: every instruction has its own destination, 512 B (4 rows of 128 B) apart within a
+        # 64-column block, and blocks follow each other (K's then V's).
+        offsets = [int(re.search(r"\+(\d+)$", x).group(1)) if "+" in x else 0 for x in g4]
+        assert len(set(g4)) == len(g4)
+        k_offsets = offsets[:len(g4) // 2]
+        assert all(b - a == 512 for a, b in zip(k_offsets, k_offsets[1:]))
+        assert "cp.async.bulk.tensor.3d" not in ptx
+    else:  # one TMA per page slot, per swizzle-wide box of the head dim, for K and for V
+        slots = max(bn // page, 1)
+        boxes = d * kernel.kv_dtype.width // 8 // kernel.ring_swizzle
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.[23]d\.shared::cta\.global\.tile\.", ptx)) == 2 * slots * boxes
+        assert "gather4" not in ptx
+    # Softmax: one ex2 per score; tanh only with the soft-cap; P written as 16-byte rows.
+    flags = case[5] if case[5:] else {}
+    assert ptx.count("tanh.approx.f32") == (bn if flags.get("softcap") else 0)
+    assert ptx.count("ex2.approx.ftz.f32") >= bn
+    assert ptx.count("st.shared.v4.b32") >= bn * 2 // 16
+    assert not re.search(r"wgmma|mma\.sync", ptx)
+    ptx_file = tmp_path / "k.ptx"
+    ptx_file.write_text(ptx)
+    info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(ptx_file), "-o", "/dev/null"], capture_output=True,
+                          text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
+    assert "C7508" not in info  # setmaxnreg applied, not ignored
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs <= 65536 // kernel.threads and regs <= 200  # one CTA per SM; measured 153-168
+
+
+# -- GPU (B200) ----------------------------------------------------------------------------------------------------
+
+def _sm100():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+GPU_CASES = [  # (dtype, kv heads, q heads, D, page[, fp8 cache: {scale dtype, granularity}])
+    (torch.bfloat16, 8, 32, 128, 16),
+    (torch.bfloat16, 2, 16, 128, 128),
+    (torch.float16, 4, 4, 64, 256),
+    (torch.bfloat16, 1, 4, 256, 64),
+    (torch.bfloat16, 2, 8, 128, 4),  # gather4
+    (torch.bfloat16, 2, 8, 64, 8),  # 8-row TMA boxes
+    (torch.bfloat16, 2, 8, 128, 16, {"scale_dtype": torch.float32, "quantization_granularity": 16}),
+    (torch.float16, 1, 8, 256, 128, {"scale_dtype": torch.float8_e8m0fnu, "quantization_granularity": 64}),
+    (torch.bfloat16, 2, 4, 64, 64, {}),  # fp8 without scales
+    (torch.float16, 2, 4, 64, 3),  # gather4, a page of 3
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs an SM100 GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("window", [None, 37])
+def test_sm100_kernel_matches_reference(case, window):
+    import cute_kv
+    from numerics import bits
+
+    dtype, h, hq, d, page = case[:5]
+    cache = {"dtype": dtype} if len(case) == 5 else {"dtype": FP8, **case[5]}
+    cached, new = [0, 37, 5, 300, 1, 1000], [3, 1, 0, 17, 1, 90]
+    gen = torch.Generator().manual_seed(7)
+    pb = random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=page, generator=gen, device="cuda",
+                            **cache)
+    cpu = random_paged_batch(cached, new, num_heads=h, head_size=d, page_size=page,
+                             generator=torch.Generator().manual_seed(7), **cache)
+    q = torch.randn(pb.total_rows, hq, d, generator=gen).to(dtype)
+    key = _plan_key(pb.collection, q.cuda())
+    assert key is not None and key[0] == "paged_attention_sm100"
+    before = bits(pb.collection.blocks)
+    out = torch.full((pb.total_rows, hq, d), float("nan"), dtype=dtype, device="cuda")
+    cute_kv.paged_attention(q.cuda(), pb.input_row_offsets.cuda(), pb.collection, 0, window=window, out=out)
+    want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 0, window=window)
+    assert not out.isnan().any()
+    assert rel_err(out.cpu().float(), want.float()) < 2e-2
+    assert torch.equal(bits(pb.collection.blocks), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs an SM100 GPU")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sm100_flags_match_the_oracle(splits, monkeypatch):
+    """Soft-cap, sinks and lse through the SM100 launcher, one split and forced splits."""
+    from cute_kv.ops import paged_attention_sm100 as entry
+
+    gen = torch.Generator().manual_seed(8)
+    cached, new = [0, 700, 3], [5, 1, 2]
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=128, page_size=64, dtype=torch.bfloat16,
+                            generator=gen, device="cuda")
+    q = (2 * torch.randn(pb.total_rows, 8, 128, generator=gen)).to(torch.bfloat16)
+    sinks = torch.randn(8, generator=gen)
+    monkeypatch.setattr(entry, "launch_shape_sm100",
+                        lambda c, hq, slots, causal=True: (-(-c.max_seq_length * 4 // BM), splits))
+    key = _plan_key(pb.collection, q.cuda(), softcap=20.0, sinks=sinks.cuda(), return_lse=True)
+    run = entry.launcher_sm100(key, "sm_100a")
+    out = torch.full((pb.total_rows, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((pb.total_rows, 8), float("nan"), device="cuda")
+    run(q.cuda(), pb.input_row_offsets.cuda(), pb.collection, 0, out=out, softcap=20.0, sinks=sinks.cuda(), lse=lse)
+    cpu = random_paged_batch(cached, new, num_heads=2, head_size=128, page_size=64, dtype=torch.bfloat16,
+                             generator=torch.Generator().manual_seed(8))
+    want, want_lse = oracle(q, cpu, 0, softcap=20.0, sinks=sinks)
+    assert rel_err(out.cpu().double(), want) < 2e-2
+    assert (lse.cpu().double() - want_lse).abs().max() < 1e-2
