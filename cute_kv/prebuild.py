@@ -84,7 +84,7 @@ def kernel_keys(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple]
 def _step(model: ModelConfig, page_size: int, lut_vector: bool):
     """``(collection, q)`` of a one-page cache whose lookup rows do (not) allow vector loads, on the CPU."""
     from cute_kv.collection import PagedKVCacheCollection
-    from cute_kv.kernels.attention.config import BN
+    from cute_kv.kernels.attention.config import key_tile
     from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig
     from cute_kv.row_indices import lut_chunk, tile_geometry
 
@@ -94,7 +94,8 @@ def _step(model: ModelConfig, page_size: int, lut_vector: bool):
     params = KVCacheParams(model.kv_dtype or model.dtype, model.n_kv_heads, model.head_dim, page_size=page_size,
                            total_num_layers=1, kvcache_quant_config=quant)
     blocks, scales = PagedKVCacheCollection.allocate_blocks(params, 1)
-    chunk = lut_chunk(tile_geometry(BN, page_size)[1], BN, page_size)
+    bn = key_tile(model.head_dim)
+    chunk = lut_chunk(tile_geometry(bn, page_size)[1], bn, page_size)
     lut = torch.zeros((1, chunk if lut_vector else chunk + 1), dtype=torch.uint32)
     coll = PagedKVCacheCollection(blocks, torch.zeros(1, dtype=torch.uint32), lut, 0, 0, scales)
     return coll, torch.empty((1, model.n_q_heads, model.head_dim), dtype=model.dtype)

@@ -61,7 +61,10 @@ def test_explain_attention_on_each_arch(rng):
     assert (h100.op, h100.path, h100.kernel, h100.arch) == ("paged_attention", "kernel", "PagedAttention", "sm_90a")
     assert h100.key[:5] == ("paged_attention", "bfloat16", 8, 2, 128)
     b200 = cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_100a")
-    assert (b200.path, b200.key) == ("reference", None) and "sm_100a" in b200.reason
+    assert (b200.path, b200.kernel, b200.key[0]) == ("kernel", "PagedAttentionSm100", "paged_attention_sm100")
+    d96 = _batch(head_size=96)
+    args = (_q(d96, rng), d96.input_row_offsets, d96.collection, 1)
+    assert cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_100a").path == "reference"
 
 
 @pytest.mark.parametrize("cache, word", [
@@ -119,7 +122,7 @@ def test_explain_checks_its_arguments(rng):
 
 def test_fallback_on_cuda_warns_once_per_reason(rng, as_gpu):
     as_gpu("sm_100a")
-    pb = _batch()
+    pb = _batch(head_size=96)  # no kernel tiles head dim 96
     q = _q(pb, rng)
     with pytest.warns(cute_kv.FallbackWarning, match=r"paged_attention runs the PyTorch reference.*sm_100a") as got:
         out = _attention(pb, q)
@@ -154,9 +157,9 @@ def test_strict_mode_raises_before_anything_is_written(rng, as_gpu, monkeypatch,
         monkeypatch.setenv("CUTE_KV_STRICT", "1")
     else:
         cute_kv.set_strict(True)
-    pb = _batch()
+    pb = _batch(head_size=96)  # no kernel tiles head dim 96
     q = _q(pb, rng)
-    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=q.dtype)
+    out = torch.full((q.shape[0], 8, 96), float("nan"), dtype=q.dtype)
     with pytest.raises(cute_kv.FallbackError, match="sm_100a.*CUTE_KV_STRICT=1"):
         _attention(pb, q, out=out)
     assert out.isnan().all()

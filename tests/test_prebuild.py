@@ -44,8 +44,9 @@ def test_kernel_keys_follow_the_ops_rules():
     # Page 16: lookup rows load 4 entries at a time, so both row layouts get a kernel; page 128: one.
     attention = [k for k in keys if k[0] == "paged_attention"]
     assert sorted((k[5], k[7]) for k in attention) == [(16, False), (16, True), (128, True)]
-    # SM100 attention takes the reference: no key for it there.
-    assert {k[0] for k in kernel_keys(MODELS["llama3-8b"], "sm_100a")} == {"paged_kv_store", "fused_qkv_gemm"}
+    # SM100: the same ops, its own attention kernel.
+    assert {k[0] for k in kernel_keys(MODELS["llama3-8b"], "sm_100a")} == {
+        "paged_kv_store", "fused_qkv_gemm", "paged_attention_sm100", "attention_combine"}
     assert [k[1].has_bias for k in kernel_keys(MODELS["qwen2.5-7b"], "sm_90a") if k[0] == "fused_qkv_gemm"] == [True]
 
 
@@ -54,7 +55,7 @@ def test_kernel_keys_per_rank_and_fp8():
     assert (rank.n_q_heads, rank.n_kv_heads) == (16, 2)
     keys = kernel_keys(rank, "sm_90a")
     assert ("paged_kv_store", "bfloat16", 2, 128, 2, 128, None) in keys
-    assert ("attention_combine", "bfloat16", 16, 128) in keys
+    assert ("attention_combine", "bfloat16", 16, 128, False) in keys
     assert [k[1].q_dim for k in keys if k[0] == "fused_qkv_gemm"] == [16 * 128]
     with pytest.raises(ValueError, match="tp=3 must divide"):
         MODELS["llama3-8b"].sharded(3)
@@ -64,7 +65,7 @@ def test_kernel_keys_per_rank_and_fp8():
     # The store and the QKV projection quantize in-kernel with the cache's float32 scales.
     assert ("paged_kv_store", "bfloat16", 2, 128, 8, 128, 64) in keys
     assert [(k[1].fp8, k[1].granularity) for k in keys if k[0] == "fused_qkv_gemm"] == [(True, 64)]
-    assert [k[8:] for k in keys if k[0] == "paged_attention"] == [("float8_e4m3fn", 64, False)]
+    assert [k[11:] for k in keys if k[0] == "paged_attention"] == [("float8_e4m3fn", 64, False)]
 
 
 def test_prebuild_needs_a_cache_dir(monkeypatch, capsys):
