@@ -58,13 +58,10 @@ def tiling(head_dim: int, kv_fp8: bool = False) -> Tiling:
     return Tiling(bn, 2, fp8_stages, fixed + 2 * stage + fp8_stages * fp8_stage)
 
 
-def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
-              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
-    """Why the kernel cannot take the problem, or None."""
-    if kv_dtype_name not in (None, FP8, *DTYPE_NAMES):
-        return f"the cache dtype must be 16-bit or {FP8}, got {kv_dtype_name}"
-    if kv_dtype_name == FP8 and page_size is None:
-        return "an fp8 cache must be paged"
+def head_problem(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype_name: Optional[str],
+                 granularity: Optional[int]) -> Optional[str]:
+    """What both attention kernels (SM90, SM100) refuse in the heads and scales, or None: 128 packed rows hold a
+    whole GQA group, head dims 64/128/256, scale granules of whole 16-byte fp8 vectors."""
     if granularity is not None and (kv_dtype_name != FP8 or granularity < VEC or granularity & (granularity - 1)
                                     or head_dim % granularity):
         return (f"scales need an fp8 cache and a power-of-two granularity >= {VEC} dividing head_dim, "
@@ -75,6 +72,19 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
     if head_dim not in HEAD_DIMS:
         return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    return None
+
+
+def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
+              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
+    """Why the kernel cannot take the problem, or None."""
+    if kv_dtype_name not in (None, FP8, *DTYPE_NAMES):
+        return f"the cache dtype must be 16-bit or {FP8}, got {kv_dtype_name}"
+    if kv_dtype_name == FP8 and page_size is None:
+        return "an fp8 cache must be paged"
+    problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
+    if problem:
+        return problem
     bn = key_tile(head_dim)
     if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
         return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"

@@ -12,11 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-BM = 128  # packed query rows per CTA: the tcgen05.mma M, one TMEM lane each
-VEC = 8  # 16-bit elements per 16-byte access
-HEAD_DIMS = (64, 128, 256)
-DTYPE_NAMES = ("bfloat16", "float16")
-FP8 = "float8_e4m3fn"
+from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, HEAD_DIMS, VEC, head_problem  # noqa: F401
+
+# BM: 128 packed query rows per CTA, the tcgen05.mma M (one TMEM lane each), as on SM90 (two warpgroups of 64).
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
 SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
@@ -91,16 +89,9 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return "the SM100 kernel reads paged caches"
     if kv_dtype_name == FP8 and uses_gather4(page_size, key_tile(head_dim)):
         return f"an fp8 cache needs pages of 8+ rows that divide or are divided by the {key_tile(head_dim)}-key tile"
-    if granularity is not None and (kv_dtype_name != FP8 or granularity < VEC or granularity & (granularity - 1)
-                                    or head_dim % granularity):
-        return (f"scales need an fp8 cache and a power-of-two granularity >= {VEC} dividing head_dim, "
-                f"got {granularity}")
-    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-        return f"q heads ({num_q_heads}) must be a positive multiple of the KV heads ({num_kv_heads})"
-    if num_q_heads // num_kv_heads > BM:
-        return f"a GQA group of {num_q_heads // num_kv_heads} heads exceeds the {BM}-row tile"
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+    problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
+    if problem:
+        return problem
     if page_size < 1:
         return f"page_size must be positive, got {page_size}"
     return None
