@@ -379,6 +379,10 @@ def test_sm100_ptx(case, tmp_path):
     assert "C7508" not in info  # setmaxnreg applied, not ignored
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     assert regs <= 65536 // kernel.threads and regs <= 200  # one CTA per SM; measured 153-168
+    if kernel.kv_fp8:  # setmaxnreg.inc draws only on what the CTA's other warpgroups release of their launch count
+        targets = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+        per_group = {int(n) for _, n in targets}  # softmax inc; MMA/load (and idle) dec; converter dec
+        assert len(per_group) == 3 and sum(per_group) <= kernel.threads // 128 * regs
 
 
 # -- GPU (B200) ----------------------------------------------------------------------------------------------------

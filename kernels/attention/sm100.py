@@ -19,7 +19,7 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 * fp8 caches add warps 8-11, the converter warpgroup: each ring stage is dequantized (``x * scale`` of the value's
   granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read; the three warpgroups
-  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 120).
+  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 112).
 
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
@@ -56,7 +56,9 @@ LOAD_WARP = 5
 CONVERT_WARPS = (8, 9, 10, 11)  # fp8 caches only: dequantize the K/V ring into the MMA's 16-bit tiles
 CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # fp8: three warpgroups (warps 6-7 idle) share the register file unevenly; ptxas sizes a 384-thread kernel at 168.
-FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 120}  # sums to 512: 65536 / 128 threads
+# setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release of their launch 168:
+# the three targets may sum to 3 * 168 = 504 at most (512 leaves the softmax's inc waiting forever).
+FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
