@@ -345,6 +345,10 @@ def test_sm100_ptx(case, tmp_path):
     # signalled by tcgen05.commit, so a stage is never refilled while an MMA may read it.
     assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == (4 if kernel.kv_fp8 else 3)
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+    # Every pipeline wait is on a phase its loop carries: a wait on a constant parity inside a tile loop (a state
+    # the loop does not carry) passes once, then deadlocks or lets a buffer be rewritten while an MMA reads it.
+    waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
+    assert waits and all(w.startswith("%r") for w in waits), waits
     if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk; registers moved to the softmax
         assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 4
         assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)) == 1

@@ -570,15 +570,24 @@ class PagedAttentionSm100:
             tile_base = (first_tile + j) * self.bn
             self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             kv_pipe.consumer_wait(read)
-            for ring, tile, scales, pipe, state in ((ring_k, s_k, k_scales, k_pipe, k_write),
-                                                    (ring_v, s_v, v_scales, v_pipe, v_write)):
-                pipe.producer_acquire(state)
-                self.dequantize(ring, tile, read.index, scales, rows, tile_base, num_keys, kv_head)
-                cute.arch.fence_view_async_shared()  # the MMA reads the tile next
-                pipe.producer_commit(state)
-                state.advance()
+            # The states advance by their own names: the loop carries only the variables its body names, so a
+            # state advanced through an alias would wait on the first phase's parity every tile.
+            self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, rows, tile_base, num_keys, kv_head)
+            k_write.advance()
+            self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, rows, tile_base, num_keys, kv_head)
+            v_write.advance()
             kv_pipe.consumer_release(read)
             read.advance()
+
+    @cute.jit
+    def convert_tile(self, pipe: pipeline.PipelineAsyncUmma, state: pipeline.PipelineState, ring: cute.Tensor,
+                     tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, rows: cute.Tensor,
+                     tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """Ring ``stage`` -> the 16-bit ``tile`` once the MMA that read it last is done, then hand it over."""
+        pipe.producer_acquire(state)
+        self.dequantize(ring, tile, stage, scales, rows, tile_base, num_keys, kv_head)
+        cute.arch.fence_view_async_shared()  # the MMA reads the tile next
+        pipe.producer_commit(state)
 
     @cute.jit
     def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
