@@ -326,7 +326,7 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:5])) + ("-flags" if c[5:] else ""))
 def test_sm100_ptx(case, tmp_path):
     from cute_kv.kernels import compile_cache
-    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+    from cute_kv.kernels.attention.sm100 import FP8_REGS, PagedAttentionSm100
 
     kernel = PagedAttentionSm100(*case[:5], **(case[5] if case[5:] else {}))
     ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
@@ -354,6 +354,11 @@ def test_sm100_ptx(case, tmp_path):
         assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)) == 1
         assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4  # load, MMA, idle, converter branches
         assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
+        # The converter's branch waits on the ring, its K and V tiles in the loop, then on the MMA's last releases
+        # of K and V (their tails): no tcgen05.commit arrives on the CTA's shared memory after it exits.
+        converter = ptx[ptx.index(f"setmaxnreg.dec.sync.aligned.u32 \t{FP8_REGS['convert']}"):
+                        ptx.index("setmaxnreg.inc")]
+        assert converter.count("mbarrier.try_wait") == 5
     if kernel.gather4:  # 4 rows x one 128-byte swizzle row per instruction, for K and for V
         g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
         assert len(g4) == 2 * (bn // 4) * (d // 64)

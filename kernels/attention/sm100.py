@@ -578,6 +578,8 @@ class PagedAttentionSm100:
             v_write.advance()
             kv_pipe.consumer_release(read)
             read.advance()
+        k_pipe.producer_tail(k_write)  # the MMA's last releases landed: no commit arrives after the CTA exits
+        v_pipe.producer_tail(v_write)
 
     @cute.jit
     def convert_tile(self, pipe: pipeline.PipelineAsyncUmma, state: pipeline.PipelineState, ring: cute.Tensor,
