@@ -326,7 +326,7 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:5])) + ("-flags" if c[5:] else ""))
 def test_sm100_ptx(case, tmp_path):
     from cute_kv.kernels import compile_cache
-    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+    from cute_kv.kernels.attention.sm100 import FP8_REGS, PagedAttentionSm100
 
     kernel = PagedAttentionSm100(*case[:5], **(case[5] if case[5:] else {}))
     ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
@@ -345,11 +345,20 @@ def test_sm100_ptx(case, tmp_path):
     # signalled by tcgen05.commit, so a stage is never refilled while an MMA may read it.
     assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == (4 if kernel.kv_fp8 else 3)
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+    # Every pipeline wait is on a phase its loop carries: a wait on a constant parity inside a tile loop (a state
+    # the loop does not carry) passes once, then deadlocks or lets a buffer be rewritten while an MMA reads it.
+    waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
+    assert waits and all(w.startswith("%r") for w in waits), waits
     if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk; registers moved to the softmax
         assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 4
         assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)) == 1
         assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4  # load, MMA, idle, converter branches
         assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
+        # The converter's branch waits on the ring, its K and V tiles in the loop, then on the MMA's last releases
+        # of K and V (their tails): no tcgen05.commit arrives on the CTA's shared memory after it exits.
+        converter = ptx[ptx.index(f"setmaxnreg.dec.sync.aligned.u32 \t{FP8_REGS['convert']}"):
+                        ptx.index("setmaxnreg.inc")]
+        assert converter.count("mbarrier.try_wait") == 5
     if kernel.gather4:  # 4 rows x one 128-byte swizzle row per instruction, for K and for V
         g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
         assert len(g4) == 2 * (bn // 4) * (d // 64)
@@ -379,6 +388,10 @@ def test_sm100_ptx(case, tmp_path):
     assert "C7508" not in info  # setmaxnreg applied, not ignored
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     assert regs <= 65536 // kernel.threads and regs <= 200  # one CTA per SM; measured 153-168
+    if kernel.kv_fp8:  # setmaxnreg.inc draws only on what the CTA's other warpgroups release of their launch count
+        targets = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+        per_group = {int(n) for _, n in targets}  # softmax inc; MMA/load (and idle) dec; converter dec
+        assert len(per_group) == 3 and sum(per_group) <= kernel.threads // 128 * regs
 
 
 # -- GPU (B200) ----------------------------------------------------------------------------------------------------

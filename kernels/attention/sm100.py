@@ -19,7 +19,7 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 * fp8 caches add warps 8-11, the converter warpgroup: each ring stage is dequantized (``x * scale`` of the value's
   granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read; the three warpgroups
-  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 120).
+  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 112).
 
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
@@ -56,7 +56,9 @@ LOAD_WARP = 5
 CONVERT_WARPS = (8, 9, 10, 11)  # fp8 caches only: dequantize the K/V ring into the MMA's 16-bit tiles
 CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # fp8: three warpgroups (warps 6-7 idle) share the register file unevenly; ptxas sizes a 384-thread kernel at 168.
-FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 120}  # sums to 512: 65536 / 128 threads
+# setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release of their launch 168:
+# the three targets may sum to 3 * 168 = 504 at most (512 leaves the softmax's inc waiting forever).
+FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
@@ -568,15 +570,26 @@ class PagedAttentionSm100:
             tile_base = (first_tile + j) * self.bn
             self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             kv_pipe.consumer_wait(read)
-            for ring, tile, scales, pipe, state in ((ring_k, s_k, k_scales, k_pipe, k_write),
-                                                    (ring_v, s_v, v_scales, v_pipe, v_write)):
-                pipe.producer_acquire(state)
-                self.dequantize(ring, tile, read.index, scales, rows, tile_base, num_keys, kv_head)
-                cute.arch.fence_view_async_shared()  # the MMA reads the tile next
-                pipe.producer_commit(state)
-                state.advance()
+            # The states advance by their own names: the loop carries only the variables its body names, so a
+            # state advanced through an alias would wait on the first phase's parity every tile.
+            self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, rows, tile_base, num_keys, kv_head)
+            k_write.advance()
+            self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, rows, tile_base, num_keys, kv_head)
+            v_write.advance()
             kv_pipe.consumer_release(read)
             read.advance()
+        k_pipe.producer_tail(k_write)  # the MMA's last releases landed: no commit arrives after the CTA exits
+        v_pipe.producer_tail(v_write)
+
+    @cute.jit
+    def convert_tile(self, pipe: pipeline.PipelineAsyncUmma, state: pipeline.PipelineState, ring: cute.Tensor,
+                     tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, rows: cute.Tensor,
+                     tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """Ring ``stage`` -> the 16-bit ``tile`` once the MMA that read it last is done, then hand it over."""
+        pipe.producer_acquire(state)
+        self.dequantize(ring, tile, stage, scales, rows, tile_base, num_keys, kv_head)
+        cute.arch.fence_view_async_shared()  # the MMA reads the tile next
+        pipe.producer_commit(state)
 
     @cute.jit
     def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
