@@ -331,6 +331,9 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
         amax = Float32(0.0)
         for e in cutlass.range_constexpr(VEC):
             amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
+        # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
+        # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
+        amax = cute.math.absf(amax)
         offset = 1
         while const_expr(offset < granularity // VEC):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
