@@ -80,6 +80,8 @@ def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows:
     where reading a device value would break the graph.
     """
     ro = check_metadata_tensor(name, input_row_offsets, shape=[batch_size + 1], device=device)
+    if batch_size == 0 and total_rows:  # a shape fact, checked even unvalidated: kernels would read request 0
+        raise ValueError(f"{name} has no requests ([0]) but there are {total_rows} rows")
     if not data_checks or torch.compiler.is_compiling():
         return None
     ro = ro.to(torch.int64)

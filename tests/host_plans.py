@@ -70,3 +70,16 @@ def resolved_rows(offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table
         page, pos = resolve_row(Int32(m), num_rows, offsets, cache_lengths, lookup_table, num_pages, page_size)
         out[m, 0] = page
         out[m, 1] = pos
+
+
+@cute.jit
+def fused_qkv_rope_tile(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor,
+                        output: cute.Tensor, blocks: cute.Tensor, freqs_cis: cute.Tensor, n0: Int32,
+                        threads: cutlass.Constexpr[int]):
+    """The fused-QKV epilogue's RoPE and store pass over one staged tile (``s_c``, rows resolved in ``s_page`` and
+    ``s_pos``), its threads run one after another (RoPE without bias or QK-norm: no barrier, no shuffle)."""
+    from cute_kv.kernels.qkv.epilogue import QKVEpilogueParams, qkv_store_tile
+
+    params = QKVEpilogueParams(output, blocks, s_page, s_page, s_page, Int32(0), None, freqs_cis)
+    for t in cutlass.range(threads):
+        qkv_store_tile(spec, s_c, s_page, s_pos, params, Int32(0), n0, t, threads, None)

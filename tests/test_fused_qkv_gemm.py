@@ -108,6 +108,31 @@ def test_fused_qkv_gemm_ptx(case, arch, tmp_path):
     assert "0 bytes stack frame" in report
 
 
+
+def _instructions(ptx: str) -> list[tuple[str, list[str]]]:
+    """``(opcode, operands)`` of every PTX instruction."""
+    out = []
+    for line in ptx.splitlines():
+        parts = line.strip().rstrip(";").split(None, 1)
+        if len(parts) == 2 and not parts[0].startswith((".", "//", "@", "$")):
+            out.append((parts[0], [o.strip() for o in parts[1].split(",")]))
+    return out
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_fp8_granule_amax_is_a_magnitude(arch):
+    """The lane's amax is a ``max.xorsign.abs`` chain, whose sign is the XOR of its operands' signs: it must pass
+    through ``abs`` before the lanes' plain max and the scale (a negative partial would lose to a smaller positive
+    one, and an all-negative granule would get the floor scale)."""
+    insts = _instructions(_ptx("fp8-scales-g64", arch))
+    signed = {ops[0] for op, ops in insts if "xorsign.abs" in op}
+    assert signed
+    for op, ops in insts:
+        if signed & set(ops[1:]):
+            assert "xorsign.abs" in op or op.startswith("abs."), (op, ops)
+
+
 def test_supported_shapes():
     base = dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
                 q_head_dim=128, has_bias=False, rope=None)

@@ -94,3 +94,35 @@ def test_rows_outside_the_cache_are_never_stored():
     want = [3] * 4 + [-1] * 14 + [-1, -1, 5] + [-1]  # request 1: positions 2^32-2, 2^32-1 (past the table), 0
     assert got[:, 0].tolist() == want
     assert got[:4, 1].tolist() == [0, 1, 2, 3] and got[20, 1] == 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_qkv_rope_reads_no_position_outside_the_table(interleaved):
+    """Unchecked positions (``validate=False``) at or past ``freqs_cis``'s rows, or negative as int32, read no row
+    outside the table (the rows around it here hold finite values such a read would use): what they would rotate
+    is NaN. Positions inside the table rotate as the reference does."""
+    from cute_kv import RopeConfig
+    from cute_kv.kernels.qkv.gemm import QKVSpec
+    from cute_kv.reference.rope import apply_rope
+    from numerics import rel_err
+
+    head, positions, bm, bn = 64, 100, 128, 128
+    spec = QKVSpec("bfloat16", bn, 2, 16, 1, head, head, False, (head, interleaved))  # a tile of two Q heads
+    g = torch.Generator().manual_seed(5)
+    staged = torch.randn(bm, bn, generator=g)
+    table = RopeConfig.from_theta(head, positions + 20).freqs_cis
+    rope = RopeConfig(table[10:10 + positions], interleaved)  # rows 10 before and after it: finite cos/sin
+    pos = torch.randint(0, positions, (bm,), generator=g, dtype=torch.int32)
+    outside = torch.tensor([5, 9, 11, 12])
+    pos[outside] = torch.tensor([positions, positions + 9, -3, -1], dtype=torch.int32)
+    out = torch.full((bm, bn), float("nan"), dtype=torch.bfloat16)
+    blocks = torch.zeros(1, 2, 1, 16, 1, head, dtype=torch.bfloat16)
+    no_page = torch.full((bm,), -1, dtype=torch.int32)
+    host_plans.fused_qkv_rope_tile(spec, from_dlpack(staged), from_dlpack(no_page), from_dlpack(pos),
+                                   from_dlpack(out), from_dlpack(blocks), from_dlpack(rope.freqs_cis), 0, 128)
+    inside = torch.ones(bm, dtype=torch.bool)
+    inside[outside] = False
+    want = apply_rope(staged.unflatten(1, (-1, head)), pos.clamp(0, positions - 1).long(), rope).flatten(1)
+    assert rel_err(out[inside].float(), want[inside]) < 1e-2
+    assert out[~inside].isnan().all()
+    assert not blocks.any()  # no row had a page

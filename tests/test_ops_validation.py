@@ -314,6 +314,21 @@ def test_empty_step_is_a_no_op(rng):
     check()
 
 
+
+def test_rows_without_requests_are_refused_unvalidated(rng):
+    """A batch of no requests has offsets ``[0]``: rows with it are a shape contradiction, refused even with
+    ``validate=False`` (the kernels would resolve every row to request 0, reading an empty ``cache_lengths``)."""
+    pb = random_paged_batch([], [], num_heads=2, head_size=16, page_size=16, generator=rng)
+    check = _untouched(pb.collection)
+    rows = torch.zeros(3, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="input_row_offsets has no requests"):
+        cute_kv.fused_qkv_matmul_kv_cache(torch.zeros(3, 32, dtype=torch.bfloat16), pb.input_row_offsets,
+                                          torch.ones(96, 32, dtype=torch.bfloat16), pb.collection, 0,
+                                          validate=False)
+    with pytest.raises(ValueError, match="input_row_offsets has no requests"):
+        cute_kv.store_kv(rows, rows, pb.input_row_offsets, pb.collection, 0, validate=False)
+    check()
+
 def test_entries_take_strided_inputs(rng):
     """Views (column slices, transposes) give bitwise the results of their contiguous copies."""
     pb, twin = _batch(rng), _batch(torch.Generator().manual_seed(0x5EED))

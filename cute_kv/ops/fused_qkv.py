@@ -40,6 +40,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     request's pages and lengths against the collection, RoPE positions against ``rope.freqs_cis``), so the caller
     guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked; a torch.compile
     trace skips the same checks. Rows whose page entry is not a page of the cache are never written by the kernel.
+    A RoPE position outside ``rope.freqs_cis`` reads no table row: the kernel makes the dims it rotates NaN.
     """
     _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate, qk_norm)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits

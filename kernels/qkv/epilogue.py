@@ -11,6 +11,7 @@ round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, lay
 Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_offsets``, page from the lookup
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
 written (``page = -1``): no input makes the kernel write outside ``output`` and ``blocks``.
+A RoPE position outside ``freqs_cis`` (unchecked metadata) reads no table row: the dims it would rotate become NaN.
 """
 
 from __future__ import annotations
@@ -279,17 +280,22 @@ def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s
     for r in cutlass.range(first_row, s_c.shape[0], rows_per_pass, unroll=1):
         cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (chunk.col // VEC,)), vals)
         if sign != 0.0:
-            freqs = cute.local_tile(params.freqs_cis[s_pos[r], None], (2 * pairs,), (freq0 // (2 * pairs),))
-            cute.autovec_copy(freqs, f)
-            if const_expr(interleaved):
-                for j in cutlass.range_constexpr(pairs):
-                    x, y = vals[2 * j], vals[2 * j + 1]
-                    vals[2 * j] = x * f[2 * j] - y * f[2 * j + 1]
-                    vals[2 * j + 1] = x * f[2 * j + 1] + y * f[2 * j]
+            pos = s_pos[r]
+            # Unchecked positions (validate=False) read no row outside the table: what they rotate becomes NaN.
+            if pos >= 0 and pos < params.freqs_cis.shape[0]:
+                freqs = cute.local_tile(params.freqs_cis[pos, None], (2 * pairs,), (freq0 // (2 * pairs),))
+                cute.autovec_copy(freqs, f)
+                if const_expr(interleaved):
+                    for j in cutlass.range_constexpr(pairs):
+                        x, y = vals[2 * j], vals[2 * j + 1]
+                        vals[2 * j] = x * f[2 * j] - y * f[2 * j + 1]
+                        vals[2 * j + 1] = x * f[2 * j + 1] + y * f[2 * j]
+                else:
+                    cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (partner // VEC,)), other)
+                    for e in cutlass.range_constexpr(VEC):
+                        vals[e] = vals[e] * f[2 * e] + sign * other[e] * f[2 * e + 1]
             else:
-                cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (partner // VEC,)), other)
-                for e in cutlass.range_constexpr(VEC):
-                    vals[e] = vals[e] * f[2 * e] + sign * other[e] * f[2 * e + 1]
+                vals.fill(float("nan"))
         _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
 
 
@@ -331,6 +337,9 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
         amax = Float32(0.0)
         for e in cutlass.range_constexpr(VEC):
             amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
+        # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
+        # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
+        amax = cute.math.absf(amax)
         offset = 1
         while const_expr(offset < granularity // VEC):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
