@@ -1,4 +1,5 @@
-"""Device-side FP8 scale decoding, bit for bit as torch decodes (the reference dequantizes with torch).
+"""Device-side FP8: e4m3 quantization with per-granule float32 scales, and e8m0 scale decoding, bit for bit as the
+reference (``reference/quant.py``) and torch do.
 
 float8_e8m0fnu holds a biased exponent ``e``: the scale is ``2^(e - 127)``, a float32 whose exponent field is ``e``,
 except for the two bytes a shift gets wrong: ``e = 0`` is ``2^-127`` (a float32 subnormal, not 0) and ``e = 255``
@@ -7,8 +8,13 @@ is NaN (not infinity).
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint32
+from cutlass import Float32, Uint32, const_expr
+
+VEC = 8  # values a lane quantizes: 16 bytes of 16-bit input, 8 bytes of e4m3 output
+FP8_E4M3_MAX = 448.0
+FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
 
 E8M0_MIN_BITS = 0x00400000  # 2^-127: torch's float32 for e8m0 byte 0
 E8M0_NAN_BITS = 0x7F800001  # torch's float32 for e8m0 byte 255
@@ -24,3 +30,34 @@ def e8m0_to_float32(e: Uint32) -> Float32:
     if e == 255:
         bits[0] = Uint32(E8M0_NAN_BITS)
     return cute.recast_tensor(bits, Float32)[0]
+
+
+@cute.jit
+def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
+    """``(e4m3 values, scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
+    ``granularity // 8`` aligned lanes holding the granule: ``scale = max(amax / 448, FLT_MIN)``, values
+    ``x / scale`` converted with saturation (``cvt.rn.satfinite``: NaN stays NaN, as in ``reference/quant.py``).
+    ``granularity == 0`` (no scales): the values themselves, saturated."""
+    out = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+    scale = Float32(1.0)
+    if const_expr(granularity == 0):
+        out.store(vals.load().to(cutlass.Float8E4M3FN))
+    else:
+        amax = Float32(0.0)
+        for e in cutlass.range_constexpr(VEC):
+            amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
+        # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
+        # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
+        amax = cute.math.absf(amax)
+        offset = 1
+        while const_expr(offset < granularity // VEC):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+            offset *= 2
+        scale = amax / Float32(FP8_E4M3_MAX)
+        if scale < Float32(FLT_MIN):  # false for NaN: it propagates
+            scale = Float32(FLT_MIN)
+        q = cute.make_rmem_tensor((VEC,), Float32)
+        for e in cutlass.range_constexpr(VEC):
+            q[e] = vals[e] / scale
+        out.store(q.load().to(cutlass.Float8E4M3FN))
+    return out, scale

@@ -28,12 +28,11 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.paged.ragged_rows import resolve_rows
+from cute_kv.kernels.quant import quantize_e4m3
 
 THREADS = 128
 VECS_PER_THREAD = 16  # vectors in flight per thread
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-FP8_E4M3_MAX = 448.0
-FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
 
 
 def quantizable(granularity: int, head_dim: int) -> bool:
@@ -149,20 +148,6 @@ class PagedKVStore:
     @cute.jit
     def quantize(self, frag: cute.Tensor):
         """``(e4m3 values, scale)`` of this lane's 8 values; the scale is shared by the granule's lanes."""
-        x = frag.load().to(Float32)
-        amax = Float32(0.0)
-        for e in cutlass.range_constexpr(self.vec):  # NaN-propagating max: a NaN makes the granule NaN, as in torch
-            amax = _max_nan(amax, _max_nan(x[e], -x[e]))
-        amax = cute.arch.warp_reduction(amax, _max_nan, threads_in_group=self.granularity // self.vec)
-        scale = _max_nan(amax / Float32(FP8_E4M3_MAX), Float32(FLT_MIN))
-        q = cute.make_rmem_tensor((self.vec,), Float32)
-        for e in cutlass.range_constexpr(self.vec):
-            q[e] = x[e] / scale
-        out = cute.make_rmem_tensor((self.vec,), self.dtype)
-        # cvt.rn.satfinite: past +-448 (infinity included) saturates like the reference's clamp, NaN stays NaN.
-        out.store(q.load().to(self.dtype))
-        return out, scale
-
-
-def _max_nan(a: Float32, b: Float32) -> Float32:
-    return cute.arch.fmax(a, b, nan=True)
+        vals = cute.make_rmem_tensor((self.vec,), Float32)
+        vals.store(frag.load().to(Float32))
+        return quantize_e4m3(vals, self.granularity)

@@ -27,10 +27,9 @@ from quack.cute_dsl_utils import ParamsBase, mlir_namedtuple
 from quack.epilogue.ops import EpiSmemBytes
 
 from cute_kv.kernels.paged.ragged_rows import resolve_row
+from cute_kv.kernels.quant import quantize_e4m3
 
 VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
-FP8_E4M3_MAX = 448.0
-FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 1 / scale stays finite
 C_PAD = 4  # fp32 words of padding per staged row: consecutive rows start on different banks
 
 
@@ -321,37 +320,6 @@ def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, 
                 if chunk.dim % spec.granularity == 0:
                     params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
                                   chunk.dim // spec.granularity] = scale
-
-
-@cute.jit
-def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
-    """``(e4m3 values, scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
-    ``granularity // 8`` aligned lanes holding the granule: ``scale = max(amax / 448, FLT_MIN)``, values
-    ``x / scale`` converted with saturation (``cvt.rn.satfinite``: NaN stays NaN, as in ``reference/quant.py``).
-    ``granularity == 0`` (no scales): the values themselves, saturated."""
-    out = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
-    scale = Float32(1.0)
-    if const_expr(granularity == 0):
-        out.store(vals.load().to(cutlass.Float8E4M3FN))
-    else:
-        amax = Float32(0.0)
-        for e in cutlass.range_constexpr(VEC):
-            amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
-        # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
-        # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
-        amax = cute.math.absf(amax)
-        offset = 1
-        while const_expr(offset < granularity // VEC):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
-            offset *= 2
-        scale = amax / Float32(FP8_E4M3_MAX)
-        if scale < Float32(FLT_MIN):  # false for NaN: it propagates
-            scale = Float32(FLT_MIN)
-        q = cute.make_rmem_tensor((VEC,), Float32)
-        for e in cutlass.range_constexpr(VEC):
-            q[e] = vals[e] / scale
-        out.store(q.load().to(cutlass.Float8E4M3FN))
-    return out, scale
 
 
 @cute.jit
