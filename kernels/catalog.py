@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90
+from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
 from cute_kv.kernels.cache import gather, store
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -95,6 +95,16 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
 ]
+ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling the key tile take gather4
+    ("bfloat16", 32, 8, 128, 128, 2, True),
+    ("bfloat16", 32, 8, 128, 16, 2, True),
+    ("bfloat16", 8, 2, 64, 16, 2, True),
+    ("float16", 32, 2, 256, 64, 2, True),
+    ("bfloat16", 8, 2, 128, 4, 2, False),  # gather4
+    ("bfloat16", 64, 8, 128, 32, 2, True, True, True, True),  # soft-cap, sinks, lse
+    ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 32),
+    ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
+]
 COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256)]
 
 
@@ -150,6 +160,11 @@ FAMILIES = [
              lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build()) for arch in ARCHS),
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
            _attention_plan, head_dim=lambda k: k.head_dim,
+           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
+    Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),
+           # Warps in roles (softmax, MMA, load; fp8: converters); all of tensor memory and the DSL-sized rings:
+           # one CTA per SM.
+           lambda k: Plan(k.threads, None, 1), head_dim=lambda k: k.head_dim,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
     Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
 ]
