@@ -9,7 +9,7 @@ from cutlass import Int32, Uint32
 
 from cute_kv.kernels.attention.operand import DenseMHAOperand
 from cute_kv.kernels.paged import tma_tiles
-from cute_kv.kernels.paged.ragged_rows import resolve_row
+from cute_kv.kernels.paged.ragged_rows import request_rows, resolve_row
 from cute_kv.kernels.quant import e8m0_to_float32
 
 
@@ -70,3 +70,12 @@ def resolved_rows(offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table
         page, pos = resolve_row(Int32(m), num_rows, offsets, cache_lengths, lookup_table, num_pages, page_size)
         out[m, 0] = page
         out[m, 1] = pos
+
+
+@cute.jit
+def attention_request_rows(offsets: cute.Tensor, out: cute.Tensor, num_rows: Int32):
+    """``out[b] = (first row, row count)`` of each request as the attention kernels bound them to the step's rows."""
+    for b in cutlass.range(out.shape[0]):
+        start, count = request_rows(offsets, Int32(b), num_rows)
+        out[b, 0] = start
+        out[b, 1] = count

@@ -94,3 +94,20 @@ def test_rows_outside_the_cache_are_never_stored():
     want = [3] * 4 + [-1] * 14 + [-1, -1, 5] + [-1]  # request 1: positions 2^32-2, 2^32-1 (past the table), 0
     assert got[:, 0].tolist() == want
     assert got[:4, 1].tolist() == [0, 1, 2, 3] and got[20, 1] == 0
+
+
+def test_attention_rows_stay_inside_the_step():
+    """Unchecked offsets (validate=False): a request past the step's rows, decreasing offsets and offsets of 2^31 or
+    more (negative as int32) give the attention kernels fewer or no rows, never a row of q or the output past T."""
+    t = 8
+    offsets = torch.tensor([0, 3, 2, 10, 0x80000000, 12, 0xFFFFFFFF, 5], dtype=torch.int64).to(torch.uint32)
+    got = torch.full((offsets.numel() - 1, 2), -7, dtype=torch.int32)
+    host_plans.attention_request_rows(from_dlpack(offsets.view(torch.int32)), from_dlpack(got), t)
+    assert got.tolist() == [[0, 3], [3, 0], [2, 6], [8, 0], [8, 0], [8, 0], [8, 0]]
+    starts, counts = got.T
+    assert bool(((starts >= 0) & (counts >= 0) & (starts + counts <= t)).all())
+    # well-formed offsets are untouched
+    good = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    got = torch.zeros((3, 2), dtype=torch.int32)
+    host_plans.attention_request_rows(from_dlpack(good), from_dlpack(got), t)
+    assert got.tolist() == [[0, 3], [3, 0], [3, 5]]

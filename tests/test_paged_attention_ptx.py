@@ -140,6 +140,13 @@ def test_one_tma_per_page_slot(compiled):
     assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes * sites
 
 
+def test_request_rows_bounded_by_q(compiled):
+    """Unchecked offsets (validate=False) cannot send a request's rows past ``q``/``out``: the kernel reads q's row
+    count (parameter 6, its shape at byte 8), which it otherwise never needs (``request_rows``)."""
+    _, ptx, _ = compiled
+    assert re.search(r"ld\.param\.b32\s+%r\d+, \[\w+_param_6\+8\];", ptx)
+
+
 PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
 
 

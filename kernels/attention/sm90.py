@@ -47,6 +47,7 @@ from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.ragged_rows import request_rows
 
 WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
@@ -194,8 +195,7 @@ class PagedAttention:
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
-        q_start = Int32(input_row_offsets[b])
-        seq_len = Int32(input_row_offsets[b + 1]) - q_start
+        q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
         m0 = m_block * BM
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
