@@ -223,6 +223,8 @@ class PagedAttention:
             smem = SmemAllocator()
             mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
             mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
+            if cutlass.const_expr(self.kv_fp8):  # every barrier before the tiles: one alignment slack (``tiling``)
+                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
             sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
             ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
@@ -234,7 +236,6 @@ class PagedAttention:
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
             if cutlass.const_expr(self.kv_fp8):
                 # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
-                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
                 ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
                                                           stages=self.fp8_stages)
                 ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
