@@ -227,7 +227,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -262,16 +262,20 @@ def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0:
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True) -> tuple[int, int]:
+def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True,
+                 window: Optional[int] = None) -> tuple[int, int]:
     """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
     run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
     query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest
-    leaves the shortest with empty splits."""
+    leaves the shortest with empty splits. A sliding window bounds the keys a block sees (the window and its tokens)
+    whatever the context, so the splits are fit to those tiles."""
     c = collection
     m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // bm)
     if causal and m_blocks > 1:
         return m_blocks, 1
     key_tiles = -(-c.max_cache_length // bn)
+    if window is not None:  # window + tokens - 1 keys, one tile more where they start inside one
+        key_tiles = min(key_tiles, -(-(window + c.max_seq_length - 1) // bn) + 1)
     return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
 
 
