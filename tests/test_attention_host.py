@@ -59,6 +59,21 @@ def test_window_bounds_the_splits():
         tiles = 32000 // 128 - (32000 - window + 1) // 128 + 1  # the tiles the one block sees
         assert m_blocks == 1 and 1 <= splits and (splits - 1) * -(-tiles // splits) < tiles  # none empty
 
+
+def test_more_requests_than_the_grid_holds_run_the_reference():
+    """The kernels' grid has one z index per request and CUDA allows 65535: a larger batch would fail at launch."""
+    from unittest import mock
+
+    pb = random_paged_batch([5, 40], [3, 1], num_heads=2, head_size=128, page_size=16,
+                            generator=torch.Generator().manual_seed(0))
+    q = torch.zeros(pb.total_rows, 8, 128, dtype=torch.bfloat16)
+    assert plan(pb.collection, q, "sm_90a").path == "kernel"
+    for batch, path in ((65535, "kernel"), (65536, "reference")):
+        with mock.patch.object(type(pb.collection), "batch_size", new_callable=mock.PropertyMock, return_value=batch):
+            for arch in ("sm_90a", "sm_100a"):
+                got = plan(pb.collection, q, arch)
+                assert got.path == path and (path == "kernel" or "65535" in got.reason)
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -19,6 +19,7 @@ from cute_kv.validate import check_activation, check_step, check_tensor, uint32_
 OP = "paged_attention"
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
+MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the attention kernels' request index
 SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue and combine share
 
 
@@ -152,6 +153,9 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
         return fallback("a non-positive scale without soft-cap (the kernels track the max of unscaled scores)")
     if c.is_mla:
         return fallback("MLA caches have no attention kernel yet")
+    if c.batch_size > MAX_GRID_Z:
+        return fallback(f"{c.batch_size} requests exceed the kernels' grid (one z index per request, at most "
+                        f"{MAX_GRID_Z})")
     if q_dtype_name not in DTYPE_NAMES:
         return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
