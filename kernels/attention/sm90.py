@@ -402,10 +402,11 @@ class PagedAttention:
         """The scale of ``(row, kv_head, granule)`` of the ``[rows, H, G]`` scale view: its offset computed in 64 bits
         (rows x H x G passes 2^31 in a large cache). e8m0 bits decode as torch does (``kernels/quant.py``). A row
         outside the view (a lookup entry that is not a page, validate=False) is not read: its scale is 0."""
+        per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
+        offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
         scale = Float32(0.0)
-        if row >= 0 and row < cute.size(scales, mode=[0]):
-            per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
-            offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
+        # the bound in 64 bits too: on the row, the compiler would narrow the offset math to 32 bits
+        if offset >= 0 and offset < Int64(cute.size(scales, mode=[0])) * per_row:
             value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
             if cutlass.const_expr(self.e8m0_scales):
                 scale = e8m0_to_float32(Uint32(value))
