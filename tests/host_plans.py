@@ -7,9 +7,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
-from cute_kv.kernels.attention.operand import DenseMHAOperand
+from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.paged import tma_tiles
-from cute_kv.kernels.paged.ragged_rows import resolve_row
+from cute_kv.kernels.paged.ragged_rows import request_rows, resolve_row
 from cute_kv.kernels.quant import e8m0_to_float32
 
 
@@ -83,3 +84,34 @@ def fused_qkv_rope_tile(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.
     params = QKVEpilogueParams(output, blocks, s_page, s_page, s_page, Int32(0), None, freqs_cis)
     for t in cutlass.range(threads):
         qkv_store_tile(spec, s_c, s_page, s_pos, params, Int32(0), n0, t, threads, None)
+
+
+@cute.jit
+def attention_request_rows(offsets: cute.Tensor, out: cute.Tensor, num_rows: Int32):
+    """``out[b] = (first row, row count)`` of each request as the attention kernels bound them to the step's rows."""
+    for b in cutlass.range(out.shape[0]):
+        start, count = request_rows(offsets, Int32(b), num_rows)
+        out[b, 0] = start
+        out[b, 1] = count
+
+
+@cute.jit
+def attention_tile_rows(lookup_table: cute.Tensor, out: cute.Tensor, b: Int32, base: Int32, num_keys: Int32,
+                        rows_per_page: Int32, oob_row: Int32, bn: cutlass.Constexpr[int],
+                        page_size: cutlass.Constexpr[int], lut_vector: cutlass.Constexpr[bool]):
+    """``out``: the rows of the ``bn``-key tile at key ``base`` of request ``b`` as the attention kernels'
+    ``populate`` gives them (``oob_row``: a slot TMA zero-fills, whose lookup entry is not read)."""
+    op = KVCacheMHAOperand(0, page_size, bn, lut_vector)
+    rows = cute.make_rmem_tensor((op.copies_per_tile,), Int32)
+    op.populate(rows, lookup_table, b, base, num_keys, rows_per_page, oob_row)
+    for i in cutlass.range_constexpr(op.copies_per_tile):
+        out[i] = rows[i]
+
+
+@cute.jit
+def attention_scales(scales: cute.Tensor, rows: cute.Tensor, out: cute.Tensor, count: cutlass.Constexpr[int],
+                     granularity: cutlass.Constexpr[int]):
+    """``out[i]``: the SM90 kernel's scale of ``(rows[i], head 1, granule 0)`` of the ``[rows, H, G]`` view."""
+    kernel = PagedAttention("bfloat16", 2, 2, 64, 16, kv_dtype_name="float8_e4m3fn", granularity=granularity)
+    for i in cutlass.range_constexpr(count):
+        out[i] = kernel.scale_of(scales, rows[i], Int32(1), Int32(0))

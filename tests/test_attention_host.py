@@ -47,6 +47,33 @@ def test_causal_prefill_of_several_blocks_does_not_split():
     assert m_blocks == 10 and splits > 1
 
 
+
+def test_window_bounds_the_splits():
+    """A 32k-key decode under a 128-key window sees two tiles per block: it is not split the many ways the context
+    length alone would say (all but one or two splits empty, and a combine over all of them); no split is empty."""
+    gen = torch.Generator().manual_seed(1)
+    pb = random_paged_batch([32000], [1], num_heads=1, head_size=64, page_size=128, generator=gen)
+    assert launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True)[1] >= 16
+    for window in (128, 1000):
+        m_blocks, splits = launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True, window=window)
+        tiles = 32000 // 128 - (32000 - window + 1) // 128 + 1  # the tiles the one block sees
+        assert m_blocks == 1 and 1 <= splits and (splits - 1) * -(-tiles // splits) < tiles  # none empty
+
+
+def test_more_requests_than_the_grid_holds_run_the_reference():
+    """The kernels' grid has one z index per request and CUDA allows 65535: a larger batch would fail at launch."""
+    from unittest import mock
+
+    pb = random_paged_batch([5, 40], [3, 1], num_heads=2, head_size=128, page_size=16,
+                            generator=torch.Generator().manual_seed(0))
+    q = torch.zeros(pb.total_rows, 8, 128, dtype=torch.bfloat16)
+    assert plan(pb.collection, q, "sm_90a").path == "kernel"
+    for batch, path in ((65535, "kernel"), (65536, "reference")):
+        with mock.patch.object(type(pb.collection), "batch_size", new_callable=mock.PropertyMock, return_value=batch):
+            for arch in ("sm_90a", "sm_100a"):
+                got = plan(pb.collection, q, arch)
+                assert got.path == path and (path == "kernel" or "65535" in got.reason)
+
 FP8 = torch.float8_e4m3fn
 
 

@@ -112,7 +112,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
     win = window_arg(window)
-    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal)
+    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal, window)
     splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
     lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)

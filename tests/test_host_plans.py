@@ -126,3 +126,49 @@ def test_fused_qkv_rope_reads_no_position_outside_the_table(interleaved):
     assert rel_err(out[inside].float(), want[inside]) < 1e-2
     assert out[~inside].isnan().all()
     assert not blocks.any()  # no row had a page
+
+
+def test_attention_rows_stay_inside_the_step():
+    """Unchecked offsets (validate=False): a request past the step's rows, decreasing offsets and offsets of 2^31 or
+    more (negative as int32) give the attention kernels fewer or no rows, never a row of q or the output past T."""
+    t = 8
+    offsets = torch.tensor([0, 3, 2, 10, 0x80000000, 12, 0xFFFFFFFF, 5], dtype=torch.int64).to(torch.uint32)
+    got = torch.full((offsets.numel() - 1, 2), -7, dtype=torch.int32)
+    host_plans.attention_request_rows(from_dlpack(offsets.view(torch.int32)), from_dlpack(got), t)
+    assert got.tolist() == [[0, 3], [3, 0], [2, 6], [8, 0], [8, 0], [8, 0], [8, 0]]
+    starts, counts = got.T
+    assert bool(((starts >= 0) & (counts >= 0) & (starts + counts <= t)).all())
+    # well-formed offsets are untouched
+    good = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    got = torch.zeros((3, 2), dtype=torch.int32)
+    host_plans.attention_request_rows(from_dlpack(good), from_dlpack(got), t)
+    assert got.tolist() == [[0, 3], [3, 0], [3, 5]]
+
+
+@pytest.mark.parametrize("lut_vector", [True, False])
+def test_attention_tiles_never_read_past_the_lookup_row(lut_vector):
+    """Unchecked lengths (validate=False): a tile slot whose column lies past the lookup table's row gets the
+    out-of-bounds row (TMA zero-fills it) and the entries past the row (here the next columns of a wider buffer) are
+    not read; slots inside the row read their entries."""
+    cols, p, bn, rpp, oob = 4, 16, 64, 48, 10_000
+    buf = torch.full((2, 2 * cols), 7, dtype=torch.int32)  # 7: what lies past each row
+    buf[:, :cols] = torch.tensor([[2, 0, 3, 1], [1, 3, 0, 2]])
+    lut = buf[:, :cols]
+    got = torch.zeros(bn // p, dtype=torch.int32)
+    for b, base, keys, want in ((1, 0, 500, [1, 3, 0, 2]), (1, 64, 500, [oob] * 4), (0, 64, 500, [oob] * 4),
+                                (0, 0, 40, [2, 0, 3, oob])):
+        host_plans.attention_tile_rows(from_dlpack(lut), from_dlpack(got), b, base, keys, rpp, oob, bn, p, lut_vector)
+        assert got.tolist() == [r if r == oob else r * rpp for r in want], (b, base, keys)
+
+
+def test_attention_scales_of_rows_outside_the_view_are_not_read():
+    """fp8 dequantization: a row that is not in the scale view (an unchecked lookup entry that is not a page, its
+    row product wrapped negative or past the view) reads no scale and gets 0; rows inside read theirs."""
+    rows, h, g = 6, 2, 4
+    buf = torch.full((3 * rows, h, g), 99.0)  # 99: what lies before and after the view
+    view = buf[rows:2 * rows]
+    view.copy_(torch.arange(rows * h * g, dtype=torch.float32).reshape(rows, h, g))
+    which = torch.tensor([0, 5, 6, 11, -1, -6, -2**31], dtype=torch.int32)
+    got = torch.full((which.numel(),), -1.0)
+    host_plans.attention_scales(from_dlpack(view), from_dlpack(which), from_dlpack(got), which.numel(), 64 // g)
+    assert got.tolist() == [float(0 * h * g + g), float(5 * h * g + g)] + [0.0] * 5

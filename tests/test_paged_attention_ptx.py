@@ -140,6 +140,27 @@ def test_one_tma_per_page_slot(compiled):
     assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes * sites
 
 
+def test_request_rows_bounded_by_q(compiled):
+    """Unchecked offsets (validate=False) cannot send a request's rows past ``q``/``out``: the kernel reads q's row
+    count (parameter 6, its shape at byte 8), which it otherwise never needs (``request_rows``)."""
+    _, ptx, _ = compiled
+    assert re.search(r"ld\.param\.b32\s+%r\d+, \[\w+_param_6\+8\];", ptx)
+
+
+def test_shared_memory_within_the_launch(compiled):
+    """The barriers come first (the one alignment slack ``tiling`` counts) and the last ring ends within
+    ``smem_bytes()``, what the launch requests: the TMA copies of stage 0 write at immediate offsets from the
+    shared-memory base, the last of them one box before that ring's first stage ends."""
+    kernel, ptx, _ = compiled
+    inits = [int(x or 0) for x in re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+(\d+))?\]", ptx)]
+    assert inits and max(inits) < 1024
+    dests = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx)
+    width = kernel.k_op.rows_per_copy * min(128, kernel.head_dim * kernel.kv_dtype.width // 8)  # one box's bytes
+    stages = kernel.fp8_stages if kernel.kv_fp8 else kernel.stages
+    stage_bytes = kernel.bn * kernel.head_dim * kernel.kv_dtype.width // 8
+    assert max(map(int, dests)) + width + (stages - 1) * stage_bytes <= kernel.smem_bytes()
+
+
 PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
 
 

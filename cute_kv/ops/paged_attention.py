@@ -19,6 +19,7 @@ from cute_kv.validate import check_activation, check_step, check_tensor, uint32_
 OP = "paged_attention"
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
+MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the attention kernels' request index
 SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue and combine share
 
 
@@ -152,6 +153,9 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
         return fallback("a non-positive scale without soft-cap (the kernels track the max of unscaled scores)")
     if c.is_mla:
         return fallback("MLA caches have no attention kernel yet")
+    if c.batch_size > MAX_GRID_Z:
+        return fallback(f"{c.batch_size} requests exceed the kernels' grid (one z index per request, at most "
+                        f"{MAX_GRID_Z})")
     if q_dtype_name not in DTYPE_NAMES:
         return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
@@ -227,7 +231,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
         scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -262,16 +266,20 @@ def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0:
     return scales.view(torch.uint8) if e8m0 else scales
 
 
-def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True) -> tuple[int, int]:
+def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True,
+                 window: Optional[int] = None) -> tuple[int, int]:
     """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
     run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
     query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest
-    leaves the shortest with empty splits."""
+    leaves the shortest with empty splits. A sliding window bounds the keys a block sees (the window and its tokens)
+    whatever the context, so the splits are fit to those tiles."""
     c = collection
     m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // bm)
     if causal and m_blocks > 1:
         return m_blocks, 1
     key_tiles = -(-c.max_cache_length // bn)
+    if window is not None:  # window + tokens - 1 keys, one tile more where they start inside one
+        key_tiles = min(key_tiles, -(-(window + c.max_seq_length - 1) // bn) + 1)
     return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
 
 

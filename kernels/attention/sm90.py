@@ -47,6 +47,7 @@ from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.ragged_rows import request_rows
 
 WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
@@ -194,8 +195,7 @@ class PagedAttention:
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
-        q_start = Int32(input_row_offsets[b])
-        seq_len = Int32(input_row_offsets[b + 1]) - q_start
+        q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
         m0 = m_block * BM
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -223,6 +223,8 @@ class PagedAttention:
             smem = SmemAllocator()
             mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
             mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
+            if cutlass.const_expr(self.kv_fp8):  # every barrier before the tiles: one alignment slack (``tiling``)
+                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
             sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
             ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
@@ -234,7 +236,6 @@ class PagedAttention:
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
             if cutlass.const_expr(self.kv_fp8):
                 # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
-                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
                 ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
                                                           stages=self.fp8_stages)
                 ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
@@ -399,15 +400,18 @@ class PagedAttention:
     @cute.jit
     def scale_of(self, scales: cute.Tensor, row: Int32, kv_head: Int32, granule: Int32) -> Float32:
         """The scale of ``(row, kv_head, granule)`` of the ``[rows, H, G]`` scale view: its offset computed in 64 bits
-        (rows x H x G passes 2^31 in a large cache). e8m0 bits decode as torch does (``kernels/quant.py``)."""
+        (rows x H x G passes 2^31 in a large cache). e8m0 bits decode as torch does (``kernels/quant.py``). A row
+        outside the view (a lookup entry that is not a page, validate=False) is not read: its scale is 0."""
         per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
         offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
-        value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
         scale = Float32(0.0)
-        if cutlass.const_expr(self.e8m0_scales):
-            scale = e8m0_to_float32(Uint32(value))
-        else:
-            scale = Float32(value)
+        # the bound in 64 bits too: on the row, the compiler would narrow the offset math to 32 bits
+        if offset >= 0 and offset < Int64(cute.size(scales, mode=[0])) * per_row:
+            value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
+            if cutlass.const_expr(self.e8m0_scales):
+                scale = e8m0_to_float32(Uint32(value))
+            else:
+                scale = Float32(value)
         return scale
 
     @cute.jit

@@ -29,10 +29,11 @@ def populate(rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, bas
     ``base_kv_row`` is a multiple of it (MAX's ``start_column_alignment``); a multi-page tile needs it ``>= P``
     (its first token starts a page), and the lookup table's row stride must be a multiple of the vector width.
 
-    With ``num_tokens`` (the request's length), a page slot starting at or past it gets ``oob_row`` (a row past the
-    descriptor, which TMA zero-fills) and its lookup entries are not read: a tile's last pages may lie past the
-    pages the request owns, or past the end of the lookup table's row. A vector is read when its first entry is
-    needed, so the row length must then be a multiple of the vector width too.
+    With ``num_tokens`` (the request's length), a page slot starting at or past it, or whose column lies past the
+    lookup table's row (unchecked lengths), gets ``oob_row`` (a row past the descriptor, which TMA zero-fills) and its
+    lookup entries are not read: a tile's last pages may lie past the pages the request owns, or past the end of the
+    lookup table's row. A vector is read when its first entry is needed, so the row length must then be a multiple
+    of the vector width too.
     """
     eff_page, num_pages = tile_geometry(bn, page_size)
     lut = lookup_table[batch_idx, None]
@@ -42,7 +43,7 @@ def populate(rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, bas
             rows[0] = _page_row(lut, first, rows_per_page, base_kv_row, page_size, base_alignment)
         else:
             rows[0] = oob_row
-            if base_kv_row < num_tokens:
+            if base_kv_row < num_tokens and first < lut.shape[0]:
                 rows[0] = _page_row(lut, first, rows_per_page, base_kv_row, page_size, base_alignment)
     else:
         if cutlass.const_expr(base_alignment < page_size):
@@ -55,7 +56,7 @@ def populate(rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, bas
             else:
                 for i in cutlass.range_constexpr(chunk):
                     rows[c * chunk + i] = oob_row
-                if base_kv_row + c * chunk * page_size < num_tokens:
+                if base_kv_row + c * chunk * page_size < num_tokens and first + c * chunk < lut.shape[0]:
                     _read_vector(rows, lut, first, c, chunk, rows_per_page)
                     for i in cutlass.range_constexpr(chunk):
                         if base_kv_row + (c * chunk + i) * page_size >= num_tokens:

@@ -32,6 +32,22 @@ def request_of_row(m: Int32, input_row_offsets: cute.Tensor, batch: Int32) -> In
 
 
 @cute.jit
+def request_rows(input_row_offsets: cute.Tensor, b: Int32, num_rows: Int32):
+    """``(first row, row count)`` of request ``b``'s new tokens for a kernel that walks requests (attention), kept
+    inside the step's ``num_rows`` rows: unchecked offsets (past the rows, decreasing, 2^31 or more, which the DSL's
+    signed compares read as negative) give fewer or no rows, never rows past ``q`` or the output."""
+    start = Int32(input_row_offsets[b])
+    end = Int32(input_row_offsets[b + 1])
+    if start < 0 or start > num_rows:
+        start = num_rows
+    if end < start:
+        end = start
+    if end > num_rows:
+        end = num_rows
+    return start, end - start
+
+
+@cute.jit
 def resolve_row(m: Int32, num_rows: Int32, input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
                 lookup_table: cute.Tensor, num_pages: Int32, page_size: cutlass.Constexpr[int]):
     """``(page, pos)`` of step row ``m``: its slot is ``pos % page_size``, and the position is also what RoPE needs.
