@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 VEC = 8  # values a lane quantizes: 16 bytes of 16-bit input, 8 bytes of e4m3 output
 FP8_E4M3_MAX = 448.0
@@ -61,3 +61,22 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
             q[e] = vals[e] / scale
         out.store(q.load().to(cutlass.Float8E4M3FN))
     return out, scale
+
+
+@cute.jit
+def granule_scale(scales: cute.Tensor, row: Int32, kv_head: Int32, granule: Int32,
+                  e8m0: cutlass.Constexpr[bool]) -> Float32:
+    """The scale of ``(row, kv_head, granule)`` of a ``[rows, H, G]`` scale view (float32, or e8m0 bytes decoded as
+    torch does). The offset is computed in 64 bits (rows x H x G passes 2^31 in a large cache) and bounded in 64
+    bits (on the row alone the compiler narrows the offset math to 32 bits): a row outside the view, from a lookup
+    entry that is not a page under unchecked metadata, is not read and scales by 0."""
+    per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
+    offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
+    scale = Float32(0.0)
+    if offset >= 0 and offset < Int64(cute.size(scales, mode=[0])) * per_row:
+        value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
+        if const_expr(e8m0):
+            scale = e8m0_to_float32(Uint32(value))
+        else:
+            scale = Float32(value)
+    return scale

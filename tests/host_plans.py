@@ -8,10 +8,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Uint32
 
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
-from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows, resolve_row
-from cute_kv.kernels.quant import e8m0_to_float32
+from cute_kv.kernels.quant import e8m0_to_float32, granule_scale
 
 
 @cute.jit
@@ -109,9 +108,8 @@ def attention_tile_rows(lookup_table: cute.Tensor, out: cute.Tensor, b: Int32, b
 
 
 @cute.jit
-def attention_scales(scales: cute.Tensor, rows: cute.Tensor, out: cute.Tensor, count: cutlass.Constexpr[int],
-                     granularity: cutlass.Constexpr[int]):
-    """``out[i]``: the SM90 kernel's scale of ``(rows[i], head 1, granule 0)`` of the ``[rows, H, G]`` view."""
-    kernel = PagedAttention("bfloat16", 2, 2, 64, 16, kv_dtype_name="float8_e4m3fn", granularity=granularity)
+def attention_scales(scales: cute.Tensor, rows: cute.Tensor, out: cute.Tensor, count: cutlass.Constexpr[int]):
+    """``out[i]``: the attention kernels' float32 scale of ``(rows[i], head 1, granule 0)`` of the ``[rows, H, G]``
+    view (``quant.granule_scale``)."""
     for i in cutlass.range_constexpr(count):
-        out[i] = kernel.scale_of(scales, rows[i], Int32(1), Int32(0))
+        out[i] = granule_scale(scales, rows[i], Int32(1), Int32(0), False)

@@ -182,7 +182,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     bn = key_tile(d)
     score_scale, cap_log2 = score_args(d, scale, softcap)
     win = window_arg(window)
-    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal)
+    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window)
     splits = force_splits or splits
     o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
     lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
@@ -456,7 +456,7 @@ def test_sm100_flags_match_the_oracle(splits, monkeypatch):
     q = (2 * torch.randn(pb.total_rows, 8, 128, generator=gen)).to(torch.bfloat16)
     sinks = torch.randn(8, generator=gen)
     monkeypatch.setattr(entry, "launch_shape_sm100",
-                        lambda c, hq, slots, causal=True: (-(-c.max_seq_length * 4 // BM), splits))
+                        lambda c, hq, slots, causal=True, window=None: (-(-c.max_seq_length * 4 // BM), splits))
     key = _plan_key(pb.collection, q.cuda(), softcap=20.0, sinks=sinks.cuda(), return_lse=True)
     run = entry.launcher_sm100(key, "sm_100a")
     out = torch.full((pb.total_rows, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -467,3 +467,20 @@ def test_sm100_flags_match_the_oracle(splits, monkeypatch):
     want, want_lse = oracle(q, cpu, 0, softcap=20.0, sinks=sinks)
     assert rel_err(out.cpu().double(), want) < 2e-2
     assert (lse.cpu().double() - want_lse).abs().max() < 1e-2
+
+
+@pytest.mark.compile
+def test_sm100_fp8_scales_decode_and_bound_as_torch():
+    """e8m0 bytes 0 and 255 decode to torch's float32 bits (2^-127, NaN 0x7F800001), and every scale read is bounded
+    by the scale view in 64 bits (one shared helper with SM90: ``quant.granule_scale``)."""
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+    from cute_kv.kernels.quant import E8M0_MIN_BITS, E8M0_NAN_BITS
+
+    kernel = PagedAttentionSm100("float16", 8, 1, 256, 128, kv_dtype_name="float8_e4m3fn", granularity=64,
+                                 e8m0_scales=True)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    loads = len(re.findall(r"ld\.global\.(?:nc\.)?[ub]8", ptx))
+    assert loads and all(ptx.count(f"0f{bits:08X}") == loads for bits in (E8M0_MIN_BITS, E8M0_NAN_BITS))
+    assert "0f7FC00000" not in ptx
+    assert len(re.findall(r"setp\.\w+\.s64", ptx)) >= loads  # offset >= 0 and < rows * H * G, per read

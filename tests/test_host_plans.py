@@ -170,5 +170,5 @@ def test_attention_scales_of_rows_outside_the_view_are_not_read():
     view.copy_(torch.arange(rows * h * g, dtype=torch.float32).reshape(rows, h, g))
     which = torch.tensor([0, 5, 6, 11, -1, -6, -2**31], dtype=torch.int32)
     got = torch.full((which.numel(),), -1.0)
-    host_plans.attention_scales(from_dlpack(view), from_dlpack(which), from_dlpack(got), which.numel(), 64 // g)
+    host_plans.attention_scales(from_dlpack(view), from_dlpack(which), from_dlpack(got), which.numel())
     assert got.tolist() == [float(0 * h * g + g), float(5 * h * g + g)] + [0.0] * 5

@@ -41,12 +41,13 @@ def plan_sm100(collection, q, granularity: Optional[int], softcap: bool, sinks: 
     return paths.kernel(OP, "PagedAttentionSm100", key, "sm_100a")
 
 
-def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True) -> tuple[int, int]:
+def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True,
+                       window: Optional[int] = None) -> tuple[int, int]:
     """``(m_blocks, splits)`` of ``paged_attention.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM,
     a CTA takes all of its tensor memory)."""
     from cute_kv.ops.paged_attention import launch_shape
 
-    return launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal)
+    return launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window)
 
 
 def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
@@ -73,7 +74,7 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape_sm100(c, hq, sm_count(q.device), causal)
+        m_blocks, splits = launch_shape_sm100(c, hq, sm_count(q.device), causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
         lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d)[1][0]

@@ -49,6 +49,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.ragged_rows import request_rows
+from cute_kv.kernels.quant import granule_scale
 
 SOFTMAX_THREADS = 128  # warps 0-3
 MMA_WARP = 4
@@ -200,8 +202,7 @@ class PagedAttentionSm100:
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
-        q_start = Int32(input_row_offsets[b])
-        seq_len = Int32(input_row_offsets[b + 1]) - q_start
+        q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
         m0 = m_block * BM
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -610,29 +611,10 @@ class PagedAttentionSm100:
                 cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
                 x = raw.load().to(Float32)
                 if cutlass.const_expr(scales is not None):
-                    row = Int64(rows[r // per_copy] + r % per_copy)
-                    g = scales.shape[2]
-                    flat = cute.make_tensor(scales.iterator + (row * (scales.shape[1] * g) + kv_head * g
-                                                               + c * VEC // self.granularity), cute.make_layout(1))
-                    scale = self.decode_scale(flat[0])
-                    x = x * scale
+                    x = x * granule_scale(scales, rows[r // per_copy] + r % per_copy, kv_head,
+                                          c * VEC // self.granularity, self.e8m0_scales)
                 vals.store(x.to(self.dtype))
             cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
-
-    @cute.jit
-    def decode_scale(self, scale) -> Float32:
-        """A float32 scale as is; an e8m0 byte as torch decodes float8_e8m0fnu: ``2^(e - 127)``, 0 -> 2^-127 (a
-        float32 subnormal), 255 -> NaN."""
-        if cutlass.const_expr(not self.e8m0_scales):
-            return scale
-        bits = cute.make_rmem_tensor((1,), Uint32)
-        e = Uint32(scale)
-        bits[0] = e << 23
-        if e == 0:
-            bits[0] = Uint32(0x00400000)
-        if e == 255:
-            bits[0] = Uint32(0x7FC00000)
-        return cute.recast_tensor(bits, Float32)[0]
 
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):

@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels.quant import e8m0_to_float32
+from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
@@ -393,26 +393,9 @@ class PagedAttention:
                 if cutlass.const_expr(scales is not None):
                     # the pass's page slot is known here: no dynamic index into the rows registers
                     row = rows[j * step // per_copy] + j * step % per_copy + tidx // chunks
-                    x = x * self.scale_of(scales, row, kv_head, c * VEC // self.granularity)
+                    x = x * granule_scale(scales, row, kv_head, c * VEC // self.granularity, self.e8m0_scales)
                 vals.store(x.to(self.dtype))
             cute.autovec_copy(vals, cute.local_tile(ring[r, None, stage], (VEC,), (c,)))
-
-    @cute.jit
-    def scale_of(self, scales: cute.Tensor, row: Int32, kv_head: Int32, granule: Int32) -> Float32:
-        """The scale of ``(row, kv_head, granule)`` of the ``[rows, H, G]`` scale view: its offset computed in 64 bits
-        (rows x H x G passes 2^31 in a large cache). e8m0 bits decode as torch does (``kernels/quant.py``). A row
-        outside the view (a lookup entry that is not a page, validate=False) is not read: its scale is 0."""
-        per_row = cute.size(scales, mode=[1]) * cute.size(scales, mode=[2])
-        offset = Int64(row) * per_row + kv_head * cute.size(scales, mode=[2]) + granule
-        scale = Float32(0.0)
-        # the bound in 64 bits too: on the row, the compiler would narrow the offset math to 32 bits
-        if offset >= 0 and offset < Int64(cute.size(scales, mode=[0])) * per_row:
-            value = cute.make_tensor(scales.iterator + offset, cute.make_layout(1))[0]
-            if cutlass.const_expr(self.e8m0_scales):
-                scale = e8m0_to_float32(Uint32(value))
-            else:
-                scale = Float32(value)
-        return scale
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineAsync,
