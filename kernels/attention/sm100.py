@@ -46,6 +46,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator, TmemAllocator
 
+from cute_kv.kernels.attention.block_info import split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
@@ -208,8 +209,8 @@ class PagedAttentionSm100:
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             cache_len = Int32(cache_lengths[b])
             num_keys = cache_len + seq_len
-            first_tile, n_tiles = self.split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split,
-                                                   num_splits)
+            first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
+                                              BM, self.bn, self.group)
 
             smem = SmemAllocator()
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
@@ -326,26 +327,6 @@ class PagedAttentionSm100:
                 cute.arch.setmaxregister_increase(regs)
             else:
                 cute.arch.setmaxregister_decrease(regs)
-
-    @cute.jit
-    def split_tiles(self, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
-                    window: Int32, split: Int32, num_splits: Int32):
-        """``(first_tile, n_tiles)``: the key tiles any row of the block may see, this split's share of them."""
-        bn, group = self.bn, self.group
-        tok_first = m0 // group
-        tok_last = (cutlass.min(m0 + BM, seq_len * group) - 1) // group
-        k_end = num_keys
-        if causal != 0:
-            k_end = cache_len + tok_last + 1
-        k_begin = Int32(0)
-        if window > 0:
-            k_begin = cutlass.max(cache_len + tok_first - window + 1, 0)
-        tile_begin = k_begin // bn
-        tiles = (k_end + bn - 1) // bn - tile_begin
-        per_split = (tiles + num_splits - 1) // num_splits
-        first_tile = tile_begin + split * per_split
-        n_tiles = cutlass.max(cutlass.min(per_split, tiles - split * per_split), 0)
-        return first_tile, n_tiles
 
     @cute.jit
     def load_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,

@@ -44,6 +44,7 @@ from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
+from cute_kv.kernels.attention.block_info import split_tiles
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
@@ -204,20 +205,8 @@ class PagedAttention:
                 cpasync.prefetch_descriptor(tma_v)
             cache_len = Int32(cache_lengths[b])
             num_keys = cache_len + seq_len
-            # Key tiles any row of this block may see, then this split's share of them.
-            tok_first = m0 // group
-            tok_last = (cutlass.min(m0 + BM, seq_len * group) - 1) // group
-            k_end = num_keys
-            if causal != 0:
-                k_end = cache_len + tok_last + 1
-            k_begin = Int32(0)
-            if window > 0:
-                k_begin = cutlass.max(cache_len + tok_first - window + 1, 0)
-            tile_begin = k_begin // bn
-            tiles = (k_end + bn - 1) // bn - tile_begin
-            per_split = (tiles + num_splits - 1) // num_splits
-            first_tile = tile_begin + split * per_split
-            n_tiles = cutlass.max(cutlass.min(per_split, tiles - split * per_split), 0)
+            first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
+                                              BM, bn, group)
             last_tile = first_tile + n_tiles - 1  # walked from here down to first_tile
 
             smem = SmemAllocator()
