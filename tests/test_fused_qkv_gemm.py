@@ -3,9 +3,11 @@ MMA instructions as the same GEMM without our epilogue), the epilogue stores 16 
 reports no spills. Plus the host rules: which shapes the kernel takes, and what the entry sends to it."""
 
 import functools
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +21,10 @@ from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
 
 pytest.importorskip("quack")
-from cute_kv.kernels.qkv.gemm import TILES, FusedQKVGemm, QKVSpec, supported  # noqa: E402
+from cute_kv.kernels.qkv.gemm import FusedQKVGemm, QKVSpec, supported  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf"))
+from static_fused_qkv import bare_gemm_ptx  # noqa: E402
 
 # (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims[, fp8 granularity])
 CASES = {
@@ -47,22 +52,8 @@ def _ptx(case: str, arch: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _bare_ptx(arch: str) -> str:
-    """quack's GEMM on the same tiles and cluster with its own (D-storing) epilogue."""
-    import cutlass
-    from cutlass.cute.runtime import make_fake_stream
-    from quack.gemm_default_epi import GemmDefaultSm90, GemmDefaultSm100
-    from quack.gemm_tvm_ffi_utils import make_fake_gemm_tensors, make_fake_scheduler_args
-
-    bf = cutlass.BFloat16
-    tile, cluster = TILES[arch]
-    a, b, d, c, _, _, _, l = make_fake_gemm_tensors(bf, bf, bf, None, "k", "k", "n", None, batched=False)
-    if arch == "sm_90a":
-        gemm = GemmDefaultSm90(cutlass.Float32, bf, tile, cluster, pingpong=True, is_persistent=True)
-    else:
-        gemm = GemmDefaultSm100(cutlass.Float32, bf, tile, cluster)
-    args = (a, b, d, c, gemm.EpilogueArguments(), make_fake_scheduler_args(False, False, l), None,
-            make_fake_stream(use_tvm_ffi_env_stream=True), None, None)
-    return compile_cache.compile_ptx(lambda: (gemm, *args), arch)
+    """quack's GEMM on the same tiles and cluster with its own (D-storing) epilogue (the static table's baseline)."""
+    return bare_gemm_ptx(arch)[0]
 
 
 def ptxas_report(ptx: str, arch: str, tmp_path) -> str:

@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator, TmemAllocator
 
-from cute_kv.kernels.attention.block_info import split_tiles
+from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
@@ -688,12 +688,5 @@ class PagedAttentionSm100:
         tidx, _, _ = cute.arch.thread_idx()
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):
-            r = idx // chunks
-            c = idx % chunks
-            tok = (m0 + r) // group
-            vals.fill(0.0)
-            if tok < seq_len:
-                src = q[q_start + tok, kv_head * group + (m0 + r) % group, None]
-                cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals)
-            cute.autovec_copy(vals, cute.local_tile(s_q[r, None], (VEC,), (c,)))
+            copy_q_chunk(q, s_q, vals, idx // chunks, idx % chunks, m0, q_start, seq_len, kv_head, group)
         cute.arch.fence_view_async_shared()

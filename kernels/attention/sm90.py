@@ -44,7 +44,7 @@ from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
-from cute_kv.kernels.attention.block_info import split_tiles
+from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
@@ -570,14 +570,7 @@ class PagedAttention:
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
             idx = tidx + j * WG_THREADS
-            r = idx // chunks
-            c = idx % chunks
-            tok = (rows0 + r) // group
-            vals.fill(0.0)
-            if tok < seq_len:
-                src = q[q_start + tok, kv_head * group + (rows0 + r) % group, None]
-                cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), vals)
-            cute.autovec_copy(vals, cute.local_tile(s_q[r, None], (VEC,), (c,)))
+            copy_q_chunk(q, s_q, vals, idx // chunks, idx % chunks, rows0, q_start, seq_len, kv_head, group)
         cute.arch.fence_view_async_shared()  # read by wgmma next
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
 
