@@ -1,0 +1,315 @@
+"""``FusedQKVGemmW4``: the fused-QKV GEMM with quantized weights decoded in the mainloop (SM90).
+
+Weights are quack's W4 operand: the packed weight tile (and its group scales) arrive by TMA, each MMA warpgroup
+decodes its 16 bytes per thread straight into the RS ``wgmma`` A fragment (``TransformAW4``), and the bf16 hidden
+states are the B operand. The accumulator tile is therefore ``C^T`` (weight rows x tokens); this module's epilogue
+mixin stages it transposed into the same float32 tile ``kernels/qkv/epilogue.py`` reads, so bias, QK-norm, RoPE,
+the fp8 cache and the page stores are the bf16 kernel's, unchanged.
+
+Why this route (the static evidence, ``tests/test_fused_qkv_w4.py`` and ``python perf/run.py static``):
+
+* (a) quack's W4 (chosen for sm_90a). The decode costs no shared-memory round trip: one 16-byte ``ld.shared`` per
+  thread and k-tile, then 2 instructions per weight (int4: a magic-number ``lop3``/``hsub2`` pair to bf16 and one
+  ``mul.rn.bf16x2`` by the group scale per two weights; e4m3: a byte permute and convert), interleaved between the
+  k16 ``wgmma`` of the RS mainloop. The packed tile is a quarter (int4) or half (e4m3) of the bf16 bytes per stage,
+  so the ring is deeper than the bf16 kernel's. Its formats use our packing already (low nibble = even ``k``,
+  offset-binary codes, bf16 group scales), so the host repack is a byte permutation (``prepare_weight``).
+* (b) a load-side transform warpgroup writing a bf16 B stage would serve both archs with one helper, but on SM90 it
+  adds a shared-memory write and read of every weight per tile (8 KB per 64-deep k-tile at BN = 128) and a fourth
+  warpgroup's registers to a kernel that already holds 168; quack 0.6.5's mainloops have no seam for a B-stage
+  producer, so it also means carrying a fork of their ~1000-line kernel.
+* SM100 keeps the reference (``cute_kv/ops/fused_qkv.py`` ``plan`` says so): quack 0.6.5 has no SM100 W4
+  mainloop, and ``tcgen05.mma`` reads A from shared or tensor memory, never registers, so (a) does not carry over;
+  the SM100 route is (b)'s transform warps writing the bf16 stage.
+
+Exact dequantization (``cute_kv/reference/weights.py`` rounds the same way): int4 ``w = bf16((q - z) * s)``, the
+product of an exact small integer and the bf16 group scale rounded once (round to nearest even); e4m3 weights are
+exact in bf16 and their float32 per-channel scale multiplies the float32 accumulator column when it is staged
+(``C[:, n] * s[n]``: the reference's ``sum(x * (w * s))`` reassociated, equal to float32 rounding).
+
+Tiles: the weight side is 128 rows (``BN`` of the bf16 kernel: a normalized or neox head lies inside one tile),
+the token side 128 (two MMA warpgroups of 64 weight rows each, cooperative: quack's W4 has no ping-pong). Formats:
+int4 symmetric with groups 32, 64, 128 (quack's ``int4``/``int4_g64``/``int4_g32``), int4 with zero points at
+group 128 (``int4awq``), e4m3 (``fp8``); bf16 activations and bf16 scales only (others take the reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import weakref
+from typing import NamedTuple, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from quack.cute_dsl_utils import ParamsBase, mlir_namedtuple
+
+from cute_kv.kernels.qkv.epilogue import C_PAD, VEC, QKVEpilogueMixin
+from cute_kv.kernels.qkv.gemm import BN, MAX_SWIZZLE, FusedQKVGemm, QKVSpec, supported
+
+TILE_TOKENS = 128
+ARCH = "sm_90a"
+# (weight_dtype, group_size, has_zp) -> quack's decode format.
+FORMATS = {("int4", 32, False): "int4_g32", ("int4", 64, False): "int4_g64", ("int4", 128, False): "int4",
+           ("int4", 128, True): "int4awq", ("float8_e4m3fn", 0, False): "fp8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class QKVW4Spec:
+    """Compile-time key: the bf16 kernel's ``QKVSpec`` and the quack decode format of the weight."""
+
+    qkv: QKVSpec
+    weight_format: str
+
+    @property
+    def column_scales(self) -> bool:
+        """Per-channel float32 weight scales applied to the staged accumulator (fp8 weights)."""
+        return self.weight_format == "fp8"
+
+
+def weight_format(weight) -> tuple[Optional[str], str]:
+    """``(quack format, "")`` for a quantized weight the kernel decodes, or ``(None, why not)``."""
+    from cute_kv.reference.weights import Fp8Weight, Int4Weight
+    import torch
+
+    if isinstance(weight, Fp8Weight):
+        return FORMATS[("float8_e4m3fn", 0, False)], ""
+    if not isinstance(weight, Int4Weight):
+        return None, f"{type(weight).__name__} weights"
+    if weight.scales.dtype != torch.bfloat16:
+        return None, f"{weight.scales.dtype} int4 group scales: the decode multiplies by bf16 scales"
+    key = ("int4", weight.group_size, weight.has_zp)
+    if key not in FORMATS:
+        zp = "with zero points" if weight.has_zp else "symmetric"
+        groups = sorted(g for (f, g, z) in FORMATS if f == "int4" and z == weight.has_zp)
+        return None, f"int4 {zp} at group_size {weight.group_size}: the decode takes groups {groups}"
+    return FORMATS[key], ""
+
+
+def _padded(n: int) -> int:
+    return -(-n // BN) * BN
+
+
+_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def prepare_weight(weight) -> tuple:
+    """``(blob, sf, column_scales)``: the weight in quack's decode order (rows padded to ``BN`` with codes that
+    decode to zero), built once per weight object and kept while it lives (a repack reads every weight byte)."""
+    cached = _PREPARED.get(weight)
+    if cached is None:
+        cached = _PREPARED[weight] = _repack(weight)
+    return cached
+
+
+def _repack(weight) -> tuple:
+    import torch
+    from quack.operand_transform.formats import decode_format
+
+    from cute_kv.reference.weights import Fp8Weight
+
+    fmt = decode_format(weight_format(weight)[0])
+    if isinstance(weight, Fp8Weight):
+        n = weight.shape[0]
+        w = torch.cat([weight.weight, weight.weight.new_zeros(_padded(n) - n, weight.shape[1])])
+        scales = torch.cat([weight.scales, weight.scales.new_ones(_padded(n) - n)])
+        blob, sf = fmt.prepare(w, None)
+        return blob, sf, scales.contiguous()
+    sf = weight.scales if not weight.has_zp else (weight.scales, weight.zero_points)
+    blob, sf = fmt.prepare(weight.packed, sf)
+    return blob, sf, None
+
+
+@mlir_namedtuple
+class QKVW4EpilogueArguments(NamedTuple):
+    """``QKVEpilogueArguments``' fields (same order) and the fp8 weight's per-channel scales."""
+
+    output: cute.Tensor
+    blocks: cute.Tensor
+    input_row_offsets: cute.Tensor
+    cache_lengths: cute.Tensor
+    lookup_table: cute.Tensor
+    layer_idx: Int32
+    bias: Optional[cute.Tensor] = None
+    freqs_cis: Optional[cute.Tensor] = None
+    q_norm: Optional[cute.Tensor] = None
+    k_norm: Optional[cute.Tensor] = None
+    scales: Optional[cute.Tensor] = None
+    column_scales: Optional[cute.Tensor] = None  # [N padded to BN] float32
+
+
+@dataclasses.dataclass
+class QKVW4EpilogueParams(ParamsBase):
+    output: cute.Tensor
+    blocks: cute.Tensor
+    input_row_offsets: cute.Tensor
+    cache_lengths: cute.Tensor
+    lookup_table: cute.Tensor
+    layer_idx: Int32
+    bias: Optional[cute.Tensor] = None
+    freqs_cis: Optional[cute.Tensor] = None
+    q_norm: Optional[cute.Tensor] = None
+    k_norm: Optional[cute.Tensor] = None
+    scales: Optional[cute.Tensor] = None
+    column_scales: Optional[cute.Tensor] = None
+
+
+class TransposedQKVEpilogueMixin(QKVEpilogueMixin):
+    """``QKVEpilogueMixin`` for an accumulator tile of ``C^T``: tile mode 0 walks C's columns (weight rows), mode 1
+    its rows (tokens). The staged tile is ``C``'s orientation, so every hook after staging is the bf16 kernel's, run
+    with the tile shape and coordinates swapped back."""
+
+    EpilogueArguments = QKVW4EpilogueArguments
+
+    def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
+        return QKVW4EpilogueParams(*args)
+
+    @classmethod
+    def epi_smem_bytes(cls, args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
+        m, n, k = cta_tile_shape_mnk
+        return super().epi_smem_bytes(args, (n, m, k), epi_tile, warp_shape_mnk)
+
+    @contextlib.contextmanager
+    def _c_tile(self):
+        """The bf16 kernel's view for the duration of a hook: ``cta_tile_shape_mnk`` in C's orientation."""
+        m, n, k = self.cta_tile_shape_mnk
+        self.cta_tile_shape_mnk = (n, m, k)
+        try:
+            yield
+        finally:
+            self.cta_tile_shape_mnk = (m, n, k)
+
+    @staticmethod
+    def _c_coord(tile_coord_mnkl):
+        return (tile_coord_mnkl[1], tile_coord_mnkl[0], *tile_coord_mnkl[2:])
+
+    def epi_get_smem_struct(self, params):
+        with self._c_tile():
+            return super().epi_get_smem_struct(params)
+
+    def epi_get_smem_tensors(self, params, storage):
+        with self._c_tile():
+            return super().epi_get_smem_tensors(params, storage)
+
+    def epi_begin(self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
+                  varlen_manager, epilogue_barrier, tidx, tRS_rD_layout=None):
+        with self._c_tile():
+            return super().epi_begin(params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+                                     self._c_coord(tile_coord_mnkl), varlen_manager, epilogue_barrier, tidx,
+                                     tRS_rD_layout)
+
+    @cute.jit
+    def epi_end_loop(self, params, epi_tensors, epi_coord, tRS_rD, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+                     tile_coord_mnkl, varlen_manager, tidx):
+        """Stage this sub-tile of ``C^T`` at its transposed coordinates (fp8 weights: times the column's scale).
+        Lane ``4r + c`` writes word ``2c * (BN + C_PAD) + r`` of a row pair: 32 distinct banks."""
+        s_c = epi_tensors[0]
+        tokens, cols = s_c.shape
+        s_ct = cute.make_tensor(s_c.iterator, cute.make_layout((cols, tokens), stride=(1, cols + C_PAD)))
+        ident = cute.make_identity_tensor(cute.product_each(cute.shape(epi_tile)))
+        coords = tiled_copy_r2s.get_slice(tidx).partition_S(ident)
+        sub = cute.local_tile(s_ct, epi_tile, epi_coord)
+        if cutlass.const_expr(params.column_scales is not None):
+            n0 = tile_coord_mnkl[0] * cols + epi_coord[0] * cute.size(epi_tile[0])
+            for i in cutlass.range_constexpr(cute.size(tRS_rD)):
+                sub[coords[i]] = tRS_rD[i] * params.column_scales[n0 + coords[i][0]]
+        else:
+            for i in cutlass.range_constexpr(cute.size(tRS_rD)):
+                sub[coords[i]] = tRS_rD[i]
+
+    def epi_end(self, params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
+                varlen_manager, tidx):
+        with self._c_tile():
+            return super().epi_end(params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+                                   self._c_coord(tile_coord_mnkl), varlen_manager, tidx)
+
+    # No D: the W4 mainloop takes its weight-row extent from a D-shaped tensor, which is never stored.
+    def make_tma_epilogue_atoms_and_tensors(self, mD, mC, epilogue_args, varlen_m):
+        return None, mD, None, None
+
+    def epilog_gmem_copy_and_partition(self, atom, mD_mn, tile_shape_mn, epi_tile, sD, tile_coord_mnkl):
+        assert atom is None, "the fused-QKV W4 epilogue stores no D"
+        return None, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_class():
+    from quack.gemm_sm90 import GemmSm90
+
+    class FusedQKVGemmW4Sm90(TransposedQKVEpilogueMixin, GemmSm90):
+        pass
+
+    return FusedQKVGemmW4Sm90
+
+
+class FusedQKVGemmW4:
+    """Builds quack's SM90 W4 GEMM with the transposed fused-QKV epilogue for ``spec``; ``build()`` returns
+    ``(gemm, *fake_args)`` for ``compile_cache.compiled`` and ``args()`` the launch arguments."""
+
+    def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
+        problem = supported(spec.qkv)
+        if problem:
+            raise ValueError(problem)
+        if spec.weight_format not in FORMATS.values():
+            raise ValueError(f"weight_format {spec.weight_format!r} is not one of {sorted(FORMATS.values())}")
+        if spec.qkv.dtype_name != "bfloat16":
+            raise ValueError(f"quantized weights decode to bfloat16: hidden must be bfloat16, not "
+                             f"{spec.qkv.dtype_name}")
+        if arch != ARCH:
+            raise ValueError(f"FusedQKVGemmW4 targets {ARCH}, not {arch}")
+        self.spec, self.arch = spec, arch
+
+    @property
+    def fmt(self):
+        from quack.operand_transform.formats import decode_format
+
+        return decode_format(self.spec.weight_format)
+
+    def gemm(self):
+        from quack.operand_transform.transform import TransformAW4
+
+        fmt = self.fmt
+        gemm = _gemm_class()(Float32, cutlass.BFloat16, (BN, TILE_TOKENS, fmt.tile_k), (1, 1, 1), pingpong=False,
+                             is_persistent=True, transform_a=lambda g: TransformAW4(g, fmt))
+        gemm.qkv = self.spec.qkv
+        return gemm
+
+    def build(self) -> tuple:
+        return (self.gemm(), *self.fake_args())
+
+    def fake_args(self) -> tuple:
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+        s = self.spec.qkv
+        n = _padded(s.n_total)
+        mA = _fake_operand(self.fmt, n)
+        hidden, _, _, _, epi, scheduler, _, stream, *_ = FusedQKVGemm(s, self.arch).fake_args()
+        t = hidden.shape[0]
+        d = make_fake_tensor(cutlass.BFloat16, (n, t), stride=(1, cute.sym_int64(divisibility=VEC)),
+                             assumed_align=16)
+        col_scales = make_fake_compact_tensor(Float32, (n,), assumed_align=4) if self.spec.column_scales else None
+        epi = QKVW4EpilogueArguments(*epi, col_scales)
+        return (mA, hidden, d, None, epi, scheduler, None, stream, None, None)
+
+
+def _fake_operand(fmt, n: int):
+    """quack's ``TransformAOperand`` views (``host._w4_views``) of an ``n``-row weight with a symbolic number of
+    k-tiles: blob ``(256, words, m64 blocks, n / BN, k-tiles, 1)`` and the scale strip ``(bytes, m64 blocks,
+    n / BN, k-tiles, 1)``."""
+    from cutlass.cute.runtime import make_fake_tensor
+    from quack.operand_transform.transform import TransformAOperand
+
+    tm64, gt, kt = BN // 64, n // BN, cute.sym_int32()
+    words = (16 if fmt.w8 else 8) * (fmt.tile_k // 64)
+    run = words * 256  # bytes of one (m64 block, k-tile)
+    block = cute.sym_int64(divisibility=run)  # kt * run
+    blob = make_fake_tensor(cutlass.Uint8, (256, words, tm64, gt, kt, 1),
+                            stride=(1, 256, block, cute.sym_int64(divisibility=run), run, 1), assumed_align=16)
+    sf = None
+    if fmt.sf_words:
+        b = fmt.sf_bytes
+        sf = make_fake_tensor(cutlass.Uint8, (b, tm64, gt, kt, 1), stride=(
+            1, cute.sym_int64(divisibility=b), cute.sym_int64(divisibility=b), b, 1), assumed_align=16)
+    return TransformAOperand(blob, sf)
