@@ -119,6 +119,32 @@ def bare_gemm_ptx(arch: str) -> tuple[str, int]:
     return compile_ptx(lambda: (gemm, *args), arch), gemm.ab_stage
 
 
+def bare_w4_ptx(weight_format: str) -> tuple[str, int]:
+    """quack's SM90 W4 GEMM (``weight_format``'s decode) on ``FusedQKVGemmW4``'s tiles with its own epilogue (bf16
+    ``D``, the output transposed, through TMA): PTX and A/B stages. Compiled for a 6144 x 4096 weight."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.operand_transform.formats import decode_format
+    from quack.operand_transform.host import w4_fake_operands
+    from quack.operand_transform.transform import TransformAW4
+    from quack.tile_scheduler import TileSchedulerOptions
+
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.w4 import BN, TILE_TOKENS, FusedQKVGemmW4
+
+    bf, fmt, n, k = cutlass.BFloat16, decode_format(weight_format), 6144, 4096
+    gemm = GemmDefaultSm90(cutlass.Float32, bf, (BN, TILE_TOKENS, fmt.tile_k), FusedQKVGemmW4.cluster_shape,
+                           pingpong=False, is_persistent=True, transform_a=lambda g: TransformAW4(g, fmt))
+    t = cutlass.cute.sym_int32()
+    act = make_fake_tensor(bf, (t, k), stride=(k, 1), assumed_align=16)
+    d = make_fake_tensor(bf, (n, t), stride=(1, n), assumed_align=16)
+    sched = TileSchedulerOptions(max_active_clusters=cutlass.Int32(1), max_swizzle_size=cutlass.Int32(8))
+    args = (w4_fake_operands(fmt, n, k, BN), act, d, None, gemm.EpilogueArguments(), sched, None,
+            make_fake_stream(use_tvm_ffi_env_stream=True), None, None)
+    return compile_ptx(lambda: (gemm, *args), "sm_90a"), gemm.ab_stage
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="static_fused_qkv", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=["sm_90a", "sm_100a"], action="append")

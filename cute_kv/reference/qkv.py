@@ -2,8 +2,8 @@
 
 Columns of ``C`` (MAX's epilogue routing): ``[0, q_dim)`` are Q, then K (``H*D``), then V (``H*D``); an MLA
 cache takes ``[Q | K]`` with a single latent head of width ``D``. Per row, in float32: the product (weights
-dequantized first, ``reference/weights.py``), ``+ bias``, QK-norm of Q and K (``reference/norm.py``), then RoPE of
-Q and K; each result is rounded once (Q to ``hidden.dtype``, K/V to the cache dtype, quantized when it has scales).
+dequantized first, int4 rounded to ``hidden.dtype``: ``reference/weights.py``), ``+ bias``, QK-norm of Q and K
+(``reference/norm.py``), then RoPE of Q and K; each result is rounded once (Q to ``hidden.dtype``, K/V to the cache dtype, quantized when it has scales).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
 
     Q is written into ``output`` when given (and ``output`` returned).
     """
-    c = hidden.to(torch.float32) @ dequantize(weight).T
+    c = hidden.to(torch.float32) @ dequantize(weight, hidden.dtype).T
     if bias is not None:
         c = c + bias.to(torch.float32)
     d = collection.head_size

@@ -140,6 +140,8 @@ class FusedQKVGemm:
     """Builds quack's GEMM with our epilogue for ``spec`` on ``arch``; ``build()`` returns ``(gemm, *fake_args)``
     for ``compile_cache.compiled`` and ``args()`` the launch arguments of the compiled function."""
 
+    compile_name = "fused_qkv_gemm"
+
     def __init__(self, spec: QKVSpec, arch: str):
         problem = supported(spec)
         if problem:
@@ -147,6 +149,10 @@ class FusedQKVGemm:
         if arch not in TILES:
             raise ValueError(f"FusedQKVGemm targets {sorted(TILES)}, not {arch}")
         self.spec, self.arch = spec, arch
+
+    @property
+    def cluster_shape(self) -> tuple:
+        return TILES[self.arch][1]
 
     def gemm(self):
         tile, cluster = TILES[self.arch]

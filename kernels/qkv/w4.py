@@ -51,6 +51,7 @@ from cute_kv.kernels.qkv.epilogue import C_PAD, VEC, QKVEpilogueMixin
 from cute_kv.kernels.qkv.gemm import BN, MAX_SWIZZLE, FusedQKVGemm, QKVSpec, supported
 
 TILE_TOKENS = 128
+K_TILE = 64  # the decode formats' k-tile: K must be a multiple
 ARCH = "sm_90a"
 # (weight_dtype, group_size, has_zp) -> quack's decode format.
 FORMATS = {("int4", 32, False): "int4_g32", ("int4", 64, False): "int4_g64", ("int4", 128, False): "int4",
@@ -72,8 +73,9 @@ class QKVW4Spec:
 
 def weight_format(weight) -> tuple[Optional[str], str]:
     """``(quack format, "")`` for a quantized weight the kernel decodes, or ``(None, why not)``."""
-    from cute_kv.reference.weights import Fp8Weight, Int4Weight
     import torch
+
+    from cute_kv.reference.weights import Fp8Weight, Int4Weight
 
     if isinstance(weight, Fp8Weight):
         return FORMATS[("float8_e4m3fn", 0, False)], ""
@@ -93,33 +95,44 @@ def _padded(n: int) -> int:
     return -(-n // BN) * BN
 
 
-_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PREPARED: dict = {}  # id(data tensor) -> (stamp, prepared); an entry leaves with its tensor
 
 
 def prepare_weight(weight) -> tuple:
     """``(blob, sf, column_scales)``: the weight in quack's decode order (rows padded to ``BN`` with codes that
-    decode to zero), built once per weight object and kept while it lives (a repack reads every weight byte)."""
-    cached = _PREPARED.get(weight)
+    decode to zero). A repack reads every weight byte, so it is kept while the weight's data tensor lives and reused
+    while the same scale and zero-point tensors come with it, none changed in place (their version counters): a
+    traced step rebuilds the ``Int4Weight`` around the same tensors every call."""
+    data = weight.packed if hasattr(weight, "packed") else weight.weight
+    parts = tuple(t for t in (data, weight.scales, getattr(weight, "zero_points", None)) if t is not None)
+    stamp = tuple((id(t), t._version) for t in parts)
+    cached = _PREPARED.get(id(data))
     if cached is None:
-        cached = _PREPARED[weight] = _repack(weight)
-    return cached
+        weakref.finalize(data, _PREPARED.pop, id(data), None)
+    if cached is None or cached[0] != stamp:
+        cached = _PREPARED[id(data)] = (stamp, _repack(weight))
+    return cached[1]
 
 
 def _repack(weight) -> tuple:
     import torch
+    from quack.blockscaled import nvfp4_utils
     from quack.operand_transform.formats import decode_format
 
     from cute_kv.reference.weights import Fp8Weight
 
     fmt = decode_format(weight_format(weight)[0])
+    n = weight.shape[0]
+    pad = lambda t, value=0: torch.cat([t, t.new_full((_padded(n) - n, *t.shape[1:]), value)])  # noqa: E731
     if isinstance(weight, Fp8Weight):
-        n = weight.shape[0]
-        w = torch.cat([weight.weight, weight.weight.new_zeros(_padded(n) - n, weight.shape[1])])
-        scales = torch.cat([weight.scales, weight.scales.new_ones(_padded(n) - n)])
-        blob, sf = fmt.prepare(w, None)
-        return blob, sf, scales.contiguous()
-    sf = weight.scales if not weight.has_zp else (weight.scales, weight.zero_points)
-    blob, sf = fmt.prepare(weight.packed, sf)
+        blob, _ = fmt.prepare(pad(weight.weight.view(torch.uint8)).view(torch.float8_e4m3fn), None)
+        return blob, None, pad(weight.scales, 1.0).contiguous()
+    packed, scales = pad(weight.packed), pad(weight.scales)  # padding rows: scale 0, so they decode to zero
+    if weight.has_zp:
+        blob, sf = fmt.prepare(packed, (scales, pad(weight.zero_points)))
+    else:  # the SM90 word order (quack's ``prepare`` would pick the order of the machine it runs on)
+        blob = nvfp4_utils.repack_int4_weight(packed, s2f6=False)
+        sf = nvfp4_utils.repack_int4_sf(scales, weight.shape[1], group=weight.group_size)
     return blob, sf, None
 
 
@@ -249,6 +262,9 @@ class FusedQKVGemmW4:
     """Builds quack's SM90 W4 GEMM with the transposed fused-QKV epilogue for ``spec``; ``build()`` returns
     ``(gemm, *fake_args)`` for ``compile_cache.compiled`` and ``args()`` the launch arguments."""
 
+    compile_name = "fused_qkv_gemm_w4"
+    cluster_shape = (1, 1, 1)  # quack's W4 takes (1, cluster_N, 1); a weight tile is not shared across tokens' CTAs
+
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
         problem = supported(spec.qkv)
         if problem:
@@ -272,7 +288,8 @@ class FusedQKVGemmW4:
         from quack.operand_transform.transform import TransformAW4
 
         fmt = self.fmt
-        gemm = _gemm_class()(Float32, cutlass.BFloat16, (BN, TILE_TOKENS, fmt.tile_k), (1, 1, 1), pingpong=False,
+        gemm = _gemm_class()(Float32, cutlass.BFloat16, (BN, TILE_TOKENS, fmt.tile_k), self.cluster_shape,
+                             pingpong=False,
                              is_persistent=True, transform_a=lambda g: TransformAW4(g, fmt))
         gemm.qkv = self.spec.qkv
         return gemm
@@ -292,6 +309,30 @@ class FusedQKVGemmW4:
         col_scales = make_fake_compact_tensor(Float32, (n,), assumed_align=4) if self.spec.column_scales else None
         epi = QKVW4EpilogueArguments(*epi, col_scales)
         return (mA, hidden, d, None, epi, scheduler, None, stream, None, None)
+
+    def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int) -> tuple:
+        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one."""
+        from quack.operand_transform.host import w4_operand_views
+        from quack.tile_scheduler import TileSchedulerOptions
+
+        blob, sf, col_scales = prepare_weight(weight)
+        epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
+                                     bias, freqs_cis, q_norm, k_norm, scales, col_scales)
+        scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
+                                         max_swizzle_size=MAX_SWIZZLE)
+        extent = _row_extent(hidden.device, blob.shape[0] * 64).as_strided((blob.shape[0] * 64, hidden.shape[0]),
+                                                                            (1, 0))
+        return w4_operand_views(self.fmt, blob, sf, BN), hidden, extent, None, epi, scheduler, None, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _row_extent(device, n: int):
+    """The ``D`` quack's W4 mainloop takes its ``(weight rows, tokens)`` extent from: shaped, never read or stored
+    (one row, broadcast over the tokens)."""
+    import torch
+
+    return torch.zeros(n, dtype=torch.bfloat16, device=device)
 
 
 def _fake_operand(fmt, n: int):
