@@ -120,18 +120,17 @@ def bare_gemm_ptx(arch: str) -> tuple[str, int]:
 
 
 def bare_w4_ptx(weight_format: str) -> tuple[str, int]:
-    """quack's SM90 W4 GEMM (``weight_format``'s decode) on ``FusedQKVGemmW4``'s tiles with its own epilogue (bf16
+    """quack's SM90 W4 GEMM (``weight_format``'s SM90 decode) on ``FusedQKVGemmW4``'s tiles with its own epilogue (bf16
     ``D``, the output transposed, through TMA): PTX and A/B stages. Compiled for a 6144 x 4096 weight."""
     import cutlass
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
     from quack.gemm_default_epi import GemmDefaultSm90
-    from quack.operand_transform.formats import decode_format
     from quack.operand_transform.host import w4_fake_operands
     from quack.operand_transform.transform import TransformAW4
     from quack.tile_scheduler import TileSchedulerOptions
 
     from cute_kv.kernels.compile_cache import compile_ptx
-    from cute_kv.kernels.qkv.w4 import BN, TILE_TOKENS, FusedQKVGemmW4
+    from cute_kv.kernels.qkv.w4 import BN, TILE_TOKENS, FusedQKVGemmW4, decode_format
 
     bf, fmt, n, k = cutlass.BFloat16, decode_format(weight_format), 6144, 4096
     gemm = GemmDefaultSm90(cutlass.Float32, bf, (BN, TILE_TOKENS, fmt.tile_k), FusedQKVGemmW4.cluster_shape,

@@ -117,7 +117,6 @@ def prepare_weight(weight) -> tuple:
 def _repack(weight) -> tuple:
     import torch
     from quack.blockscaled import nvfp4_utils
-    from quack.operand_transform.formats import decode_format
 
     from cute_kv.reference.weights import Fp8Weight
 
@@ -134,6 +133,39 @@ def _repack(weight) -> tuple:
         blob = nvfp4_utils.repack_int4_weight(packed, s2f6=False)
         sf = nvfp4_utils.repack_int4_sf(scales, weight.shape[1], group=weight.group_size)
     return blob, sf, None
+
+
+@functools.lru_cache(maxsize=None)
+def decode_format(name: str):
+    """quack's decode format ``name``; the symmetric int4 ones pinned to the SM90 (magic-number) decode and word
+    order, which ``_repack`` writes: quack picks between it and Blackwell's converter by the compile target it
+    first sees in the process (a cached global), not by the kernel being built."""
+    from quack.blockscaled import nvfp4_utils as U
+    from quack.operand_transform.formats import Int4, decode_format as quack_format
+
+    fmt = quack_format(name)
+    if type(fmt) is not Int4:
+        return fmt
+
+    class Int4Sm90(Int4):
+        def make_consts(self):
+            return U.pin_b32_vreg(0x43004300), U.pin_b32_vreg(0xC308C308)  # bf16x2 (128, 128), (-136, -136)
+
+        @cute.jit
+        def decode_k16(self, xw, sfw, b, consts):
+            """Pair ``j``: ``128 + code`` by the magic mantissa, ``- 136`` exact, times the row's bf16 scale (the
+            word's low half serves fragment row ``r``, its high half ``r + 8``)."""
+            magic, bias = consts
+            h = sfw[0]
+            if cutlass.const_expr(self.group == 32):
+                h = sfw[b // 2]  # a word per 32-column group
+            t0, t1, t2, t3 = U.decode_u4x8_to_magicx8(xw[b], magic)
+            return (U.mul_bf16x2_bcast(U.add_bf16x2(t0, bias), h, False),
+                    U.mul_bf16x2_bcast(U.add_bf16x2(t1, bias), h, True),
+                    U.mul_bf16x2_bcast(U.add_bf16x2(t2, bias), h, False),
+                    U.mul_bf16x2_bcast(U.add_bf16x2(t3, bias), h, True))
+
+    return Int4Sm90(fmt.group)
 
 
 @mlir_namedtuple
@@ -280,8 +312,6 @@ class FusedQKVGemmW4:
 
     @property
     def fmt(self):
-        from quack.operand_transform.formats import decode_format
-
         return decode_format(self.spec.weight_format)
 
     def gemm(self):
