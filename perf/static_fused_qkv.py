@@ -168,6 +168,34 @@ def main(argv=None) -> list[dict]:
                    "staging_bytes": TILES[arch][0][0] // (2 if arch == "sm_100a" else 1) * (BN + 4) * 4}
             print(json.dumps(rec), flush=True)
             records.append(rec)
+        if arch == "sm_90a":
+            records += _w4_records(args.problem or list(PROBLEMS))
+    return records
+
+
+def _w4_records(problems) -> list[dict]:
+    """``FusedQKVGemmW4`` per decode format against quack's W4 GEMM with the same decode and its own epilogue."""
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.gemm import BN, QKVSpec
+    from cute_kv.kernels.qkv.w4 import FORMATS, TILE_TOKENS, FusedQKVGemmW4, QKVW4Spec
+
+    records = []
+    for fmt in FORMATS.values():
+        bare_ptx, bare_stages = bare_w4_ptx(fmt)
+        bare = {**figures(bare_ptx, "sm_90a"), "ab_stages": bare_stages}
+        for name in problems:
+            kernel = FusedQKVGemmW4(QKVW4Spec(QKVSpec(**PROBLEMS[name]), fmt))
+            gemm, *fake = kernel.build()
+            ours = {**figures(compile_ptx(lambda: (gemm, *fake), "sm_90a"), "sm_90a"), "ab_stages": gemm.ab_stage}
+            rec = {"bench": "fused-qkv-static", "arch": "sm_90a", "problem": f"{name}-{fmt}", "weight_format": fmt,
+                   "tile": [BN, TILE_TOKENS, kernel.fmt.tile_k], "cluster": list(kernel.cluster_shape),
+                   **{f"ours_{k}": v for k, v in ours.items()},
+                   **{f"bare_{k}": v for k, v in bare.items() if k != "row_loops"},
+                   "mainloop_unchanged": ours["mma"] == bare["mma"],
+                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   "staging_bytes": TILE_TOKENS * (BN + 4) * 4}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
     return records
 
 
