@@ -23,6 +23,7 @@ from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import plan
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
+from cute_kv.reference.quant import expand_scales
 from cute_kv.reference.weights import dequantize
 
 from numerics import rel_err
@@ -51,7 +52,7 @@ def _fp8(rng, n, k):
 
 # -- replay of the decode ------------------------------------------------------------------------------------------
 
-def _fragment_coords(words_per_block: int):
+def _fragment_coords():
     """``(row, k)`` within an (m64 block, 64-deep k-tile) of every value thread ``t`` decodes from its words.
 
     A WGMMA m64k16 A fragment: thread ``t`` (warp ``t // 32``, lane ``l``) holds rows ``16 * warp + l // 4 + 8 * v1``
@@ -77,7 +78,7 @@ def _replay(fmt: str, blob: torch.Tensor, sf, n_pad: int, k: int) -> torch.Tenso
     e4m3 (``decode_e4m3x4_to_bf16x4``): words ``2b`` and ``2b + 1`` hold block ``b``'s bytes, two per register.
     """
     g, kt = n_pad // 64, k // 64
-    rows, ks = _fragment_coords(4)
+    rows, ks = _fragment_coords()
     t = torch.arange(128)[:, None, None, None].expand_as(rows)
     b = torch.arange(4)[None, :, None, None].expand_as(rows)
     j = torch.arange(4)[None, None, :, None].expand_as(rows)
@@ -178,7 +179,7 @@ N_TOT = 4096 + 2 * 8 * 128
 
 def plan_format(weight):
     """The decode format ``plan`` picks for a weight, on a Llama-shaped step."""
-    n, k = weight.shape
+    k = weight.shape[1]
     pb = random_paged_batch([1], [2], num_heads=8, head_size=128, page_size=16, dtype=torch.bfloat16,
                             generator=torch.Generator().manual_seed(0))
     big = cute_kv.Int4Weight(torch.zeros(N_TOT, k // 2, dtype=torch.uint8), torch.zeros(
@@ -286,3 +287,82 @@ def test_fused_qkv_w4_ptx(case, tmp_path):
     assert "0 bytes stack frame" in report
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168  # 384 threads, one CTA per SM
 
+
+
+# -- on a GPU --------------------------------------------------------------------------------------------------------
+
+GPU_CASES = {  # name: (weight maker (rng, n, k), test_fused_qkv_kernel case, cache kwargs)
+    "int4-g128-neox": (lambda rng, n, k: _int4(rng, n, k, 128),
+                       (torch.bfloat16, 2, 8, 128, 64, 256, True, (128, False, None), False, None), {}),
+    "int4-zp-qknorm": (lambda rng, n, k: _int4(rng, n, k, 128, has_zp=True),
+                       (torch.bfloat16, 2, 8, 128, 16, 256, True, (128, False, None), False, (128, 128, 0.0)), {}),
+    "int4-g32-mla": (lambda rng, n, k: _int4(rng, n, k, 32),
+                     (torch.bfloat16, 1, 8, 576, 64, 192, False, (64, True, 192), True, None), {}),
+    "int4-g64-fp8-cache": (lambda rng, n, k: _int4(rng, n, k, 64),
+                           (torch.bfloat16, 2, 8, 128, 16, 320, False, (128, False, None), False, None),
+                           {"dtype": torch.float8_e4m3fn, "scale_dtype": torch.float32,
+                            "quantization_granularity": 64}),
+    "fp8-gptj": (_fp8, (torch.bfloat16, 4, 4, 64, 16, 128, True, (64, True, None), False, None), {}),
+}
+
+
+def _cuda_weight(w):
+    if isinstance(w, cute_kv.Fp8Weight):
+        return cute_kv.Fp8Weight(w.weight.cuda(), w.scales.cuda())
+    return cute_kv.Int4Weight(w.packed.cuda(), w.scales.cuda(), w.group_size, w.has_zp,
+                              None if w.zero_points is None else w.zero_points.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_fused_qkv_w4_matches_reference(case):
+    from test_fused_qkv_kernel import CACHED, NEW, _inputs
+
+    from cute_kv.kernels.compile_cache import cache_info
+    from cute_kv.ops.paths import device_arch
+
+    if device_arch(torch.device("cuda")) != "sm_90a":
+        pytest.skip("the W4 mainloop is SM90's")
+    make, kcase, cache_kw = GPU_CASES[case]
+    for seed in (3, 4):  # same geometry twice: compiled once
+        (cpu, gpu), hidden, dense, bias, rope, q_dim, qk_norm = _inputs(kcase, CACHED, NEW, seed, **cache_kw)
+        weight = make(torch.Generator().manual_seed(seed), *dense.shape)
+        want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
+                                             rope=rope, qk_norm=qk_norm)
+        cuda = lambda x: None if x is None else x.cuda()  # noqa: E731
+        norm = None if qk_norm is None else cute_kv.QKNorm(cuda(qk_norm.q_weight), cuda(qk_norm.k_weight),
+                                                           qk_norm.epsilon, qk_norm.weight_offset)
+        rope = None if rope is None else RopeConfig(rope.freqs_cis.cuda(), rope.interleaved, rope.q_head_dim)
+        w = _cuda_weight(weight)
+        path = plan(gpu.collection, hidden.cuda(), w, rope, "sm_90a", norm)
+        assert path.kernel == "FusedQKVGemmW4", path
+        out = torch.full((hidden.shape[0], q_dim), float("nan"), dtype=hidden.dtype, device="cuda")
+        compiles = cache_info()["compiles"]
+        got = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, w, gpu.collection, 1,
+                                                output=out, bias=cuda(bias), rope=rope, qk_norm=norm)
+        torch.cuda.synchronize()
+        assert cache_info()["compiles"] - compiles <= (1 if seed == 3 else 0)
+        assert got is out and not out.isnan().any()
+        assert rel_err(out.cpu(), want) < 1e-2
+        step = cpu.step_mask(1)
+        blocks, want_blocks = gpu.collection.blocks.cpu(), cpu.collection.blocks
+        if blocks.dtype == torch.float8_e4m3fn:  # e4m3 rounding; scales agree to accumulation order
+            deq = lambda b, s: b.float() * expand_scales(s, 64, 128)  # noqa: E731
+            got_kv, want_kv = deq(blocks, gpu.collection.scales.cpu()), deq(want_blocks, cpu.collection.scales)
+            assert not got_kv[step].isnan().any() and rel_err(got_kv[step], want_kv[step]) < 2.0**-4
+            assert torch.equal(gpu.collection.scales.cpu()[~step], cpu.collection.scales[~step])
+        else:
+            assert not blocks[step].isnan().any() and rel_err(blocks[step], want_blocks[step]) < 1e-2
+        bits = torch.int8 if blocks.element_size() == 1 else torch.int16
+        assert torch.equal(blocks[~step].view(bits), want_blocks[~step].view(bits))  # nothing else written
+
+
+@pytest.mark.gpu
+def test_fused_qkv_w4_empty_step():
+    from test_fused_qkv_kernel import _inputs
+
+    (_, gpu), hidden, dense, *_ = _inputs(GPU_CASES["int4-g128-neox"][1], [4, 9], [0, 0], seed=6)
+    before = gpu.collection.blocks.clone()
+    w = _cuda_weight(_int4(torch.Generator().manual_seed(1), *dense.shape, 128))
+    q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, w, gpu.collection, 1)
+    assert q.shape == (0, 1024) and torch.equal(gpu.collection.blocks.view(torch.int16), before.view(torch.int16))

@@ -3,7 +3,8 @@
 Columns of ``C`` (MAX's epilogue routing): ``[0, q_dim)`` are Q, then K (``H*D``), then V (``H*D``); an MLA
 cache takes ``[Q | K]`` with a single latent head of width ``D``. Per row, in float32: the product (weights
 dequantized first, int4 rounded to ``hidden.dtype``: ``reference/weights.py``), ``+ bias``, QK-norm of Q and K
-(``reference/norm.py``), then RoPE of Q and K; each result is rounded once (Q to ``hidden.dtype``, K/V to the cache dtype, quantized when it has scales).
+(``reference/norm.py``), then RoPE of Q and K; each result is rounded once (Q to ``hidden.dtype``, K/V to the
+cache dtype, quantized when it has scales).
 """
 
 from __future__ import annotations

@@ -6,21 +6,30 @@ states are the B operand. The accumulator tile is therefore ``C^T`` (weight rows
 mixin stages it transposed into the same float32 tile ``kernels/qkv/epilogue.py`` reads, so bias, QK-norm, RoPE,
 the fp8 cache and the page stores are the bf16 kernel's, unchanged.
 
-Why this route (the static evidence, ``tests/test_fused_qkv_w4.py`` and ``python perf/run.py static``):
+Why this route (static evidence: ``tests/test_fused_qkv_w4.py``, ``python perf/run.py fused-qkv-static``, which
+compiles quack's W4 GEMM with the same decode and its own epilogue beside ours):
 
-* (a) quack's W4 (chosen for sm_90a). The decode costs no shared-memory round trip: one 16-byte ``ld.shared`` per
-  thread and k-tile, then 2 instructions per weight (int4: a magic-number ``lop3``/``hsub2`` pair to bf16 and one
-  ``mul.rn.bf16x2`` by the group scale per two weights; e4m3: a byte permute and convert), interleaved between the
-  k16 ``wgmma`` of the RS mainloop. The packed tile is a quarter (int4) or half (e4m3) of the bf16 bytes per stage,
-  so the ring is deeper than the bf16 kernel's. Its formats use our packing already (low nibble = even ``k``,
-  offset-binary codes, bf16 group scales), so the host repack is a byte permutation (``prepare_weight``).
-* (b) a load-side transform warpgroup writing a bf16 B stage would serve both archs with one helper, but on SM90 it
-  adds a shared-memory write and read of every weight per tile (8 KB per 64-deep k-tile at BN = 128) and a fourth
-  warpgroup's registers to a kernel that already holds 168; quack 0.6.5's mainloops have no seam for a B-stage
-  producer, so it also means carrying a fork of their ~1000-line kernel.
+* (a) quack's W4, chosen for sm_90a. Measured for Llama-3-8B (6144 x 4096, every format): 168 registers, no
+  spills, 12 HGMMA in the SASS as in quack's own W4 GEMM (4 m64n128k16 per warpgroup and 64-deep k-tile: the
+  bf16 GEMM's 8 per 128 x 128 x 64 tile), and the decode's instructions identical in number (PTX ``mul.rn.bf16x2``,
+  ``add.rn.bf16x2``, e4m3 ``cvt``). Per 32 weights a thread decodes per k-tile the int4 SASS is 16 HMUL2 + 16
+  HADD2 + about 16 LOP3 + 12 SHF (under 2 instructions a weight, one 16-byte ``ld.shared``), interleaved between
+  the k16 wgmmas; e4m3 is 16 + 16 F2FP and 32 HADD2. No shared-memory round trip, and a stage carries a quarter
+  (int4) or half (e4m3) of the bf16 weight bytes: 6 stages (e4m3: 5) fit beside our 66 KB staging tile, quack's
+  own epilogue leaves 10 (8). Its formats use our packing already (low nibble = even ``k``, offset-binary codes,
+  bf16 group scales), so the host repack is a byte permutation (``prepare_weight``).
+* (b) a load-side transform warpgroup writing the bf16 B stage would serve both archs with one helper, but on SM90
+  it adds a shared-memory write and read of every weight per tile (16 KB per 64-deep k-tile at BN = 128), a
+  fourth warpgroup's registers, and the full bf16 stage back in the ring; quack 0.6.5's mainloops have no seam
+  for a B-stage producer, so it also means carrying a fork of their ~1000-line kernel.
 * SM100 keeps the reference (``cute_kv/ops/fused_qkv.py`` ``plan`` says so): quack 0.6.5 has no SM100 W4
   mainloop, and ``tcgen05.mma`` reads A from shared or tensor memory, never registers, so (a) does not carry over;
   the SM100 route is (b)'s transform warps writing the bf16 stage.
+
+Costs of the route: the accumulator is ``C^T``, so staging writes it transposed (lane ``4r + c`` to words
+``2c * 132 + r``: no bank conflicts); quack's W4 GEMM takes its weight-row extent from a ``D`` it would store, so
+a never-written one-row broadcast stands in for it and its shared-memory tile (bf16, quack's epilogue stages)
+stays allocated; clusters are 1x1 (quack's W4 takes ``(1, N, 1)``; a weight tile is not multicast).
 
 Exact dequantization (``cute_kv/reference/weights.py`` rounds the same way): int4 ``w = bf16((q - z) * s)``, the
 product of an exact small integer and the bf16 group scale rounded once (round to nearest even); e4m3 weights are
