@@ -89,6 +89,27 @@ def epilogue_loops(sass: str) -> list[int]:
     return loops
 
 
+DECODE_OPS = ("HADD2", "HMUL2", "HFMA2", "LOP3", "SHF", "F2FP", "PRMT")  # what a W4 decode issues per register
+
+
+def decode_per_weight(sass: str) -> float:
+    """Decode instructions per weight in the W4 k-tile loop (the innermost loop issuing HGMMA): each m64n128k16
+    HGMMA consumes 8 weights a thread decoded (64 rows x 16 k over 128 threads)."""
+    ins = _instructions(sass)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            body = [t for _, t in ins[index[int(m.group(1), 16)]:i + 1]]
+            if any("HGMMA" in t for t in body):
+                loops.append(body)
+    body = min(loops, key=len)
+    ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in body]
+    decode = sum(op.split(".")[0] in DECODE_OPS for op in ops)
+    return round(decode / (8 * sum(op.startswith("HGMMA") for op in ops)), 2)
+
+
 def figures(ptx: str, arch: str) -> dict:
     report, sass = _sass(ptx, arch)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
@@ -182,11 +203,14 @@ def _w4_records(problems) -> list[dict]:
     records = []
     for fmt in FORMATS.values():
         bare_ptx, bare_stages = bare_w4_ptx(fmt)
-        bare = {**figures(bare_ptx, "sm_90a"), "ab_stages": bare_stages}
+        bare = {**figures(bare_ptx, "sm_90a"), "ab_stages": bare_stages,
+                "decode_per_weight": decode_per_weight(_sass(bare_ptx, "sm_90a")[1])}
         for name in problems:
             kernel = FusedQKVGemmW4(QKVW4Spec(QKVSpec(**PROBLEMS[name]), fmt))
             gemm, *fake = kernel.build()
-            ours = {**figures(compile_ptx(lambda: (gemm, *fake), "sm_90a"), "sm_90a"), "ab_stages": gemm.ab_stage}
+            ptx = compile_ptx(lambda: (gemm, *fake), "sm_90a")  # noqa: B023 -- called at once
+            ours = {**figures(ptx, "sm_90a"), "ab_stages": gemm.ab_stage,
+                    "decode_per_weight": decode_per_weight(_sass(ptx, "sm_90a")[1])}
             rec = {"bench": "fused-qkv-static", "arch": "sm_90a", "problem": f"{name}-{fmt}", "weight_format": fmt,
                    "tile": [BN, TILE_TOKENS, kernel.fmt.tile_k], "cluster": list(kernel.cluster_shape),
                    **{f"ours_{k}": v for k, v in ours.items()},

@@ -12,9 +12,10 @@ compiles quack's W4 GEMM with the same decode and its own epilogue beside ours):
 * (a) quack's W4, chosen for sm_90a. Measured for Llama-3-8B (6144 x 4096, every format): 168 registers, no
   spills, 12 HGMMA in the SASS as in quack's own W4 GEMM (4 m64n128k16 per warpgroup and 64-deep k-tile: the
   bf16 GEMM's 8 per 128 x 128 x 64 tile), and the decode's instructions identical in number (PTX ``mul.rn.bf16x2``,
-  ``add.rn.bf16x2``, e4m3 ``cvt``). Per 32 weights a thread decodes per k-tile the int4 SASS is 16 HMUL2 + 16
-  HADD2 + about 16 LOP3 + 12 SHF (under 2 instructions a weight, one 16-byte ``ld.shared``), interleaved between
-  the k16 wgmmas; e4m3 is 16 + 16 F2FP and 32 HADD2. No shared-memory round trip, and a stage carries a quarter
+  ``add.rn.bf16x2``, e4m3 ``cvt``). In the k-tile loop's SASS a thread decodes its 32 weights per k-tile with
+  16 HMUL2 + 16 HADD2 + 17 LOP3 + 14 SHF (int4, every group size and zero points: 1.97 a weight, quack's own
+  1.94) or 32 F2FP + 32 HADD2 + 3 (e4m3: 2.09), from 2 ``ld.shared`` (words and scale word), interleaved between
+  the k16 wgmmas. No shared-memory round trip, and a stage carries a quarter
   (int4) or half (e4m3) of the bf16 weight bytes: 6 stages (e4m3: 5) fit beside our 66 KB staging tile, quack's
   own epilogue leaves 10 (8). Its formats use our packing already (low nibble = even ``k``, offset-binary codes,
   bf16 group scales), so the host repack is a byte permutation (``prepare_weight``).
