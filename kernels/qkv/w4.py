@@ -16,8 +16,9 @@ compiles quack's W4 GEMM with the same decode and its own epilogue beside ours):
   16 HMUL2 + 16 HADD2 + 17 LOP3 + 14 SHF (int4, every group size and zero points: 1.97 a weight, quack's own
   1.94) or 32 F2FP + 32 HADD2 + 3 (e4m3: 2.09), from 2 ``ld.shared`` (words and scale word), interleaved between
   the k16 wgmmas. No shared-memory round trip, and a stage carries a quarter (int4) or half (e4m3) of the bf16
-  weight bytes: 6 stages (e4m3: 5) fit beside our 66 KB staging tile, quack's own epilogue leaves 10 (8). Its formats use our packing already (low nibble = even ``k``, offset-binary codes,
-  bf16 group scales), so the host repack is a byte permutation (``prepare_weight``).
+  weight bytes: 6 stages (e4m3: 5) fit beside our 66 KB staging tile, quack's own epilogue leaves 10 (8). Its
+  formats use our packing already (low nibble = even ``k``, offset-binary codes, bf16 group scales), so the host
+  repack is a byte permutation (``prepare_weight``).
 * (b) a load-side transform warpgroup writing the bf16 B stage would serve both archs with one helper, but on SM90
   it adds a shared-memory write and read of every weight per tile (16 KB per 64-deep k-tile at BN = 128), a
   fourth warpgroup's registers, and the full bf16 stage back in the ring; quack 0.6.5's mainloops have no seam
