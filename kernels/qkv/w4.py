@@ -115,12 +115,13 @@ def prepare_weight(weight) -> tuple:
     traced step rebuilds the ``Int4Weight`` around the same tensors every call."""
     data = weight.packed if hasattr(weight, "packed") else weight.weight
     parts = tuple(t for t in (data, weight.scales, getattr(weight, "zero_points", None)) if t is not None)
-    stamp = tuple((id(t), t._version) for t in parts)
     cached = _PREPARED.get(id(data))
     if cached is None:
         weakref.finalize(data, _PREPARED.pop, id(data), None)
-    if cached is None or cached[0] != stamp:
-        cached = _PREPARED[id(data)] = (stamp, _repack(weight))
+    fresh = cached is not None and len(cached[0]) == len(parts) and all(
+        ref() is t and version == t._version for (ref, version), t in zip(cached[0], parts))
+    if not fresh:  # weak references, not ids: a freed scale tensor's id may come back on a new one
+        cached = _PREPARED[id(data)] = (tuple((weakref.ref(t), t._version) for t in parts), _repack(weight))
     return cached[1]
 
 
