@@ -15,9 +15,9 @@ Rounding (what the kernels do, bit for bit in the weight): an int4 weight is deq
 16-bit dtype, ``W[n, k] = round((q - z) * s)`` with the product exact in float32 (a small integer times a 16-bit
 scale; float32 scales are rounded there once) and rounded once to ``hidden.dtype`` (nearest even), the operand a
 16-bit tensor-core mainloop multiplies; float32 activations keep it in float32. An fp8 weight's value is exact in
-any 16-bit dtype; its float32 scale multiplies in float32 (a kernel may apply it to the float32 accumulator
-column instead: ``sum(x * w) * s`` against ``sum(x * (w * s))``, equal to float32 rounding). The product itself
-is float32, so kernels and this reference agree to accumulation order.
+any 16-bit dtype; the fused-QKV reference multiplies its float32 scale into the float32 product's column
+(``sum(x * w) * s``, what the kernel's epilogue does; ``dequantize`` gives ``w * s``). The product itself is
+float32, so kernels and this reference agree to accumulation order.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ stays allocated; clusters are 1x1 (quack's W4 takes ``(1, N, 1)``; a weight tile
 Exact dequantization (``cute_kv/reference/weights.py`` rounds the same way): int4 ``w = bf16((q - z) * s)``, the
 product of an exact small integer and the bf16 group scale rounded once (round to nearest even); e4m3 weights are
 exact in bf16 and their float32 per-channel scale multiplies the float32 accumulator column when it is staged
-(``C[:, n] * s[n]``: the reference's ``sum(x * (w * s))`` reassociated, equal to float32 rounding).
+(``C[:, n] * s[n]``, the order the reference uses too).
 
 Tiles: the weight side is 128 rows (``BN`` of the bf16 kernel: a normalized or neox head lies inside one tile),
 the token side 128 (two MMA warpgroups of 64 weight rows each, cooperative: quack's W4 has no ping-pong). Formats:
