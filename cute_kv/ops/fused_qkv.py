@@ -248,8 +248,9 @@ def _quantized_problem(weight, hidden, arch: str) -> tuple[Optional[str], str]:
 
 
 def _launcher(spec, arch: str, qk_norm) -> Callable:
-    """``run(...)`` for one ``plan`` key: the ``FusedQKVGemm`` (quack's SM90/SM100 GEMM core with our epilogue),
-    compiled once per bias flag, Q into ``output``."""
+    """``run(...)`` for one ``plan`` key: the ``FusedQKVGemm`` (quack's SM90/SM100 GEMM core with our epilogue) or
+    ``FusedQKVGemmW4`` (quantized weights, repacked once per weight), compiled once per bias flag, Q into
+    ``output``."""
     from cute_kv.kernels.compile_cache import compiled
 
     norm_weights = (None, None) if qk_norm is None else tuple(
