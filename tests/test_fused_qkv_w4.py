@@ -366,3 +366,37 @@ def test_fused_qkv_w4_empty_step():
     w = _cuda_weight(_int4(torch.Generator().manual_seed(1), *dense.shape, 128))
     q = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, w, gpu.collection, 1)
     assert q.shape == (0, 1024) and torch.equal(gpu.collection.blocks.view(torch.int16), before.view(torch.int16))
+
+
+@pytest.mark.parametrize("case", COMPILE_CASES)
+def test_launch_arguments_match_the_compiled_signature(rng, case):
+    """What the launcher passes lines up with what the kernel was compiled against (no GPU needed to check it):
+    the same slots filled, and every static extent and stride of the weight bundle and ``D`` equal."""
+    kernel = _w4(case)
+    s = kernel.spec.qkv
+    fmt, k = kernel.spec.weight_format, 256
+    weight = _fp8(rng, s.n_total, k) if fmt == "fp8" else _int4(
+        rng, s.n_total, k, {"int4": 128, "int4awq": 128, "int4_g32": 32}[fmt], has_zp=fmt == "int4awq")
+    t = 5
+    hidden = torch.randn(t, k).to(torch.bfloat16)
+    some = lambda on: torch.empty(1) if on else None  # noqa: E731 -- the operands the spec compiled in
+    real = kernel.args(hidden, weight, torch.empty(t, s.q_dim, dtype=torch.bfloat16), torch.empty(1), torch.empty(1),
+                       torch.empty(1), torch.empty(1, 1), 0, some(s.has_bias), some(s.rope), some(s.q_norm_dim),
+                       some(s.k_norm_dim), some(s.granularity), 132)
+    fake = kernel.fake_args()
+    fake = fake[:7] + fake[8:]  # the stream: the current one at launch
+    assert [x is None for x in real] == [x is None for x in fake]
+
+    def same_layout(r, f):
+        assert len(r.shape) == len(f.shape)
+        for got, want in [*zip(r.shape, f.shape), *zip(r.stride(), f.stride)]:
+            if isinstance(want, int):
+                assert got == want, (r.shape, r.stride(), f.shape, f.stride)
+
+    same_layout(real[0].blob, fake[0].blob)
+    assert (real[0].sf is None) == (fake[0].sf is None)
+    if real[0].sf is not None:
+        same_layout(real[0].sf, fake[0].sf)
+    same_layout(real[2], fake[2])  # D: the weight rows' extent, one row broadcast over the tokens
+    assert real[2].shape == (-(-s.n_total // BN) * BN, t)
+    assert [x is None for x in real[4]] == [x is None for x in fake[4]]  # the epilogue's optional operands
