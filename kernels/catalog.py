@@ -83,6 +83,12 @@ QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, 
     ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
     ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent head straddling tiles
 ]
+QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero points, group 32) and e4m3 weights
+    ("int4", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B GPTQ g128
+    ("int4awq", "bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3, zero points
+    ("int4_g32", "bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent, group 32
+    ("fp8", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # e4m3, per-channel scales
+]
 ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads, soft-cap,
     # sinks, lse[, fp8, granularity, e8m0]); the pipeline's PTX is
     # checked in tests/test_paged_attention_ptx.py
@@ -138,6 +144,14 @@ def _qkv(arch: str):
     return make
 
 
+def _qkv_w4(fmt, *case):
+    """``FusedQKVGemmW4`` (sm_90a) from a ``QKV_W4_CASES`` tuple."""
+    from cute_kv.kernels.qkv.gemm import QKVSpec
+    from cute_kv.kernels.qkv.w4 import FusedQKVGemmW4, QKVW4Spec
+
+    return FusedQKVGemmW4(QKVW4Spec(QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10]), fmt))
+
+
 # quack's persistent GEMMs: SM90 ping-pong is a producer and two MMA warpgroups; SM100 is 8 warps (MMA, TMA loads,
 # scheduler and 4 epilogue warps). Both size their stages to fill shared memory: one CTA per SM.
 _QKV_THREADS = {"sm_90a": 384, "sm_100a": 256}
@@ -158,6 +172,10 @@ FAMILIES = [
     Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES), ARCHS, _store_plan),
     *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),
              lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build()) for arch in ARCHS),
+    # quack's cooperative W4 GEMM: a producer and two MMA warpgroups sharing a 128-row weight tile; stages fill
+    # shared memory (one CTA per SM).
+    Family("fused_qkv_gemm_w4_90", _qkv_w4, tuple(QKV_W4_CASES), ("sm_90a",), lambda k: Plan(384, None, 1),
+           build=lambda k: k.build()),
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
            _attention_plan, head_dim=lambda k: k.head_dim,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),

@@ -8,9 +8,12 @@ inputs: torch GEMM alone (``hidden @ weight.T``, the lower bound), GEMM + FlashI
 the output's K/V column views, GEMM + torch ``index_copy_`` (rows computed once per step). The rows each
 implementation writes are checked against a float32 GEMM (RoPE'd for ours with RoPE) before it is timed.
 Figures: ``tflops``, ``roofline_fraction`` of the bf16 GEMM rate measured at start, ``ratio_to_gemm`` (goal <= 1.03)
-and ``speedup_vs_torch_gemm_flashinfer`` (goal >= 1.05).
+and ``speedup_vs_torch_gemm_flashinfer`` (goal >= 1.05). ``--weights int4`` adds records (``weight: int4``) for
+GPTQ int4 weights (group 128) on SM90: ours against quack's W4A16 GEMM followed by the same ``index_copy_`` write
+(``speedup_vs_quack_w4a16_index_copy``, goal >= 1).
 
-    python perf/run.py fused-qkv [--out perf/results/fused_qkv.json] [-- --cases decode,prefill --page-sizes 16,64]
+    python perf/run.py fused-qkv [--out perf/results/fused_qkv.json] [-- --cases decode,prefill --page-sizes 16,64
+                                                                         --weights bf16,int4]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import harness
 import report
 from cute_kv.reference import apply_rope
 from cute_kv.reference.norm import rms_norm_heads
+from cute_kv.reference.weights import dequantize
 
 Q_DIM, KV_DIM = cases.Q_HEADS * cases.HEAD_DIM, cases.KV_HEADS * cases.HEAD_DIM
 N_OUT = Q_DIM + 2 * KV_DIM
@@ -98,24 +102,67 @@ def bench_case(args, gemm_tflops: float, l2: int, name: str, page_size: int, fi,
              cases.Impl("torch_gemm_flashinfer", "peer", gemm_flashinfer, check, absent=fi_why),
              cases.Impl("torch_gemm_index_copy", "peer", gemm_index_copy, check)]
     flops = qkv_flops(t)
+    if "int4" in args.weights.split(","):
+        int4 = _int4_impls(hidden, sets)
     base = {"bench": "fused_qkv", "case": name, "page_size": page_size, "requests": step.requests, "rows": t,
             "max_context": step.max_context, "shape": [t, N_OUT, cases.HIDDEN], "layers": args.layers,
             "flops": flops, "gemm_tflops": gemm_tflops}
     # bf16 outputs against a float32 GEMM: rounding alone is ~4e-3.
-    records = cases.measure_case(base, impls, n_rot, args, tol=2e-2, figures=lambda s: {
-        "tflops": flops / s / 1e12, "roofline_fraction": report.compute_fraction(flops, s, gemm_tflops)})
+    figures = lambda s: {"tflops": flops / s / 1e12,  # noqa: E731
+                         "roofline_fraction": report.compute_fraction(flops, s, gemm_tflops)}
+    records = []
+    if "bf16" in args.weights.split(","):
+        records += cases.measure_case(base, impls, n_rot, args, tol=2e-2, figures=figures)
+    if "int4" in args.weights.split(","):
+        records += cases.measure_case({**base, "weight": "int4"}, int4, n_rot, args, tol=2e-2, figures=figures)
     for r in records:
         if "speedup_vs_torch_gemm" in r:
             r["ratio_to_gemm"] = 1 / r["speedup_vs_torch_gemm"]
             r["goal_ratio_to_gemm"], r["goal_speedup_vs_flashinfer"] = GOAL_RATIO_TO_GEMM, GOAL_SPEEDUP_VS_FLASHINFER
             r["meets_goals"] = (r["ratio_to_gemm"] <= GOAL_RATIO_TO_GEMM and
                                 r.get("speedup_vs_torch_gemm_flashinfer", 0.0) >= GOAL_SPEEDUP_VS_FLASHINFER)
+        if "speedup_vs_quack_w4a16_index_copy" in r:
+            r["meets_goals"] = r["speedup_vs_quack_w4a16_index_copy"] >= 1.0
     return records
+
+
+def _int4_impls(hidden, sets) -> list:
+    """Ours and quack's W4A16 GEMM + ``index_copy_`` on GPTQ int4 weights (group 128, codes and scales drawn so
+    outputs are O(1)), each checked against the float32 product with the dequantized weight."""
+    n_rot, n, k = hidden.shape[0], N_OUT, cases.HIDDEN
+    gen = torch.Generator().manual_seed(n)
+    w4 = [cute_kv.Int4Weight(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8).cuda(),
+                             (torch.rand(n, k // 128, generator=gen) / (4 * math.sqrt(k))).to(torch.bfloat16).cuda(),
+                             128) for _ in range(n_rot)]
+    k_exact, v_exact = split_kv(hidden[0].float() @ dequantize(w4[0], torch.bfloat16).T)
+
+    def check(fn):
+        return sets.write_error(fn, k_exact, v_exact)
+
+    def ours(r):
+        return cute_kv.fused_qkv_matmul_kv_cache(hidden[r], sets.input_row_offsets, w4[r], sets.collections[r],
+                                                 sets.layer(r), validate=False)
+
+    impls = [cases.Impl("cute_kv_int4", "ours", ours, check)]
+    try:
+        from quack.gemm_w4 import gemm_w4a16
+
+        from cute_kv.kernels.qkv.w4 import prepare_weight
+    except ImportError as e:
+        return impls + [cases.Impl("quack_w4a16_index_copy", "peer", absent=f"quack W4: {e}")]
+    prepared = [prepare_weight(w)[:2] for w in w4]  # once, as an engine would
+
+    def quack_index_copy(r):
+        cases.index_copy_store(sets.flat, *sets.rows[r], *split_kv(gemm_w4a16(hidden[r], *prepared[r],
+                                                                              wformat="int4")))
+
+    return impls + [cases.Impl("quack_w4a16_index_copy", "peer", quack_index_copy, check)]
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="decode,prefill", help="comma list of decode,prefill")
+    ap.add_argument("--weights", default="bf16", help="comma list of bf16,int4 (int4: SM90)")
     cases.common_args(ap)
     args = ap.parse_args(argv)
     gemm = ceilings.gemm_tflops(8192, 8192, 8192)

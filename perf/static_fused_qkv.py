@@ -89,6 +89,27 @@ def epilogue_loops(sass: str) -> list[int]:
     return loops
 
 
+DECODE_OPS = ("HADD2", "HMUL2", "HFMA2", "LOP3", "SHF", "F2FP", "PRMT")  # what a W4 decode issues per register
+
+
+def decode_per_weight(sass: str) -> float:
+    """Decode instructions per weight in the W4 k-tile loop (the innermost loop issuing HGMMA): each m64n128k16
+    HGMMA consumes 8 weights a thread decoded (64 rows x 16 k over 128 threads)."""
+    ins = _instructions(sass)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            body = [t for _, t in ins[index[int(m.group(1), 16)]:i + 1]]
+            if any("HGMMA" in t for t in body):
+                loops.append(body)
+    body = min(loops, key=len)
+    ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in body]
+    decode = sum(op.split(".")[0] in DECODE_OPS for op in ops)
+    return round(decode / (8 * sum(op.startswith("HGMMA") for op in ops)), 2)
+
+
 def figures(ptx: str, arch: str) -> dict:
     report, sass = _sass(ptx, arch)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
@@ -119,6 +140,31 @@ def bare_gemm_ptx(arch: str) -> tuple[str, int]:
     return compile_ptx(lambda: (gemm, *args), arch), gemm.ab_stage
 
 
+def bare_w4_ptx(weight_format: str) -> tuple[str, int]:
+    """quack's SM90 W4 GEMM (``weight_format``'s SM90 decode) on ``FusedQKVGemmW4``'s tiles with its own epilogue (bf16
+    ``D``, the output transposed, through TMA): PTX and A/B stages. Compiled for a 6144 x 4096 weight."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from quack.gemm_default_epi import GemmDefaultSm90
+    from quack.operand_transform.host import w4_fake_operands
+    from quack.operand_transform.transform import TransformAW4
+    from quack.tile_scheduler import TileSchedulerOptions
+
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.w4 import BN, TILE_TOKENS, FusedQKVGemmW4, decode_format
+
+    bf, fmt, n, k = cutlass.BFloat16, decode_format(weight_format), 6144, 4096
+    gemm = GemmDefaultSm90(cutlass.Float32, bf, (BN, TILE_TOKENS, fmt.tile_k), FusedQKVGemmW4.cluster_shape,
+                           pingpong=False, is_persistent=True, transform_a=lambda g: TransformAW4(g, fmt))
+    t = cutlass.cute.sym_int32()
+    act = make_fake_tensor(bf, (t, k), stride=(k, 1), assumed_align=16)
+    d = make_fake_tensor(bf, (n, t), stride=(1, n), assumed_align=16)
+    sched = TileSchedulerOptions(max_active_clusters=cutlass.Int32(1), max_swizzle_size=cutlass.Int32(8))
+    args = (w4_fake_operands(fmt, n, k, BN), act, d, None, gemm.EpilogueArguments(), sched, None,
+            make_fake_stream(use_tvm_ffi_env_stream=True), None, None)
+    return compile_ptx(lambda: (gemm, *args), "sm_90a"), gemm.ab_stage
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="static_fused_qkv", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=["sm_90a", "sm_100a"], action="append")
@@ -141,6 +187,37 @@ def main(argv=None) -> list[dict]:
                    "mainloop_unchanged": ours["mma"] == bare["mma"],
                    "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
                    "staging_bytes": TILES[arch][0][0] // (2 if arch == "sm_100a" else 1) * (BN + 4) * 4}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+        if arch == "sm_90a":
+            records += _w4_records(args.problem or list(PROBLEMS))
+    return records
+
+
+def _w4_records(problems) -> list[dict]:
+    """``FusedQKVGemmW4`` per decode format against quack's W4 GEMM with the same decode and its own epilogue."""
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.gemm import BN, QKVSpec
+    from cute_kv.kernels.qkv.w4 import FORMATS, TILE_TOKENS, FusedQKVGemmW4, QKVW4Spec
+
+    records = []
+    for fmt in FORMATS.values():
+        bare_ptx, bare_stages = bare_w4_ptx(fmt)
+        bare = {**figures(bare_ptx, "sm_90a"), "ab_stages": bare_stages,
+                "decode_per_weight": decode_per_weight(_sass(bare_ptx, "sm_90a")[1])}
+        for name in problems:
+            kernel = FusedQKVGemmW4(QKVW4Spec(QKVSpec(**PROBLEMS[name]), fmt))
+            gemm, *fake = kernel.build()
+            ptx = compile_ptx(lambda: (gemm, *fake), "sm_90a")  # noqa: B023 -- called at once
+            ours = {**figures(ptx, "sm_90a"), "ab_stages": gemm.ab_stage,
+                    "decode_per_weight": decode_per_weight(_sass(ptx, "sm_90a")[1])}
+            rec = {"bench": "fused-qkv-static", "arch": "sm_90a", "problem": f"{name}-{fmt}", "weight_format": fmt,
+                   "tile": [BN, TILE_TOKENS, kernel.fmt.tile_k], "cluster": list(kernel.cluster_shape),
+                   **{f"ours_{k}": v for k, v in ours.items()},
+                   **{f"bare_{k}": v for k, v in bare.items() if k != "row_loops"},
+                   "mainloop_unchanged": ours["mma"] == bare["mma"],
+                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   "staging_bytes": TILE_TOKENS * (BN + 4) * 4}
             print(json.dumps(rec), flush=True)
             records.append(rec)
     return records

@@ -175,8 +175,8 @@ def test_plan_serves(rng):
 
 def test_plan_leaves_to_the_reference(rng):
     int4 = cute_kv.Int4Weight(torch.zeros(4096 + 2048, 128, dtype=torch.uint8),
-                              torch.ones(4096 + 2048, 2, dtype=torch.bfloat16), 128)
-    assert _served(rng, weight=int4) is None  # quantized weights: no W4 mainloop yet
+                              torch.ones(4096 + 2048, 2, dtype=torch.float32), 128)
+    assert _served(rng, weight=int4) is None  # float32 group scales: the W4 decode multiplies bf16 (test_fused_qkv_w4)
     assert _served(rng, dtype=torch.float32) is None
     assert _served(rng, dtype=torch.float8_e4m3fn, scale_dtype=torch.float8_e8m0fnu) is None
     assert _served(rng, head_size=256, q_dim=4096, rope=RopeConfig.from_theta(256, 64)) is None  # neox over 2 tiles

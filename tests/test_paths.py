@@ -83,7 +83,7 @@ def test_explain_names_why_the_reference_runs(rng, cache, word):
 def test_explain_fused_qkv_and_store_kv(rng):
     for cache, arch, int4, want in [({}, "sm_90a", False, "FusedQKVGemm"), ({}, "sm_100a", False, "FusedQKVGemm"),
                                     ({"dtype": FP8, "scale_dtype": torch.float32}, "sm_100a", False, "FusedQKVGemm"),
-                                    ({}, "sm_90a", True, None)]:
+                                    ({}, "sm_90a", True, "FusedQKVGemmW4"), ({}, "sm_100a", True, None)]:
         pb = _batch(**cache)
         hidden = torch.randn(pb.total_rows, 64, generator=rng).to(torch.bfloat16)
         n = 128 + kv_columns(pb.collection)

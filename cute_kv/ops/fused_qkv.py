@@ -184,10 +184,11 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
 
 
 def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.KernelPath:
-    """The ``FusedQKVGemm`` serving these checked arguments on ``arch`` (its ``QKVSpec`` key, without bias), or why
-    the reference runs instead: quantized weights (no W4/W8 mainloop yet), fp32 activations, e5m2 caches or e8m0
-    scales, unaligned rows, or a shape the kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values
-    only: testable without a GPU."""
+    """The ``FusedQKVGemm`` serving these checked arguments on ``arch`` (its ``QKVSpec`` key, without bias), for a
+    quantized weight the ``FusedQKVGemmW4`` (a ``QKVW4Spec`` key: the spec and the decode format, which names the
+    weight dtype, group size and zero points), or why the reference runs instead: quantized weights the decode does
+    not take (``_quantized_problem``), fp32 activations, e5m2 caches or e8m0 scales, unaligned rows, or a shape the
+    kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a GPU."""
     from cute_kv.kernels.qkv.gemm import DTYPES, QKVSpec, supported
 
     def fallback(reason):
@@ -195,13 +196,17 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
 
     dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
     c = collection
-    if not isinstance(weight, torch.Tensor):
-        return fallback(f"{type(weight).__name__} weights: no quantized-weight mainloop yet")
+    quantized = not isinstance(weight, torch.Tensor)
+    weight_format = None
+    if quantized:
+        weight_format, problem = _quantized_problem(weight, hidden, arch)
+        if problem:
+            return fallback(problem)
     if dtype_name not in DTYPES:
         return fallback(f"hidden is {dtype_name}; the kernel takes {' or '.join(sorted(DTYPES))}")
     if hidden.shape[1] == 0:
         return fallback("hidden has no columns (K = 0)")
-    if not (rows_aligned(hidden) and rows_aligned(weight)) or c.blocks.data_ptr() % 16:
+    if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.blocks.data_ptr() % 16:
         return fallback("hidden, weight and blocks need row-major, 16-byte aligned rows")
     if rope is not None and not rows_aligned(rope.freqs_cis):
         return fallback("rope.freqs_cis needs row-major, 16-byte aligned rows")
@@ -214,14 +219,39 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
                    q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
                    *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity)
     problem = supported(spec)
-    return fallback(problem) if problem else paths.kernel(OP, "FusedQKVGemm", spec, arch)
+    if problem:
+        return fallback(problem)
+    if quantized:
+        from cute_kv.kernels.qkv.w4 import QKVW4Spec
+
+        return paths.kernel(OP, "FusedQKVGemmW4", QKVW4Spec(spec, weight_format), arch)
+    return paths.kernel(OP, "FusedQKVGemm", spec, arch)
+
+
+def _quantized_problem(weight, hidden, arch: str) -> tuple[Optional[str], str]:
+    """``(decode format, "")`` when ``FusedQKVGemmW4`` takes this quantized weight on ``arch``, else
+    ``(None, why not)``."""
+    from cute_kv.kernels.qkv import w4
+
+    name = type(weight).__name__
+    if arch != w4.ARCH:
+        return None, (f"{name} weights on {arch}: no quantized-weight mainloop there yet (the {w4.ARCH} one decodes "
+                      f"into wgmma's register A operand, which tcgen05.mma does not have)")
+    if hidden.dtype != torch.bfloat16:
+        return None, f"{name} weights decode to bfloat16; hidden is {dtypes.dtype_name(hidden.dtype)}"
+    fmt, problem = w4.weight_format(weight)
+    if problem:
+        return None, problem
+    if hidden.shape[1] % w4.K_TILE:
+        return None, f"{name} weights need K ({hidden.shape[1]}) to be a multiple of {w4.K_TILE} (the decode's k-tile)"
+    return fmt, ""
 
 
 def _launcher(spec, arch: str, qk_norm) -> Callable:
-    """``run(...)`` for one ``plan`` key: the ``FusedQKVGemm`` (quack's SM90/SM100 GEMM core with our epilogue),
-    compiled once per bias flag, Q into ``output``."""
+    """``run(...)`` for one ``plan`` key: the ``FusedQKVGemm`` (quack's SM90/SM100 GEMM core with our epilogue) or
+    ``FusedQKVGemmW4`` (quantized weights, repacked once per weight), compiled once per bias flag, Q into
+    ``output``."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.kernels.qkv.gemm import TILES
 
     norm_weights = (None, None) if qk_norm is None else tuple(
         None if w is None else w.to(torch.float32).contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight))
@@ -231,30 +261,41 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
         if t:  # a persistent grid over zero tiles still launches: skip it
-            kernel = _gemm(dataclasses.replace(spec, has_bias=bias is not None), arch)
+            kernel = _gemm(_with_bias(spec, bias is not None), arch)
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
                             collection.cache_lengths, collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
-                            *norm_weights, collection.scales, _max_active_clusters(collection.device, TILES[arch][1])))
+                            *norm_weights, collection.scales,
+                            _max_active_clusters(collection.device, kernel.cluster_shape)))
         return out if output is None or out is output else output.copy_(out)
 
     return run
 
 
 def compile_unit(spec, arch: str) -> tuple:
-    """``(compile key, build)`` of the kernel for one ``QKVSpec`` (bias flag included): what the launcher compiles
-    and ``prebuild`` compiles ahead."""
+    """``(compile key, build)`` of the kernel for one ``QKVSpec`` or ``QKVW4Spec`` (bias flag included): what the
+    launcher compiles and ``prebuild`` compiles ahead."""
     kernel = _gemm(spec, arch)
-    return ("fused_qkv_gemm", kernel.spec), kernel.build
+    return (kernel.compile_name, kernel.spec), kernel.build
+
+
+def _with_bias(spec, has_bias: bool):
+    """The compile key with its bias flag set (a ``QKVW4Spec`` carries it in its ``QKVSpec``)."""
+    from cute_kv.kernels.qkv.w4 import QKVW4Spec
+
+    if isinstance(spec, QKVW4Spec):
+        return dataclasses.replace(spec, qkv=dataclasses.replace(spec.qkv, has_bias=has_bias))
+    return dataclasses.replace(spec, has_bias=has_bias)
 
 
 @functools.lru_cache(maxsize=None)
 def _gemm(spec, arch: str):
     """The kernel builder per compile key (built once: its checks and quack's classes stay off the call path)."""
     from cute_kv.kernels.qkv.gemm import FusedQKVGemm
+    from cute_kv.kernels.qkv.w4 import FusedQKVGemmW4, QKVW4Spec
 
-    return FusedQKVGemm(spec, arch)
+    return (FusedQKVGemmW4 if isinstance(spec, QKVW4Spec) else FusedQKVGemm)(spec, arch)
 
 
 def _norm_key(qk_norm) -> tuple:

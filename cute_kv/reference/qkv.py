@@ -2,8 +2,9 @@
 
 Columns of ``C`` (MAX's epilogue routing): ``[0, q_dim)`` are Q, then K (``H*D``), then V (``H*D``); an MLA
 cache takes ``[Q | K]`` with a single latent head of width ``D``. Per row, in float32: the product (weights
-dequantized first, ``reference/weights.py``), ``+ bias``, QK-norm of Q and K (``reference/norm.py``), then RoPE of
-Q and K; each result is rounded once (Q to ``hidden.dtype``, K/V to the cache dtype, quantized when it has scales).
+dequantized first, int4 rounded to ``hidden.dtype``, fp8 scaled after: ``reference/weights.py``), ``+ bias``,
+QK-norm of Q and K (``reference/norm.py``), then RoPE of Q and K; each result is rounded once (Q to
+``hidden.dtype``, K/V to the cache dtype, quantized when it has scales).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from cute_kv.reference.norm import QKNorm, rms_norm_heads
 from cute_kv.reference.ragged import positions
 from cute_kv.reference.rope import RopeConfig, apply_rope
 from cute_kv.reference.store import write_rows
-from cute_kv.reference.weights import dequantize
+from cute_kv.reference.weights import Fp8Weight, dequantize
 
 
 def kv_columns(collection) -> int:
@@ -37,7 +38,10 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
 
     Q is written into ``output`` when given (and ``output`` returned).
     """
-    c = hidden.to(torch.float32) @ dequantize(weight).T
+    if isinstance(weight, Fp8Weight):  # the per-channel scale on the float32 product, as the kernel applies it
+        c = (hidden.to(torch.float32) @ weight.weight.to(torch.float32).T) * weight.scales
+    else:
+        c = hidden.to(torch.float32) @ dequantize(weight, hidden.dtype).T
     if bias is not None:
         c = c + bias.to(torch.float32)
     d = collection.head_size

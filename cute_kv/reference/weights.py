@@ -11,8 +11,13 @@ Both formats describe a logical weight ``W [N, K]`` (row ``n`` is output column 
 * ``Fp8Weight`` (``weight_dtype`` float8_e4m3fn): ``weight [N, K]`` float8_e4m3fn and float32 per-channel
   ``scales [N]``: ``W[n, k] = float(weight[n, k]) * scales[n]``.
 
-The product is formed in float32 from the dequantized weight (exact: every ``(q - z) * s`` and fp8 value times a
-float32 scale is computed once in float32), so kernels and this reference agree to accumulation order.
+Rounding (what the kernels do, bit for bit in the weight): an int4 weight is dequantized into the activations'
+16-bit dtype, ``W[n, k] = round((q - z) * s)`` with the product exact in float32 (a small integer times a 16-bit
+scale; float32 scales are rounded there once) and rounded once to ``hidden.dtype`` (nearest even), the operand a
+16-bit tensor-core mainloop multiplies; float32 activations keep it in float32. An fp8 weight's value is exact in
+any 16-bit dtype; the fused-QKV reference multiplies its float32 scale into the float32 product's column
+(``sum(x * w) * s``, what the kernel's epilogue does; ``dequantize`` gives ``w * s``). The product itself is
+float32, so kernels and this reference agree to accumulation order.
 """
 
 from __future__ import annotations
@@ -111,6 +116,10 @@ class Fp8Weight:
 QuantizedWeight = Union[Int4Weight, Fp8Weight]
 
 
-def dequantize(weight) -> torch.Tensor:
-    """Any accepted weight as float32 ``[N, K]``."""
-    return weight.to(torch.float32) if isinstance(weight, torch.Tensor) else weight.dequantize()
+def dequantize(weight, activation_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Any accepted weight as float32 ``[N, K]``, an int4 one rounded once to ``activation_dtype`` (see the module
+    doc)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.to(torch.float32)
+    w = weight.dequantize()
+    return w.to(activation_dtype).to(torch.float32) if isinstance(weight, Int4Weight) else w

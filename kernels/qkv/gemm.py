@@ -13,15 +13,10 @@ sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 
 (Llama, Qwen, Gemma) and keeps the float32 staging tile at 66 KB. ``supported`` says why a shape is refused (the
 entry then runs the reference).
 
-What still takes the reference (the entry's dispatch): quantized weights, norms over more than one tile (MLA's
-512-dim latent norm), e5m2 caches and e8m0 scales. Quantized weights are not in a mainloop yet. On SM90 the route is
-quack's W4 GEMM (``transform_a``: packed weights decoded to bf16 in registers for an RS wgmma); it makes the weights
-the A operand, so its accumulator tile is ``C^T`` and this epilogue would stage it transposed; its formats are
-quack's repacked blobs (``int4`` symmetric, ``int4awq`` with zero points at group 128), to be built from
-``Int4Weight`` once per weight. quack 0.6.5 has no SM100 W4 mainloop: there the plan is TMA of the packed bytes and
-a decode warp writing bf16 tiles to shared memory ahead of ``tcgen05.mma``; until then int4 on SM100 runs the
-reference. FP8 weights with per-channel scales fold the scale into the epilogue (``C[:, n] * s[n]``) but still
-need a mixed bf16 x e4m3 mainloop (the same transform route).
+What still takes the reference (the entry's dispatch): norms over more than one tile (MLA's 512-dim latent norm),
+e5m2 caches and e8m0 scales. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
+scales) run ``FusedQKVGemmW4`` (``w4.py``: quack's SM90 W4 mainloop with this epilogue staged transposed) on
+sm_90a; on sm_100a they take the reference until a transform-warp mainloop exists (``w4.py`` says why).
 
 Why this replaced the single-warpgroup ``FusedQKVMatmul`` (formerly ``kernels/qkv/sm90.py``): it took exactly the
 shapes this kernel takes (the same 128-column rule), had no SM100 mainloop, no warp specialization, no multicast
@@ -140,6 +135,8 @@ class FusedQKVGemm:
     """Builds quack's GEMM with our epilogue for ``spec`` on ``arch``; ``build()`` returns ``(gemm, *fake_args)``
     for ``compile_cache.compiled`` and ``args()`` the launch arguments of the compiled function."""
 
+    compile_name = "fused_qkv_gemm"
+
     def __init__(self, spec: QKVSpec, arch: str):
         problem = supported(spec)
         if problem:
@@ -147,6 +144,10 @@ class FusedQKVGemm:
         if arch not in TILES:
             raise ValueError(f"FusedQKVGemm targets {sorted(TILES)}, not {arch}")
         self.spec, self.arch = spec, arch
+
+    @property
+    def cluster_shape(self) -> tuple:
+        return TILES[self.arch][1]
 
     def gemm(self):
         tile, cluster = TILES[self.arch]
