@@ -20,7 +20,8 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
 
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
-    ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not
+    ``None`` for an MLA cache (K only); a rope-aware MLA cache takes ``k [T, 1, latent_dim]`` (its logical rows) and
+    stores the content quantized per token, the rope part as bf16 (``cute_kv/rope_aware.py``). ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not
     modified. Every argument is checked before anything is written.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
@@ -33,7 +34,8 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                   layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity)
+                                   layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity,
+                                   c.rope_dim)
     else:  # eager: the op's dispatcher would add ~14 µs of host time for nothing
         dispatch(k, v, input_row_offsets, c, layer_idx)
 
@@ -54,7 +56,7 @@ def explain(k, v, input_row_offsets, collection, layer_idx: int, *, validate: bo
 
 def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
     collection.check_layer(layer_idx)
-    rows = [None, collection.num_heads, collection.head_size]
+    rows = [None, collection.num_heads, collection.latent_dim]
     check_activation("k", k, collection, ndim=3)
     check_tensor("k", k, shape=rows)
     if collection.is_mla:
@@ -68,10 +70,13 @@ def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
 def plan(collection, k, arch: str) -> paths.KernelPath:
     """The ``PagedKVStore`` serving these arguments on ``arch`` (SM90 and SM100 alike), or why the reference runs
     instead: an fp8 cache without float32 scales (saturating cast) or whose granule the kernel cannot reduce in one
-    warp, head dims that are not whole vectors, a misaligned cache."""
+    warp, head dims that are not whole vectors, a misaligned cache, rope-aware MLA rows."""
     from cute_kv.kernels.cache.store import DTYPES, quantizable
 
     c = collection
+    if c.rope_dim is not None:
+        return paths.reference(OP, "rope-aware MLA rows (fp8 content with a per-token scale over "
+                                   f"{c.padded_depth} dims, bf16 rope) have no store kernel yet", arch)
     name = dtypes.dtype_name(k.dtype)
     granularity = None
     if c.dtype == torch.float8_e4m3fn:
