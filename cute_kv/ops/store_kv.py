@@ -21,8 +21,8 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
     ``None`` for an MLA cache (K only); a rope-aware MLA cache takes ``k [T, 1, latent_dim]`` (its logical rows) and
-    stores the content quantized per token, the rope part as bf16 (``cute_kv/rope_aware.py``). ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not
-    modified. Every argument is checked before anything is written.
+    stores the content quantized per token, the rope part as bf16 (``cute_kv/rope_aware.py``).
+    ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not modified. Every argument is checked before anything is written.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
     each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
