@@ -70,14 +70,14 @@ def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
 def plan(collection, k, arch: str) -> paths.KernelPath:
     """The ``PagedKVStore`` serving these arguments on ``arch`` (SM90 and SM100 alike), or why the reference runs
     instead: an fp8 cache without float32 scales (saturating cast) or whose granule the kernel cannot reduce in one
-    warp, head dims that are not whole vectors, a misaligned cache, rope-aware MLA rows."""
+    warp, head dims that are not whole vectors, a misaligned cache. Rope-aware MLA rows take ``RopeAwareKVStore``
+    where their geometry fits it."""
     from cute_kv.kernels.cache.store import DTYPES, quantizable
 
     c = collection
-    if c.rope_dim is not None:
-        return paths.reference(OP, "rope-aware MLA rows (fp8 content with a per-token scale over "
-                                   f"{c.padded_depth} dims, bf16 rope) have no store kernel yet", arch)
     name = dtypes.dtype_name(k.dtype)
+    if c.rope_dim is not None:
+        return _plan_rope_aware(c, name, arch)
     granularity = None
     if c.dtype == torch.float8_e4m3fn:
         granularity = c.quantization_granularity
@@ -99,14 +99,35 @@ def plan(collection, k, arch: str) -> paths.KernelPath:
     return paths.kernel(OP, "PagedKVStore", key, arch)
 
 
+def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
+    """``RopeAwareKVStore`` for a rope-aware MLA cache, or why the reference runs instead."""
+    from cute_kv.kernels.cache.store import DTYPES
+    from cute_kv.kernels.cache.store_rope_aware import supported
+
+    if name not in DTYPES:
+        return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
+    problem = supported(c.padded_depth, c.rope_dim)
+    if problem:
+        return paths.reference(OP, f"rope-aware rows: {problem}", arch)
+    if c.blocks.data_ptr() % 16:
+        return paths.reference(OP, "blocks is not 16-byte aligned", arch)
+    key = (ROPE_AWARE_KEY, name, c.page_size, c.padded_depth, c.rope_dim)
+    return paths.kernel(OP, "RopeAwareKVStore", key, arch)
+
+
+ROPE_AWARE_KEY = "paged_kv_store_rope_aware"
+
+
 def compile_unit(key: tuple, arch: str) -> tuple:
     """``(compile key, build)`` of the kernel for one ``plan`` key: what the launcher compiles and ``prebuild``
     compiles ahead."""
 
     def build():
-        from cute_kv.kernels.cache.store import PagedKVStore
-
-        kernel = PagedKVStore(*key[1:])
+        if key[0] == ROPE_AWARE_KEY:
+            from cute_kv.kernels.cache.store_rope_aware import RopeAwareKVStore as kernel_class
+        else:
+            from cute_kv.kernels.cache.store import PagedKVStore as kernel_class
+        kernel = kernel_class(*key[1:])
         return kernel, *kernel.fake_args()
 
     return key, build
@@ -116,7 +137,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.kernels.compile_cache import compiled
 
     fn = compiled(*compile_unit(key, arch), arch)
-    quantized = key[6] is not None
+    quantized = key[0] == ROPE_AWARE_KEY or key[6] is not None  # fp8 rows: vectors of 8 input values
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
