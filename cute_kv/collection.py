@@ -177,10 +177,6 @@ class PagedKVCacheCollection:
         return self.scales is not None
 
     @property
-    def is_rope_aware(self) -> bool:
-        return self.rope_dim is not None
-
-    @property
     def padded_depth(self) -> int:
         """Content width of a row: ``head_size - 2*rope_dim`` fp8 bytes (rope-aware), else ``head_size``."""
         return self.head_size - 2 * (self.rope_dim or 0)

@@ -12,6 +12,7 @@ from cute_kv.ops.vectors import packed_heads
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "store_kv"
+ROPE_AWARE_KEY = "paged_kv_store_rope_aware"  # plan keys of RopeAwareKVStore start with it
 
 
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, collection,
@@ -22,7 +23,8 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
     ``None`` for an MLA cache (K only); a rope-aware MLA cache takes ``k [T, 1, latent_dim]`` (its logical rows) and
     stores the content quantized per token, the rope part as bf16 (``cute_kv/rope_aware.py``).
-    ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not modified. Every argument is checked before anything is written.
+    ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not modified. Every argument is
+    checked before anything is written.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
     each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
@@ -113,9 +115,6 @@ def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
         return paths.reference(OP, "blocks is not 16-byte aligned", arch)
     key = (ROPE_AWARE_KEY, name, c.page_size, c.padded_depth, c.rope_dim)
     return paths.kernel(OP, "RopeAwareKVStore", key, arch)
-
-
-ROPE_AWARE_KEY = "paged_kv_store_rope_aware"
 
 
 def compile_unit(key: tuple, arch: str) -> tuple:
