@@ -325,3 +325,24 @@ def test_index_remap_rejects_bad_arguments(rng):
                                       pb.collection)
     with pytest.raises(ValueError, match=r"input_row_offsets\[-1\] \(\d+\) must equal the number of rows \(2\)"):
         cute_kv.sparse_kv_index_remap(torch.zeros(2, 3, dtype=torch.int32), pb.input_row_offsets, pb.collection)
+
+
+def test_sparse_reference_in_token_chunks(rng, monkeypatch):
+    """The reference gathers keys for a chunk of tokens at a time (memory); chunks of 3 tokens give the same rows."""
+    pb = mla_batch(rng, "rope-aware")
+    c = pb.collection
+    indices = random_indices(rng, c, pb.total_rows, 7)
+    q = torch.randn(pb.total_rows, 4, c.latent_dim, generator=rng)
+    kw = dict(mla_v_dim=64, sinks=torch.randn(4, generator=rng), return_lse=True)
+    whole, whole_lse = ref.sparse_mla_attention(q, c, 1, indices, **kw)
+    monkeypatch.setattr(ref.sparse_mla, "_CHUNK_ELEMENTS", 3 * 7 * c.latent_dim)
+    out, lse = ref.sparse_mla_attention(q, c, 1, indices, **kw)
+    assert torch.allclose(out, whole, rtol=1e-6, atol=1e-6) and torch.allclose(lse, whole_lse, rtol=1e-6)
+
+
+def test_sparse_no_tokens(rng):
+    pb = mla_batch(rng, "rope-aware", [3, 0], [0, 0])
+    q = torch.zeros(0, 4, 80, dtype=torch.bfloat16)
+    out, lse = cute_kv.sparse_mla_attention(q, pb.input_row_offsets, pb.collection, 0,
+                                            torch.zeros(0, 5, dtype=torch.int32), mla_v_dim=64, return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)

@@ -17,6 +17,8 @@ import torch
 
 from cute_kv.reference.ragged import ragged_coords
 
+_CHUNK_ELEMENTS = 1 << 24  # gathered key values per chunk of tokens (64 MiB of float32)
+
 
 def selected_keys(indices: torch.Tensor, topk_lengths: Optional[torch.Tensor], num_pages: int,
                   page_size: int) -> torch.Tensor:
@@ -41,22 +43,29 @@ def sparse_mla_attention(q: torch.Tensor, collection, layer_idx: int, indices: t
     cache = collection.get_key_cache(layer_idx)
     p = collection.page_size
     valid = selected_keys(indices, topk_lengths, collection.num_pages, p)
-    enc = indices.to(torch.int64)[valid]
-    k = torch.zeros((*indices.shape, d), dtype=torch.float32, device=q.device)
-    k[valid] = cache.read_rows((enc // p) * cache.stride_rows + enc % p)[:, 0]  # only the selected rows are read
-    s = torch.einsum("thd,tjd->thj", q.to(torch.float32), k) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    if sinks is not None:  # one more logit per row, whose value row is zero
-        s = torch.cat([s, sinks.to(torch.float32)[None, :, None].expand(t, hq, 1)], dim=-1)
-    row_lse = s.logsumexp(dim=-1)  # -inf for a row with no key and no sink
-    probs = torch.where(torch.isneginf(s), 0.0, (s - row_lse[..., None]).exp())[..., : indices.shape[1]]
-    acc = torch.einsum("thj,tjd->thd", probs, k[..., :mla_v_dim])
+    acc = torch.empty((t, hq, mla_v_dim), dtype=torch.float32, device=q.device)
+    lse_acc = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, indices.shape[1] * d))  # tokens whose keys are gathered at once
+    for start in range(0, t, chunk):
+        rows = slice(start, start + chunk)
+        sel = valid[rows]
+        enc = indices[rows].to(torch.int64)[sel]
+        k = torch.zeros((*sel.shape, d), dtype=torch.float32, device=q.device)
+        k[sel] = cache.read_rows((enc // p) * cache.stride_rows + enc % p)[:, 0]  # only the selected rows are read
+        s = torch.einsum("thd,tjd->thj", q[rows].to(torch.float32), k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~sel[:, None, :], float("-inf"))
+        if sinks is not None:  # one more logit per row, whose value row is zero
+            s = torch.cat([s, sinks.to(torch.float32)[None, :, None].expand(*s.shape[:2], 1)], dim=-1)
+        row_lse = s.logsumexp(dim=-1)  # -inf for a row with no key and no sink
+        probs = torch.where(torch.isneginf(s), 0.0, (s - row_lse[..., None]).exp())[..., : sel.shape[1]]
+        acc[rows] = torch.einsum("thj,tjd->thd", probs, k[..., :mla_v_dim])
+        lse_acc[rows] = row_lse
     out = acc.to(q.dtype) if out is None else out.copy_(acc)
     if not return_lse:
         return out
-    return out, row_lse if lse is None else lse.copy_(row_lse)
+    return out, lse_acc if lse is None else lse.copy_(lse_acc)
 
 
 def sparse_kv_index_remap(positions: torch.Tensor, input_row_offsets: torch.Tensor, collection) -> torch.Tensor:
