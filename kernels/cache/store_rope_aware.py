@@ -63,9 +63,10 @@ class RopeAwareKVStore:
         p, rb = self.page_size, self.row_bytes
         n, nl, b, cols, t = (cute.sym_int32() for _ in range(5))
 
-        def cache(dtype, depth, align):
+        def cache(dtype, depth, align):  # [N, 1, L, P, 1, depth] row-major: page and KV pitches are L*P*depth
             return make_fake_tensor(dtype, (n, 1, nl, p, 1, depth), stride=(
-                cute.sym_int64(divisibility=p * depth), p * depth, p * depth, depth, depth, 1), assumed_align=align)
+                cute.sym_int64(divisibility=p * depth), cute.sym_int64(divisibility=p * depth), p * depth, depth,
+                depth, 1), assumed_align=align)
 
         k = make_fake_tensor(self.in_dtype, (t, 1, self.latent_dim), stride=(cute.sym_int64(divisibility=VEC),
                                                                                 self.latent_dim, 1), assumed_align=16)
