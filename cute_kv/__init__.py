@@ -8,6 +8,7 @@ from cute_kv.metadata import input_row_offsets, last_row_indices, make_lookup_ta
 from cute_kv.ops.fused_qkv import fused_qkv_matmul_kv_cache
 from cute_kv.ops.gather_kv import gather_kv
 from cute_kv.ops.paged_attention import paged_attention
+from cute_kv.ops.sparse_mla_attention import sparse_kv_index_remap, sparse_mla_attention
 from cute_kv.ops.paths import FallbackError, FallbackWarning, KernelPath, explain, set_strict
 from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
@@ -52,5 +53,7 @@ __all__ = [
     "parse_dtype",
     "set_strict",
     "positions",
+    "sparse_kv_index_remap",
+    "sparse_mla_attention",
     "store_kv",
 ]

@@ -3,6 +3,9 @@
 Layout (MAX, row-major): ``blocks[N, KVD, L, P, H, D]``; ``scales[N, KVD, L, P, H, G]`` with
 ``G = ceil(D / quantization_granularity)``. A page ``n`` is the slab ``blocks[n]`` holding ``P`` tokens for
 every layer, K and V. ``get_key_cache(l)`` / ``get_value_cache(l)`` return per-layer ``PagedKVCache`` views.
+
+A rope-aware MLA cache (``rope_dim`` set, ``cute_kv/rope_aware.py``) stores rows of ``D`` bytes: ``padded_depth``
+e4m3 content bytes, then ``rope_dim`` bf16 values, with one float32 scale per token (``G = 1``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from typing import Optional
 import torch
 
 from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
-from cute_kv.params import KVCacheParams
+from cute_kv.params import KVCacheParams, check_rope_aware
+from cute_kv.rope_aware import RopeAwareRow
 from cute_kv.validate import check_metadata_tensor, check_tensor, check_uint32_scalar
 
 
@@ -33,6 +37,7 @@ class PagedKVCacheCollection:
         scales: Optional[torch.Tensor] = None,
         *,
         quantization_granularity: Optional[int] = None,
+        rope_dim: Optional[int] = None,
         validate: bool = True,
     ):
         """Wrap existing tensors (nothing is copied).
@@ -42,6 +47,9 @@ class PagedKVCacheCollection:
 
         ``validate=False`` skips the lookup-table scan (a device sync on GPU) for callers that built the
         metadata themselves, such as the block manager; shapes and dtypes are always checked.
+
+        ``rope_dim`` makes it a rope-aware MLA cache (``KVCacheQuantizationConfig.rope_dim``): KVD=1, H=1, fp8
+        ``blocks`` of ``head_size = padded_depth + 2*rope_dim`` bytes per row and float32 ``scales`` of one per token.
         """
         check_tensor("blocks", blocks, dtype=KV_DTYPES, ndim=6, contiguous=True)
         n, kvd, nl, p, h, d = blocks.shape
@@ -83,6 +91,9 @@ class PagedKVCacheCollection:
             self._init_scales(scales, quantization_granularity)
         elif quantization_granularity is not None:
             raise ValueError("quantization_granularity given without scales")
+        self.rope_dim = None
+        if rope_dim is not None:
+            self._init_rope(rope_dim)
         if validate and not torch.compiler.is_compiling():  # the scan reads device values: traced, it is skipped
             self.check_metadata()
 
@@ -109,6 +120,17 @@ class PagedKVCacheCollection:
         self.kv_cache_scales_dynamic_shape = (n, p, h, g)
         self.kv_cache_scales_dynamic_strides = (kvd * nl * p * h * g, h * g, g, 1)
 
+    def _init_rope(self, rope_dim) -> None:
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim <= 0:
+            raise ValueError(f"rope_dim must be a positive int (bf16 rope values per row) or None, got {rope_dim!r}")
+        if self.num_heads != 1:
+            raise ValueError(f"rope_dim is for MLA caches of one latent head; blocks.shape[4] (H) is {self.num_heads}")
+        if self.scales is None:
+            raise ValueError(f"rope_dim={rope_dim} needs scales: float32 [N, 1, L, P, 1, 1], one per token")
+        check_rope_aware(self.is_mla, self.dtype, self.scale_dtype, self.quantization_granularity, self.head_size,
+                         rope_dim)
+        self.rope_dim = rope_dim
+
     # -- construction helpers ---------------------------------------------------------------------
 
     @staticmethod
@@ -129,7 +151,7 @@ class PagedKVCacheCollection:
         return PagedKVCacheCollection(
             self.blocks, cache_lengths, lookup_table, max_seq_length, max_cache_length, self.scales,
             quantization_granularity=self.quantization_granularity if self.scales is not None else None,
-            validate=validate,
+            rope_dim=self.rope_dim, validate=validate,
         )
 
     # -- metadata --------------------------------------------------------------------------------
@@ -153,6 +175,22 @@ class PagedKVCacheCollection:
     @property
     def quantization_enabled(self) -> bool:
         return self.scales is not None
+
+    @property
+    def padded_depth(self) -> int:
+        """Content width of a row: ``head_size - 2*rope_dim`` fp8 bytes (rope-aware), else ``head_size``."""
+        return self.head_size - 2 * (self.rope_dim or 0)
+
+    @property
+    def latent_dim(self) -> int:
+        """Logical width of a row, the last dim of the q/k an op takes: ``padded_depth + rope_dim`` for a
+        rope-aware cache (DeepSeek: 576), ``head_size`` otherwise."""
+        return self.padded_depth + (self.rope_dim or 0)
+
+    @property
+    def row_format(self) -> Optional[RopeAwareRow]:
+        """The rope-aware row codec (``cute_kv/rope_aware.py``); None for other caches."""
+        return None if self.rope_dim is None else RopeAwareRow(self.padded_depth, self.rope_dim)
 
     @property
     def head_dim_granularity(self) -> int:
@@ -266,6 +304,8 @@ class PagedKVCacheCollection:
     def __repr__(self) -> str:
         n, kvd, nl, p, h, d = self.blocks.shape
         q = f", scales={self.scale_dtype} gran={self.quantization_granularity}" if self.scales is not None else ""
+        if self.rope_dim is not None:
+            q += f", rope-aware [{self.padded_depth} fp8 | {self.rope_dim} bf16]"
         return (
             f"PagedKVCacheCollection(blocks[N={n}, KVD={kvd}, L={nl}, P={p}, H={h}, D={d}] {self.dtype} "
             f"on {self.device}{q}, batch={self.batch_size}, lut_cols={self.lookup_table.shape[1]}, "

@@ -21,6 +21,8 @@ from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig
 PRESETS = {
     "llama3-8b": dict(layers=32, kv_heads=8, head_dim=128, dtype="bf16", mla=False),
     "deepseek-mla": dict(layers=61, kv_heads=1, head_dim=576, dtype="bf16", mla=True),
+    # MAX's rope-aware FP8 rows: 512 e4m3 content bytes | 64 bf16 rope values, one float32 scale per token.
+    "deepseek-mla-fp8": dict(layers=61, kv_heads=1, head_dim=640, dtype="fp8", mla=True, rope_dim=64),
 }
 SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.float8_e8m0fnu}
 # Requests longer than this many pages print their head and tail only.
@@ -44,6 +46,9 @@ def add_parser(commands) -> None:
     g.add_argument("--granularity", type=int,
                    help="head dims per scale (default with --scale-dtype: 128, or the largest power of two "
                         "dividing the head dim, 64 for MLA's 576)")
+    g.add_argument("--rope-dim", type=int,
+                   help="rope-aware FP8 MLA rows: bf16 rope values after head_dim - 2*rope_dim content bytes "
+                        "(--head-dim counts bytes; one float32 scale per token)")
     q = p.add_argument_group("queries")
     q.add_argument("--layer", type=int, default=0, help="layer of the views and the request map (default 0)")
     q.add_argument("--tensor", choices=("blocks", "scales"), default="blocks", help="tensor of --coord/--offset")
@@ -81,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     title = _title(name, params, coll)
     print(title)
     _print_tensors(coll, args.layer)
+    if coll.rope_dim is not None:
+        _print_rope_aware_row(layouts, coll)
     _print_sizes(params, coll.num_pages)
     _print_layouts(layouts, coll, args.layer)
     shape, stride_rows = tuple(tensor.shape), coll.get_key_cache(0).stride_rows
@@ -122,9 +129,12 @@ def _params(args) -> tuple[str, KVCacheParams]:
     if not isinstance(args.pages, int) or args.pages <= 0:
         raise ValueError(f"--pages must be a positive int, got {args.pages}")
     quant = {}  # either flag asks for scales; the other keeps MAX's default
+    rope_dim = args.rope_dim if args.rope_dim is not None else preset.get("rope_dim")
+    if rope_dim is not None:  # one scale per token: the whole row is the granule
+        quant.update(rope_dim=rope_dim, quantization_granularity=head_dim)
     if args.scale_dtype:
         quant["scale_dtype"] = SCALE_DTYPES[args.scale_dtype]
-        quant["quantization_granularity"] = default_granularity(head_dim)
+        quant.setdefault("quantization_granularity", default_granularity(head_dim))
     if args.granularity is not None:
         quant["quantization_granularity"] = args.granularity
     params = KVCacheParams(dtype, kv_heads, head_dim, page_size=args.page_size, total_num_layers=layers,
@@ -145,7 +155,7 @@ def _collection(params: KVCacheParams, num_pages: int) -> PagedKVCacheCollection
         blocks, torch.empty(1, dtype=torch.uint32, device="meta"),
         torch.empty(1, 1, dtype=torch.uint32, device="meta"), 0, 0, scales,
         quantization_granularity=params.kvcache_quant_config and params.kvcache_quant_config.quantization_granularity,
-        validate=False)
+        rope_dim=params.rope_dim, validate=False)
 
 
 def _parse_coord(text: str, shape: tuple[int, ...], last: str) -> tuple[int, ...]:
@@ -189,6 +199,8 @@ def _figure_class():
 
 def _title(name: str, params: KVCacheParams, coll: PagedKVCacheCollection) -> str:
     kind = "MLA (KVD=1)" if params.is_mla else "MHA (KVD=2)"
+    if params.rope_dim is not None:
+        kind += f" rope-aware [{params.padded_depth} fp8 | {params.rope_dim} bf16]"
     quant = ""
     if params.quantized_kv_cache:
         q = params.kvcache_quant_config
@@ -219,6 +231,19 @@ def _print_tensors(coll: PagedKVCacheCollection, layer: int) -> None:
         print(f"  {n:<{widths[0]}}  shape {shape:<{widths[1]}}  stride {stride:<{widths[2]}}  offset {off}")
     plane = coll.get_key_cache(layer)
     print(f"  row pitch between pages {plane.stride_rows} rows (KVD*L*P); num_kv_rows {plane.num_kv_rows()}")
+
+
+def _print_rope_aware_row(layouts, coll: PagedKVCacheCollection) -> None:
+    """A row's bytes (content | rope), its scale, its logical width, and the CuTe views kernels read it through."""
+    pd, r, row = coll.padded_depth, coll.rope_dim, coll.head_size
+    print(f"\nrope-aware row ({row} bytes per token and layer; scale index = row index)")
+    print(f"  bytes [0, {pd})  content: {pd} e4m3 values, times the token's scale")
+    print(f"  bytes [{pd}, {row})  rope: {r} bf16 values (little endian)")
+    print(f"  scale: float32, one per token ({coll.scales.element_size()} bytes)")
+    print(f"  logical row (q and k width): latent_dim {coll.latent_dim} = {pd} + {r}")
+    views = layouts.rope_aware.describe(coll.num_pages, coll.num_layers, coll.page_size, pd, r)
+    print(f"  CuTe views from the plane's base: content (fp8) {views['content']}; rope (bf16, from element "
+          f"{layouts.rope_aware.rope_offset(pd)}) {views['rope']}; scales (f32) {views['scales']}")
 
 
 def _print_sizes(params: KVCacheParams, num_pages: int) -> None:

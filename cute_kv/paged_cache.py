@@ -241,6 +241,9 @@ class PagedKVCache:
     def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx: int, width: int = 1,
              output_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``width`` consecutive head-dim values; quantized caches dequantize with one granule scale."""
+        if self.collection.rope_dim is not None:
+            raise ValueError("load() reads one granule of one dtype; a rope-aware row mixes fp8 content and bf16 "
+                             "rope: use gather() (dequantized rows) or load_quantized() (raw bytes)")
         output_dtype = output_dtype or self.dtype
         raw = self.load_quantized(bs, head_idx, tok_idx, head_dim_idx, width)
         if not self.quantization_enabled:
@@ -277,9 +280,18 @@ class PagedKVCache:
     # -- whole-token access (used by the reference ops) ------------------------------------------
 
     def gather(self, batch_idx: int, start: int, stop: int, output_dtype=torch.float32) -> torch.Tensor:
-        """Tokens ``[start, stop)`` of a request as ``[n, H, D]`` in ``output_dtype`` (dequantized)."""
-        rows = self.token_rows(batch_idx, torch.arange(start, stop))
+        """Tokens ``[start, stop)`` of a request as ``[n, H, D]`` in ``output_dtype`` (dequantized); a rope-aware
+        cache gives its logical rows ``[n, 1, latent_dim]`` (``cute_kv/rope_aware.py``)."""
+        return self.read_rows(self.token_rows(batch_idx, torch.arange(start, stop)), output_dtype)
+
+    def read_rows(self, rows: torch.Tensor, output_dtype=torch.float32) -> torch.Tensor:
+        """Rows ``rows`` (int64, of the row view; the caller keeps them in ``[0, num_kv_rows)``) as ``[n, H, D]``
+        dequantized, or a rope-aware cache's logical rows ``[n, 1, latent_dim]``."""
         vals = self.row_view()
+        fmt = self.collection.row_format
+        if fmt is not None:
+            return fmt.decode(_raw(vals)[rows], _raw(self.scales_row_view())[rows].view(self.scale_dtype)).to(
+                output_dtype)
         x = _raw(vals)[rows].view(vals.dtype).to(torch.float32)
         if self.quantization_enabled:
             s = _raw(self.scales_row_view())[rows].view(self.scale_dtype).to(torch.float32)

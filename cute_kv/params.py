@@ -32,10 +32,16 @@ class KVCacheStrategy(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheQuantizationConfig:
-    """FP8 KV quantization: one scale per (token, head, granule of ``quantization_granularity`` dims)."""
+    """FP8 KV quantization: one scale per (token, head, granule of ``quantization_granularity`` dims).
+
+    ``rope_dim`` (MAX's per-tensor rope-aware MLA layout): each row holds ``head_dim - 2*rope_dim`` e4m3 content
+    bytes, then ``rope_dim`` bfloat16 rope values; one float32 scale per token covers the content only
+    (``quantization_granularity == head_dim``). None: an ordinary quantized cache.
+    """
 
     scale_dtype: torch.dtype = torch.float32
     quantization_granularity: int = 128
+    rope_dim: Optional[int] = None
 
     def __post_init__(self):
         if self.scale_dtype not in SCALE_DTYPES:
@@ -47,6 +53,9 @@ class KVCacheQuantizationConfig:
             raise ValueError(
                 f"quantization_granularity must be a positive int, got {self.quantization_granularity!r}"
             )
+        r = self.rope_dim
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r <= 0):
+            raise ValueError(f"rope_dim must be a positive int (bf16 rope values per row) or None, got {r!r}")
 
 
 @dataclasses.dataclass
@@ -154,6 +163,9 @@ class KVCacheParams:
                 f"kvcache_quant_config.quantization_granularity ({q.quantization_granularity}) "
                 f"must divide head_dim ({self.head_dim})"
             )
+        if q.rope_dim is not None:
+            check_rope_aware(self.is_mla, self.dtype, q.scale_dtype, q.quantization_granularity, self.head_dim,
+                             q.rope_dim, "kvcache_quant_config.")
 
     # -- derived values ------------------------------------------------------------------------
 
@@ -183,6 +195,21 @@ class KVCacheParams:
     @property
     def quantized_kv_cache(self) -> bool:
         return self.kvcache_quant_config is not None
+
+    @property
+    def rope_dim(self) -> Optional[int]:
+        """bf16 rope values at the end of each row of a rope-aware MLA cache; None for other caches."""
+        return self.kvcache_quant_config.rope_dim if self.kvcache_quant_config else None
+
+    @property
+    def padded_depth(self) -> int:
+        """Content width of a row: ``head_dim - 2*rope_dim`` fp8 bytes (rope-aware), else ``head_dim``."""
+        return self.head_dim - 2 * (self.rope_dim or 0)
+
+    @property
+    def latent_dim(self) -> int:
+        """Logical width of a row (q's and k's last dim): ``padded_depth + rope_dim``, ``head_dim`` otherwise."""
+        return self.padded_depth + (self.rope_dim or 0)
 
     @property
     def dtype_shorthand(self) -> str:
@@ -252,6 +279,33 @@ class KVCacheParams:
     def for_stage(self, stage_id: int) -> "KVCacheParams":
         """The same cache as seen by another pipeline stage."""
         return dataclasses.replace(self, stage_id=stage_id, n_layers_per_stage=None, n_kv_heads_per_device=0)
+
+
+# Content bytes come in whole 64-byte granules: the fp8 content tile's 64B swizzle (and the bf16 rope tail's
+# 16-byte alignment).
+ROPE_AWARE_GRANULE = 64
+
+
+def check_rope_aware(is_mla: bool, dtype: torch.dtype, scale_dtype: Optional[torch.dtype], granularity: Optional[int],
+                     head_dim: int, rope_dim: int, prefix: str = "") -> None:
+    """Raise ``ValueError`` unless a rope-aware row layout fits: an MLA cache of fp8 rows with one float32 scale per
+    token, ``head_dim`` bytes = ``padded_depth`` content bytes + ``2*rope_dim`` bytes of bf16 rope, ``padded_depth``
+    a positive multiple of 64."""
+    where = f"{prefix}rope_dim={rope_dim}"
+    if not is_mla:
+        raise ValueError(f"{where} is for MLA caches only (is_mla=True, KVD=1); drop rope_dim for this cache")
+    if not is_fp8(dtype):
+        raise ValueError(f"{where} needs an fp8 cache (dtype=torch.float8_e4m3fn), got dtype={dtype}")
+    if scale_dtype != torch.float32:
+        raise ValueError(f"{where} needs float32 scales (one per token), got scale_dtype={scale_dtype}")
+    if granularity != head_dim:
+        raise ValueError(f"{where} needs one scale per token: quantization_granularity must equal head_dim "
+                         f"({head_dim} bytes per row), got {granularity}")
+    padded_depth = head_dim - 2 * rope_dim
+    if padded_depth <= 0 or padded_depth % ROPE_AWARE_GRANULE:
+        raise ValueError(
+            f"{where}: head_dim ({head_dim}) counts bytes, padded_depth + 2*rope_dim; padded_depth = {padded_depth} "
+            f"must be a positive multiple of {ROPE_AWARE_GRANULE} (DeepSeek: head_dim=640 = 512 + 2*64)")
 
 
 def _field_enum(value) -> KVCacheStrategy:

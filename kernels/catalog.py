@@ -14,7 +14,7 @@ import dataclasses
 from typing import Callable, Optional
 
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
-from cute_kv.kernels.cache import gather, store
+from cute_kv.kernels.cache import gather, store, store_rope_aware
 
 ARCHS = ("sm_90a", "sm_100a")
 REGS_PER_SM = 64 * 1024
@@ -78,6 +78,7 @@ class Config:
 GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64)]
 STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float32", 1, 64, 1, 576)]
 STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
+STORE_ROPE_AWARE_CASES = [("bfloat16", 64, 512, 64), ("float32", 16, 256, 32)]  # (dtype, P, padded_depth, rope_dim)
 QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims)
     ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B
     ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
@@ -133,6 +134,11 @@ def _store_plan(k: store.PagedKVStore) -> Plan:
     return Plan(store.THREADS, 2 * k.rows * 4, 4)
 
 
+def _store_rope_aware_plan(k: store_rope_aware.RopeAwareKVStore) -> Plan:
+    # As the store: a copy bound by the bytes in flight (each warp loads its 4 rows before storing), 4 CTAs per SM.
+    return Plan(store_rope_aware.THREADS, 2 * store_rope_aware.ROWS * 4, 4)
+
+
 def _qkv(arch: str):
     """``FusedQKVGemm`` on ``arch`` from a ``QKV_CASES`` tuple (quack is imported only when one is built)."""
 
@@ -170,6 +176,8 @@ def _combine_plan(k: combine.AttentionCombine) -> Plan:
 FAMILIES = [
     Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan),
     Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES), ARCHS, _store_plan),
+    Family("paged_kv_store_rope_aware", store_rope_aware.RopeAwareKVStore, tuple(STORE_ROPE_AWARE_CASES), ARCHS,
+           _store_rope_aware_plan),
     *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),
              lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build()) for arch in ARCHS),
     # quack's cooperative W4 GEMM: a producer and two MMA warpgroups sharing a 128-row weight tile; stages fill

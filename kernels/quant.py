@@ -43,24 +43,47 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
     if const_expr(granularity == 0):
         out.store(vals.load().to(cutlass.Float8E4M3FN))
     else:
-        amax = Float32(0.0)
-        for e in cutlass.range_constexpr(VEC):
-            amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
-        # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
-        # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
-        amax = cute.math.absf(amax)
-        offset = 1
-        while const_expr(offset < granularity // VEC):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
-            offset *= 2
-        scale = amax / Float32(FP8_E4M3_MAX)
-        if scale < Float32(FLT_MIN):  # false for NaN: it propagates
-            scale = Float32(FLT_MIN)
-        q = cute.make_rmem_tensor((VEC,), Float32)
-        for e in cutlass.range_constexpr(VEC):
-            q[e] = vals[e] / scale
-        out.store(q.load().to(cutlass.Float8E4M3FN))
+        scale = lanes_scale(lane_amax(vals), granularity // VEC)
+        out = to_e4m3(vals, scale)
     return out, scale
+
+
+@cute.jit
+def lane_amax(vals: cute.Tensor) -> Float32:
+    """This lane's running max of ``|x|`` over ``vals`` (max.xorsign.abs: its sign is garbage, see ``lanes_scale``);
+    a NaN poisons it."""
+    amax = Float32(0.0)
+    for e in cutlass.range_constexpr(cute.size(vals)):
+        amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)
+    return amax
+
+
+@cute.jit
+def lanes_scale(amax: Float32, lanes: cutlass.Constexpr[int]) -> Float32:
+    """The scale ``max(amax / 448, FLT_MIN)`` of a granule held by ``lanes`` aligned lanes (a power of two), each
+    with its ``lane_amax``; NaN propagates."""
+    # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
+    # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
+    amax = cute.math.absf(amax)
+    offset = 1
+    while const_expr(offset < lanes):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+        offset *= 2
+    scale = amax / Float32(FP8_E4M3_MAX)
+    if scale < Float32(FLT_MIN):  # false for NaN: it propagates
+        scale = Float32(FLT_MIN)
+    return scale
+
+
+@cute.jit
+def to_e4m3(vals: cute.Tensor, scale: Float32) -> cute.Tensor:
+    """``vals / scale`` (divided as the reference divides) converted to e4m3 with saturation."""
+    q = cute.make_rmem_tensor(vals.shape, Float32)
+    for e in cutlass.range_constexpr(cute.size(vals)):
+        q[e] = vals[e] / scale
+    out = cute.make_rmem_tensor(vals.shape, cutlass.Float8E4M3FN)
+    out.store(q.load().to(cutlass.Float8E4M3FN))
+    return out
 
 
 @cute.jit

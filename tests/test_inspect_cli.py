@@ -221,3 +221,26 @@ def test_module_entry_point():
     light = subprocess.run([sys.executable, "-c", "import sys, cute_kv, cute_kv.__main__; "
                             "sys.exit('cutlass' in sys.modules)"], timeout=120)
     assert light.returncode == 0
+
+
+def test_rope_aware_preset_prints_the_row(capsys):
+    """The rope-aware FP8 MLA preset: 640-byte rows of 512 e4m3 content bytes and 64 bf16 rope values, one float32
+    scale per token; the byte offsets printed are the collection's."""
+    out = run(capsys, ["--preset", "deepseek-mla-fp8", "--pages", "4", "--page-size", "64", "--layers", "3"])
+    assert "rope-aware [512 fp8 | 64 bf16]" in out.splitlines()[0] and "(G=1)" in out.splitlines()[0]
+    assert "bytes [0, 512)  content: 512 e4m3 values" in out
+    assert "bytes [512, 640)  rope: 64 bf16 values" in out
+    assert "latent_dim 576 = 512 + 64" in out
+    rows = 3 * 3 * 64 + 64  # (N-1)*KVD*L*P + P
+    assert f"content (fp8) ({rows},512):(640,1); rope (bf16, from element 256) ({rows},64):(320,1)" in out
+    assert "per token  1,932 (644 per layer)" in out  # 640 bytes + a 4-byte scale per layer
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--preset", "deepseek-mla", "--rope-dim", "64"], "fp8"),
+    (["--preset", "deepseek-mla-fp8", "--head-dim", "600"], "multiple of 64"),
+    (["--preset", "deepseek-mla-fp8", "--scale-dtype", "e8m0"], "float32 scales"),
+    (["--preset", "llama3-8b", "--dtype", "fp8", "--rope-dim", "16"], "MLA caches only"),
+])
+def test_bad_rope_aware_arguments_exit_2_with_one_line(capsys, argv, names):
+    test_bad_arguments_exit_2_with_one_line(capsys, argv, names)

@@ -140,6 +140,7 @@ class PagedKVCacheManager:
                 blocks[:n], torch.zeros(0, dtype=torch.uint32, device=blocks.device),
                 torch.zeros(0, padded_lut_cols(0), dtype=torch.uint32, device=blocks.device), 0, 0,
                 None if scales is None else scales[:n], quantization_granularity=granularity,
+                rope_dim=params.rope_dim,
             )
             for blocks, scales in zip(self.pool.blocks, self.pool.scales)
         ]

@@ -53,7 +53,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
             hidden, input_row_offsets, w, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
             None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
             None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
-            c.quantization_granularity, *w_quant, *_norm_args(qk_norm))
+            c.quantization_granularity, *w_quant, *_norm_args(qk_norm), c.rope_dim)
     else:  # eager: skip the op's dispatcher (host time)
         dispatch(hidden, input_row_offsets, weight, c, layer_idx, bias, rope, output, qk_norm)
     return output
@@ -144,13 +144,13 @@ def _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bia
     if rope is not None:
         _check_rope(rope, collection, q_dim, lengths)
     if qk_norm is not None:
-        _check_qk_norm(qk_norm, collection, q_dim, q_head_dim(rope, collection.head_size))
+        _check_qk_norm(qk_norm, collection, q_dim, q_head_dim(rope, collection.latent_dim))
 
 
 def _check_qk_norm(qk_norm, collection, q_dim: int, qh: int) -> None:
     if not isinstance(qk_norm, QKNorm):
         raise TypeError(f"qk_norm must be a QKNorm or None, got {type(qk_norm).__name__}")
-    d = collection.head_size
+    d = collection.latent_dim
     if qk_norm.q_weight is not None:
         check_tensor("qk_norm.q_weight", qk_norm.q_weight, device=collection.device)
         if q_dim % qh:
@@ -169,7 +169,7 @@ def _check_rope(rope, collection, q_dim: int, lengths: Optional[torch.Tensor]) -
     if not isinstance(rope, RopeConfig):
         raise TypeError(f"rope must be a RopeConfig or None, got {type(rope).__name__}")
     check_tensor("rope.freqs_cis", rope.freqs_cis, device=collection.device)
-    d, qh, r = collection.head_size, rope.q_head_dim or collection.head_size, rope.rope_dim
+    d, qh, r = collection.latent_dim, rope.q_head_dim or collection.latent_dim, rope.rope_dim
     if q_dim % qh:
         raise ValueError(f"q_dim ({q_dim}) must be a multiple of the Q head size ({qh}; set rope.q_head_dim)")
     if r > min(d, qh):
@@ -196,6 +196,8 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
 
     dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
     c = collection
+    if c.rope_dim is not None:
+        return fallback("rope-aware MLA rows (fp8 content, bf16 rope) have no fused-QKV epilogue yet")
     quantized = not isinstance(weight, torch.Tensor)
     weight_format = None
     if quantized:

@@ -21,10 +21,14 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     Positions past a request's cache length are zero in a new tensor and left untouched in a given ``out``.
     On SM90/SM100 GPUs bf16/fp16 caches go through the ``PagedKVGather`` CuTe DSL kernel (paged TMA); every
     other case through ``PagedKVCache.gather``.
+
+    A rope-aware MLA cache gives its logical rows, what attention reads: float32 ``[B, max_cache_length, 1,
+    latent_dim]``, ``concat(content * scale, rope)`` (its fp8 bytes alone mean nothing without the scales, and the
+    rope tail is bf16); the raw rows are ``get_key_cache(l).row_view()``.
     """
     _check(collection, layer_idx, kv, out)
     if out is None:
-        out = torch.zeros(_shape(collection), dtype=collection.dtype, device=collection.device)
+        out = torch.zeros(_shape(collection), dtype=_dtype(collection), device=collection.device)
     collection.check_metadata()  # every cached token's lookup entry names a real page
     path = paths.route(collection.device, lambda arch: plan(collection, out, arch))
     if path is not None:
@@ -37,7 +41,7 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     cache = collection.get_key_cache(layer_idx) if kv == "k" else collection.get_value_cache(layer_idx)
     for b, length in enumerate(collection.cache_lengths.tolist()):
         if length:
-            out[b, :length] = cache.gather(b, 0, length, collection.dtype)
+            out[b, :length] = cache.gather(b, 0, length, _dtype(collection))
     return out
 
 
@@ -45,12 +49,17 @@ def explain(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.Te
             arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(gather_kv, ...)``: the path this call takes on ``arch`` (default: the cache's device)."""
     _check(collection, layer_idx, kv, out)
-    dense = out if out is not None else torch.empty(0, dtype=collection.dtype, device=collection.device)
+    dense = out if out is not None else torch.empty(0, dtype=_dtype(collection), device=collection.device)
     return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, dense, arch))
 
 
 def _shape(collection) -> list[int]:
-    return [collection.batch_size, collection.max_cache_length, collection.num_heads, collection.head_size]
+    return [collection.batch_size, collection.max_cache_length, collection.num_heads, collection.latent_dim]
+
+
+def _dtype(collection) -> torch.dtype:
+    """The cache dtype; float32 for a rope-aware cache's dequantized logical rows."""
+    return torch.float32 if collection.rope_dim is not None else collection.dtype
 
 
 def _check(collection, layer_idx, kv, out) -> None:
@@ -60,7 +69,7 @@ def _check(collection, layer_idx, kv, out) -> None:
         raise ValueError("an MLA cache (KVD=1) stores no value cache; use kv='k'")
     collection.check_layer(layer_idx)
     if out is not None:
-        check_tensor("out", out, dtype=collection.dtype, shape=_shape(collection), device=collection.device,
+        check_tensor("out", out, dtype=_dtype(collection), shape=_shape(collection), device=collection.device,
                      contiguous=True)
 
 

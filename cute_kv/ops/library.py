@@ -3,9 +3,10 @@
 The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
 ``output``, ``out``, ``lse``) and return nothing, so torch.compile traces through them. They expect arguments already
 validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
-``cute_kv/ops/paged_attention.py``) and run the entry point's ``dispatch`` (its kernel where one applies, else the
-reference). The entry points call these ops only while torch.compile traces; an eager call (CUDA-graph capture
-included) goes straight to ``dispatch``, without the dispatcher's host time.
+``cute_kv/ops/paged_attention.py``, ``cute_kv/ops/sparse_mla_attention.py``) and run the entry point's ``dispatch``
+(its kernel where one applies, else the reference). The entry points call these ops only while torch.compile
+traces; an eager call (CUDA-graph capture included) goes straight to ``dispatch``, without the dispatcher's host
+time.
 """
 
 from __future__ import annotations
@@ -17,25 +18,27 @@ import torch
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.ops import fused_qkv as fused_qkv_entry
 from cute_kv.ops import paged_attention as paged_attention_entry
+from cute_kv.ops import sparse_mla_attention as sparse_mla_attention_entry
 from cute_kv.ops import store_kv as store_kv_entry
 from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.rope import RopeConfig
 
 
 def _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
-                quantization_granularity) -> PagedKVCacheCollection:
+                quantization_granularity, rope_dim=None) -> PagedKVCacheCollection:
     # validate=False: the entry point checked the metadata, and the lookup-table scan is a device sync.
     return PagedKVCacheCollection(blocks, cache_lengths, lookup_table, max_seq_length, max_cache_length, scales,
                                   quantization_granularity=None if scales is None else quantization_granularity,
-                                  validate=False)
+                                  rope_dim=rope_dim, validate=False)
 
 
 @torch.library.custom_op("cute_kv::store_kv", mutates_args=("blocks", "scales"))
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, blocks: torch.Tensor,
              cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor], layer_idx: int,
-             max_seq_length: int, max_cache_length: int, quantization_granularity: int) -> None:
+             max_seq_length: int, max_cache_length: int, quantization_granularity: int,
+             rope_dim: Optional[int] = None) -> None:
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
-                             quantization_granularity)
+                             quantization_granularity, rope_dim)
     store_kv_entry.dispatch(k, v, input_row_offsets, collection, layer_idx)
 
 
@@ -49,11 +52,11 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
                               weight_scales: Optional[torch.Tensor], weight_zero_points: Optional[torch.Tensor],
                               group_size: Optional[int], q_norm_weight: Optional[torch.Tensor],
                               k_norm_weight: Optional[torch.Tensor], norm_epsilon: float,
-                              norm_weight_offset: float) -> None:
+                              norm_weight_offset: float, rope_dim: Optional[int] = None) -> None:
     """Q goes into ``output`` (a custom op may not return an alias of an input); no ``freqs_cis``: no RoPE; no
     norm weights: no QK-norm. A uint8 ``weight`` is packed int4, a float8 one has per-channel scales."""
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
-                             quantization_granularity)
+                             quantization_granularity, rope_dim)
     rope = None if freqs_cis is None else RopeConfig(freqs_cis, rope_interleaved, rope_q_head_dim)
     qk_norm = None
     if q_norm_weight is not None or k_norm_weight is not None:
@@ -68,16 +71,31 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, blocks: to
                     layer_idx: int, max_seq_length: int, max_cache_length: int, quantization_granularity: int,
                     causal: bool, window: Optional[int], scale: Optional[float], softcap: Optional[float],
                     sinks: Optional[torch.Tensor], mla_v_dim: Optional[int], out: torch.Tensor,
-                    lse: Optional[torch.Tensor]) -> None:
+                    lse: Optional[torch.Tensor], rope_dim: Optional[int] = None) -> None:
     """``lse`` (float32 ``[T, Hq]``) is written when given: the entry point's ``return_lse``."""
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
-                             quantization_granularity)
+                             quantization_granularity, rope_dim)
     paged_attention_entry.dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks,
                                    mla_v_dim, out, lse)
+
+
+@torch.library.custom_op("cute_kv::sparse_mla_attention", mutates_args=("out", "lse"))
+def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, blocks: torch.Tensor,
+                         cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor],
+                         layer_idx: int, max_seq_length: int, max_cache_length: int, quantization_granularity: int,
+                         rope_dim: Optional[int], indices: torch.Tensor, topk_lengths: Optional[torch.Tensor],
+                         mla_v_dim: int, scale: Optional[float], softcap: Optional[float],
+                         sinks: Optional[torch.Tensor], out: torch.Tensor, lse: Optional[torch.Tensor]) -> None:
+    """``lse`` (float32 ``[T, Hq]``) is written when given: the entry point's ``return_lse``."""
+    collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
+                             quantization_granularity, rope_dim)
+    sparse_mla_attention_entry.dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths, mla_v_dim,
+                                        scale, softcap, sinks, out, lse)
 
 
 @store_kv.register_fake
 @fused_qkv_matmul_kv_cache.register_fake
 @paged_attention.register_fake
+@sparse_mla_attention.register_fake
 def _writes_in_place_only(*args) -> None:
     """Nothing to describe to fake-tensor tracing: the ops only write into arguments (declared in mutates_args)."""

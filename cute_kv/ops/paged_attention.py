@@ -35,7 +35,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     stored; ``causal`` keeps ``j <= p`` and ``window`` (needs ``causal``) also ``j > p - window``. GQA: query
     head ``hq`` reads KV head ``hq // (Hq // H)``. ``scale`` defaults to ``1/sqrt(D)``. ``q`` is in the cache
     dtype (bf16/fp16/fp32 for fp8 caches, which are dequantized with their scales). An MLA cache needs
-    ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``).
+    ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``). A rope-aware
+    FP8 MLA cache (``rope_dim`` set) takes ``q [T, Hq, latent_dim]`` and is read as its dequantized logical rows.
 
     Logits are ``s = scale * q.k``; ``softcap = c > 0`` (Gemma 2) makes them ``c * tanh(s / c)`` before masking
     (None or 0: off). ``sinks`` (gpt-oss), float32 ``[Hq]``: a logit per query head that joins the softmax
@@ -62,7 +63,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
         torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
                                           layer_idx, c.max_seq_length, c.max_cache_length,
                                           c.quantization_granularity, causal, window, scale, softcap, sinks,
-                                          mla_v_dim, out, lse)
+                                          mla_v_dim, out, lse, c.rope_dim)
     else:  # eager: skip the op's dispatcher (host time)
         dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, lse)
     return (out, lse) if return_lse else out
@@ -96,8 +97,9 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
     check_activation("q", q, collection, ndim=3)
     t, hq, d = q.shape
     h = collection.num_heads
-    if d != collection.head_size:
-        raise ValueError(f"q head dim ({d}) must equal the cache head_size ({collection.head_size})")
+    if d != collection.latent_dim:
+        what = "latent_dim (padded_depth + rope_dim" if collection.rope_dim is not None else "head_size ("
+        raise ValueError(f"q head dim ({d}) must equal the cache {what}{collection.latent_dim})")
     if hq == 0 or hq % h:
         raise ValueError(f"q heads ({hq}) must be a positive multiple of the cache's KV heads ({h})")
     if not isinstance(causal, bool):
@@ -107,6 +109,14 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
             raise ValueError(f"window must be a positive int or None, got {window!r}")
         if not causal:
             raise ValueError("window (a sliding causal window) needs causal=True")
+    d_v = check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
+    check_step(collection, input_row_offsets, t, data_checks=validate)
+    return d_v
+
+
+def check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out) -> int:
+    """The arguments attention ops share (``paged_attention``, ``sparse_mla_attention``); returns ``D_v``."""
+    t, hq = q.shape[:2]
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
@@ -120,13 +130,13 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
     d_v = _check_mla_v_dim(mla_v_dim, collection)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=[t, hq, d_v], device=collection.device)
-    check_step(collection, input_row_offsets, t, data_checks=validate)
     return d_v
 
 
 def _check_mla_v_dim(mla_v_dim, collection) -> int:
-    """``D_v``: ``mla_v_dim`` for an MLA cache (required, in ``[1, D]``), the head size otherwise (must be None)."""
-    d = collection.head_size
+    """``D_v``: ``mla_v_dim`` for an MLA cache (required, in ``[1, D]``; rope-aware: ``[1, padded_depth]``, values
+    come from the content), the head size otherwise (must be None)."""
+    d = collection.padded_depth
     if not collection.is_mla:
         if mla_v_dim is not None:
             raise ValueError("mla_v_dim is only for MLA caches (KVD=1); this cache stores V")

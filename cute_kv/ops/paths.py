@@ -132,9 +132,9 @@ def explain(op, *args, arch: Optional[str] = None, **kwargs) -> KernelPath:
     (``"sm_90a"`` / ``"sm_100a"``) asks what a GPU of that arch would run, on any machine: tensors may then be on
     the CPU. Without it, the tensors' device decides (off CUDA: the reference).
     """
-    from cute_kv.ops import fused_qkv, gather_kv, paged_attention, store_kv
+    from cute_kv.ops import fused_qkv, gather_kv, paged_attention, sparse_mla_attention, store_kv
 
-    modules = {m.OP: m for m in (store_kv, fused_qkv, paged_attention, gather_kv)}
+    modules = {m.OP: m for m in (store_kv, fused_qkv, paged_attention, gather_kv, sparse_mla_attention)}
     name = op if isinstance(op, str) else getattr(op, "__name__", None)
     if name not in modules:
         raise ValueError(f"op must be one of {sorted(modules)} (or the function itself), got {op!r}")

@@ -12,6 +12,7 @@ from cute_kv.ops.vectors import packed_heads
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "store_kv"
+ROPE_AWARE_KEY = "paged_kv_store_rope_aware"  # plan keys of RopeAwareKVStore start with it
 
 
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, collection,
@@ -20,8 +21,10 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
 
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
     per (token, head, granule) when the collection has scales (else a saturating cast). ``v`` must be
-    ``None`` for an MLA cache (K only). ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not
-    modified. Every argument is checked before anything is written.
+    ``None`` for an MLA cache (K only); a rope-aware MLA cache takes ``k [T, 1, latent_dim]`` (its logical rows) and
+    stores the content quantized per token, the rope part as bf16 (``cute_kv/rope_aware.py``).
+    ``input_row_offsets``: uint32 (MAX) or int32 ``[B+1]``. ``cache_lengths`` is not modified. Every argument is
+    checked before anything is written.
 
     ``validate=False`` is for CUDA-graph capture: it skips the checks that read device values (the offsets, and
     each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
@@ -33,7 +36,8 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                   layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity)
+                                   layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity,
+                                   c.rope_dim)
     else:  # eager: the op's dispatcher would add ~14 µs of host time for nothing
         dispatch(k, v, input_row_offsets, c, layer_idx)
 
@@ -54,7 +58,7 @@ def explain(k, v, input_row_offsets, collection, layer_idx: int, *, validate: bo
 
 def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
     collection.check_layer(layer_idx)
-    rows = [None, collection.num_heads, collection.head_size]
+    rows = [None, collection.num_heads, collection.latent_dim]
     check_activation("k", k, collection, ndim=3)
     check_tensor("k", k, shape=rows)
     if collection.is_mla:
@@ -68,11 +72,14 @@ def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
 def plan(collection, k, arch: str) -> paths.KernelPath:
     """The ``PagedKVStore`` serving these arguments on ``arch`` (SM90 and SM100 alike), or why the reference runs
     instead: an fp8 cache without float32 scales (saturating cast) or whose granule the kernel cannot reduce in one
-    warp, head dims that are not whole vectors, a misaligned cache."""
+    warp, head dims that are not whole vectors, a misaligned cache. Rope-aware MLA rows take ``RopeAwareKVStore``
+    where their geometry fits it."""
     from cute_kv.kernels.cache.store import DTYPES, quantizable
 
     c = collection
     name = dtypes.dtype_name(k.dtype)
+    if c.rope_dim is not None:
+        return _plan_rope_aware(c, name, arch)
     granularity = None
     if c.dtype == torch.float8_e4m3fn:
         granularity = c.quantization_granularity
@@ -94,14 +101,32 @@ def plan(collection, k, arch: str) -> paths.KernelPath:
     return paths.kernel(OP, "PagedKVStore", key, arch)
 
 
+def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
+    """``RopeAwareKVStore`` for a rope-aware MLA cache, or why the reference runs instead."""
+    from cute_kv.kernels.cache.store import DTYPES
+    from cute_kv.kernels.cache.store_rope_aware import supported
+
+    if name not in DTYPES:
+        return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
+    problem = supported(c.padded_depth, c.rope_dim)
+    if problem:
+        return paths.reference(OP, f"rope-aware rows: {problem}", arch)
+    if c.blocks.data_ptr() % 16:
+        return paths.reference(OP, "blocks is not 16-byte aligned", arch)
+    key = (ROPE_AWARE_KEY, name, c.page_size, c.padded_depth, c.rope_dim)
+    return paths.kernel(OP, "RopeAwareKVStore", key, arch)
+
+
 def compile_unit(key: tuple, arch: str) -> tuple:
     """``(compile key, build)`` of the kernel for one ``plan`` key: what the launcher compiles and ``prebuild``
     compiles ahead."""
 
     def build():
-        from cute_kv.kernels.cache.store import PagedKVStore
-
-        kernel = PagedKVStore(*key[1:])
+        if key[0] == ROPE_AWARE_KEY:
+            from cute_kv.kernels.cache.store_rope_aware import RopeAwareKVStore as kernel_class
+        else:
+            from cute_kv.kernels.cache.store import PagedKVStore as kernel_class
+        kernel = kernel_class(*key[1:])
         return kernel, *kernel.fake_args()
 
     return key, build
@@ -111,7 +136,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.kernels.compile_cache import compiled
 
     fn = compiled(*compile_unit(key, arch), arch)
-    quantized = key[6] is not None
+    quantized = key[0] == ROPE_AWARE_KEY or key[6] is not None  # fp8 rows: vectors of 8 input values
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error

@@ -7,6 +7,7 @@ from cute_kv.reference.attention import paged_attention
 from cute_kv.reference.qkv import fused_qkv_matmul_kv_cache
 from cute_kv.reference.quant import quantize_fp8, saturating_cast_fp8
 from cute_kv.reference.rope import RopeConfig, apply_rope
+from cute_kv.reference.sparse_mla import sparse_kv_index_remap, sparse_mla_attention
 from cute_kv.reference.store import store_kv
 
 __all__ = [
@@ -16,5 +17,7 @@ __all__ = [
     "paged_attention",
     "quantize_fp8",
     "saturating_cast_fp8",
+    "sparse_kv_index_remap",
+    "sparse_mla_attention",
     "store_kv",
 ]

@@ -5,7 +5,8 @@ Query ``i`` of request ``b`` sits at absolute position ``p = cache_lengths[b] + 
 ``j <= p`` when causal and ``j > p - window`` with a sliding window. Query head ``hq`` reads KV head
 ``hq // (Hq // H)`` (GQA). Scores, softmax and the weighted sum are float32; fp8 caches are dequantized
 with their scales. An MLA cache (KVD=1) holds one latent head: keys are whole rows and values are their
-first ``mla_v_dim`` dims.
+first ``mla_v_dim`` dims; a rope-aware FP8 MLA cache is read as its logical rows ``concat(content * scale, rope)``
+(``cute_kv/rope_aware.py``), ``latent_dim`` wide.
 
 Logits are ``s = scale * q.k``, soft-capped first when ``softcap = c > 0`` (Gemma 2: ``s <- c * tanh(s / c)``),
 then masked. A sink (gpt-oss: ``sinks[hq]``, a logit per query head) joins the softmax denominator only:

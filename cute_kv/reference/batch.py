@@ -70,8 +70,12 @@ class PagedBatch:
         return values, scales
 
     def dense(self, kv_idx: int, layer_idx: int, b: int, stop: int) -> torch.Tensor:
-        """Tokens ``[0, stop)`` of request ``b`` as float64 ``[n, H, D]``, dequantized (``q * scale``)."""
+        """Tokens ``[0, stop)`` of request ``b`` as float64 ``[n, H, D]``, dequantized (``q * scale``); a rope-aware
+        cache's logical rows ``[n, 1, latent_dim]``."""
         values, scales = self.tokens(kv_idx, layer_idx, b, 0, stop)
+        fmt = self.collection.row_format
+        if fmt is not None:
+            return fmt.decode(values, scales).to(torch.float64)
         x = values.to(torch.float64)
         if scales is not None:
             gran = self.collection.quantization_granularity
@@ -83,11 +87,13 @@ def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int],
                        page_size: int, generator: torch.Generator, num_layers: int = 2, is_mla: bool = False,
                        dtype: torch.dtype = torch.bfloat16, scale_dtype: Optional[torch.dtype] = None,
                        quantization_granularity: Optional[int] = None, spare_pages: int = 3,
-                       device=None) -> PagedBatch:
+                       rope_dim: Optional[int] = None, device=None) -> PagedBatch:
     """A collection whose requests own pages in random order, with ``spare_pages`` pages nobody owns.
 
     Every stored value (and scale) is random, including the slots this step will write. ``scale_dtype``
-    (fp8 ``dtype`` only) adds scales with ``quantization_granularity`` (default ``head_size``).
+    (fp8 ``dtype`` only) adds scales with ``quantization_granularity`` (default ``head_size``). ``rope_dim`` makes a
+    rope-aware MLA cache (``is_mla``, fp8, float32 scales, one per token): ``head_size`` counts the bytes of a row,
+    whose content bytes are random e4m3 values and whose tail holds ``rope_dim`` random bf16 values.
     """
     g = generator
     need = [math.ceil((c + n) / page_size) for c, n in zip(cache_lengths, new_lengths)]
@@ -96,6 +102,12 @@ def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int],
     pages = [perm[sum(need[:b]):sum(need[:b + 1])] for b in range(len(need))]
     shape = (n_pages, 1 if is_mla else 2, num_layers, page_size, num_heads, head_size)
     blocks = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    if rope_dim is not None:
+        if not (is_mla and is_fp8(dtype) and scale_dtype == torch.float32):
+            raise ValueError("rope_dim needs is_mla=True, an fp8 dtype and scale_dtype=torch.float32")
+        rope = torch.randn((*shape[:-1], rope_dim), generator=g).to(device=device, dtype=torch.bfloat16)
+        _raw(blocks)[..., head_size - 2 * rope_dim:] = rope.view(torch.uint8)
+        quantization_granularity = head_size
     scales = None
     if scale_dtype is not None:
         if not is_fp8(dtype):
@@ -109,7 +121,7 @@ def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int],
     collection = PagedKVCacheCollection(
         blocks, torch.tensor(list(cache_lengths), dtype=torch.int64).to(device=device, dtype=torch.uint32),
         make_lookup_table(pages, sentinel=n_pages, device=device), max_seq, max_ctx, scales,
-        quantization_granularity=quantization_granularity if scales is not None else None,
+        quantization_granularity=quantization_granularity if scales is not None else None, rope_dim=rope_dim,
     )
     return PagedBatch(collection, input_row_offsets(new_lengths, device), list(cache_lengths), list(new_lengths), pages)
 

@@ -21,8 +21,9 @@ from cute_kv.reference.weights import Fp8Weight, dequantize
 
 
 def kv_columns(collection) -> int:
-    """Columns of ``C`` that go to the cache: ``2*H*D``, or ``D`` for MLA."""
-    return collection.kv_dim * collection.num_heads * collection.head_size
+    """Columns of ``C`` that go to the cache: ``2*H*D``, or ``D`` for MLA (``latent_dim`` for a rope-aware cache,
+    whose rows store it in ``D`` bytes)."""
+    return collection.kv_dim * collection.num_heads * collection.latent_dim
 
 
 def q_head_dim(rope: Optional[RopeConfig], head_size: int) -> int:
@@ -44,7 +45,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
         c = hidden.to(torch.float32) @ dequantize(weight, hidden.dtype).T
     if bias is not None:
         c = c + bias.to(torch.float32)
-    d = collection.head_size
+    d = collection.latent_dim
     q_dim = c.shape[1] - kv_columns(collection)
     q, kv = c[:, :q_dim], c[:, q_dim:].unflatten(1, (collection.kv_dim, collection.num_heads, d))
     k, v = kv[:, 0], (None if collection.is_mla else kv[:, 1])

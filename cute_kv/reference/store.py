@@ -2,7 +2,9 @@
 
 Values are converted to the cache dtype as a kernel epilogue would: a plain cast for bf16/fp16/fp32
 caches, a saturating cast for fp8 caches without scales, and per-granule quantization (``quant.py``)
-when the collection has scales. ``cache_lengths`` is never modified.
+when the collection has scales. A rope-aware MLA cache takes logical rows ``[T, 1, latent_dim]`` and stores each as
+its content quantized per token and its rope part in bf16 (``cute_kv/rope_aware.py``). ``cache_lengths`` is never
+modified.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from cute_kv.reference.ragged import requests
 
 
 def to_cache_dtype(x: torch.Tensor, cache: PagedKVCache) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``x [..., H, D]`` (any float dtype) -> ``(values in the cache dtype, scales or None)``."""
+    """``x [..., H, D]`` (any float dtype; rope-aware: ``D = latent_dim``) -> ``(values in the cache dtype, scales or
+    None)``."""
+    fmt = cache.collection.row_format
+    if fmt is not None:
+        return fmt.encode(x)
     if cache.quantization_enabled:
         return quantize_fp8(x, cache.quantization_granularity, cache.scale_dtype)
     if is_fp8(cache.dtype):

@@ -1,0 +1,154 @@
+"""``cute_kv.sparse_mla_attention`` (DeepSeek-V3.2 top-k MLA attention) and ``cute_kv.sparse_kv_index_remap``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from cute_kv.ops import paths
+from cute_kv.ops.paged_attention import check_logits_and_output
+from cute_kv.reference import sparse_mla as reference
+from cute_kv.validate import check_activation, check_row_offsets, check_tensor, uint32_bits
+
+OP = "sparse_mla_attention"
+INT32_MAX = 2**31 - 1
+# Kernel plans by arch: an ops module with ``plan_sparse(collection, q, indices, topk_lengths, scale, softcap, sinks,
+# return_lse, arch) -> paths.KernelPath`` and ``launcher_sparse(key, arch) -> run`` (``run`` takes the reference's
+# arguments). An arch without one, or a plan that declines, runs the reference.
+KERNEL_MODULES: dict[str, str] = {}
+
+
+def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int,
+                         indices: torch.Tensor, *, mla_v_dim: int, scale: Optional[float] = None,
+                         topk_lengths: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                         sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
+                         out: Optional[torch.Tensor] = None, validate: bool = True):
+    """Attention of each query token over the keys its ``indices`` select; returns ``[T, Hq, mla_v_dim]`` in
+    ``q.dtype`` (or ``out``), or ``(out, lse)`` with ``return_lse``.
+
+    ``q [T, Hq, latent_dim]`` over an MLA cache (KVD=1: bf16/fp16, fp8 with scales, or rope-aware FP8 read as its
+    dequantized logical rows). ``indices`` int32 ``[T, topk]``: ENCODED rows ``physical_page * P + offset_in_page``
+    (``sparse_kv_index_remap`` makes them from logical positions); -1 selects no key, and so do entries at or past
+    ``topk_lengths[t]`` (int32 ``[T]``, optional). No causal mask: the indices decide. Values are the first
+    ``mla_v_dim`` dims of the selected rows. ``scale`` (default ``1/sqrt(latent_dim)``), ``softcap``, ``sinks`` and
+    ``lse`` as in ``paged_attention``; a row that selects no key gives 0 and ``lse = -inf`` (with a sink: 0 and the
+    sink).
+
+    ``validate=True`` rejects entries outside ``[-1, N*P)``, ``topk_lengths`` outside ``[0, topk]`` and bad
+    ``input_row_offsets`` before anything runs. ``validate=False`` (CUDA-graph capture) skips those device reads;
+    every entry outside ``[0, N*P)`` then still selects no key, and nothing outside the cache is read.
+    """
+    _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
+           return_lse, out, validate)
+    input_row_offsets = uint32_bits(input_row_offsets)
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], mla_v_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    softcap = softcap or None  # 0 means off
+    c = collection
+    if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        torch.ops.cute_kv.sparse_mla_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table,
+                                               c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
+                                               c.quantization_granularity, c.rope_dim, indices, topk_lengths,
+                                               mla_v_dim, scale, softcap, sinks, out, lse)
+    else:
+        dispatch(q, input_row_offsets, c, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out,
+                 lse)
+    return (out, lse) if return_lse else out
+
+
+def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks,
+             out, lse) -> None:
+    """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
+    path = paths.route(collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch, scale,
+                                                            softcap, sinks, lse is not None))
+    run = reference.sparse_mla_attention if path is None else _kernel_module(path.arch).launcher_sparse(path.key,
+                                                                                                         path.arch)
+    run(q, collection, layer_idx, indices, mla_v_dim=mla_v_dim, scale=scale, topk_lengths=topk_lengths,
+        softcap=softcap, sinks=sinks, out=out, lse=lse, return_lse=lse is not None)
+
+
+def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_dim: int,
+            scale: Optional[float] = None, topk_lengths: Optional[torch.Tensor] = None,
+            softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
+            out: Optional[torch.Tensor] = None, validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
+    """``cute_kv.explain(sparse_mla_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
+    _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
+           return_lse, out, validate)
+    return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, q, indices, topk_lengths, arch,
+                                                                         scale, softcap or None, sinks, return_lse))
+
+
+def plan(collection, q, indices, topk_lengths, arch: str, scale: Optional[float] = None,
+         softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+         return_lse: bool = False) -> paths.KernelPath:
+    """The kernel serving these checked arguments on ``arch`` (the plan of ``KERNEL_MODULES[arch]``), or why the
+    reference runs instead. Host values only."""
+    module = KERNEL_MODULES.get(arch)
+    if module is None:
+        return paths.reference(OP, "no sparse MLA kernel on this arch yet", arch)
+    return _kernel_module(arch).plan_sparse(collection, q, indices, topk_lengths, scale, softcap, sinks, return_lse,
+                                            arch)
+
+
+def _kernel_module(arch: str):
+    return importlib.import_module(KERNEL_MODULES[arch])
+
+
+def _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
+           return_lse, out, validate) -> None:
+    """Every argument, before anything runs."""
+    collection.check_layer(layer_idx)
+    if not collection.is_mla:
+        raise ValueError("sparse_mla_attention reads an MLA cache (KVD=1, one latent head); for this cache use "
+                         "paged_attention")
+    check_activation("q", q, collection, ndim=3)
+    t, hq, d = q.shape
+    if d != collection.latent_dim:
+        raise ValueError(f"q's last dim ({d}) must equal the cache's latent_dim ({collection.latent_dim})")
+    if hq == 0:
+        raise ValueError("q must have at least one head")
+    check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
+    dev = collection.device
+    check_tensor("indices", indices, dtype=torch.int32, ndim=2, device=dev)
+    if indices.shape[0] != t:
+        raise ValueError(f"indices must have one row per query token ({t}), got shape {list(indices.shape)}")
+    if topk_lengths is not None:
+        check_tensor("topk_lengths", topk_lengths, dtype=torch.int32, shape=[t], device=dev)
+    rows = collection.num_pages * collection.page_size
+    if rows > INT32_MAX + 1:
+        raise ValueError(f"the cache's {collection.num_pages} pages x {collection.page_size} slots exceed the int32 "
+                         f"encoded indices (page * page_size + slot < 2^31); use fewer pages or smaller pages")
+    check_row_offsets("input_row_offsets", input_row_offsets, collection.batch_size, t, dev, data_checks=validate)
+    if not validate or torch.compiler.is_compiling() or indices.numel() == 0:
+        return
+    bad = (indices < -1) | (indices >= rows)
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"indices[{i}, {j}] = {int(indices[i, j])} is outside [-1, {rows}) (encoded rows "
+                         f"page * {collection.page_size} + slot of {collection.num_pages} pages; -1: no key); "
+                         f"sparse_kv_index_remap makes them from positions")
+    if topk_lengths is not None and t:
+        bad_len = (topk_lengths < 0) | (topk_lengths > indices.shape[1])
+        if bool(bad_len.any()):
+            i = int(bad_len.nonzero()[0])
+            raise ValueError(f"topk_lengths[{i}] = {int(topk_lengths[i])} is outside [0, {indices.shape[1]}] "
+                             f"(indices' topk)")
+
+
+def sparse_kv_index_remap(positions: torch.Tensor, input_row_offsets: torch.Tensor, collection,
+                          *, validate: bool = True) -> torch.Tensor:
+    """MAX's ``paged_sparse_kv_index_remap``: logical key positions ``positions`` int32 ``[T, topk]`` of each query
+    row's request (row ``r`` belongs to request ``b`` with ``input_row_offsets[b] <= r < input_row_offsets[b+1]``)
+    -> encoded indices int32 ``[T, topk]`` for ``sparse_mla_attention``: ``lookup_table[b, pos // P] * P + pos % P``.
+    ``-1`` passes through; a negative position, one past the lookup table's columns or on a page the request does
+    not own (the sentinel) gives ``-1``. A PyTorch function (it runs as a few elementwise kernels on CUDA)."""
+    c = collection
+    check_tensor("positions", positions, dtype=torch.int32, ndim=2, device=c.device)
+    check_row_offsets("input_row_offsets", input_row_offsets, c.batch_size, positions.shape[0], c.device,
+                      data_checks=validate)
+    if c.num_pages * c.page_size > INT32_MAX + 1:
+        raise ValueError(f"the cache's {c.num_pages} pages x {c.page_size} slots exceed the int32 encoded indices")
+    return reference.sparse_kv_index_remap(positions, uint32_bits(input_row_offsets), c)
