@@ -1,5 +1,5 @@
-"""Device-side FP8: e4m3 quantization with per-granule float32 scales, and e8m0 scale decoding, bit for bit as the
-reference (``reference/quant.py``) and torch do.
+"""Device-side FP8: e4m3 quantization with per-granule float32 or e8m0 scales, and e8m0 scale decoding, bit for bit
+as the reference (``reference/quant.py``) and torch do.
 
 float8_e8m0fnu holds a biased exponent ``e``: the scale is ``2^(e - 127)``, a float32 whose exponent field is ``e``,
 except for the two bytes a shift gets wrong: ``e = 0`` is ``2^-127`` (a float32 subnormal, not 0) and ``e = 255``
@@ -18,6 +18,8 @@ FLT_MIN = 1.1754943508222875e-38  # the reference's scale floor (float32 tiny): 
 
 E8M0_MIN_BITS = 0x00400000  # 2^-127: torch's float32 for e8m0 byte 0
 E8M0_NAN_BITS = 0x7F800001  # torch's float32 for e8m0 byte 255
+E8M0_MAX_BITS = 0x7F000000  # 2^127, e8m0's largest value (byte 254)
+MANTISSA_MASK = 0x007FFFFF
 
 
 @cute.jit
@@ -33,13 +35,60 @@ def e8m0_to_float32(e: Uint32) -> Float32:
 
 
 @cute.jit
-def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
-    """``(e4m3 values, scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
+def _from_bits(bits: cutlass.Constexpr[int]) -> Float32:
+    word = cute.make_rmem_tensor((1,), Uint32)
+    word[0] = Uint32(bits)
+    return cute.recast_tensor(word, Float32)[0]
+
+
+@cute.jit
+def e8m0_ceil(scale: Float32):
+    """``(value, byte)``: ``scale`` (``>= 2^-127`` or NaN) rounded up to a power of two, at most ``2^127``, and its
+    e8m0 byte, as the reference's frexp-based ceiling and torch's cast give them. On the float32 bits: a nonzero
+    mantissa carries into the exponent once the mantissa is filled (``(bits + 0x7FFFFF) & ~0x7FFFFF``); below that,
+    ``2^-127`` is the subnormal ``0x00400000``, already a power of two (the carry would double it); above ``2^127``
+    (an infinite amax) the ceiling is clamped; NaN keeps its value and takes byte 255."""
+    bits = cute.make_rmem_tensor((1,), Uint32)
+    cute.recast_tensor(bits, Float32)[0] = scale
+    b = bits[0]
+    byte = Uint32(255)
+    if scale == scale:
+        if b > Uint32(E8M0_MIN_BITS):
+            if b & Uint32(MANTISSA_MASK):
+                b = (b + Uint32(MANTISSA_MASK)) & Uint32(~MANTISSA_MASK & 0xFFFFFFFF)
+        else:
+            b = Uint32(E8M0_MIN_BITS)
+        if b > Uint32(E8M0_MAX_BITS):
+            b = Uint32(E8M0_MAX_BITS)
+        byte = b >> 23  # 0 for 2^-127 (the subnormal's exponent field is 0)
+        bits[0] = b
+    return cute.recast_tensor(bits, Float32)[0], byte
+
+
+@cute.jit
+def amax_scale(amax: Float32, e8m0: cutlass.Constexpr[bool]):
+    """``(scale, stored)`` of a granule's amax: the divisor and what the scale tensor holds (the same float32, or the
+    e8m0 byte), as ``reference/quant.py`` ``quantize_fp8`` computes them."""
+    scale = amax / Float32(FP8_E4M3_MAX)
+    floor = _from_bits(E8M0_MIN_BITS) if const_expr(e8m0) else Float32(FLT_MIN)
+    if scale < floor:  # false for NaN: it propagates
+        scale = floor
+    stored = scale
+    if const_expr(e8m0):
+        scale, stored = e8m0_ceil(scale)
+    return scale, stored
+
+
+@cute.jit
+def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int], e8m0: cutlass.Constexpr[bool] = False):
+    """``(e4m3 values, stored scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
     ``granularity // 8`` aligned lanes holding the granule: ``scale = max(amax / 448, FLT_MIN)``, values
     ``x / scale`` converted with saturation (``cvt.rn.satfinite``: NaN stays NaN, as in ``reference/quant.py``).
+    ``e8m0``: ``scale = e8m0_ceil(max(amax / 448, 2^-127))``, stored as its e8m0 byte (Uint32).
     ``granularity == 0`` (no scales): the values themselves, saturated."""
     out = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
     scale = Float32(1.0)
+    stored = scale
     if const_expr(granularity == 0):
         out.store(vals.load().to(cutlass.Float8E4M3FN))
     else:
@@ -53,14 +102,12 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int]):
         while const_expr(offset < granularity // VEC):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
             offset *= 2
-        scale = amax / Float32(FP8_E4M3_MAX)
-        if scale < Float32(FLT_MIN):  # false for NaN: it propagates
-            scale = Float32(FLT_MIN)
+        scale, stored = amax_scale(amax, e8m0)
         q = cute.make_rmem_tensor((VEC,), Float32)
         for e in cutlass.range_constexpr(VEC):
             q[e] = vals[e] / scale
         out.store(q.load().to(cutlass.Float8E4M3FN))
-    return out, scale
+    return out, stored
 
 
 @cute.jit

@@ -10,7 +10,7 @@ from cutlass import Int32, Uint32
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows, resolve_row
-from cute_kv.kernels.quant import e8m0_to_float32, granule_scale
+from cute_kv.kernels.quant import amax_scale, e8m0_to_float32, granule_scale
 
 
 @cute.jit
@@ -60,6 +60,15 @@ def decode_e8m0(codes: cute.Tensor, out: cute.Tensor):
     """``out[i]``: the attention kernel's float32 for e8m0 byte ``codes[i]``."""
     for i in cutlass.range(codes.shape[0]):
         out[i] = e8m0_to_float32(Uint32(codes[i]))
+
+
+@cute.jit
+def scales_of_amax(amax: cute.Tensor, divisors: cute.Tensor, stored: cute.Tensor, e8m0: cutlass.Constexpr[bool]):
+    """``divisors[i], stored[i]``: the fp8 quantizer's scale for a granule of amax ``amax[i]`` (float32 or e8m0)."""
+    for i in cutlass.range(amax.shape[0]):
+        divisor, value = amax_scale(amax[i], e8m0)
+        divisors[i] = divisor
+        stored[i] = value
 
 
 @cute.jit

@@ -26,7 +26,8 @@ from cute_kv.kernels.qkv.gemm import FusedQKVGemm, QKVSpec, supported  # noqa: E
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf"))
 from static_fused_qkv import bare_gemm_ptx  # noqa: E402
 
-# (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims[, fp8 granularity])
+# (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q_norm dims, k_norm dims[, fp8 granularity
+#  [, e8m0 scales]])
 CASES = {
     "llama-plain": ("bfloat16", 4096, 2, 16, 8, 128, 128, False, None, 0, 0),
     "qwen3-bias-neox-qknorm": ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),
@@ -35,6 +36,7 @@ CASES = {
     "mla-latent-straddles-tiles": ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),
     "fp8-scales-g64": ("bfloat16", 4096, 2, 16, 8, 128, 128, True, (128, False), 128, 128, 64),
     "fp8-unscaled": ("float16", 512, 2, 16, 2, 64, 64, False, None, 0, 0, 0),
+    "fp8-e8m0-g32": ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0, 32, True),
 }
 MMA = {"sm_90a": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(bf16|f16)", "sm_100a": r"tcgen05\.mma\.cta_group::2"}
 
@@ -42,7 +44,8 @@ MMA = {"sm_90a": r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.(bf16|f16)"
 def _spec(case) -> QKVSpec:
     c = CASES[case]
     fp8 = len(c) > 11
-    return QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], fp8=fp8, granularity=c[11] if fp8 else 0)
+    return QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], fp8=fp8, granularity=c[11] if fp8 else 0,
+                   e8m0=len(c) > 12 and c[12])
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +69,7 @@ def ptxas_report(ptx: str, arch: str, tmp_path) -> str:
                           text=True, check=True).stderr
 
 
-SM100_CASES = ["llama-plain", "qwen3-bias-neox-qknorm", "fp8-scales-g64"]  # the epilogue is shared: a few suffice
+SM100_CASES = ["llama-plain", "qwen3-bias-neox-qknorm", "fp8-scales-g64", "fp8-e8m0-g32"]  # the epilogue is shared: a few suffice
 
 
 @pytest.mark.compile
@@ -79,10 +82,11 @@ def test_fused_qkv_gemm_ptx(case, arch, tmp_path):
     if arch == "sm_100a":
         assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx  # accumulators in TMEM
     # No D tensor: Q to output and K/V into a page as one 16-byte store each (fp8: 8 e4m3 bytes and the
-    # granule's scale), each value rounded once.
+    # granule's scale: a float32, or an e8m0 byte), each value rounded once.
     stores = ["st.global.v4.b32", "st.global.v4.b32"]
     if spec.fp8:
-        stores = ["st.global.v2.b32", "st.global.v4.b32"] + (["st.global.b32"] if spec.granularity else [])
+        scale_store = ["st.global.b8" if spec.e8m0 else "st.global.b32"] if spec.granularity else []
+        stores = ["st.global.v2.b32", "st.global.v4.b32"] + scale_store
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert sorted(re.findall(r"st\.global\.\S+", ptx)) == sorted(stores)
     assert ("cvt.rn.bf16x2.f32" if spec.dtype_name == "bfloat16" else "cvt.rn.f16x2.f32") in ptx
@@ -168,6 +172,9 @@ def test_plan_serves(rng):
     fp8 = _served(rng, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, quantization_granularity=64)
     assert (fp8.fp8, fp8.granularity, fp8.dtype_name) == (True, 64, "bfloat16")
     assert _served(rng, dtype=torch.float8_e4m3fn).granularity == 0  # unscaled e4m3
+    e8m0 = _served(rng, dtype=torch.float8_e4m3fn, scale_dtype=torch.float8_e8m0fnu, quantization_granularity=32)
+    assert (e8m0.fp8, e8m0.granularity, e8m0.e8m0) == (True, 32, True)
+    assert not fp8.e8m0
     mla = _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True,
                   rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192))
     assert (mla.kv_dim, mla.q_head_dim) == (1, 192)  # the latent head straddles tiles: GPT-J pairs do not
@@ -178,7 +185,6 @@ def test_plan_leaves_to_the_reference(rng):
                               torch.ones(4096 + 2048, 2, dtype=torch.bfloat16), 128)
     assert _served(rng, weight=int4) is None  # quantized weights: no W4 mainloop yet
     assert _served(rng, dtype=torch.float32) is None
-    assert _served(rng, dtype=torch.float8_e4m3fn, scale_dtype=torch.float8_e8m0fnu) is None
     assert _served(rng, head_size=256, q_dim=4096, rope=RopeConfig.from_theta(256, 64)) is None  # neox over 2 tiles
     latent_norm = cute_kv.QKNorm(k_weight=torch.ones(512))
     assert _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True, qk_norm=latent_norm,

@@ -6,7 +6,7 @@ shared memory (``epi_end_loop``), and once the tile is whole (``epi_end``) each 
 and walks rows: add bias, RMS-normalize (QK-norm: the sum of squares of a head is reduced across the lanes that
 hold it), rotate (RoPE at ``cache_lengths[b] + i``; a neox partner is ``R/2`` columns away in the staged tile),
 round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, layer, pos % P, head, d:d+8]``
-(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 scale the granule's lanes reduce).
+(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 or e8m0 scale the granule's lanes reduce).
 
 Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_offsets``, page from the lookup
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
@@ -45,7 +45,7 @@ class QKVEpilogueArguments(NamedTuple):
     freqs_cis: Optional[cute.Tensor] = None  # [positions, R]
     q_norm: Optional[cute.Tensor] = None  # [C_q] float32
     k_norm: Optional[cute.Tensor] = None  # [C_k] float32
-    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
+    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32 (e8m0: uint8 bytes)
 
 
 @dataclass
@@ -302,12 +302,13 @@ def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s
 def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
                m0: Int32, r: Int32, chunk: _Chunk):
     """Round once and store: Q (16 bytes) to ``output``, K/V into the row's page (skipped without a page); an fp8
-    cache takes e4m3 values (8 bytes) and, with scales, the granule's scale from its first lane."""
+    cache takes e4m3 values (8 bytes) and, with scales, the granule's scale (float32 or e8m0 byte) from its first
+    lane."""
     out = cute.make_rmem_tensor((VEC,), spec.dtype)
     out.store(vals.load().to(spec.dtype))
     kv_out, scale = out, Float32(0.0)
     if const_expr(spec.fp8):
-        kv_out, scale = quantize_e4m3(vals, spec.granularity)  # every lane joins the granule's shuffles
+        kv_out, scale = quantize_e4m3(vals, spec.granularity, spec.e8m0)  # every lane joins the shuffles
     m = m0 + r
     if m < params.output.shape[0] and chunk.in_range:
         if chunk.is_q:
@@ -319,7 +320,7 @@ def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, 
             if const_expr(spec.granularity > 0):
                 if chunk.dim % spec.granularity == 0:
                     params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
-                                  chunk.dim // spec.granularity] = scale
+                                  chunk.dim // spec.granularity] = scale.to(params.scales.element_type)
 
 
 @cute.jit

@@ -5,8 +5,8 @@ compares them with the same GEMM without our epilogue): on SM90 ``GemmSm90`` (pe
 producer warp and two MMA warpgroups in ping-pong, each owning a 128 x BN tile, 2x1 multicast cluster); on SM100
 ``GemmSm100`` (2-CTA ``tcgen05.mma`` 256 x BN tiles, accumulators in TMEM, double-buffered so the epilogue warps
 drain one tile while the MMA warp fills the next). Our epilogue replaces quack's D store: Q rows and K/V page
-rows leave from a float32 staging tile as 16-byte stores (8-byte e4m3 stores and float32 per-granule scales for
-fp8 caches).
+rows leave from a float32 staging tile as 16-byte stores (8-byte e4m3 stores and float32 or e8m0 per-granule
+scales for fp8 caches).
 
 ``BN`` is 128: every head that is normalized or neox-rotated must lie inside one column tile (its partner and its
 sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 128 serves head sizes 64 and 128
@@ -14,7 +14,7 @@ sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 
 entry then runs the reference).
 
 What still takes the reference (the entry's dispatch): quantized weights, norms over more than one tile (MLA's
-512-dim latent norm), e5m2 caches and e8m0 scales. Quantized weights are not in a mainloop yet. On SM90 the route is
+512-dim latent norm) and e5m2 caches. Quantized weights are not in a mainloop yet. On SM90 the route is
 quack's W4 GEMM (``transform_a``: packed weights decoded to bf16 in registers for an RS wgmma); it makes the weights
 the A operand, so its accumulator tile is ``C^T`` and this epilogue would stage it transposed; its formats are
 quack's repacked blobs (``int4`` symmetric, ``int4awq`` with zero points at group 128), to be built from
@@ -71,7 +71,8 @@ class QKVSpec:
     norm_epsilon: float = 1e-6
     norm_offset: float = 0.0
     fp8: bool = False  # e4m3 cache
-    granularity: int = 0  # head dims per float32 scale of an fp8 cache (0: unscaled)
+    granularity: int = 0  # head dims per scale of an fp8 cache (0: unscaled)
+    e8m0: bool = False  # scales are float8_e8m0fnu (powers of two, rounded up), else float32
 
     @property
     def dtype(self):
@@ -116,6 +117,8 @@ def supported(spec: QKVSpec) -> Optional[str]:
         if spec.q_dim % d:
             return f"K heads of {d} dims start at q_dim = {spec.q_dim}, not a multiple of {d}: they straddle tiles"
     g = spec.granularity
+    if spec.e8m0 and not g:
+        return "e8m0 scales need a scale granularity"
     if g and (not spec.fp8 or g & (g - 1) or not VEC <= g <= BN or d % g or spec.q_dim % g):
         return (f"fp8 scale granularity {g} must be a power of two in [{VEC}, {BN}] dividing the head size ({d}) "
                 f"and q_dim ({spec.q_dim}): a granule's lanes reduce its amax in one aligned group")
@@ -176,10 +179,10 @@ class FusedQKVGemm:
         def cache(dtype, depth):
             return make_fake_tensor(dtype, (n_pages, kvd, nl, p, h, depth), stride=(
                 cute.sym_int64(divisibility=kvd * p * h * depth), cute.sym_int64(divisibility=p * h * depth),
-                p * h * depth, h * depth, depth, 1), assumed_align=16 if depth * dtype.width % 128 == 0 else 4)
+                p * h * depth, h * depth, depth, 1), assumed_align=16 if depth * dtype.width % 128 == 0 else dtype.width // 8)
 
         blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
-        scales = cache(Float32, d // s.granularity) if s.granularity else None
+        scales = cache(cutlass.Uint8 if s.e8m0 else Float32, d // s.granularity) if s.granularity else None
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
