@@ -141,6 +141,9 @@ def test_supported_shapes():
     assert "straddle" in supported(QKVSpec(**{**base, "q_dim": 4160, "q_head_dim": 64, "head_dim": 128,
                                               "k_norm_dim": 128}))
     assert "multiples of 8" in supported(QKVSpec(**{**base, "q_dim": 4100, "q_head_dim": 4100}))
+    # a norm weight covers whole 16-byte chunks (one flag per chunk, no per-element mask)
+    assert "QK-norm weights of 0 (Q) and 100 (K)" in supported(QKVSpec(**{**base, "k_norm_dim": 100}))
+    assert supported(QKVSpec(**{**base, "q_head_dim": 64, "head_dim": 64, "k_norm_dim": 56})) is None
     assert "rope_dim 24 must be a multiple of 16 (neox)" in supported(QKVSpec(**{**base, "rope": (24, False)}))
     assert supported(QKVSpec(**{**base, "rope": (24, True)})) is None  # GPT-J: 8 suffices
     assert "dtype" in supported(QKVSpec(**{**base, "dtype_name": "float32"}))
@@ -189,5 +192,6 @@ def test_plan_leaves_to_the_reference(rng):
     latent_norm = cute_kv.QKNorm(k_weight=torch.ones(512))
     assert _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True, qk_norm=latent_norm,
                    rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192)) is None
+    assert _served(rng, qk_norm=cute_kv.QKNorm(k_weight=torch.ones(100))) is None  # 100 dims: not whole chunks
     unaligned = RopeConfig(torch.zeros(64, 130)[:, 1:129])  # rows not 16-byte aligned: no vector loads
     assert _served(rng, rope=unaligned) is None

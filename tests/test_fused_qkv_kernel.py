@@ -32,6 +32,7 @@ CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (
     (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, None),  # MLA: latent head straddles tiles
     (torch.bfloat16, 2, 8, 128, 16, 256, True, (128, False, None), False, (128, 128, 0.0)),  # Qwen3 QK-norm
     (torch.bfloat16, 2, 4, 64, 16, 192, False, (64, True, None), False, (0, 64, 1.0)),  # Gemma-style K norm
+    (torch.bfloat16, 2, 4, 64, 16, 192, False, (64, True, None), False, (48, 56, 0.0)),  # norms over part of a head
     (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, (0, 512, 0.0)),  # MLA latent norm: reference
 ]
 

@@ -204,20 +204,21 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
                     store: cutlass.Constexpr[bool]):
     """``x + bias``, then RMSNorm of the head's first C dims; stored (``store``) or written back to the tile."""
     bias_v = cute.make_rmem_tensor((VEC,), Float32)
-    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset), 0 where not normalized
-    keep = cute.make_rmem_tensor((VEC,), Float32)  # 1 where not normalized
+    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset) where the chunk is normalized
     for e in cutlass.range_constexpr(VEC):
         bias_v[e] = Float32(0.0)
         gamma[e] = Float32(0.0)
-        keep[e] = Float32(1.0)
     if const_expr(spec.has_bias):
         if chunk.in_range:
             for e in cutlass.range_constexpr(VEC):
                 bias_v[e] = Float32(params.bias[chunk.n + e])
     inv_width = Float32(spec.inv_norm_width[1])  # 1 / (dims a head's norm spans): K, or Q below
+    # Norm weights cover whole chunks (``supported``): one flag per chunk, not a mask per element in registers.
+    normed = cutlass.Boolean(False)
     if const_expr(spec.has_norm):
-        _norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, keep, spec.norm_offset)
-        _norm_weights(params.k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma, keep, spec.norm_offset)
+        normed = (_norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, spec.norm_offset)
+                  or _norm_weights(params.k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma,
+                                   spec.norm_offset))
         if chunk.is_q:
             inv_width = Float32(spec.inv_norm_width[0])
     vals = cute.make_rmem_tensor((VEC,), Float32)
@@ -229,12 +230,14 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
         if const_expr(spec.has_norm):
             # Every lane takes part in the shuffles (rows past the step hold zeros from TMA's fill).
             ss = Float32(0.0)
-            for e in cutlass.range_constexpr(VEC):
-                ss += vals[e] * vals[e] * (Float32(1.0) - keep[e])
+            if normed:
+                for e in cutlass.range_constexpr(VEC):
+                    ss += vals[e] * vals[e]
             ss = head_sum(ss, chunk.head_size // VEC, spec.max_head_lanes)
             rstd = cute.math.rsqrt(ss * inv_width + Float32(spec.norm_epsilon), fastmath=False)
-            for e in cutlass.range_constexpr(VEC):
-                vals[e] = vals[e] * (keep[e] + rstd * gamma[e])
+            if normed:
+                for e in cutlass.range_constexpr(VEC):
+                    vals[e] = vals[e] * rstd * gamma[e]
         if const_expr(store):
             _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
         else:
@@ -324,12 +327,14 @@ def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, 
 
 
 @cute.jit
-def _norm_weights(weight: Optional[cute.Tensor], applies, dim0: Int32, gamma: cute.Tensor, keep: cute.Tensor,
-                  offset: cutlass.Constexpr[float]):
-    """Norm weight (+ offset) of each owned element whose dim the weight covers."""
+def _norm_weights(weight: Optional[cute.Tensor], applies, dim0: Int32, gamma: cute.Tensor,
+                  offset: cutlass.Constexpr[float]) -> cutlass.Boolean:
+    """Whether the weight covers the chunk at ``dim0`` (wholly: its dims are a multiple of 8); if so ``gamma`` takes
+    its 8 weights (+ offset)."""
+    covered = cutlass.Boolean(False)
     if const_expr(weight is not None):
-        if applies:
+        if applies and dim0 < weight.shape[0]:
+            covered = cutlass.Boolean(True)
             for e in cutlass.range_constexpr(VEC):
-                if dim0 + e < weight.shape[0]:
-                    gamma[e] = Float32(weight[dim0 + e]) + Float32(offset)
-                    keep[e] = Float32(0.0)
+                gamma[e] = Float32(weight[dim0 + e]) + Float32(offset)
+    return covered

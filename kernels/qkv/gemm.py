@@ -107,6 +107,9 @@ def supported(spec: QKVSpec) -> Optional[str]:
     if spec.rope is not None and spec.rope[0] % (VEC if spec.rope[1] else 2 * VEC):
         return (f"rope_dim {spec.rope[0]} must be a multiple of {VEC if spec.rope[1] else 2 * VEC} "
                 f"({'GPT-J' if spec.rope[1] else 'neox'}): a 16-byte chunk is rotated whole or kept whole")
+    if spec.q_norm_dim % VEC or spec.k_norm_dim % VEC:
+        return (f"QK-norm weights of {spec.q_norm_dim} (Q) and {spec.k_norm_dim} (K) dims must be multiples of {VEC}: "
+                f"a 16-byte chunk is normalized whole or kept whole")
     whole_heads = spec.has_norm or (spec.rope is not None and not spec.rope[1])
     if whole_heads:
         for name, size in (("Q", qh), ("K", d)):
