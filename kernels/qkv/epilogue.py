@@ -31,6 +31,7 @@ from cute_kv.kernels.quant import quantize_e4m3
 
 VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
 C_PAD = 4  # fp32 words of padding per staged row: consecutive rows start on different banks
+EPI_THREADS = 128  # epilogue threads per tile on both cores (SM90: an MMA warpgroup; SM100: the 4 epilogue warps)
 
 
 @mlir_namedtuple
@@ -75,14 +76,15 @@ class QKVEpilogueMixin:
     @classmethod
     def epi_smem_bytes(cls, args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
         bm, bn = cta_tile_shape_mnk[0], cta_tile_shape_mnk[1]
-        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + 64)
+        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + EPI_THREADS * 4 + 64)
 
     def epi_get_smem_struct(self, params):
         bm, bn = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
 
         fields = {"s_c": cute.struct.Align[cute.struct.MemRange[Float32, bm * (bn + C_PAD)], 16],
                   "s_page": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
-                  "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16]}
+                  "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
+                  "s_thread": cute.struct.Align[cute.struct.MemRange[Int32, EPI_THREADS], 16]}
         # Built from a dict: this module's postponed annotations would reach cute.struct as strings.
         return cute.struct(type("QKVEpiStorage", (), {"__annotations__": fields}))
 
@@ -91,7 +93,8 @@ class QKVEpilogueMixin:
         epi = storage.epi
         return {"s_c": epi.s_c.get_tensor(cute.make_layout((bm, bn), stride=(bn + C_PAD, 1))),
                 "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
-                "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm))}
+                "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm)),
+                "s_thread": epi.s_thread.get_tensor(cute.make_layout(EPI_THREADS))}
 
     @cute.jit
     def epi_begin(self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
@@ -106,7 +109,9 @@ class QKVEpilogueMixin:
                                     params.lookup_table, params.blocks.shape[0], self.qkv.page_size)
             s_page[r] = page
             s_pos[r] = pos
-        return (epi_smem_tensors["s_c"], s_page, s_pos)
+        # Read back after the staging barrier (epi_end): see there.
+        epi_smem_tensors["s_thread"][tidx] = tidx
+        return (epi_smem_tensors["s_c"], s_page, s_pos, epi_smem_tensors["s_thread"])
 
     @cute.jit
     def epi_end_loop(self, params, epi_tensors, epi_coord, tRS_rD, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
@@ -125,8 +130,13 @@ class QKVEpilogueMixin:
     @cute.jit
     def epi_end(self, params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
                 varlen_manager, tidx):
-        s_c, s_page, s_pos = epi_tensors
+        s_c, s_page, s_pos, s_thread = epi_tensors
         self.epilogue_barrier.arrive_and_wait()  # the whole tile is staged
+        # The thread's index as a shared-memory value read after the barrier: what the row passes derive from it
+        # (columns, partner chunk, first row, norm and RoPE constants) is computed here, per tile, instead of being
+        # hoisted out of the persistent tile loop and held in registers across the accumulator drain (SM100: next
+        # to the 32 registers a TMEM load fills), which set the kernel's register count.
+        tidx = s_thread[tidx]
         qkv_store_tile(self.qkv, s_c, s_page, s_pos, params, tile_coord_mnkl[0] * self.cta_tile_shape_mnk[0],
                        tile_coord_mnkl[1] * self.cta_tile_shape_mnk[1], tidx,
                        self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
@@ -204,10 +214,10 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
                     store: cutlass.Constexpr[bool]):
     """``x + bias``, then RMSNorm of the head's first C dims; stored (``store``) or written back to the tile."""
     bias_v = cute.make_rmem_tensor((VEC,), Float32)
-    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset) where the chunk is normalized
+    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset) where the chunk is normalized, else 1
     for e in cutlass.range_constexpr(VEC):
         bias_v[e] = Float32(0.0)
-        gamma[e] = Float32(0.0)
+        gamma[e] = Float32(1.0)
     if const_expr(spec.has_bias):
         if chunk.in_range:
             for e in cutlass.range_constexpr(VEC):
@@ -230,14 +240,16 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
         if const_expr(spec.has_norm):
             # Every lane takes part in the shuffles (rows past the step hold zeros from TMA's fill).
             ss = Float32(0.0)
-            if normed:
-                for e in cutlass.range_constexpr(VEC):
-                    ss += vals[e] * vals[e]
+            for e in cutlass.range_constexpr(VEC):
+                ss += vals[e] * vals[e]
+            if not normed:
+                ss = Float32(0.0)
             ss = head_sum(ss, chunk.head_size // VEC, spec.max_head_lanes)
             rstd = cute.math.rsqrt(ss * inv_width + Float32(spec.norm_epsilon), fastmath=False)
-            if normed:
-                for e in cutlass.range_constexpr(VEC):
-                    vals[e] = vals[e] * rstd * gamma[e]
+            if not normed:
+                rstd = Float32(1.0)  # with gamma 1: kept exactly
+            for e in cutlass.range_constexpr(VEC):
+                vals[e] = vals[e] * rstd * gamma[e]
         if const_expr(store):
             _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
         else:
