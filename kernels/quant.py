@@ -35,48 +35,39 @@ def e8m0_to_float32(e: Uint32) -> Float32:
 
 
 @cute.jit
-def _from_bits(bits: cutlass.Constexpr[int]) -> Float32:
+def _from_bits(bits: Uint32) -> Float32:
     word = cute.make_rmem_tensor((1,), Uint32)
-    word[0] = Uint32(bits)
+    word[0] = bits
     return cute.recast_tensor(word, Float32)[0]
 
 
 @cute.jit
-def e8m0_ceil(scale: Float32):
-    """``(value, byte)``: ``scale`` (``>= 2^-127`` or NaN) rounded up to a power of two, at most ``2^127``, and its
-    e8m0 byte, as the reference's frexp-based ceiling and torch's cast give them. On the float32 bits: a nonzero
-    mantissa carries into the exponent once the mantissa is filled (``(bits + 0x7FFFFF) & ~0x7FFFFF``); below that,
-    ``2^-127`` is the subnormal ``0x00400000``, already a power of two (the carry would double it); above ``2^127``
-    (an infinite amax) the ceiling is clamped; NaN keeps its value and takes byte 255."""
-    bits = cute.make_rmem_tensor((1,), Uint32)
-    cute.recast_tensor(bits, Float32)[0] = scale
-    b = bits[0]
-    byte = Uint32(255)
-    if scale == scale:
-        if b > Uint32(E8M0_MIN_BITS):
-            if b & Uint32(MANTISSA_MASK):
-                b = (b + Uint32(MANTISSA_MASK)) & Uint32(~MANTISSA_MASK & 0xFFFFFFFF)
-        else:
-            b = Uint32(E8M0_MIN_BITS)
-        if b > Uint32(E8M0_MAX_BITS):
-            b = Uint32(E8M0_MAX_BITS)
-        byte = b >> 23  # 0 for 2^-127 (the subnormal's exponent field is 0)
-        bits[0] = b
-    return cute.recast_tensor(bits, Float32)[0], byte
+def _bits(x: Float32) -> Uint32:
+    word = cute.make_rmem_tensor((1,), Float32)
+    word[0] = x
+    return cute.recast_tensor(word, Uint32)[0]
 
 
 @cute.jit
-def amax_scale(amax: Float32, e8m0: cutlass.Constexpr[bool]):
-    """``(scale, stored)`` of a granule's amax: the divisor and what the scale tensor holds (the same float32, or the
-    e8m0 byte), as ``reference/quant.py`` ``quantize_fp8`` computes them."""
-    scale = amax / Float32(FP8_E4M3_MAX)
-    floor = _from_bits(E8M0_MIN_BITS) if const_expr(e8m0) else Float32(FLT_MIN)
-    if scale < floor:  # false for NaN: it propagates
-        scale = floor
-    stored = scale
-    if const_expr(e8m0):
-        scale, stored = e8m0_ceil(scale)
-    return scale, stored
+def e8m0_ceil(scale: Float32) -> Float32:
+    """``scale`` (``>= 2^-127`` or NaN) rounded up to a power of two, at most ``2^127``: the reference's frexp-based
+    ceiling. On the float32 bits: a nonzero mantissa carries into the exponent once the mantissa is filled
+    (``(bits + 0x7FFFFF) & ~0x7FFFFF``), except for ``2^-127``, the subnormal ``0x00400000``, already a power of two
+    (the carry would double it); above ``2^127`` (an infinite amax) the ceiling is clamped; NaN stays NaN."""
+    b = _bits(scale)
+    if scale == scale:
+        if b > Uint32(E8M0_MIN_BITS) and b & Uint32(MANTISSA_MASK) != Uint32(0):
+            b = (b + Uint32(MANTISSA_MASK)) & Uint32(~MANTISSA_MASK & 0xFFFFFFFF)
+        if b > Uint32(E8M0_MAX_BITS):
+            b = Uint32(E8M0_MAX_BITS)
+    return _from_bits(b)
+
+
+@cute.jit
+def e8m0_byte(scale: Float32) -> Uint32:
+    """The e8m0 byte of an ``e8m0_ceil`` scale: its float32 exponent field (0 for the subnormal ``2^-127``, 255 for
+    NaN, as torch's cast gives them)."""
+    return (_bits(scale) >> 23) & Uint32(0xFF)
 
 
 @cute.jit
@@ -84,7 +75,7 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int], e8m0: 
     """``(e4m3 values, stored scale)`` of 8 float32 values; with ``granularity`` the scale is shared by the
     ``granularity // 8`` aligned lanes holding the granule: ``scale = max(amax / 448, FLT_MIN)``, values
     ``x / scale`` converted with saturation (``cvt.rn.satfinite``: NaN stays NaN, as in ``reference/quant.py``).
-    ``e8m0``: ``scale = e8m0_ceil(max(amax / 448, 2^-127))``, stored as its e8m0 byte (Uint32).
+    ``e8m0``: the scale is ``e8m0_ceil(max(amax / 448, 2^-127))``, stored as its byte (``e8m0_byte``, a Uint32).
     ``granularity == 0`` (no scales): the values themselves, saturated."""
     out = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
     scale = Float32(1.0)
@@ -92,22 +83,52 @@ def quantize_e4m3(vals: cute.Tensor, granularity: cutlass.Constexpr[int], e8m0: 
     if const_expr(granularity == 0):
         out.store(vals.load().to(cutlass.Float8E4M3FN))
     else:
-        amax = Float32(0.0)
-        for e in cutlass.range_constexpr(VEC):
-            amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)  # a NaN poisons its granule's scale
-        # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
-        # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
-        amax = cute.math.absf(amax)
-        offset = 1
-        while const_expr(offset < granularity // VEC):
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
-            offset *= 2
-        scale, stored = amax_scale(amax, e8m0)
-        q = cute.make_rmem_tensor((VEC,), Float32)
-        for e in cutlass.range_constexpr(VEC):
-            q[e] = vals[e] / scale
-        out.store(q.load().to(cutlass.Float8E4M3FN))
+        scale = lanes_scale(lane_amax(vals), granularity // VEC, e8m0)
+        out = to_e4m3(vals, scale)
+        stored = e8m0_byte(scale) if const_expr(e8m0) else scale
     return out, stored
+
+
+@cute.jit
+def lane_amax(vals: cute.Tensor) -> Float32:
+    """This lane's running max of ``|x|`` over ``vals`` (max.xorsign.abs: its sign is garbage, see ``lanes_scale``);
+    a NaN poisons it."""
+    amax = Float32(0.0)
+    for e in cutlass.range_constexpr(cute.size(vals)):
+        amax = cute.arch.fmax(amax, vals[e], abs=True, nan=True)
+    return amax
+
+
+@cute.jit
+def lanes_scale(amax: Float32, lanes: cutlass.Constexpr[int], e8m0: cutlass.Constexpr[bool] = False) -> Float32:
+    """The scale ``max(amax / 448, FLT_MIN)`` of a granule held by ``lanes`` aligned lanes (a power of two), each
+    with its ``lane_amax``; NaN propagates. ``e8m0``: ``e8m0_ceil(max(amax / 448, 2^-127))``, the reference's
+    e8m0 scale (its floor is e8m0's smallest value, not float32's)."""
+    # abs=True is max.xorsign.abs: the magnitude of the max with the XOR of the operands' signs; clear the
+    # sign before the lanes' plain max, else a negative partial loses to a smaller positive one.
+    amax = cute.math.absf(amax)
+    offset = 1
+    while const_expr(offset < lanes):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+        offset *= 2
+    scale = amax / Float32(FP8_E4M3_MAX)
+    floor = _from_bits(Uint32(E8M0_MIN_BITS)) if const_expr(e8m0) else Float32(FLT_MIN)
+    if scale < floor:  # false for NaN: it propagates
+        scale = floor
+    if const_expr(e8m0):
+        scale = e8m0_ceil(scale)
+    return scale
+
+
+@cute.jit
+def to_e4m3(vals: cute.Tensor, scale: Float32) -> cute.Tensor:
+    """``vals / scale`` (divided as the reference divides) converted to e4m3 with saturation."""
+    q = cute.make_rmem_tensor(vals.shape, Float32)
+    for e in cutlass.range_constexpr(cute.size(vals)):
+        q[e] = vals[e] / scale
+    out = cute.make_rmem_tensor(vals.shape, cutlass.Float8E4M3FN)
+    out.store(q.load().to(cutlass.Float8E4M3FN))
+    return out
 
 
 @cute.jit

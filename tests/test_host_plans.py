@@ -83,18 +83,18 @@ def test_e8m0_decoding_matches_torch():
 def _amax_cases() -> torch.Tensor:
     """Granule amaxes whose scales (``amax / 448``) cover every e8m0 rounding case: zero, subnormal scales around
     2^-127 and 2^-126, every power of two and its float32 neighbours, random finite values, the largest float32,
-    infinity and NaN."""
+    infinity and NaN of either sign."""
     powers = torch.ldexp(torch.full((260,), 448.0), torch.arange(-140, 120))
     near = torch.cat([powers, torch.nextafter(powers, powers * 2), torch.nextafter(powers, powers / 2)])
     bits = torch.randint(0, 0x7F7FFFFF, (4000,), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
     special = torch.tensor([0.0, 2.0**-149, 448 * 2.0**-127, 448 * 1.5 * 2.0**-127, torch.finfo(torch.float32).max,
-                            float("inf"), float("nan")])
+                            float("inf"), float("nan"), -float("nan")])
     return torch.cat([near, bits.view(torch.float32), special]).contiguous()
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
 def test_fp8_scales_match_the_reference_bit_for_bit(scale_dtype):
-    """The kernels' scale of a granule (``quant.amax_scale``: the divisor and the stored scale) is the reference's
+    """The kernels' scale of a granule (``quant.lanes_scale``, the divisor, and the stored scale) is the reference's
     ``quantize_fp8`` scale bit for bit, for float32 and for e8m0 (power-of-two ceiling, subnormal 2^-127 floor,
     2^127 clamp, NaN byte 255)."""
     amax = _amax_cases()
