@@ -69,7 +69,8 @@ def ptxas_report(ptx: str, arch: str, tmp_path) -> str:
                           text=True, check=True).stderr
 
 
-SM100_CASES = ["llama-plain", "qwen3-bias-neox-qknorm", "fp8-scales-g64", "fp8-e8m0-g32"]  # the epilogue is shared: a few suffice
+# the epilogue is shared: a few suffice
+SM100_CASES = ["llama-plain", "qwen3-bias-neox-qknorm", "fp8-scales-g64", "fp8-e8m0-g32"]
 
 
 @pytest.mark.compile
@@ -192,6 +193,9 @@ def test_plan_leaves_to_the_reference(rng):
     latent_norm = cute_kv.QKNorm(k_weight=torch.ones(512))
     assert _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True, qk_norm=latent_norm,
                    rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192)) is None
+    mla = dict(dtype_name="bfloat16", q_dim=1536, kv_dim=1, page_size=16, num_heads=1, head_dim=576, q_head_dim=192,
+               has_bias=False, rope=(64, True))
+    assert "latent RMSNorm over 512 dims spans 4 column tiles" in supported(QKVSpec(**mla, k_norm_dim=512))
     assert _served(rng, qk_norm=cute_kv.QKNorm(k_weight=torch.ones(100))) is None  # 100 dims: not whole chunks
     unaligned = RopeConfig(torch.zeros(64, 130)[:, 1:129])  # rows not 16-byte aligned: no vector loads
     assert _served(rng, rope=unaligned) is None

@@ -23,6 +23,20 @@ a decode warp writing bf16 tiles to shared memory ahead of ``tcgen05.mma``; unti
 reference. FP8 weights with per-channel scales fold the scale into the epilogue (``C[:, n] * s[n]``) but still
 need a mixed bf16 x e4m3 mainloop (the same transform route).
 
+MLA's latent RMSNorm (``kv_lora_rank = 512`` dims, four 128-column tiles) needs a reduction across tiles; so do
+rope-aware FP8 MLA rows, whose per-token scale is the amax of all 512 content dims (after the norm). The design
+chosen, not yet built: a two-phase "last arriver" epilogue. Each CTA holding a latent tile writes its float32 block
+and per-row partial sums of squares to a workspace, fences, and bumps a per-M-tile counter; the CTA that arrives
+last (no CTA waits for another, so a persistent schedule cannot deadlock) finalizes the 512-dim rows: rstd, gamma,
+then one rounding (bf16) or the per-token amax, scale and e4m3 content (rope-aware rows, whose roped bf16 tail its
+own tile stores directly). The mainloop is unchanged; the extra traffic is a write and a read of ``T x 512`` float32
+(34 MB at T = 8192: ~11 us at 3 TB/s, an estimate, against ~0.3 ms for DeepSeek-V3's 7168 -> 1536 + 576 GEMM on an
+H100). Rejected: a tile N covering the latent (512 columns exceed an MMA instruction's N of 256 and quack's one-BN
+tiling; on SM100 it would take all 512 TMEM columns, losing the accumulator double buffer, and every Q tile would
+pay for it); a 4-CTA cluster along N exchanging partial sums in distributed shared memory (it changes the mainloop's
+multicast, needs the latent aligned to 512 columns and a cluster-wide barrier that quack's warp roles do not offer
+the epilogue alone).
+
 Why this replaced the single-warpgroup ``FusedQKVMatmul`` (formerly ``kernels/qkv/sm90.py``): it took exactly the
 shapes this kernel takes (the same 128-column rule), had no SM100 mainloop, no warp specialization, no multicast
 and no persistence, so no case was left where it is the better choice; keeping both would be two epilogues to
@@ -110,6 +124,9 @@ def supported(spec: QKVSpec) -> Optional[str]:
     if spec.q_norm_dim % VEC or spec.k_norm_dim % VEC:
         return (f"QK-norm weights of {spec.q_norm_dim} (Q) and {spec.k_norm_dim} (K) dims must be multiples of {VEC}: "
                 f"a 16-byte chunk is normalized whole or kept whole")
+    if spec.kv_dim == 1 and spec.k_norm_dim > BN:
+        return (f"MLA's latent RMSNorm over {spec.k_norm_dim} dims spans {-(-spec.k_norm_dim // BN)} column tiles: "
+                f"the cross-tile reduction is not built (module docstring)")
     whole_heads = spec.has_norm or (spec.rope is not None and not spec.rope[1])
     if whole_heads:
         for name, size in (("Q", qh), ("K", d)):
@@ -182,7 +199,8 @@ class FusedQKVGemm:
         def cache(dtype, depth):
             return make_fake_tensor(dtype, (n_pages, kvd, nl, p, h, depth), stride=(
                 cute.sym_int64(divisibility=kvd * p * h * depth), cute.sym_int64(divisibility=p * h * depth),
-                p * h * depth, h * depth, depth, 1), assumed_align=16 if depth * dtype.width % 128 == 0 else dtype.width // 8)
+                p * h * depth, h * depth, depth, 1),
+                assumed_align=16 if depth * dtype.width % 128 == 0 else dtype.width // 8)
 
         blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
         scales = cache(cutlass.Uint8 if s.e8m0 else Float32, d // s.granularity) if s.granularity else None
