@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-8B-like QK-norm, fp8 cache)
+PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-8B-like QK-norm, fp8 caches)
     "llama3-8b": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
                       q_head_dim=128, has_bias=False, rope=(128, False)),
     "qwen3-qknorm-bias": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
@@ -30,6 +30,9 @@ PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-
     "llama3-8b-fp8-g64": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8,
                               head_dim=128, q_head_dim=128, has_bias=False, rope=(128, False), fp8=True,
                               granularity=64),
+    "llama3-8b-fp8-e8m0-g32": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8,
+                                   head_dim=128, q_head_dim=128, has_bias=False, rope=(128, False), fp8=True,
+                                   granularity=32, e8m0=True),
 }
 MMA = {"sm_90a": r"\bHGMMA\.", "sm_100a": r"\bUTC\w*MMA\b"}
 VEC = 8

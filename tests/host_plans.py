@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Int32, Uint32, const_expr
 
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows, resolve_row
-from cute_kv.kernels.quant import e8m0_to_float32, granule_scale
+from cute_kv.kernels.quant import e8m0_byte, e8m0_to_float32, granule_scale, lanes_scale
 
 
 @cute.jit
@@ -60,6 +60,19 @@ def decode_e8m0(codes: cute.Tensor, out: cute.Tensor):
     """``out[i]``: the attention kernel's float32 for e8m0 byte ``codes[i]``."""
     for i in cutlass.range(codes.shape[0]):
         out[i] = e8m0_to_float32(Uint32(codes[i]))
+
+
+@cute.jit
+def scales_of_amax(amax: cute.Tensor, divisors: cute.Tensor, stored: cute.Tensor, e8m0: cutlass.Constexpr[bool]):
+    """``divisors[i], stored[i]``: the fp8 quantizer's scale of a one-lane granule of amax ``amax[i]`` (float32, or
+    e8m0 and its byte)."""
+    for i in cutlass.range(amax.shape[0]):
+        scale = lanes_scale(amax[i], 1, e8m0)
+        divisors[i] = scale
+        if const_expr(e8m0):
+            stored[i] = e8m0_byte(scale)
+        else:
+            stored[i] = scale
 
 
 @cute.jit

@@ -32,6 +32,7 @@ CASES = [  # (dtype, kv heads, q heads, D, page, hidden K, bias, rope: None or (
     (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, None),  # MLA: latent head straddles tiles
     (torch.bfloat16, 2, 8, 128, 16, 256, True, (128, False, None), False, (128, 128, 0.0)),  # Qwen3 QK-norm
     (torch.bfloat16, 2, 4, 64, 16, 192, False, (64, True, None), False, (0, 64, 1.0)),  # Gemma-style K norm
+    (torch.bfloat16, 2, 4, 64, 16, 192, False, (64, True, None), False, (48, 56, 0.0)),  # norms over part of a head
     (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, (0, 512, 0.0)),  # MLA latent norm: reference
 ]
 
@@ -145,13 +146,15 @@ def test_fused_qkv_kernel_unchecked_step_past_the_pages():
     assert torch.equal(blocks[~step].view(torch.int16), want[~step].view(torch.int16))
 
 
-@pytest.mark.parametrize("granularity", [None, 32, 128])  # unscaled, 4-lane and 16-lane granules
-def test_fused_qkv_kernel_fp8_cache(granularity):
-    """e4m3 cache: the kernel quantizes the float32 result once with its own per-granule scales."""
+@pytest.mark.parametrize("granularity,scale_dtype", [(None, None), (32, torch.float32), (128, torch.float32),
+                                                     (32, torch.float8_e8m0fnu), (8, torch.float8_e8m0fnu)])
+def test_fused_qkv_kernel_fp8_cache(granularity, scale_dtype):
+    """e4m3 cache: the kernel quantizes the float32 result once with its own per-granule scales (unscaled; float32
+    over 4- and 16-lane granules; e8m0 over 4 lanes and over one lane's 8 dims)."""
     case = (torch.bfloat16, 2, 8, 128, 16, 256, True, (128, False, None), False, (128, 128, 0.0))
     kw = {"dtype": torch.float8_e4m3fn}
     if granularity:
-        kw.update(scale_dtype=torch.float32, quantization_granularity=granularity)
+        kw.update(scale_dtype=scale_dtype, quantization_granularity=granularity)
     (cpu, gpu), hidden, weight, bias, rope, q_dim, qk_norm = _inputs(case, CACHED, NEW, 7, **kw)
     want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
                                          rope=rope, qk_norm=qk_norm)
@@ -169,7 +172,11 @@ def test_fused_qkv_kernel_fp8_cache(granularity):
     assert rel_err(deq(c)[step], deq(w)[step]) < 2.0**-4  # e4m3 rounding; scales agree to accumulation order
     assert torch.equal(c.blocks.cpu()[~step].view(torch.uint8), w.blocks[~step].view(torch.uint8))
     if granularity:
-        assert torch.equal(c.scales.cpu()[~step], w.scales[~step])
+        bits = lambda scales: scales.cpu().view(torch.uint8 if scale_dtype == torch.float8_e8m0fnu  # noqa: E731
+                                                else torch.int32)
+        assert torch.equal(bits(c.scales)[~step], bits(w.scales)[~step])
+        if scale_dtype == torch.float8_e8m0fnu:  # powers of two: at most one binade apart (accumulation order)
+            assert (bits(c.scales)[step].int() - bits(w.scales)[step].int()).abs().max() <= 1
 
 
 def test_fused_qkv_kernel_skips_rows_without_a_page():

@@ -6,6 +6,7 @@ import torch
 from cutlass.cute.runtime import from_dlpack
 
 import host_plans
+from cute_kv.reference.quant import quantize_fp8
 
 pytestmark = pytest.mark.compile
 
@@ -77,6 +78,43 @@ def test_e8m0_decoding_matches_torch():
     want = codes.view(torch.float8_e8m0fnu).to(torch.float32).view(torch.int32)
     assert torch.equal(got, want)
     assert want[0] == 0x00400000 and want[255] == 0x7F800001
+
+
+def _amax_cases() -> torch.Tensor:
+    """Granule amaxes whose scales (``amax / 448``) cover every e8m0 rounding case: zero, subnormal scales around
+    2^-127 and 2^-126, every power of two and its float32 neighbours, random finite values, the largest float32,
+    infinity and NaN of either sign."""
+    powers = torch.ldexp(torch.full((260,), 448.0), torch.arange(-140, 120))
+    near = torch.cat([powers, torch.nextafter(powers, powers * 2), torch.nextafter(powers, powers / 2)])
+    bits = torch.randint(0, 0x7F7FFFFF, (4000,), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    special = torch.tensor([0.0, 2.0**-149, 448 * 2.0**-127, 448 * 1.5 * 2.0**-127, torch.finfo(torch.float32).max,
+                            float("inf"), float("nan"), -float("nan")])
+    return torch.cat([near, bits.view(torch.float32), special]).contiguous()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+def test_fp8_scales_match_the_reference_bit_for_bit(scale_dtype):
+    """The kernels' scale of a granule (``quant.lanes_scale``, the divisor, and the stored scale) is the reference's
+    ``quantize_fp8`` scale bit for bit, for float32 and for e8m0 (power-of-two ceiling, subnormal 2^-127 floor,
+    2^127 clamp, NaN byte 255)."""
+    amax = _amax_cases()
+    e8m0 = scale_dtype == torch.float8_e8m0fnu
+    divisors = torch.zeros_like(amax)
+    stored = torch.zeros(amax.shape, dtype=torch.int32)
+    host_plans.scales_of_amax(from_dlpack(amax), from_dlpack(divisors), from_dlpack(stored.view(torch.float32)
+                                                                                    if not e8m0 else stored), e8m0)
+    _, want = quantize_fp8(amax.unsqueeze(-1), 1, scale_dtype)
+    want = want.squeeze(-1)
+    nan = amax.isnan()
+    if e8m0:
+        assert torch.equal(stored, want.view(torch.uint8).to(torch.int32))
+        assert torch.equal(divisors.view(torch.int32)[~nan], want.to(torch.float32).view(torch.int32)[~nan])
+        assert stored[nan].eq(255).all() and divisors[nan].isnan().all()
+        assert {0, 254} <= set(stored.tolist())  # the 2^-127 floor and the clamp of infinity were reached
+    else:
+        assert torch.equal(stored[~nan], want[~nan].view(torch.int32))
+        assert torch.equal(divisors.view(torch.int32), stored)
+        assert stored.view(torch.float32)[nan].isnan().all()
 
 
 def test_rows_outside_the_cache_are_never_stored():

@@ -187,7 +187,7 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     """The ``FusedQKVGemm`` serving these checked arguments on ``arch`` (its ``QKVSpec`` key, without bias), for a
     quantized weight the ``FusedQKVGemmW4`` (a ``QKVW4Spec`` key: the spec and the decode format, which names the
     weight dtype, group size and zero points), or why the reference runs instead: quantized weights the decode does
-    not take (``_quantized_problem``), fp32 activations, e5m2 caches or e8m0 scales, unaligned rows, or a shape the
+    not take (``_quantized_problem``), fp32 activations, e5m2 caches, unaligned rows, or a shape the
     kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a GPU."""
     from cute_kv.kernels.qkv.gemm import DTYPES, QKVSpec, supported
 
@@ -215,11 +215,13 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     fp8 = dtypes.is_fp8(c.dtype)
     if fp8 and c.dtype != torch.float8_e4m3fn:
         return fallback(f"{dtypes.dtype_name(c.dtype)} caches: the kernel quantizes to float8_e4m3fn")
-    if fp8 and c.scales is not None and c.scales.dtype != torch.float32:
-        return fallback(f"{dtypes.dtype_name(c.scales.dtype)} scales: the kernel writes float32 scales")
+    e8m0 = c.scales is not None and c.scales.dtype == torch.float8_e8m0fnu
+    if fp8 and c.scales is not None and c.scales.dtype != torch.float32 and not e8m0:
+        return fallback(f"{dtypes.dtype_name(c.scales.dtype)} scales: the kernel writes float32 or e8m0 scales")
     spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, c.head_size,
                    q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
-                   *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity)
+                   *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity,
+                   e8m0=e8m0)
     problem = supported(spec)
     if problem:
         return fallback(problem)
@@ -262,13 +264,16 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
         t, q_dim = hidden.shape[0], spec.q_dim
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
+        scales = collection.scales
+        if spec.e8m0:  # the kernel stores e8m0 scales as their bytes
+            scales = scales.view(torch.uint8)
         if t:  # a persistent grid over zero tiles still launches: skip it
             kernel = _gemm(_with_bias(spec, bias is not None), arch)
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
                             collection.cache_lengths, collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
-                            *norm_weights, collection.scales,
+                            *norm_weights, scales,
                             _max_active_clusters(collection.device, kernel.cluster_shape)))
         return out if output is None or out is output else output.copy_(out)
 

@@ -6,7 +6,7 @@ shared memory (``epi_end_loop``), and once the tile is whole (``epi_end``) each 
 and walks rows: add bias, RMS-normalize (QK-norm: the sum of squares of a head is reduced across the lanes that
 hold it), rotate (RoPE at ``cache_lengths[b] + i``; a neox partner is ``R/2`` columns away in the staged tile),
 round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, layer, pos % P, head, d:d+8]``
-(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 scale the granule's lanes reduce).
+(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 or e8m0 scale the granule's lanes reduce).
 
 Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_offsets``, page from the lookup
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
@@ -31,6 +31,7 @@ from cute_kv.kernels.quant import quantize_e4m3
 
 VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
 C_PAD = 4  # fp32 words of padding per staged row: consecutive rows start on different banks
+EPI_THREADS = 128  # epilogue threads per tile on both cores (SM90: an MMA warpgroup; SM100: the 4 epilogue warps)
 
 
 @mlir_namedtuple
@@ -45,7 +46,7 @@ class QKVEpilogueArguments(NamedTuple):
     freqs_cis: Optional[cute.Tensor] = None  # [positions, R]
     q_norm: Optional[cute.Tensor] = None  # [C_q] float32
     k_norm: Optional[cute.Tensor] = None  # [C_k] float32
-    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
+    scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32 (e8m0: uint8 bytes)
 
 
 @dataclass
@@ -75,14 +76,15 @@ class QKVEpilogueMixin:
     @classmethod
     def epi_smem_bytes(cls, args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
         bm, bn = cta_tile_shape_mnk[0], cta_tile_shape_mnk[1]
-        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + 64)
+        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + EPI_THREADS * 4 + 64)
 
     def epi_get_smem_struct(self, params):
         bm, bn = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
 
         fields = {"s_c": cute.struct.Align[cute.struct.MemRange[Float32, bm * (bn + C_PAD)], 16],
                   "s_page": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
-                  "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16]}
+                  "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
+                  "s_thread": cute.struct.Align[cute.struct.MemRange[Int32, EPI_THREADS], 16]}
         # Built from a dict: this module's postponed annotations would reach cute.struct as strings.
         return cute.struct(type("QKVEpiStorage", (), {"__annotations__": fields}))
 
@@ -91,7 +93,8 @@ class QKVEpilogueMixin:
         epi = storage.epi
         return {"s_c": epi.s_c.get_tensor(cute.make_layout((bm, bn), stride=(bn + C_PAD, 1))),
                 "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
-                "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm))}
+                "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm)),
+                "s_thread": epi.s_thread.get_tensor(cute.make_layout(EPI_THREADS))}
 
     @cute.jit
     def epi_begin(self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
@@ -106,7 +109,9 @@ class QKVEpilogueMixin:
                                     params.lookup_table, params.blocks.shape[0], self.qkv.page_size)
             s_page[r] = page
             s_pos[r] = pos
-        return (epi_smem_tensors["s_c"], s_page, s_pos)
+        # Read back after the staging barrier (epi_end): see there.
+        epi_smem_tensors["s_thread"][tidx] = tidx
+        return (epi_smem_tensors["s_c"], s_page, s_pos, epi_smem_tensors["s_thread"])
 
     @cute.jit
     def epi_end_loop(self, params, epi_tensors, epi_coord, tRS_rD, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
@@ -125,8 +130,13 @@ class QKVEpilogueMixin:
     @cute.jit
     def epi_end(self, params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
                 varlen_manager, tidx):
-        s_c, s_page, s_pos = epi_tensors
+        s_c, s_page, s_pos, s_thread = epi_tensors
         self.epilogue_barrier.arrive_and_wait()  # the whole tile is staged
+        # The thread's index as a shared-memory value read after the barrier: what the row passes derive from it
+        # (columns, partner chunk, first row, norm and RoPE constants) is computed here, per tile, instead of being
+        # hoisted out of the persistent tile loop and held in registers across the accumulator drain (SM100: next
+        # to the 32 registers a TMEM load fills), which set the kernel's register count.
+        tidx = s_thread[tidx]
         qkv_store_tile(self.qkv, s_c, s_page, s_pos, params, tile_coord_mnkl[0] * self.cta_tile_shape_mnk[0],
                        tile_coord_mnkl[1] * self.cta_tile_shape_mnk[1], tidx,
                        self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
@@ -204,20 +214,21 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
                     store: cutlass.Constexpr[bool]):
     """``x + bias``, then RMSNorm of the head's first C dims; stored (``store``) or written back to the tile."""
     bias_v = cute.make_rmem_tensor((VEC,), Float32)
-    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset), 0 where not normalized
-    keep = cute.make_rmem_tensor((VEC,), Float32)  # 1 where not normalized
+    gamma = cute.make_rmem_tensor((VEC,), Float32)  # norm weight (+ offset) where the chunk is normalized, else 1
     for e in cutlass.range_constexpr(VEC):
         bias_v[e] = Float32(0.0)
-        gamma[e] = Float32(0.0)
-        keep[e] = Float32(1.0)
+        gamma[e] = Float32(1.0)
     if const_expr(spec.has_bias):
         if chunk.in_range:
             for e in cutlass.range_constexpr(VEC):
                 bias_v[e] = Float32(params.bias[chunk.n + e])
     inv_width = Float32(spec.inv_norm_width[1])  # 1 / (dims a head's norm spans): K, or Q below
+    # Norm weights cover whole chunks (``supported``): one flag per chunk, not a mask per element in registers.
+    normed = cutlass.Boolean(False)
     if const_expr(spec.has_norm):
-        _norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, keep, spec.norm_offset)
-        _norm_weights(params.k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma, keep, spec.norm_offset)
+        normed = (_norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, spec.norm_offset)
+                  or _norm_weights(params.k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma,
+                                   spec.norm_offset))
         if chunk.is_q:
             inv_width = Float32(spec.inv_norm_width[0])
     vals = cute.make_rmem_tensor((VEC,), Float32)
@@ -230,11 +241,15 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
             # Every lane takes part in the shuffles (rows past the step hold zeros from TMA's fill).
             ss = Float32(0.0)
             for e in cutlass.range_constexpr(VEC):
-                ss += vals[e] * vals[e] * (Float32(1.0) - keep[e])
+                ss += vals[e] * vals[e]
+            if not normed:
+                ss = Float32(0.0)
             ss = head_sum(ss, chunk.head_size // VEC, spec.max_head_lanes)
             rstd = cute.math.rsqrt(ss * inv_width + Float32(spec.norm_epsilon), fastmath=False)
+            if not normed:
+                rstd = Float32(1.0)  # with gamma 1: kept exactly
             for e in cutlass.range_constexpr(VEC):
-                vals[e] = vals[e] * (keep[e] + rstd * gamma[e])
+                vals[e] = vals[e] * rstd * gamma[e]
         if const_expr(store):
             _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
         else:
@@ -302,12 +317,13 @@ def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s
 def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
                m0: Int32, r: Int32, chunk: _Chunk):
     """Round once and store: Q (16 bytes) to ``output``, K/V into the row's page (skipped without a page); an fp8
-    cache takes e4m3 values (8 bytes) and, with scales, the granule's scale from its first lane."""
+    cache takes e4m3 values (8 bytes) and, with scales, the granule's scale (float32 or e8m0 byte) from its first
+    lane."""
     out = cute.make_rmem_tensor((VEC,), spec.dtype)
     out.store(vals.load().to(spec.dtype))
     kv_out, scale = out, Float32(0.0)
     if const_expr(spec.fp8):
-        kv_out, scale = quantize_e4m3(vals, spec.granularity)  # every lane joins the granule's shuffles
+        kv_out, scale = quantize_e4m3(vals, spec.granularity, spec.e8m0)  # every lane joins the shuffles
     m = m0 + r
     if m < params.output.shape[0] and chunk.in_range:
         if chunk.is_q:
@@ -319,16 +335,18 @@ def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, 
             if const_expr(spec.granularity > 0):
                 if chunk.dim % spec.granularity == 0:
                     params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
-                                  chunk.dim // spec.granularity] = scale
+                                  chunk.dim // spec.granularity] = scale.to(params.scales.element_type)
 
 
 @cute.jit
-def _norm_weights(weight: Optional[cute.Tensor], applies, dim0: Int32, gamma: cute.Tensor, keep: cute.Tensor,
-                  offset: cutlass.Constexpr[float]):
-    """Norm weight (+ offset) of each owned element whose dim the weight covers."""
+def _norm_weights(weight: Optional[cute.Tensor], applies, dim0: Int32, gamma: cute.Tensor,
+                  offset: cutlass.Constexpr[float]) -> cutlass.Boolean:
+    """Whether the weight covers the chunk at ``dim0`` (wholly: its dims are a multiple of 8); if so ``gamma`` takes
+    its 8 weights (+ offset)."""
+    covered = cutlass.Boolean(False)
     if const_expr(weight is not None):
-        if applies:
+        if applies and dim0 < weight.shape[0]:
+            covered = cutlass.Boolean(True)
             for e in cutlass.range_constexpr(VEC):
-                if dim0 + e < weight.shape[0]:
-                    gamma[e] = Float32(weight[dim0 + e]) + Float32(offset)
-                    keep[e] = Float32(0.0)
+                gamma[e] = Float32(weight[dim0 + e]) + Float32(offset)
+    return covered

@@ -5,18 +5,32 @@ compares them with the same GEMM without our epilogue): on SM90 ``GemmSm90`` (pe
 producer warp and two MMA warpgroups in ping-pong, each owning a 128 x BN tile, 2x1 multicast cluster); on SM100
 ``GemmSm100`` (2-CTA ``tcgen05.mma`` 256 x BN tiles, accumulators in TMEM, double-buffered so the epilogue warps
 drain one tile while the MMA warp fills the next). Our epilogue replaces quack's D store: Q rows and K/V page
-rows leave from a float32 staging tile as 16-byte stores (8-byte e4m3 stores and float32 per-granule scales for
-fp8 caches).
+rows leave from a float32 staging tile as 16-byte stores (8-byte e4m3 stores and float32 or e8m0 per-granule
+scales for fp8 caches).
 
 ``BN`` is 128: every head that is normalized or neox-rotated must lie inside one column tile (its partner and its
 sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 128 serves head sizes 64 and 128
 (Llama, Qwen, Gemma) and keeps the float32 staging tile at 66 KB. ``supported`` says why a shape is refused (the
 entry then runs the reference).
 
-What still takes the reference (the entry's dispatch): norms over more than one tile (MLA's 512-dim latent norm),
-e5m2 caches and e8m0 scales. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
+What still takes the reference (the entry's dispatch): norms over more than one tile (MLA's 512-dim latent
+norm) and e5m2 caches. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
 scales) run ``FusedQKVGemmW4`` (``w4.py``: quack's SM90 W4 mainloop with this epilogue staged transposed) on
 sm_90a; on sm_100a they take the reference until a transform-warp mainloop exists (``w4.py`` says why).
+
+MLA's latent RMSNorm (``kv_lora_rank = 512`` dims, four 128-column tiles) needs a reduction across tiles; so do
+rope-aware FP8 MLA rows, whose per-token scale is the amax of all 512 content dims (after the norm). The design
+chosen, not yet built: a two-phase "last arriver" epilogue. Each CTA holding a latent tile writes its float32 block
+and per-row partial sums of squares to a workspace, fences, and bumps a per-M-tile counter; the CTA that arrives
+last (no CTA waits for another, so a persistent schedule cannot deadlock) finalizes the 512-dim rows: rstd, gamma,
+then one rounding (bf16) or the per-token amax, scale and e4m3 content (rope-aware rows, whose roped bf16 tail its
+own tile stores directly). The mainloop is unchanged; the extra traffic is a write and a read of ``T x 512`` float32
+(34 MB at T = 8192: ~11 us at 3 TB/s, an estimate, against ~0.3 ms for DeepSeek-V3's 7168 -> 1536 + 576 GEMM on an
+H100). Rejected: a tile N covering the latent (512 columns exceed an MMA instruction's N of 256 and quack's one-BN
+tiling; on SM100 it would take all 512 TMEM columns, losing the accumulator double buffer, and every Q tile would
+pay for it); a 4-CTA cluster along N exchanging partial sums in distributed shared memory (it changes the mainloop's
+multicast, needs the latent aligned to 512 columns and a cluster-wide barrier that quack's warp roles do not offer
+the epilogue alone).
 
 Why this replaced the single-warpgroup ``FusedQKVMatmul`` (formerly ``kernels/qkv/sm90.py``): it took exactly the
 shapes this kernel takes (the same 128-column rule), had no SM100 mainloop, no warp specialization, no multicast
@@ -66,7 +80,8 @@ class QKVSpec:
     norm_epsilon: float = 1e-6
     norm_offset: float = 0.0
     fp8: bool = False  # e4m3 cache
-    granularity: int = 0  # head dims per float32 scale of an fp8 cache (0: unscaled)
+    granularity: int = 0  # head dims per scale of an fp8 cache (0: unscaled)
+    e8m0: bool = False  # scales are float8_e8m0fnu (powers of two, rounded up), else float32
 
     @property
     def dtype(self):
@@ -101,6 +116,12 @@ def supported(spec: QKVSpec) -> Optional[str]:
     if spec.rope is not None and spec.rope[0] % (VEC if spec.rope[1] else 2 * VEC):
         return (f"rope_dim {spec.rope[0]} must be a multiple of {VEC if spec.rope[1] else 2 * VEC} "
                 f"({'GPT-J' if spec.rope[1] else 'neox'}): a 16-byte chunk is rotated whole or kept whole")
+    if spec.q_norm_dim % VEC or spec.k_norm_dim % VEC:
+        return (f"QK-norm weights of {spec.q_norm_dim} (Q) and {spec.k_norm_dim} (K) dims must be multiples of {VEC}: "
+                f"a 16-byte chunk is normalized whole or kept whole")
+    if spec.kv_dim == 1 and spec.k_norm_dim > BN:
+        return (f"MLA's latent RMSNorm over {spec.k_norm_dim} dims spans {-(-spec.k_norm_dim // BN)} column tiles: "
+                f"the cross-tile reduction is not built (module docstring)")
     whole_heads = spec.has_norm or (spec.rope is not None and not spec.rope[1])
     if whole_heads:
         for name, size in (("Q", qh), ("K", d)):
@@ -111,6 +132,8 @@ def supported(spec: QKVSpec) -> Optional[str]:
         if spec.q_dim % d:
             return f"K heads of {d} dims start at q_dim = {spec.q_dim}, not a multiple of {d}: they straddle tiles"
     g = spec.granularity
+    if spec.e8m0 and not g:
+        return "e8m0 scales need a scale granularity"
     if g and (not spec.fp8 or g & (g - 1) or not VEC <= g <= BN or d % g or spec.q_dim % g):
         return (f"fp8 scale granularity {g} must be a power of two in [{VEC}, {BN}] dividing the head size ({d}) "
                 f"and q_dim ({spec.q_dim}): a granule's lanes reduce its amax in one aligned group")
@@ -177,10 +200,11 @@ class FusedQKVGemm:
         def cache(dtype, depth):
             return make_fake_tensor(dtype, (n_pages, kvd, nl, p, h, depth), stride=(
                 cute.sym_int64(divisibility=kvd * p * h * depth), cute.sym_int64(divisibility=p * h * depth),
-                p * h * depth, h * depth, depth, 1), assumed_align=16 if depth * dtype.width % 128 == 0 else 4)
+                p * h * depth, h * depth, depth, 1),
+                assumed_align=16 if depth * dtype.width % 128 == 0 else dtype.width // 8)
 
         blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
-        scales = cache(Float32, d // s.granularity) if s.granularity else None
+        scales = cache(cutlass.Uint8 if s.e8m0 else Float32, d // s.granularity) if s.granularity else None
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
