@@ -202,6 +202,8 @@ def test_plan_routes_quantized_weights(rng):
     fp8_cache = _plan(rng, _int4(rng, N_TOT, 256, 128), dtype=torch.float8_e4m3fn, scale_dtype=torch.float32,
                       quantization_granularity=64)
     assert fp8_cache.key.qkv.fp8 and fp8_cache.key.qkv.granularity == 64
+    e8m0_cache = _plan(rng, _int4(rng, N_TOT, 256, 128), dtype=torch.float8_e4m3fn, scale_dtype=torch.float8_e8m0fnu)
+    assert e8m0_cache.key.qkv.e8m0  # the bf16 kernel's cache rules hold: its epilogue stores e8m0 bytes
 
 
 @pytest.mark.parametrize("weight, kw, words", [
@@ -212,8 +214,6 @@ def test_plan_routes_quantized_weights(rng):
     (lambda rng: _int4(rng, N_TOT, 256, 64, has_zp=True), {}, "groups [128]"),
     (lambda rng: _int4(rng, N_TOT, 384, 96), {"k": 384}, "group_size 96"),
     (lambda rng: _int4(rng, N_TOT, 96, 32), {"k": 96}, "multiple of 64"),
-    (lambda rng: _int4(rng, N_TOT, 256, 128), {"dtype": torch.float8_e4m3fn, "scale_dtype": torch.float8_e8m0fnu},
-     "float32 scales"),  # the bf16 kernel's cache rules hold
 ])
 def test_plan_names_why_the_reference_runs(rng, weight, kw, words):
     path = _plan(rng, weight(rng), **kw)
