@@ -296,13 +296,8 @@ class PagedAttention:
     def copy_tile(self, atom: cute.CopyAtom, g_rows: cute.Tensor, ring: cute.Tensor, s_slot: cute.ComposedLayout,
                   rows: cute.Tensor, stage: Int32, kv_head: Int32, bar):
         """One TMA per page slot of the tile (one in all when a page holds the tile): rows ``rows[p]`` onward."""
-        box = (self.k_op.rows_per_copy, cute.size(s_slot, mode=[1]))
-        for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
-            src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
-            dst = cute.local_tile(ring[None, None, stage], box, (p, 0))
-            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                             cute.group_modes(src, 0, 2))
-            cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+        tma_tiles.copy_page_slots(atom, g_rows, ring[None, None, stage], s_slot, rows, self.k_op.rows_per_copy,
+                                  kv_head, bar)
 
     @cute.jit
     def produce_fp8(self, pipe_8: pipeline.PipelineTmaAsync, pipe_k: pipeline.PipelineAsync,

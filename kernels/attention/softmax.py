@@ -80,22 +80,38 @@ def online_softmax(s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, r
                    scale_log2: Float32, is_first: cutlass.Constexpr[bool]):
     """``s`` (accumulator of one tile, masked with -inf) becomes ``p``; ``row_scale`` gets ``2^(old - new max)``
     for O. A row with nothing visible yet keeps max -inf and takes 0 as reference: its p and rescale are 0."""
+    new_max = cute.make_rmem_tensor(row_max.shape, Float32)
+    tile_row_max(s, row_max, new_max, is_first)
+    exponentiate(s, new_max, row_max, row_sum, row_scale, scale_log2, is_first)
+
+
+@cute.jit
+def tile_row_max(s: cute.Tensor, row_max: cute.Tensor, new_max: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+    """``new_max`` = the max of each row over the tile (reduced over the quad) and its running ``row_max``."""
     s_mn = mn_view(s)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        row = s_mn[r, None].load()
-        tile_max = row.reduce(cute.ReductionOp.MAX, NEG_INF if is_first else row_max[r], 0)
-        new_max = quad_max(tile_max)
-        ref = new_max * scale_log2
-        if new_max == NEG_INF:
+        tile_max = s_mn[r, None].load().reduce(cute.ReductionOp.MAX, NEG_INF if is_first else row_max[r], 0)
+        new_max[r] = quad_max(tile_max)
+
+
+@cute.jit
+def exponentiate(s: cute.Tensor, new_max: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 row_scale: cute.Tensor, scale_log2: Float32, is_first: cutlass.Constexpr[bool]):
+    """The second half of ``online_softmax`` once the rows' maxima ``new_max`` are known (a tile split over
+    warpgroups takes the max of theirs): ``s`` becomes ``p``, the sums and ``row_max`` move on."""
+    s_mn = mn_view(s)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        ref = new_max[r] * scale_log2
+        if new_max[r] == NEG_INF:
             ref = Float32(0.0)
-        p = cute.math.exp2(row * scale_log2 - ref, fastmath=True)
+        p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - ref, fastmath=True)
         s_mn[r, None].store(p)
         if cutlass.const_expr(is_first):
             row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         else:
             row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - ref, fastmath=True)
             row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * row_scale[r], 0)
-        row_max[r] = new_max
+        row_max[r] = new_max[r]
 
 
 @cute.jit
