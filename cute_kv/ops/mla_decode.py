@@ -73,10 +73,13 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
 
 def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,
                  window: Optional[int] = None) -> tuple[int, int]:
-    """``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 64 packed rows a CTA over one KV head."""
+    """``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 64 packed rows a CTA over one KV head. A decode
+    step's several blocks (more than 64 heads) are one token's heads, which all see the same keys: they split like
+    one block (the causal rule against splitting several blocks is for blocks of different tokens)."""
     from cute_kv.ops.paged_attention import launch_shape as attention_launch_shape
 
-    return attention_launch_shape(collection, num_q_heads, slots, BM, BN, causal, window)
+    return attention_launch_shape(collection, num_q_heads, slots, BM, BN, causal and collection.max_seq_length > 1,
+                                  window)
 
 
 @functools.lru_cache(maxsize=None)
