@@ -45,7 +45,7 @@ def test_plan_serves_deepseek_decode_on_sm90():
 
 
 @pytest.mark.parametrize("what,expect", [
-    ("sm100", "no MLA attention kernel for sm_100a"),
+    ("sm100", "MLA cache: no attention kernel for sm_100a"),
     ("fp8", "fp8 MLA caches take the reference"),
     ("q dtype", "q is float16 but the cache is bfloat16"),
     ("v_dim", "mla_v_dim (96) must be a multiple of 128"),

@@ -34,16 +34,18 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: bool, sink
     c = collection
 
     def fallback(reason):
-        return paths.reference(OP, reason, arch)
+        return paths.reference(OP, f"MLA cache: {reason}", arch)
 
     if arch != "sm_90a":
-        return fallback(f"no MLA attention kernel for {arch} yet")
+        return fallback(f"no attention kernel for {arch} yet")
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     if c.dtype != q.dtype:
-        return fallback(f"MLA: q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernel reads 16-bit caches "
+        return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernel reads 16-bit caches "
                         "of q's dtype (fp8 MLA caches take the reference for now)")
+    if c.num_heads != 1:
+        return fallback(f"{c.num_heads} KV heads; the kernel reads one latent head")
     if mla_v_dim is None:
-        return fallback("MLA without mla_v_dim")
+        return fallback("no mla_v_dim")
     hq, d, p = q.shape[1], c.head_size, c.page_size
     problem = supported(hq, d, mla_v_dim, p, q_dtype_name)
     if problem:

@@ -287,8 +287,8 @@ class MLADecode:
         """Tile ``last_tile - i``: this warpgroup's QK (behind its previous PV on the tensor cores), the maxima
         exchange, its half of P, then the PV of the whole tile into its half of O (left running). Returns the read
         state of the tile."""
-        prev = read.clone()
         if cutlass.const_expr(not first):
+            prev = read.clone()
             read.advance()
         pipe.consumer_wait(read)
         self.gemm(tiled_mma_qk, acc_s, t_rq, t_rk[None, None, None, read.index], False)
