@@ -119,3 +119,42 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     acc_mn = mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def scores(acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor, key_base: Int32,
+           score_scale: Float32, softcap: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool]):
+    """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, each
+    row's key range (``coords``: ``(row, key)`` of the registers; ``key_base``: the key of column 0)."""
+    if cutlass.const_expr(softcap):
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
+    if cutlass.const_expr(masked):
+        s_mn = mn_view(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            lo = row_begin[r] - key_base
+            hi = row_end[r] - key_base
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                key = coords[0, c][1]
+                if key < lo or key >= hi:
+                    s_mn[r, c] = NEG_INF
+
+
+@cute.jit
+def finish_row(total: Float32, top: Float32, sink: Float32, with_sink: cutlass.Constexpr[bool]):
+    """``(1/l, base-2 lse)`` of a row from its sum ``total`` of ``2^(s - top)`` (``top``: its max, base 2) and, with
+    ``with_sink``, a sink's base-2 logit ``sink`` (-inf: none here), which joins the denominator only; ``(0, -inf)``
+    for a row that sees nothing."""
+    weight = Float32(1.0)
+    if cutlass.const_expr(with_sink):
+        new_top = cute.arch.fmax(top, sink)
+        if new_top != NEG_INF:
+            weight = cute.math.exp2(top - new_top, fastmath=True)  # 0 for a row with no key
+            total = total * weight + cute.math.exp2(sink - new_top, fastmath=True)
+            top = new_top
+    inv = Float32(0.0)
+    lse2 = NEG_INF
+    if total > 0.0:
+        inv = weight / total
+        lse2 = top + cute.math.log2(total, fastmath=True)
+    return inv, lse2

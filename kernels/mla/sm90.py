@@ -40,7 +40,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.attention import softmax
-from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
+from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.mla.config import BM, BN, STAGES, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
@@ -227,25 +227,7 @@ class MLADecode:
         n_rows = cute.size(coords, mode=[0])
         row_begin = cute.make_rmem_tensor((n_rows,), Int32)
         row_end = cute.make_rmem_tensor((n_rows,), Int32)
-        for r in cutlass.range_constexpr(n_rows):
-            tok = (m0 + coords[r, 0][0]) // group
-            row_end[r] = num_keys
-            if causal != 0:
-                row_end[r] = cutlass.min(cache_len + tok + 1, num_keys)
-            row_begin[r] = 0
-            if window > 0:
-                row_begin[r] = cache_len + tok - window + 1
-            if tok >= seq_len:
-                row_end[r] = 0  # a padding row: everything masked
-        # Tiles every live row of the block sees whole need no mask.
-        tok_lo = m0 // group
-        tok_hi = cutlass.min((cutlass.min(m0 + BM, seq_len * group) - 1) // group, seq_len - 1)
-        unmasked_end = num_keys
-        if causal != 0:
-            unmasked_end = cutlass.min(cache_len + tok_lo + 1, num_keys)
-        unmasked_begin = Int32(0)
-        if window > 0:
-            unmasked_begin = cache_len + tok_hi - window + 1
+        row_key_ranges(row_begin, row_end, coords, m0, seq_len, cache_len, num_keys, causal, window, group)
 
         row_max = cute.make_rmem_tensor((n_rows,), Float32)
         row_sum = cute.make_rmem_tensor((n_rows,), Float32)
@@ -260,11 +242,8 @@ class MLADecode:
             self.step(Int32(0), read, True, True, *args)
             # Three loops, so the steady state has no branch: the tiles past the first whose keys some live row does
             # not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
-            masked_end = cutlass.max(cutlass.min(last_tile - unmasked_end // BN + 1, n_tiles), 1)
-            unmasked_stop = n_tiles
-            if unmasked_begin > 0:
-                unmasked_stop = cutlass.max(cutlass.min(last_tile - (unmasked_begin + BN - 1) // BN + 1, n_tiles),
-                                            masked_end)
+            masked_end, unmasked_stop = mask_loops(m0, seq_len, cache_len, num_keys, causal, window, last_tile,
+                                                   n_tiles, BM, BN, group)
             for i in cutlass.range(1, masked_end, unroll=1):
                 read = self.step(i, read, True, False, *args)
             for i in cutlass.range(masked_end, unmasked_stop, unroll=1):
@@ -296,7 +275,8 @@ class MLADecode:
         if cutlass.const_expr(not first):
             pipe.consumer_release(prev)
         tile_base = (last_tile - i) * BN
-        self.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, masked)
+        softmax.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, self.softcap,
+                       masked)
         n_rows = cute.size(row_max)
         new_max = cute.make_rmem_tensor((n_rows,), Float32)
         softmax.tile_row_max(acc_s, row_max, new_max, first)
@@ -336,24 +316,6 @@ class MLADecode:
     @cute.jit
     def pair_barrier(self, barrier: cutlass.Constexpr[Barrier]):
         cute.arch.barrier(barrier_id=int(barrier), number_of_threads=2 * WG_THREADS)
-
-    @cute.jit
-    def scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
-               key_base: Int32, score_scale: Float32, masked: cutlass.Constexpr[bool]):
-        """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, the
-        masks of each row; ``key_base`` is the key of this warpgroup's first S column."""
-        if cutlass.const_expr(self.softcap):
-            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
-        if cutlass.const_expr(masked):
-            s_mn = softmax.mn_view(acc_s)
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                lo = row_begin[r] - key_base
-                hi = row_end[r] - key_base
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    key = coords[0, c][1]
-                    if key < lo or key >= hi:
-                        s_mn[r, c] = softmax.NEG_INF
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, ctidx: Int32):
@@ -399,22 +361,12 @@ class MLADecode:
         inv = cute.make_rmem_tensor((n_rows,), Float32)
         lse2 = cute.make_rmem_tensor((n_rows,), Float32)
         for r in cutlass.range_constexpr(n_rows):
-            total = own[r] + s_sum[coords[r, 0][0], 1 - wg]
-            top = row_max[r] * softmax_scale_log2
-            weight = Float32(1.0)
+            sink = softmax.NEG_INF
             if cutlass.const_expr(self.sinks):
-                if split == 0:
+                if split == 0:  # the sink joins the denominator once
                     sink = Float32(sinks[(m0 + coords[r, 0][0]) % group]) * LOG2E
-                    new_top = cute.arch.fmax(top, sink)
-                    if new_top != softmax.NEG_INF:
-                        weight = cute.math.exp2(top - new_top, fastmath=True)  # 0 for a row with no key
-                        total = total * weight + cute.math.exp2(sink - new_top, fastmath=True)
-                        top = new_top
-            inv[r] = Float32(0.0)
-            lse2[r] = softmax.NEG_INF
-            if total > 0.0:
-                inv[r] = weight / total
-                lse2[r] = top + cute.math.log2(total, fastmath=True)
+            inv[r], lse2[r] = softmax.finish_row(own[r] + s_sum[coords[r, 0][0], 1 - wg],
+                                                 row_max[r] * softmax_scale_log2, sink, self.sinks)
         softmax.rescale_rows(acc_o, inv)
         o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((BM, dv // 2))))
         o_mn = softmax.mn_view(acc_o)
