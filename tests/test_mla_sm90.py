@@ -13,7 +13,7 @@ import torch
 import cute_kv
 from cute_kv import reference as ref
 from cute_kv.kernels.mla.config import BM, BN, STAGES, max_latent_dim, supported, tiling
-from cute_kv.ops import mla_decode
+from cute_kv.ops import mla_decode, paged_attention
 from cute_kv.ops.paged_attention import plan
 from cute_kv.reference.batch import random_paged_batch
 
@@ -42,6 +42,7 @@ def test_plan_serves_deepseek_decode_on_sm90():
     # the key names what the launcher compiles: the kernel and the combine over the value columns
     units = mla_decode.compile_units(path.key, "sm_90a")
     assert [u[0] for u in units] == [path.key, ("attention_combine", "bfloat16", 128, 512, False)]
+    assert [u[0] for u in paged_attention.compile_units(path.key, "sm_90a")] == [u[0] for u in units]  # prebuild
 
 
 @pytest.mark.parametrize("what,expect", [
