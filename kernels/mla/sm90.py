@@ -12,10 +12,12 @@ K stage in shared memory, so V is never loaded. Three warpgroups:
   tile (SS wgmma, N = 32), masks it, and publishes its rows' maxima; after a named barrier both take the max of the
   two, exponentiate, write their half of P (16-bit) into the shared P tile and rescale their O; after a second
   barrier each issues ``O[:, half w] += P V[:, half w]`` (SS wgmma, N = v_dim / 2) over the whole tile. O is 64 x
-  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. The PV of a
-  tile runs while the next tile's QK is issued; the P tile is single (shared memory holds Q, two K stages and one
-  P), so the next softmax writes P only once both PVs are done (each warpgroup waits for its own before the
-  max-exchange barrier). The steady state has the two named barriers and no CTA-wide one.
+  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. A tile's PV
+  is left running while the warpgroup waits for the next stage and issues that tile's QK behind it; the P tile is
+  single (shared memory holds Q, two K stages and one P), so the next P is written only once both PVs are done
+  (each warpgroup waits for its own before the max-exchange barrier) and the tensor cores idle through the softmax
+  and the two exchanges: overlapping them (FlashMLA's seesaw) needs a second P the 227 KiB do not hold. The steady
+  state has the two named barriers and no CTA-wide one.
 
 Tiles are walked from the last to the first as in ``PagedAttention``: the first one walked holds the request's
 last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
