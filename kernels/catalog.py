@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
 from cute_kv.kernels.cache import gather, store, store_rope_aware
+from cute_kv.kernels.mla import sm90 as mla_sm90
 
 ARCHS = ("sm_90a", "sm_100a")
 REGS_PER_SM = 64 * 1024
@@ -114,7 +115,12 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 32),
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
 ]
-COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256)]
+MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse])
+    ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
+    ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
+    ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
+]
+COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256), ("bfloat16", 128, 512)]
 
 
 def _smem_bound(threads: int, smem: int) -> int:
@@ -172,6 +178,11 @@ def _attention_plan(k: attention_sm90.PagedAttention) -> Plan:
     return Plan(attention_sm90.THREADS, k.smem_bytes(), 1)
 
 
+def _mla_plan(k: mla_sm90.MLADecode) -> Plan:
+    # One CTA per SM: the Q tile, two 64 x latent key stages and the P tile take the shared memory (mla/config).
+    return Plan(mla_sm90.THREADS, k.smem_bytes(), 1)
+
+
 def _combine_plan(k: combine.AttentionCombine) -> Plan:
     return Plan(combine.THREADS, 0, _smem_bound(combine.THREADS, 0))  # no shared memory: a full SM of threads
 
@@ -195,6 +206,9 @@ FAMILIES = [
            # one CTA per SM.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: k.head_dim,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
+    Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
+           # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
+           head_dim=lambda k: (k.latent_dim + k.v_dim) // 2),
     Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
 ]
 

@@ -43,6 +43,8 @@ BENCHMARKS = {
                         os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "static.json")),
     "paged-attention": Benchmark("bench_paged_attention", True,
                                  "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA"),
+    "mla-decode": Benchmark("bench_mla_decode", True,
+                            "MLA decode at DeepSeek-V3 shapes (128 heads, 576/512, page 64) vs FlashInfer's MLA"),
 }
 
 

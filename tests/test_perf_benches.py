@@ -196,3 +196,22 @@ def test_paged_attention_bench_runs_on_gpu():
     assert {r["status"] for r in timed} <= {"ok", "absent"}, [r.get("error") for r in timed]
     ours = [r for r in timed if r["impl"] == "cute_kv"]
     assert len(ours) == 2 and all(r["median_us"] > 0 and "speedup_vs_torch_sdpa_gather" in r for r in ours)
+
+
+def test_mla_decode_cpu_smoke_and_flashinfer_rows():
+    """The MLA bench's CPU smoke checks cute-kv against the reference and times nothing; FlashInfer's CSR pages over
+    its split latent / rope caches hold exactly the rows the collection's lookup table names."""
+    import bench_mla_decode as bench
+
+    records = bench.main(["--cpu-smoke"])
+    assert [(r["impl"], r["status"]) for r in records if r["impl"] == "cute_kv"] == [("cute_kv", "ok")]
+    assert not any(k.endswith("_us") or k.startswith("speedup") for r in records for k in r)
+    step = cases.Step((40, 0, 17), (1, 1, 1))
+    pl = bench.Placements(step, 16, 2, "cpu", torch.Generator().manual_seed(0))
+    for r, coll in enumerate(pl.collections):
+        indptr, indices = pl.csr[r]
+        for b, n in enumerate(pl.kv_lens.tolist()):
+            pages = indices[indptr[b]:indptr[b + 1]].long()
+            fi_rows = torch.cat([pl.ckv[pages], pl.kpe[pages]], dim=-1).flatten(0, 1)[:n]
+            ours = coll.get_key_cache(0).gather(b, 0, n)[:, 0]
+            assert torch.equal(fi_rows.float(), ours.float())

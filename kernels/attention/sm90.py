@@ -44,7 +44,7 @@ from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
-from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
+from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
@@ -296,13 +296,8 @@ class PagedAttention:
     def copy_tile(self, atom: cute.CopyAtom, g_rows: cute.Tensor, ring: cute.Tensor, s_slot: cute.ComposedLayout,
                   rows: cute.Tensor, stage: Int32, kv_head: Int32, bar):
         """One TMA per page slot of the tile (one in all when a page holds the tile): rows ``rows[p]`` onward."""
-        box = (self.k_op.rows_per_copy, cute.size(s_slot, mode=[1]))
-        for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
-            src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
-            dst = cute.local_tile(ring[None, None, stage], box, (p, 0))
-            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                             cute.group_modes(src, 0, 2))
-            cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+        tma_tiles.copy_page_slots(atom, g_rows, ring[None, None, stage], s_slot, rows, self.k_op.rows_per_copy,
+                                  kv_head, bar)
 
     @cute.jit
     def produce_fp8(self, pipe_8: pipeline.PipelineTmaAsync, pipe_k: pipeline.PipelineAsync,
@@ -416,25 +411,7 @@ class PagedAttention:
         n_rows = cute.size(coords, mode=[0])
         row_begin = cute.make_rmem_tensor((n_rows,), Int32)
         row_end = cute.make_rmem_tensor((n_rows,), Int32)
-        for r in cutlass.range_constexpr(n_rows):
-            tok = (rows0 + coords[r, 0][0]) // group
-            row_end[r] = num_keys
-            if causal != 0:
-                row_end[r] = cutlass.min(cache_len + tok + 1, num_keys)
-            row_begin[r] = 0
-            if window > 0:
-                row_begin[r] = cache_len + tok - window + 1
-            if tok >= seq_len:
-                row_end[r] = 0  # a padding row: everything masked
-        # Tiles every live row of the block sees whole need no mask.
-        tok_lo = rows0 // group
-        tok_hi = cutlass.min((cutlass.min(rows0 + WG_ROWS, seq_len * group) - 1) // group, seq_len - 1)
-        unmasked_end = num_keys
-        if causal != 0:
-            unmasked_end = cutlass.min(cache_len + tok_lo + 1, num_keys)
-        unmasked_begin = Int32(0)
-        if window > 0:
-            unmasked_begin = cache_len + tok_hi - window + 1
+        row_key_ranges(row_begin, row_end, coords, rows0, seq_len, cache_len, num_keys, causal, window, group)
 
         row_max = cute.make_rmem_tensor((n_rows,), Float32)
         row_sum = cute.make_rmem_tensor((n_rows,), Float32)
@@ -450,7 +427,7 @@ class PagedAttention:
             self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(read)
-            self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, True)
+            softmax.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, self.softcap, True)
             softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
             softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
             if cutlass.const_expr(not self.kv_fp8):  # (dequantization writes those rows as zeros)
@@ -459,11 +436,8 @@ class PagedAttention:
                     self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
             # Then three loops, so the steady state has no branch: the tiles past the first whose keys some live row
             # does not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
-            masked_end = cutlass.max(cutlass.min(last_tile - unmasked_end // bn + 1, n_tiles), 1)
-            unmasked_stop = n_tiles
-            if unmasked_begin > 0:
-                unmasked_stop = cutlass.max(cutlass.min(last_tile - (unmasked_begin + bn - 1) // bn + 1, n_tiles),
-                                            masked_end)
+            masked_end, unmasked_stop = mask_loops(rows0, seq_len, cache_len, num_keys, causal, window, last_tile,
+                                                   n_tiles, WG_ROWS, bn, group)
             for i in cutlass.range(1, masked_end, unroll=1):
                 read = self.step(i, read, True, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq, t_rk,
                                  t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile, wg,
@@ -502,7 +476,7 @@ class PagedAttention:
         self.sched_release(wg)
         warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
         pipe_k.consumer_release(read)
-        self.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, masked)
+        softmax.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, self.softcap, masked)
         softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(prev)
@@ -541,24 +515,6 @@ class PagedAttention:
     @cute.jit
     def sched_release(self, wg: Int32):
         cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - wg, number_of_threads=2 * WG_THREADS)
-
-    @cute.jit
-    def scores(self, acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
-               tile_base: Int32, score_scale: Float32, masked: cutlass.Constexpr[bool]):
-        """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, the
-        masks of each row."""
-        if cutlass.const_expr(self.softcap):
-            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
-        if cutlass.const_expr(masked):
-            s_mn = softmax.mn_view(acc_s)
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                lo = row_begin[r] - tile_base
-                hi = row_end[r] - tile_base
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    key = coords[0, c][1]
-                    if key < lo or key >= hi:
-                        s_mn[r, c] = softmax.NEG_INF
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, rows0: Int32,
@@ -601,23 +557,12 @@ class PagedAttention:
         inv = cute.make_rmem_tensor((n_rows,), Float32)
         lse2 = cute.make_rmem_tensor((n_rows,), Float32)
         for r in cutlass.range_constexpr(n_rows):
-            total = softmax.quad_sum(row_sum[r])
-            top = row_max[r] * softmax_scale_log2
-            weight = Float32(1.0)
+            sink = softmax.NEG_INF
             if cutlass.const_expr(self.sinks):
-                if split == 0:
-                    head = kv_head * group + (rows0 + coords[r, 0][0]) % group
-                    sink = Float32(sinks[head]) * LOG2E
-                    new_top = cute.arch.fmax(top, sink)
-                    if new_top != softmax.NEG_INF:
-                        weight = cute.math.exp2(top - new_top, fastmath=True)  # 0 for a row with no key
-                        total = total * weight + cute.math.exp2(sink - new_top, fastmath=True)
-                        top = new_top
-            inv[r] = Float32(0.0)
-            lse2[r] = softmax.NEG_INF
-            if total > 0.0:
-                inv[r] = weight / total
-                lse2[r] = top + cute.math.log2(total, fastmath=True)
+                if split == 0:  # the sink joins the denominator once
+                    sink = Float32(sinks[kv_head * group + (rows0 + coords[r, 0][0]) % group]) * LOG2E
+            inv[r], lse2[r] = softmax.finish_row(softmax.quad_sum(row_sum[r]), row_max[r] * softmax_scale_log2, sink,
+                                                 self.sinks)
         softmax.rescale_rows(acc_o, inv)
         o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d))))
         o_mn = softmax.mn_view(acc_o)

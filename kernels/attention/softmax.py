@@ -80,22 +80,38 @@ def online_softmax(s: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, r
                    scale_log2: Float32, is_first: cutlass.Constexpr[bool]):
     """``s`` (accumulator of one tile, masked with -inf) becomes ``p``; ``row_scale`` gets ``2^(old - new max)``
     for O. A row with nothing visible yet keeps max -inf and takes 0 as reference: its p and rescale are 0."""
+    new_max = cute.make_rmem_tensor(row_max.shape, Float32)
+    tile_row_max(s, row_max, new_max, is_first)
+    exponentiate(s, new_max, row_max, row_sum, row_scale, scale_log2, is_first)
+
+
+@cute.jit
+def tile_row_max(s: cute.Tensor, row_max: cute.Tensor, new_max: cute.Tensor, is_first: cutlass.Constexpr[bool]):
+    """``new_max`` = the max of each row over the tile (reduced over the quad) and its running ``row_max``."""
     s_mn = mn_view(s)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        row = s_mn[r, None].load()
-        tile_max = row.reduce(cute.ReductionOp.MAX, NEG_INF if is_first else row_max[r], 0)
-        new_max = quad_max(tile_max)
-        ref = new_max * scale_log2
-        if new_max == NEG_INF:
+        tile_max = s_mn[r, None].load().reduce(cute.ReductionOp.MAX, NEG_INF if is_first else row_max[r], 0)
+        new_max[r] = quad_max(tile_max)
+
+
+@cute.jit
+def exponentiate(s: cute.Tensor, new_max: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 row_scale: cute.Tensor, scale_log2: Float32, is_first: cutlass.Constexpr[bool]):
+    """The second half of ``online_softmax`` once the rows' maxima ``new_max`` are known (a tile split over
+    warpgroups takes the max of theirs): ``s`` becomes ``p``, the sums and ``row_max`` move on."""
+    s_mn = mn_view(s)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        ref = new_max[r] * scale_log2
+        if new_max[r] == NEG_INF:
             ref = Float32(0.0)
-        p = cute.math.exp2(row * scale_log2 - ref, fastmath=True)
+        p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - ref, fastmath=True)
         s_mn[r, None].store(p)
         if cutlass.const_expr(is_first):
             row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         else:
             row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - ref, fastmath=True)
             row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * row_scale[r], 0)
-        row_max[r] = new_max
+        row_max[r] = new_max[r]
 
 
 @cute.jit
@@ -103,3 +119,42 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     acc_mn = mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def scores(acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor, key_base: Int32,
+           score_scale: Float32, softcap: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool]):
+    """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, each
+    row's key range (``coords``: ``(row, key)`` of the registers; ``key_base``: the key of column 0)."""
+    if cutlass.const_expr(softcap):
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
+    if cutlass.const_expr(masked):
+        s_mn = mn_view(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            lo = row_begin[r] - key_base
+            hi = row_end[r] - key_base
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                key = coords[0, c][1]
+                if key < lo or key >= hi:
+                    s_mn[r, c] = NEG_INF
+
+
+@cute.jit
+def finish_row(total: Float32, top: Float32, sink: Float32, with_sink: cutlass.Constexpr[bool]):
+    """``(1/l, base-2 lse)`` of a row from its sum ``total`` of ``2^(s - top)`` (``top``: its max, base 2) and, with
+    ``with_sink``, a sink's base-2 logit ``sink`` (-inf: none here), which joins the denominator only; ``(0, -inf)``
+    for a row that sees nothing."""
+    weight = Float32(1.0)
+    if cutlass.const_expr(with_sink):
+        new_top = cute.arch.fmax(top, sink)
+        if new_top != NEG_INF:
+            weight = cute.math.exp2(top - new_top, fastmath=True)  # 0 for a row with no key
+            total = total * weight + cute.math.exp2(sink - new_top, fastmath=True)
+            top = new_top
+    inv = Float32(0.0)
+    lse2 = NEG_INF
+    if total > 0.0:
+        inv = weight / total
+        lse2 = top + cute.math.log2(total, fastmath=True)
+    return inv, lse2

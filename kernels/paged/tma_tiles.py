@@ -99,6 +99,20 @@ def create_tma_tile(row_view: cute.Tensor, rows_per_copy: int, depth: int, swizz
     return atom, coords, smem
 
 
+@cute.jit
+def copy_page_slots(atom: cute.CopyAtom, g_rows: cute.Tensor, dst: cute.Tensor, s_slot: cute.ComposedLayout,
+                    rows: cute.Tensor, rows_per_copy: cutlass.Constexpr[int], head: Int32, bar):
+    """One ``create_tma_tile`` copy per page slot of a key tile: slot ``p`` is rows ``rows[p]`` onward (a
+    ``populate`` result) into rows ``[p * rows_per_copy, ...)`` of the ``(rows, depth)`` tile ``dst``."""
+    box = (rows_per_copy, cute.size(s_slot, mode=[1]))
+    for p in cutlass.range_constexpr(cute.size(rows)):
+        src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, head))
+        slot = cute.local_tile(dst, box, (p, 0))
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(slot, 0, 2),
+                                         cute.group_modes(src, 0, 2))
+        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+
 def ragged_view(rows: cute.Tensor) -> cute.Tensor:
     """``[total, H, D]`` -> ``[2^30, H, D, 2^31-1]``: base shifted back 2^30 rows, extra mode with the row stride.
 

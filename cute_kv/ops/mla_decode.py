@@ -1,0 +1,118 @@
+"""``paged_attention`` over an MLA cache (one latent KV head): which calls ``MLADecode`` serves on SM90, its
+compile-time key and launcher.
+
+``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands MLA
+caches here. The grid is (64-row blocks of packed (token, head) rows, key splits, requests); a split-KV launch merges
+its float32 partials with ``AttentionCombine`` over the ``v_dim`` value columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+
+from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.mla.config import BM, BN, VEC, supported
+from cute_kv.ops import paths
+from cute_kv.ops.vectors import heads_packed, packed_heads
+
+KEY = "mla_decode"
+KERNEL = "MLADecode"
+LOG2E = math.log2(math.e)
+
+
+def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: bool, sinks: bool,
+         return_lse: bool) -> paths.KernelPath:
+    """``MLADecode``'s key for these arguments on ``arch``, or why the reference runs instead: SM100 (its MLA kernel
+    is planned apart), fp8 caches, q in another dtype than the cache, latent and value widths or page sizes the
+    kernel cannot tile (``mla/config.supported``)."""
+    from cute_kv.ops.paged_attention import OP, lut_vector
+
+    c = collection
+
+    def fallback(reason):
+        return paths.reference(OP, f"MLA cache: {reason}", arch)
+
+    if arch != "sm_90a":
+        return fallback(f"no attention kernel for {arch} yet")
+    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
+    if c.dtype != q.dtype:
+        return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernel reads 16-bit caches "
+                        "of q's dtype (fp8 MLA caches take the reference for now)")
+    if c.num_heads != 1:
+        return fallback(f"{c.num_heads} KV heads; the kernel reads one latent head")
+    if mla_v_dim is None:
+        return fallback("no mla_v_dim")
+    hq, d, p = q.shape[1], c.head_size, c.page_size
+    problem = supported(hq, d, mla_v_dim, p, q_dtype_name)
+    if problem:
+        return fallback(problem)
+    key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), softcap, sinks, return_lse)
+    return paths.kernel(OP, KERNEL, key, arch)
+
+
+def compile_units(key: tuple, arch: str) -> list[tuple]:
+    """``(compile key, build)`` of the MLA kernel of ``key`` and its split-KV combine (over ``v_dim`` columns)."""
+    dtype_name_, hq, v_dim, return_lse = key[1], key[2], key[4], key[9]
+
+    def build():
+        from cute_kv.kernels.mla.sm90 import MLADecode
+
+        kernel = MLADecode(*key[1:])
+        return kernel, *kernel.fake_args()
+
+    def build_combine():
+        from cute_kv.kernels.attention.combine import AttentionCombine
+
+        kernel = AttentionCombine(dtype_name_, hq, v_dim, return_lse)
+        return kernel, *kernel.fake_args()
+
+    return [(key, build), (("attention_combine", dtype_name_, hq, v_dim, return_lse), build_combine)]
+
+
+def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,
+                 window: Optional[int] = None) -> tuple[int, int]:
+    """``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 64 packed rows a CTA over one KV head. A decode
+    step's several blocks (more than 64 heads) are one token's heads, which all see the same keys: they split like
+    one block (the causal rule against splitting several blocks is for blocks of different tokens)."""
+    from cute_kv.ops.paged_attention import launch_shape as attention_launch_shape
+
+    return attention_launch_shape(collection, num_q_heads, slots, BM, BN, causal and collection.max_seq_length > 1,
+                                  window)
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(key: tuple, arch: str) -> Callable:
+    """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.ops.paged_attention import partials, sm_count, window_arg
+
+    _, _, hq, d, v_dim, _, _, softcap_on, _, _ = key
+    attention_unit, combine_unit = compile_units(key, arch)
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
+        t = q.shape[0]
+        if t == 0:  # a grid of zero CTAs is a launch error
+            return (out, lse) if return_lse else out
+        c = collection
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, window)
+        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        o_part, lse_part = partials(splits, t, hq, v_dim, q.device)
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        sinks = None if sinks is None else sinks.contiguous()
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks,
+                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,
+                                        m_blocks, splits, int(causal), window_arg(window), score_scale,
+                                        softmax_scale_log2)
+        if splits > 1:
+            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, splits)
+        if dst is not out:
+            out.copy_(dst)
+        return (out, lse) if return_lse else out
+
+    return run

@@ -1,0 +1,403 @@
+"""``MLADecode`` (SM90): MLA attention over a paged latent cache (one KV head of ``latent_dim`` = ``kv_lora_rank +
+rope_dim``), decode and ragged multi-token steps alike (chunked prefill in the absorbed form).
+
+Every query head reads the same latent rows, so a CTA packs ``BM = 64`` (token, head) rows in M (row ``i * Hq +
+h`` is token ``i``, head ``h``; the heads of a token stay together) and each key tile is read once per 64 heads.
+``S = Q K^T`` runs over the whole latent width; ``O = P V`` takes V as the first ``v_dim`` columns of the same
+K stage in shared memory, so V is never loaded. Three warpgroups:
+
+* the producer (warp 0): one TMA per page slot of each 64-key tile into a two-stage ring (``populate`` reads the
+  next tile's lookup entries while the copies fly);
+* two consumer warpgroups holding the same 64 rows. Warpgroup ``w`` computes S for keys ``[32w, 32w + 32)`` of the
+  tile (SS wgmma, N = 32), masks it, and publishes its rows' maxima; after a named barrier both take the max of the
+  two, exponentiate, write their half of P (16-bit) into the shared P tile and rescale their O; after a second
+  barrier each issues ``O[:, half w] += P V[:, half w]`` (SS wgmma, N = v_dim / 2) over the whole tile. O is 64 x
+  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. A tile's PV
+  is left running while the warpgroup waits for the next stage and issues that tile's QK behind it; the P tile is
+  single (shared memory holds Q, two K stages and one P), so the next P is written only once both PVs are done
+  (each warpgroup waits for its own before the max-exchange barrier) and the tensor cores idle through the softmax
+  and the two exchanges: overlapping them (FlashMLA's seesaw) needs a second P the 227 KiB do not hold. The steady
+  state has the two named barriers and no CTA-wide one.
+
+Tiles are walked from the last to the first as in ``PagedAttention``: the first one walked holds the request's
+last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
+there, but 0 * NaN is not). Soft-cap, causal and window masks, sinks and split-KV follow ``PagedAttention``; the
+splits' float32 partials ``[splits, T, Hq, v_dim]`` go through the same ``AttentionCombine``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator
+
+from cute_kv.kernels.attention import softmax
+from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
+from cute_kv.kernels.attention.operand import KVCacheMHAOperand
+from cute_kv.kernels.mla.config import BM, BN, STAGES, VEC, supported, tiling
+from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.ragged_rows import request_rows
+
+WG_THREADS = 128
+THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
+PRODUCER_REGS = 32
+CONSUMER_REGS = 232
+LOG2E = math.log2(math.e)
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
+
+    MAX = 1  # both consumer warpgroups: row maxima published (and each one's previous PV done)
+    P = 2  # both consumer warpgroups: P halves written
+
+
+class MLADecode:
+    """Compile-time key: dtype (q, the cache, O and the MMAs), query heads, the latent width, ``v_dim`` (the value
+    columns), the page size, whether the lookup table takes vector reads, and the optional features (soft-cap,
+    sinks, writing the natural-log ``lse``)."""
+
+    def __init__(self, dtype_name: str, num_q_heads: int, latent_dim: int, v_dim: int, page_size: int,
+                 lut_vector: bool = True, softcap: bool = False, sinks: bool = False, return_lse: bool = False):
+        problem = supported(num_q_heads, latent_dim, v_dim, page_size, dtype_name)
+        if problem:
+            raise ValueError(problem)
+        self.dtype = DTYPES[dtype_name]
+        self.num_q_heads, self.latent_dim, self.v_dim, self.page_size = num_q_heads, latent_dim, v_dim, page_size
+        self.group = num_q_heads  # one latent KV head: every query head packs with it
+        self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
+        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
+        self.plan = tiling(latent_dim)
+        self.k_op = KVCacheMHAOperand(0, page_size, BN, lut_vector)
+
+    # -- host ------------------------------------------------------------------------------------
+
+    def smem_bytes(self) -> int:
+        return self.plan.smem
+
+    def fake_args(self) -> tuple:
+        dt, d, dv, hq, p = self.dtype, self.latent_dim, self.v_dim, self.num_q_heads, self.page_size
+        t = cute.sym_int32()
+        q = make_fake_tensor(dt, (t, hq, d), stride=(cute.sym_int64(divisibility=VEC), d, 1), assumed_align=16)
+        out = make_fake_tensor(dt, (t, hq, dv), stride=(cute.sym_int64(divisibility=VEC), dv, 1), assumed_align=16)
+        lse = make_fake_compact_tensor(Float32, (t, hq), stride_order=(1, 0), assumed_align=4) if self.return_lse \
+            else None
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, dv),
+                                          stride_order=(3, 2, 1, 0), assumed_align=16)
+        lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
+                                            stride_order=(2, 1, 0), assumed_align=4)
+        sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
+        blocks = make_fake_tensor(dt, (cute.sym_int32(), 1, cute.sym_int32(), p, 1, d), stride=(
+            cute.sym_int64(divisibility=p * d), cute.sym_int64(divisibility=p * d), p * d, d, d, 1),
+            assumed_align=16)
+        b = cute.sym_int32()
+        width = self.k_op.lut_width
+        lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
+                               assumed_align=4 * width)
+        offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
+        lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
+        return (q, out, lse, o_part, lse_part, sinks, blocks, offsets, lengths, lut, Int32(0), Int32(1), Int32(1),
+                Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                 lse_part: cute.Tensor, sinks: Optional[cute.Tensor], blocks: cute.Tensor,
+                 input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
+                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32,
+                 score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
+        """``m_blocks``: ``ceil(max_seq_len * Hq / BM)``; ``window`` 0: none; ``score_scale`` and
+        ``softmax_scale_log2`` as for ``PagedAttention`` (soft-cap folded in). ``blocks``: the MLA cache
+        ``[N, 1, L, P, 1, latent_dim]``."""
+        dt, d = self.dtype, self.latent_dim
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                         (1, 1, 1), (BM, BN // 2))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                         (1, 1, 1), (BM, self.v_dim // 2))
+        k_rows = self.k_op.row_view(blocks, layer_idx)
+        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
+        grid = (m_blocks, num_splits, cache_lengths.shape[0])
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, s_slot, q, out, lse, o_part, lse_part, sinks,
+                    input_row_offsets, cache_lengths, lookup_table, self.k_op.rows_per_page(blocks), k_rows.shape[0],
+                    num_splits, causal, window, score_scale, softmax_scale_log2).launch(
+            grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    # -- device ----------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
+               g_k: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor, out: cute.Tensor,
+               lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
+               input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
+               rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
+               score_scale: Float32, softmax_scale_log2: Float32):
+        dt, d, group = self.dtype, self.latent_dim, self.group
+        m_block, split, b = cute.arch.block_idx()
+        q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
+        m0 = m_block * BM
+        if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_k)
+            cache_len = Int32(cache_lengths[b])
+            num_keys = cache_len + seq_len
+            first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
+                                              BM, BN, group)
+            last_tile = first_tile + n_tiles - 1  # walked from here down to first_tile
+
+            smem = SmemAllocator()
+            mbars = smem.allocate_array(cutlass.Int64, 2 * STAGES)
+            s_max = smem.allocate_tensor(Float32, cute.make_layout((BM, 2)), byte_alignment=16)
+            s_sum = smem.allocate_tensor(Float32, cute.make_layout((BM, 2)), byte_alignment=16)
+            q_layout = tma_tiles.smem_tile_layout(dt, BM, d)
+            ring_layout = tma_tiles.smem_tile_layout(dt, BN, d, stages=STAGES)
+            p_layout = tma_tiles.smem_tile_layout(dt, BM, BN)
+            s_q = smem.allocate_tensor(dt, q_layout.outer, byte_alignment=1024, swizzle=q_layout.inner)
+            s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+            s_p = smem.allocate_tensor(dt, p_layout.outer, byte_alignment=1024, swizzle=p_layout.inner)
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbars, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32),
+                tx_count=BN * d * dt.width // 8, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(pipe, tma_k, g_k, s_k, s_slot, lookup_table, b, num_keys, rows_per_page, oob_row,
+                                 last_tile, n_tiles)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(tiled_mma_qk, tiled_mma_pv, pipe, s_q, s_k, s_p, s_max, s_sum, q, out, lse, o_part,
+                             lse_part, sinks, warp_idx // 4 - 1, q_start, seq_len, cache_len, num_keys, m0, split,
+                             num_splits, causal, window, last_tile, n_tiles, score_scale, softmax_scale_log2)
+
+    @cute.jit
+    def produce(self, pipe: pipeline.PipelineTmaAsync, tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor,
+                s_slot: cute.ComposedLayout, lookup_table: cute.Tensor, b: Int32, num_keys: Int32,
+                rows_per_page: Int32, oob_row: Int32, last_tile: Int32, n_tiles: Int32):
+        """Warp 0: each tile's rows, last to first; the next tile's lookup entries are read right after this
+        tile's copies are issued, so their latency hides behind the wait for a free stage."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        if n_tiles > 0:
+            self.k_op.populate(rows, lookup_table, b, last_tile * BN, num_keys, rows_per_page, oob_row)
+        for i in cutlass.range(n_tiles, unroll=1):
+            pipe.producer_acquire(state)
+            tma_tiles.copy_page_slots(tma_k, g_k, s_k[None, None, state.index], s_slot, rows,
+                                      self.k_op.rows_per_copy, 0, pipe.producer_get_barrier(state))
+            pipe.producer_commit(state)
+            if i + 1 < n_tiles:
+                self.k_op.populate(rows, lookup_table, b, (last_tile - i - 1) * BN, num_keys, rows_per_page, oob_row)
+            state.advance()
+
+    @cute.jit
+    def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe: pipeline.PipelineTmaAsync,
+                s_q: cute.Tensor, s_k: cute.Tensor, s_p: cute.Tensor, s_max: cute.Tensor, s_sum: cute.Tensor,
+                q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                lse_part: cute.Tensor, sinks: Optional[cute.Tensor], wg: Int32, q_start: Int32, seq_len: Int32,
+                cache_len: Int32, num_keys: Int32, m0: Int32, split: Int32, num_splits: Int32, causal: Int32,
+                window: Int32, last_tile: Int32, n_tiles: Int32, score_scale: Float32, softmax_scale_log2: Float32):
+        """Consumer warpgroup ``wg``: S over keys ``[32 wg, 32 wg + 32)`` of each tile, O over value columns
+        ``[v_dim/2 wg, v_dim/2 (wg + 1))``, of the CTA's 64 rows."""
+        d, dv, group = self.latent_dim, self.v_dim, self.group
+        tidx = cute.arch.thread_idx()[0] % WG_THREADS
+        self.load_q(s_q, q, q_start, seq_len, m0, tidx + wg * WG_THREADS)
+
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
+        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(cute.local_tile(s_k, (BN // 2, d, STAGES), (wg, 0, 0))))
+        s_vt = cute.composition(s_k, cute.make_ordered_layout((d, BN, STAGES), order=(1, 0, 2)))
+        t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(cute.local_tile(s_vt, (dv // 2, BN, STAGES),
+                                                                               (wg, 0, 0))))
+        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
+        t_sp = thr_qk.partition_C(cute.local_tile(s_p, (BM, BN // 2), (0, wg)))  # where this half of P goes
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BM, dv // 2)), Float32)
+        acc_o.fill(0.0)
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((BM, BN // 2)), Float32)
+        # (row, key) of each S register, and the key range of each of the thread's rows
+        coords = softmax.mn_view(thr_qk.partition_C(cute.make_identity_tensor((BM, BN // 2))))
+        n_rows = cute.size(coords, mode=[0])
+        row_begin = cute.make_rmem_tensor((n_rows,), Int32)
+        row_end = cute.make_rmem_tensor((n_rows,), Int32)
+        row_key_ranges(row_begin, row_end, coords, m0, seq_len, cache_len, num_keys, causal, window, group)
+
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_scale = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(softmax.NEG_INF)
+        row_sum.fill(0.0)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        args = (tiled_mma_qk, tiled_mma_pv, pipe, acc_s, acc_o, t_rq, t_rk, t_rp, t_rv, t_sp, s_k, s_max, coords,
+                row_begin, row_end, row_max, row_sum, row_scale, last_tile, num_keys, wg, tidx, score_scale,
+                softmax_scale_log2)
+        if n_tiles > 0:
+            self.step(Int32(0), read, True, True, *args)
+            # Three loops, so the steady state has no branch: the tiles past the first whose keys some live row does
+            # not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
+            masked_end, unmasked_stop = mask_loops(m0, seq_len, cache_len, num_keys, causal, window, last_tile,
+                                                   n_tiles, BM, BN, group)
+            for i in cutlass.range(1, masked_end, unroll=1):
+                read = self.step(i, read, True, False, *args)
+            for i in cutlass.range(masked_end, unmasked_stop, unroll=1):
+                read = self.step(i, read, False, False, *args)
+            for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
+                read = self.step(i, read, True, False, *args)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(read)
+        self.epilogue(thr_pv, acc_o, row_max, row_sum, s_sum, softmax_scale_log2, coords, out, lse, o_part,
+                      lse_part, sinks, q_start, seq_len, m0, split, num_splits, tidx, wg)
+
+    @cute.jit
+    def step(self, i: Int32, read: pipeline.PipelineState, masked: cutlass.Constexpr[bool],
+             first: cutlass.Constexpr[bool], tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+             pipe: pipeline.PipelineTmaAsync, acc_s: cute.Tensor, acc_o: cute.Tensor, t_rq: cute.Tensor,
+             t_rk: cute.Tensor, t_rp: cute.Tensor, t_rv: cute.Tensor, t_sp: cute.Tensor, s_k: cute.Tensor,
+             s_max: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
+             row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, num_keys: Int32,
+             wg: Int32, tidx: Int32, score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
+        """Tile ``last_tile - i``: this warpgroup's QK (behind its previous PV on the tensor cores), the maxima
+        exchange, its half of P, then the PV of the whole tile into its half of O (left running). Returns the read
+        state of the tile."""
+        if cutlass.const_expr(not first):
+            prev = read.clone()
+            read.advance()
+        pipe.consumer_wait(read)
+        self.gemm(tiled_mma_qk, acc_s, t_rq, t_rk[None, None, None, read.index], False)
+        warpgroup.wait_group(0)  # this QK and the previous PV: the P tile and that stage are free on this side
+        if cutlass.const_expr(not first):
+            pipe.consumer_release(prev)
+        tile_base = (last_tile - i) * BN
+        softmax.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, self.softcap,
+                       masked)
+        n_rows = cute.size(row_max)
+        new_max = cute.make_rmem_tensor((n_rows,), Float32)
+        softmax.tile_row_max(acc_s, row_max, new_max, first)
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                s_max[coords[r, 0][0], wg] = new_max[r]
+        self.pair_barrier(Barrier.MAX)
+        for r in cutlass.range_constexpr(n_rows):
+            new_max[r] = cute.arch.fmax(new_max[r], s_max[coords[r, 0][0], 1 - wg])
+        softmax.exponentiate(acc_s, new_max, row_max, row_sum, row_scale, softmax_scale_log2, first)
+        if cutlass.const_expr(first):  # both QKs have read the stage: its V rows past the keys may be zeroed
+            if tile_base + BN > num_keys:
+                self.zero_stale_rows(s_k, read.index, num_keys - tile_base, wg, tidx)
+        p16 = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+        softmax.to_16bit(acc_s, p16)
+        t_sp.store(p16.load())
+        cute.arch.fence_view_async_shared()  # read by wgmma next
+        if cutlass.const_expr(not first):
+            softmax.rescale_rows(acc_o, row_scale)
+        self.pair_barrier(Barrier.P)
+        self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)
+        return read
+
+    @cute.jit
+    def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_ra: cute.Tensor, t_rb: cute.Tensor,
+             accumulate: cutlass.Constexpr[bool]):
+        """Issue ``acc (+)= A B`` over the k blocks (no wait). A fresh atom per call: its accumulate flag is set
+        here, and an atom shared across the loop's regions would carry the flag out of them."""
+        atom = cute.make_mma_atom(tiled_mma.op)
+        warpgroup.fence()
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for kb in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+            cute.gemm(atom, acc, t_ra[None, None, kb], t_rb[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pair_barrier(self, barrier: cutlass.Constexpr[Barrier]):
+        cute.arch.barrier(barrier_id=int(barrier), number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, ctidx: Int32):
+        """Both consumer warpgroups load the CTA's 64 packed rows of ``q`` into the swizzled Q tile, 16 bytes a
+        thread at a time (rows past the request are 0)."""
+        chunks = self.latent_dim // VEC
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for j in cutlass.range_constexpr(BM * chunks // (2 * WG_THREADS)):
+            idx = ctidx + j * 2 * WG_THREADS
+            copy_q_chunk(q, s_q, vals, idx // chunks, idx % chunks, m0, q_start, seq_len, 0, self.group)
+        cute.arch.fence_view_async_shared()  # read by wgmma next
+        self.pair_barrier(Barrier.MAX)
+
+    @cute.jit
+    def zero_stale_rows(self, s_k: cute.Tensor, stage: Int32, first_row: Int32, wg: Int32, tidx: Int32):
+        """Rows ``[first_row, BN)`` of ``stage`` (past the request's keys) in this warpgroup's value columns."""
+        chunks = self.v_dim // 2 // VEC
+        zeros = cute.make_rmem_tensor((VEC,), self.dtype)
+        zeros.fill(0.0)
+        for idx in cutlass.range(tidx, BN * chunks, WG_THREADS, unroll=1):
+            if idx // chunks >= first_row:
+                cute.autovec_copy(zeros, cute.local_tile(s_k[idx // chunks, None, stage], (VEC,),
+                                                         (wg * chunks + idx % chunks,)))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def epilogue(self, thr_pv: cute.ThrMma, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 s_sum: cute.Tensor, softmax_scale_log2: Float32, coords: cute.Tensor, out: cute.Tensor,
+                 lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
+                 sinks: Optional[cute.Tensor], q_start: Int32, seq_len: Int32, m0: Int32, split: Int32,
+                 num_splits: Int32, tidx: Int32, wg: Int32):
+        """The rows' sums over both warpgroups' keys, the sink (split 0 only), ``O / l`` and the base-2 ``lse``;
+        then this warpgroup's half of each row to ``out`` (16-bit pairs) or to the float32 partial. Warpgroup 0
+        writes the ``lse``."""
+        dv, group = self.v_dim, self.group
+        n_rows = cute.size(row_max)
+        own = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            own[r] = softmax.quad_sum(row_sum[r])
+            if tidx % 4 == 0:
+                s_sum[coords[r, 0][0], wg] = own[r]
+        self.pair_barrier(Barrier.MAX)
+        inv = cute.make_rmem_tensor((n_rows,), Float32)
+        lse2 = cute.make_rmem_tensor((n_rows,), Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            sink = softmax.NEG_INF
+            if cutlass.const_expr(self.sinks):
+                if split == 0:  # the sink joins the denominator once
+                    sink = Float32(sinks[(m0 + coords[r, 0][0]) % group]) * LOG2E
+            inv[r], lse2[r] = softmax.finish_row(own[r] + s_sum[coords[r, 0][0], 1 - wg],
+                                                 row_max[r] * softmax_scale_log2, sink, self.sinks)
+        softmax.rescale_rows(acc_o, inv)
+        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((BM, dv // 2))))
+        o_mn = softmax.mn_view(acc_o)
+        col0 = wg * (dv // 2)
+        for r in cutlass.range_constexpr(n_rows):
+            packed = m0 + o_coords[r, 0][0]
+            tok = packed // group
+            if tok < seq_len:
+                if num_splits == 1:
+                    dst = out[q_start + tok, packed % group, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                        pair = cute.make_rmem_tensor((2,), self.dtype)
+                        pair[0] = o_mn[r, 2 * c].to(self.dtype)
+                        pair[1] = o_mn[r, 2 * c + 1].to(self.dtype)
+                        cute.autovec_copy(pair, cute.local_tile(dst, (2,), ((col0 + o_coords[0, 2 * c][1]) // 2,)))
+                else:
+                    dst = o_part[split, q_start + tok, packed % group, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = o_mn[r, 2 * c]
+                        pair[1] = o_mn[r, 2 * c + 1]
+                        cute.autovec_copy(pair, cute.local_tile(dst, (2,), ((col0 + o_coords[0, 2 * c][1]) // 2,)))
+        if wg == 0 and tidx % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                packed = m0 + o_coords[r, 0][0]
+                tok = packed // group
+                if tok < seq_len:
+                    if num_splits == 1:
+                        if cutlass.const_expr(self.return_lse):
+                            lse[q_start + tok, packed % group] = lse2[r] * Float32(math.log(2.0))
+                    else:
+                        lse_part[split, q_start + tok, packed % group] = lse2[r]

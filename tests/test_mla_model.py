@@ -1,0 +1,210 @@
+"""The ``MLADecode`` algorithm, replayed in PyTorch, against the reference (no GPU needed).
+
+A GPU run is what proves the kernel; this proves its plan. ``model_mla`` walks the grid the host launches
+(``mla_decode.launch_shape``: 64 packed (token, head) rows a CTA over the one latent head, key splits) and does per
+CTA what ``kernels/mla/sm90.py`` does: pack the heads of each token together in rows, pick the key tiles any row may
+see and this split's share, walk them from the last; per tile, each of the two consumer warpgroups masks S over its
+half of the keys (rows' key ranges; a tile every live row sees whole is not masked), the rows' maxima are the max of
+the two halves', P is rounded to 16 bits and each warpgroup accumulates its half of O's value columns from the whole
+P and the first ``v_dim`` columns of the same K tile (zeroed past the keys); the sums of the two halves meet in the
+epilogue with the sink (split 0); partials merge by ``AttentionCombine``'s formula.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cute_kv import reference as ref
+from cute_kv.kernels.mla.config import BM, BN, supported
+from cute_kv.ops.mla_decode import launch_shape
+from cute_kv.ops.paged_attention import window_arg
+from cute_kv.reference.batch import random_paged_batch
+
+from numerics import rel_err
+
+NEG_INF = float("-inf")
+LOG2E = math.log2(math.e)
+HALVES = 2  # consumer warpgroups: S split by keys, O by value columns
+
+
+def model_cta(q, k, q_start, seq_len, cache_len, m_block, split, splits, v_dim, causal, window, scale, softcap,
+              sinks):
+    """One CTA: ``(tokens, heads, live, O/l [BM, v_dim], lse (log2) [BM])`` of its packed rows."""
+    hq = q.shape[1]
+    num_keys = cache_len + seq_len
+    m0 = m_block * BM
+    tok_first, tok_last = m0 // hq, (min(m0 + BM, seq_len * hq) - 1) // hq
+    k_end = cache_len + tok_last + 1 if causal else num_keys
+    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
+    tile_begin = k_begin // BN
+    tiles = -(-k_end // BN) - tile_begin
+    per_split = -(-tiles // splits)
+    first_tile = tile_begin + split * per_split
+    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+
+    toks = torch.arange(m0, m0 + BM) // hq
+    heads = torch.arange(m0, m0 + BM) % hq  # a token's heads are consecutive rows
+    live = toks < seq_len
+    qr = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
+    qr[live] = q[q_start + toks[live], heads[live]].double()
+    pos = cache_len + toks
+    row_end = torch.where(live, torch.clamp(pos + 1, max=num_keys) if causal else torch.full_like(pos, num_keys), 0)
+    row_begin = pos - window + 1 if window > 0 else torch.zeros_like(pos)
+    score_scale, scale_log2 = (scale / softcap, softcap * LOG2E) if softcap else (None, scale * LOG2E)
+    # The kernel's three loops after the first tile (always masked): masked tiles at the keys' end, whole tiles,
+    # masked tiles at the window's start; a tile of the middle loop some live row does not see whole is a mismatch.
+    unmasked_begin = cache_len + min(tok_last, seq_len - 1) - window + 1 if window > 0 else 0
+    unmasked_end = min(cache_len + tok_first + 1, num_keys) if causal else num_keys
+    last_tile = first_tile + n_tiles - 1
+    masked_end = max(min(last_tile - unmasked_end // BN + 1, n_tiles), 1)
+    unmasked_stop = n_tiles
+    if unmasked_begin > 0:
+        unmasked_stop = max(min(last_tile - (unmasked_begin + BN - 1) // BN + 1, n_tiles), masked_end)
+
+    half_n, half_v = BN // HALVES, v_dim // HALVES
+    row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
+    sums = torch.zeros(HALVES, BM, dtype=torch.float64)  # each warpgroup sums its own keys' P
+    acc = [torch.zeros(BM, half_v, dtype=torch.float64) for _ in range(HALVES)]
+    for t in reversed(range(first_tile, first_tile + n_tiles)):  # last tile first
+        keys = torch.arange(t * BN, (t + 1) * BN)
+        kt = torch.zeros(BN, q.shape[-1], dtype=torch.float64)
+        inside = keys < num_keys  # past the keys: zero-filled page slots, V columns zeroed in shared memory
+        kt[inside] = k[keys[inside], 0].double()
+        i = last_tile - t
+        whole = masked_end <= i < unmasked_stop
+        s_halves, maxima = [], []
+        for w in range(HALVES):  # warpgroup w: S of keys [32w, 32w + 32), masked on a masked tile
+            cols = slice(w * half_n, (w + 1) * half_n)
+            s = qr @ kt[cols].T
+            if softcap:
+                s = torch.tanh(s * score_scale)
+            if not whole:
+                kw = keys[cols]
+                s = s.masked_fill((kw[None, :] < row_begin[:, None]) | (kw[None, :] >= row_end[:, None]), NEG_INF)
+            s_halves.append(s)
+            maxima.append(torch.maximum(row_max, s.max(dim=1).values))
+        new_max = torch.maximum(*maxima)  # the exchange through shared memory
+        ref_max = torch.where(new_max == NEG_INF, 0.0, new_max * scale_log2)
+        corr = torch.exp2(row_max * scale_log2 - ref_max)
+        p = torch.cat([torch.exp2(s * scale_log2 - ref_max[:, None]) for s in s_halves], dim=1)
+        for w in range(HALVES):
+            sums[w] = sums[w] * corr + p[:, w * half_n:(w + 1) * half_n].sum(dim=1)
+        p16 = p.to(q.dtype).double()  # the P tile in shared memory, read whole by both warpgroups
+        vt = kt[:, :v_dim]  # V: the first v_dim columns of the same K tile
+        for w in range(HALVES):
+            acc[w] = acc[w] * corr[:, None] + p16 @ vt[:, w * half_v:(w + 1) * half_v]
+        row_max = new_max
+    row_sum = sums.sum(0)
+    top = row_max * scale_log2
+    weight = torch.ones(BM, dtype=torch.float64)
+    if sinks is not None and split == 0:  # the sink joins the denominator once, in split 0
+        sink = sinks[heads].double() * LOG2E
+        new_top = torch.maximum(top, sink)
+        ok = new_top != NEG_INF
+        weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
+        row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
+        top = torch.where(ok, new_top, top)
+    pos_sum = row_sum > 0
+    inv = torch.where(pos_sum, weight / row_sum.clamp_min(1e-300), 0.0)
+    out = torch.cat(acc, dim=1) * inv[:, None]
+    lse = torch.where(pos_sum, top + torch.log2(row_sum.clamp_min(1e-300)), NEG_INF)
+    return toks, heads, live, out, lse
+
+
+def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, softcap=None, sinks=None, slots=132,
+              force_splits=None):
+    """The whole launch (grid, splits, combine): float64 ``[T, Hq, v_dim]`` and the natural-log ``lse [T, Hq]``."""
+    c = pb.collection
+    t, hq, d = q.shape
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    m_blocks, splits = launch_shape(c, hq, slots, causal, window)
+    splits = force_splits or splits
+    o_part = torch.full((splits, t, hq, v_dim), float("nan"), dtype=torch.float64)
+    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    offsets = pb.input_row_offsets.tolist()
+    for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
+        k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
+        for m_block in range(m_blocks):
+            if m_block * BM >= n * hq:
+                continue  # the CTA has no rows
+            for split in range(splits):
+                toks, heads, live, o, lse = model_cta(q, k, offsets[b], n, cache_len, m_block, split, splits, v_dim,
+                                                      causal, window_arg(window), scale, softcap, sinks)
+                o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
+                lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
+    if splits == 1:
+        return o_part[0], lse_part[0] * math.log(2)
+    top = lse_part.max(dim=0).values
+    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
+    total = w.sum(0)
+    lse = torch.where(total > 0, (top + torch.log2(total)) * math.log(2), NEG_INF)
+    return (w[..., None] * o_part).sum(0) / total[..., None], lse
+
+
+def _batch(cached, new, latent, page_size, gen, dtype=torch.bfloat16):
+    return random_paged_batch(cached, new, num_heads=1, head_size=latent, page_size=page_size, is_mla=True,
+                              dtype=dtype, generator=gen)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 6)), min_size=1, max_size=3),
+    page_size=st.sampled_from([16, 64, 128]),
+    hq=st.sampled_from([8, 16, 24, 128]),
+    dims=st.sampled_from([(576, 512), (192, 128), (256, 256)]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 200)),
+    splits=st.one_of(st.none(), st.integers(2, 5)),
+    softcap=st.sampled_from([None, 0.7, 30.0]),
+    with_sinks=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_plan_matches_reference(lengths, page_size, hq, dims, causal, window, splits, softcap, with_sinks, seed):
+    """Ragged steps (decode and multi-token chunks, empty requests), head counts filling, splitting or sharing the
+    64-row blocks (24 heads: a token's heads straddle two blocks), latent/value widths, masks, splits, features."""
+    gen = torch.Generator().manual_seed(seed)
+    cached, new = zip(*lengths)
+    if not sum(new) or (window is not None and not causal):
+        return
+    latent, v_dim = dims
+    assert supported(hq, latent, v_dim, page_size, "bfloat16") is None
+    pb = _batch(cached, new, latent, page_size, gen)
+    q = torch.randn(pb.total_rows, hq, latent, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(hq, generator=gen) * 3 if with_sinks else None
+    kw = {"causal": causal, "window": window, "softcap": softcap, "sinks": sinks}
+    want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=v_dim, return_lse=True,
+                                         **kw)
+    got, lse = model_mla(q, pb, 0, v_dim, force_splits=splits, **kw)
+    assert not got.isnan().any() and not lse.isnan().any()  # every (token, head) written, by some CTA
+    assert rel_err(got, want.float()) < 1e-2
+    assert (lse - want_lse.double()).abs().max() < 1e-3
+
+
+def test_deepseek_decode_splits_and_merges():
+    """DeepSeek decode (128 heads, 576/512, page 64): two 64-row blocks per token; a 2000-key request split as the
+    host plans it for a small batch (and forced 5 ways) equals the reference, the sink counted once."""
+    gen = torch.Generator().manual_seed(7)
+    pb = _batch([2000, 1, 0, 63], [1, 1, 1, 1], 576, 64, gen)
+    q = torch.randn(pb.total_rows, 128, 576, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(128, generator=gen)
+    assert launch_shape(pb.collection, 128, 132)[1] > 1  # the plan splits this batch's long request
+    want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=512, sinks=sinks,
+                                         return_lse=True)
+    for splits in (None, 5):
+        got, lse = model_mla(q, pb, 1, 512, sinks=sinks, force_splits=splits)
+        assert rel_err(got, want.float()) < 1e-2
+        assert (lse - want_lse.double()).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("cached,new", [([64, 127, 128, 0], [1, 1, 1, 65]), ([0, 1, 191], [2, 63, 1])])
+def test_plan_at_tile_and_block_boundaries(cached, new):
+    """Last keys that end or start a 64-key tile; chunks whose (token, head) rows fill or spill 64-row blocks."""
+    gen = torch.Generator().manual_seed(8)
+    pb = _batch(cached, new, 192, 16, gen)
+    q = torch.randn(pb.total_rows, 24, 192, generator=gen).to(torch.bfloat16)
+    for window, splits in ((None, None), (None, 3), (1, None), (70, 2)):
+        want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=128, window=window)
+        assert rel_err(model_mla(q, pb, 0, 128, window=window, force_splits=splits)[0], want.float()) < 1e-2

@@ -1,0 +1,242 @@
+"""``MLADecode`` (SM90): which calls it serves (plan and key, no GPU), what it compiles to for sm_90a (PTX and
+ptxas, no GPU), and against the float32 reference on a GPU (``gpu`` marker)."""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import cute_kv
+from cute_kv import reference as ref
+from cute_kv.kernels.mla.config import BM, BN, STAGES, max_latent_dim, supported, tiling
+from cute_kv.ops import mla_decode, paged_attention
+from cute_kv.ops.paged_attention import plan
+from cute_kv.reference.batch import random_paged_batch
+
+from numerics import bits, rel_err
+
+DEEPSEEK = ("bfloat16", 128, 576, 512, 64)  # (dtype, Hq, latent_dim, v_dim, page size)
+
+
+def _batch(cached, new, latent=576, page_size=64, dtype=torch.bfloat16, seed=0, device=None, **kw):
+    return random_paged_batch(cached, new, num_heads=1, head_size=latent, page_size=page_size, is_mla=True,
+                              dtype=dtype, generator=torch.Generator().manual_seed(seed), device=device, **kw)
+
+
+# -- plan: which calls the kernel serves ---------------------------------------------------------------------------
+
+
+def test_plan_serves_deepseek_decode_on_sm90():
+    pb = _batch([100, 3], [1, 1])
+    q = torch.randn(2, 128, 576).to(torch.bfloat16)
+    path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
+    assert path.path == "kernel" and path.kernel == "MLADecode"
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False)
+    sinks = torch.zeros(128)
+    featured = plan(pb.collection, q, "sm_90a", softcap=30.0, sinks=sinks, return_lse=True, mla_v_dim=512)
+    assert featured.key[-3:] == (True, True, True)
+    # the key names what the launcher compiles: the kernel and the combine over the value columns
+    units = mla_decode.compile_units(path.key, "sm_90a")
+    assert [u[0] for u in units] == [path.key, ("attention_combine", "bfloat16", 128, 512, False)]
+    assert [u[0] for u in paged_attention.compile_units(path.key, "sm_90a")] == [u[0] for u in units]  # prebuild
+
+
+@pytest.mark.parametrize("what,expect", [
+    ("sm100", "MLA cache: no attention kernel for sm_100a"),
+    ("fp8", "fp8 MLA caches take the reference"),
+    ("q dtype", "q is float16 but the cache is bfloat16"),
+    ("v_dim", "mla_v_dim (96) must be a multiple of 128"),
+    ("page", "page_size (8) must be at least 16"),
+    ("latent", "latent_dim (640) must be a multiple of 64 whose Q tile and two key stages fit"),
+])
+def test_plan_falls_back_with_a_reason(what, expect):
+    latent, page, dtype, v_dim, arch, q_dtype = 576, 64, torch.bfloat16, 512, "sm_90a", torch.bfloat16
+    extra = {}
+    if what == "sm100":
+        arch = "sm_100a"
+    elif what == "fp8":
+        dtype = torch.float8_e4m3fn
+        extra = {"scale_dtype": torch.float32}
+    elif what == "q dtype":
+        q_dtype = torch.float16
+    elif what == "v_dim":
+        v_dim = 96
+    elif what == "page":
+        page = 8
+    elif what == "latent":
+        latent = 640
+    pb = _batch([5], [1], latent=latent, page_size=page, dtype=dtype, **extra)
+    q = torch.randn(1, 16, latent).to(q_dtype)
+    path = plan(pb.collection, q, arch, mla_v_dim=v_dim)
+    assert path.path == "reference" and expect in path.reason, path.reason
+
+
+def test_supported_shapes():
+    assert supported(*DEEPSEEK[1:], "bfloat16") is None and max_latent_dim() == 576
+    assert supported(1, 64, 128, 16, "bfloat16") is not None  # v_dim past the latent width
+    assert tiling(576).smem <= 227 * 1024  # Q + two key stages + P + barriers and exchange
+    assert tiling(576).smem == 2 * STAGES * 8 + 2 * 2 * BM * 4 + 1024 + BM * 576 * 2 + STAGES * BN * 576 * 2 + \
+        BM * BN * 2
+
+
+def test_decode_splits_one_tokens_blocks():
+    """128 heads are two 64-row blocks of one token: a small decode batch with long contexts splits its keys (a
+    causal multi-token step does not)."""
+    pb = _batch([8000, 8000], [1, 1])
+    m_blocks, splits = mla_decode.launch_shape(pb.collection, 128, 132)
+    assert m_blocks == 2 and splits > 1
+    chunk = _batch([8000], [3])
+    assert mla_decode.launch_shape(chunk.collection, 128, 132) == (6, 1)
+
+
+# -- compile: sm_90a PTX and ptxas ---------------------------------------------------------------------------------
+
+COMPILE_CASES = [  # MLADecode args: (dtype, Hq, latent, v_dim, page[, lut vector, soft-cap, sinks, lse])
+    DEEPSEEK,  # one 64-row page per tile: one copy (nine 128-byte boxes)
+    ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
+    ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
+    ("bfloat16", 32, 192, 128, 32),  # a narrower latent head
+]
+MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
+SS = re.compile(MMA + r"%rd\d+, %rd\d+")
+SITES = 4  # the first tile and the three loops (masked at the keys' end, whole, masked at the window's start)
+PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
+
+
+@pytest.fixture(scope="module", params=COMPILE_CASES, ids=lambda c: "-".join(map(str, c)))
+def compiled(request):
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.mla.sm90 import MLADecode
+
+    kernel = MLADecode(*request.param)
+    return kernel, compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+
+
+@pytest.mark.compile
+def test_mma_forms_and_counts(compiled):
+    """Per site: QK is latent/16 SS wgmmas of N = 32 (a warpgroup's half of the keys), PV BN/16 SS wgmmas of
+    N = v_dim/2 (its half of the value columns, P from the shared P tile); nothing else."""
+    kernel, ptx = compiled
+    ns = SS.findall(ptx)
+    assert ns.count(str(BN // 2)) == SITES * kernel.latent_dim // 16
+    assert ns.count(str(kernel.v_dim // 2)) == SITES * BN // 16
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == len(ns)
+
+
+@pytest.mark.compile
+def test_no_cta_wide_barrier_past_the_prologue(compiled):
+    """``bar.sync 0`` once (barrier init); the loop's exchanges are the two 256-thread named barriers."""
+    _, ptx = compiled
+    assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
+    named = set(re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx))
+    assert named == {("1", "256"), ("2", "256")}
+
+
+@pytest.mark.compile
+def test_one_tma_per_page_slot_and_no_v_load(compiled):
+    """One site issues the tile's copies: a 128-byte box per 64 latent columns per page slot, K only (V is read
+    from the K stage)."""
+    kernel, ptx = compiled
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)
+    assert len(loads) == kernel.k_op.copies_per_tile * kernel.latent_dim // 64
+
+
+@pytest.mark.compile
+def test_register_split(compiled):
+    _, ptx = compiled
+    assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "32"), ("inc", "232")]
+
+
+@pytest.mark.compile
+def test_shared_memory_within_the_launch(compiled):
+    """The last TMA destination (stage 0's last box, at an immediate offset) leaves room for stage 1 and P inside
+    ``smem_bytes()``."""
+    kernel, ptx = compiled
+    dests = [int(x) for x in re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx)]
+    box = kernel.k_op.rows_per_copy * 128
+    assert dests and max(dests) + box + BN * kernel.latent_dim * 2 + BM * BN * 2 <= kernel.smem_bytes()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(PTXAS is None, reason="ptxas not installed")
+def test_ptxas_fits_without_spills(compiled, tmp_path):
+    """The kernel in the 168 registers 384 threads get at launch, no spill, no stack."""
+    _, ptx = compiled
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    info = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True, check=True).stderr
+    assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 65536 // 384 // 8 * 8
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info
+
+
+# -- GPU: against the reference ------------------------------------------------------------------------------------
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=torch.bfloat16, seed=0, **kw):
+    from cute_kv.kernels.compile_cache import cache_info
+
+    batches = [_batch(cached, new, latent, page_size, dtype, seed, device=dev) for dev in ("cpu", "cuda")]
+    for pb in batches:
+        pb.poison_unread(1)  # NaN in every slot attention must not read
+    cpu, gpu = batches
+    q = torch.randn(sum(new), hq, latent, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, mla_v_dim=v_dim, **kw)
+    blocks = bits(gpu.collection.blocks).clone()
+    out = torch.full((q.shape[0], hq, v_dim), float("nan"), dtype=dtype, device="cuda")
+    gpu_kw = {**kw, "sinks": kw["sinks"].cuda()} if kw.get("sinks") is not None else kw
+    assert cute_kv.explain(cute_kv.paged_attention, q.cuda(), gpu.input_row_offsets, gpu.collection, 1,
+                           mla_v_dim=v_dim, **gpu_kw).kernel == "MLADecode"
+    compiles = cache_info()["compiles"]
+    got = cute_kv.paged_attention(q.cuda(), gpu.input_row_offsets, gpu.collection, 1, mla_v_dim=v_dim, out=out,
+                                  **gpu_kw)
+    torch.cuda.synchronize()
+    if kw.get("return_lse"):
+        got, lse = got
+        assert (lse.cpu() - want[1]).abs().max() < 1e-2
+        want = want[0]
+    assert got is out and not out.isnan().any()  # every row written, no stale (NaN) key reached it
+    assert rel_err(out.cpu(), want) < TOL[dtype]
+    assert torch.equal(bits(gpu.collection.blocks), blocks)
+    assert cache_info()["compiles"] - compiles <= 2  # the kernel (and the split combine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 1024), (8, 4096), (32, 8192), (128, 1024), (4, 32768)])
+def test_deepseek_decode(batch, ctx):
+    """128 heads, 576/512, page 64, shuffled pages, ragged lengths around ``ctx`` (one request of 0 cached keys)."""
+    gen = torch.Generator().manual_seed(batch * 7 + ctx)
+    cached = [int(x) for x in torch.randint(ctx // 2, ctx + 1, (batch,), generator=gen)]
+    cached[0] = 0
+    _gpu_run(cached, [1] * batch, seed=batch)
+
+
+@pytest.mark.gpu
+def test_ragged_chunks_empty_and_one_key():
+    """Multi-token (chunked prefill) steps with the causal mask, an empty request, contexts of 0 and 1 keys."""
+    _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], seed=3)
+    _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], hq=16, page_size=16, dtype=torch.float16, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{"causal": False}, {"window": 100}, {"softcap": 30.0}, {"return_lse": True},
+                                {"sinks": "random", "return_lse": True}, {"scale": 0.05}])
+def test_features(kw):
+    kw = dict(kw)
+    if kw.get("sinks") == "random":
+        kw["sinks"] = torch.randn(128, generator=torch.Generator().manual_seed(1)) * 3
+    _gpu_run([3000, 10, 200], [1, 1, 5], seed=5, **kw)
+
+
+@pytest.mark.gpu
+def test_split_kv_decode_matches_one_split():
+    """A small batch of long contexts takes several splits and the combine over 512 columns."""
+    pb = _batch([30000, 20000], [1, 1])
+    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    _gpu_run([30000, 20000], [1, 1], seed=6, return_lse=True)
