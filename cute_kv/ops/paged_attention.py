@@ -72,7 +72,8 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
              lse) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
     ``lse`` if given)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks, lse is not None))
+    path = paths.route(collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks, lse is not None,
+                                                            mla_v_dim, window))
     run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
@@ -86,7 +87,8 @@ def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = 
     _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
            out, validate)
     return paths.planned(OP, collection.device, arch,
-                         lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse))
+                         lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse,
+                                           mla_v_dim, window))
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
@@ -137,10 +139,11 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 
 def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optional[float] = None,
-         sinks: Optional[torch.Tensor] = None, return_lse: bool = False) -> paths.KernelPath:
+         sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
+         window: Optional[int] = None) -> paths.KernelPath:
     """The kernel serving these arguments on ``arch`` (``PagedAttention`` on SM90, ``PagedAttentionSm100`` on
-    SM100) with its compile-time key, or why the reference runs instead: MLA caches, q in another dtype than a
-    16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
+    SM100, MLA caches: ``mla_decode.plan``) with its compile-time key, or why the reference runs instead: q in
+    another dtype than a 16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
     ``attention/sm100_config.supported``), a misaligned cache or float32 scales, a cache past the kernels' int32
     indices (``attention/config.index_limits``), a non-positive scale without soft-cap."""
     c = collection
@@ -152,7 +155,9 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     if not softcap and scale is not None and scale <= 0:
         return fallback("a non-positive scale without soft-cap (the kernels track the max of unscaled scores)")
     if c.is_mla:
-        return fallback("MLA caches have no attention kernel yet")
+        from cute_kv.ops import mla_decode
+
+        return mla_decode.plan(c, q, arch, scale, softcap, sinks, return_lse, mla_v_dim, window)
     if c.batch_size > MAX_GRID_Z:
         return fallback(f"{c.batch_size} requests exceed the kernels' grid (one z index per request, at most "
                         f"{MAX_GRID_Z})")
@@ -193,6 +198,10 @@ def lut_vector(collection, key_tile: int) -> bool:
 def compile_units(key: tuple, arch: str) -> list[tuple]:
     """``(compile key, build)`` of each kernel one ``plan`` key launches (the attention kernel, then the split-KV
     combine): what the launcher compiles and ``prebuild`` compiles ahead."""
+    if key[0] == "mla_decode_sm100":
+        from cute_kv.ops import mla_decode_sm100
+
+        return mla_decode_sm100.compile_units(key, arch)
     dtype_name_, hq, d, return_lse = key[1], key[2], key[4], key[10]
 
     def build():
@@ -219,6 +228,10 @@ def _launcher(key: tuple, arch: str) -> Callable:
         from cute_kv.ops.paged_attention_sm100 import launcher_sm100
 
         return launcher_sm100(key, arch)
+    if key[0] == "mla_decode_sm100":
+        from cute_kv.ops import mla_decode_sm100
+
+        return mla_decode_sm100.launcher(key, arch)
     from cute_kv.kernels.compile_cache import compiled
 
     _, _, hq, h, d, _, _, _, softcap_on, _, return_lse, kv_dtype_name, granularity, e8m0 = key

@@ -21,8 +21,9 @@ a 128 x 512 float32 O beside S) is in ``sm100_config``. A CTA is (row block, val
   instruction lands 512 bytes past the previous one). Dense rows: ``lookup_table[b, k // P] * rows_per_page + k % P``
   for keys of the request. Sparse rows: MAX's ``get_tma_row`` of the encoded entry ``enc = page * P + offset``,
   ``(enc // P) * rows_per_page + enc % P``. A key past the request (past ``topk_lengths``), ``-1`` or any entry
-  outside ``[0, N * P)`` gets the row one past the row view, which TMA zero-fills: nothing outside the cache is read,
-  and the softmax masks every key whose row is that sentinel.
+  outside ``[0, N * P)`` gets the row one past the row view, which TMA zero-fills: nothing outside the cache is read.
+  The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
+  gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
 
 Split-KV, sinks, soft-cap and the log-sum-exp follow the MHA kernels: a split writes its half of ``O/l`` and (value
 half 0) ``lse = m + log2 l`` for ``AttentionCombine``; the sink joins the denominator of split 0 only.
@@ -175,6 +176,8 @@ class MlaDecodeSm100:
         m0 = m_block * BM
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if cutlass.const_expr(self.sparse):
+                causal = Int32(0)  # the indices decide which keys a token sees
             first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, Int32(0), split,
                                               num_splits, BM, BN, group)
 
@@ -239,9 +242,9 @@ class MlaDecodeSm100:
                 self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, ring, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
                          p_pipe, n_tiles)
             if warp_idx < SOFTMAX_THREADS // 32:
-                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_rows, s_pipe, p_pipe, first_tile, n_tiles, m0,
-                                                seq_len, cache_len, num_keys, causal, oob_row, score_scale,
-                                                cap_log2)
+                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_pipe, p_pipe, indices, b, first_tile, n_tiles, m0,
+                                                seq_len, cache_len, num_keys, causal, rows_per_page, oob_row,
+                                                num_slots, score_scale, cap_log2)
                 self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
                               v_half, split, num_splits)
             cute.arch.sync_threads()  # every TMEM access is done
@@ -325,18 +328,19 @@ class MlaDecodeSm100:
                 kv_done.advance()
 
     @cute.jit
-    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_rows: cute.Tensor,
-                s_pipe: pipeline.PipelineUmmaAsync, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
+    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_pipe: pipeline.PipelineUmmaAsync,
+                p_pipe: pipeline.PipelineAsyncUmma, indices: Optional[cute.Tensor], b: Int32, first_tile: Int32,
                 n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
-                oob_row: Int32, score_scale: Float32, cap_log2: Float32):
+                rows_per_page: Int32, oob_row: Int32, num_slots: Int32, score_scale: Float32, cap_log2: Float32):
         """Softmax warpgroup: row ``tidx`` of every S tile -> P; rescales the O half's row. Masked: keys past the
-        row's causal end (dense) and keys whose row is the ``oob_row`` sentinel (past the keys, sparse entries
-        naming no row). Returns ``(row_max, row_sum)`` (base 2) after waiting for the last PV MMA."""
+        row's causal end (dense), and (sparse) keys past ``topk_lengths`` or naming no row. Returns ``(row_max,
+        row_sum)`` (base 2) after waiting for the last PV MMA."""
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         row_end = num_keys
-        if causal != 0:
-            row_end = cutlass.min(cache_len + tok + 1, num_keys)
+        if cutlass.const_expr(not self.sparse):
+            if causal != 0:
+                row_end = cutlass.min(cache_len + tok + 1, num_keys)
         if tok >= seq_len:
             row_end = Int32(0)  # a padding row: everything masked
 
@@ -355,7 +359,6 @@ class MlaDecodeSm100:
         p_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * BN
-            stage = j % STAGES
             s_pipe.consumer_wait(s_read)
             cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * S_COLS, t_s_src.layout), scores)
             cute.arch.fence_view_async_tmem_load()
@@ -368,19 +371,24 @@ class MlaDecodeSm100:
                 if cutlass.const_expr(self.softcap):
                     scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
                     scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
-            # The stage's row array stays until the PV MMA of this tile releases the stage (after P is handed over).
             masked = Int32(0)  # most tiles of a dense context are whole
             if tile_base + BN > row_end:
                 masked = Int32(1)
+            valid = Int32(-1)  # bit k: key k of the tile names a row
             if cutlass.const_expr(self.sparse):
-                masked = Int32(1)
+                # Lane k resolves key k as the load warp did (BN = 32 lanes), one ballot gives the warp the tile.
+                row = self.key_row(None, indices, b, tile_base + cute.arch.lane_idx(), num_keys, rows_per_page,
+                                   oob_row, num_slots)
+                valid = cute.arch.vote_ballot_sync(row != oob_row)
+                if valid != -1:
+                    masked = Int32(1)
             if masked != 0:
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
                     key = cols[c][1]
                     if tile_base + key >= row_end:
                         scores[c] = NEG_INF
                     if cutlass.const_expr(self.sparse):
-                        if s_rows[key, stage] == oob_row:
+                        if ((valid >> key) & 1) == 0:
                             scores[c] = NEG_INF
             new_max = PagedAttentionSm100.row_reduce(scores, row_max, cute.arch.fmax)
             ref = new_max
