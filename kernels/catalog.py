@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
 from cute_kv.kernels.cache import gather, store
+from cute_kv.kernels.mla import sm100 as mla_sm100
 
 ARCHS = ("sm_90a", "sm_100a")
 REGS_PER_SM = 64 * 1024
@@ -105,7 +106,13 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 32),
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
 ]
-COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256)]
+MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths)
+    ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads
+    ("float16", 16, 576, 512, 1),  # 16 heads (TP 8), pages of one row
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, True),  # V3.2 sparse top-k
+    ("bfloat16", 64, 576, 512, 3, True, True, True, True),  # sparse with soft-cap, sinks, lse
+]
+COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256), ("bfloat16", 128, 512)]
 
 
 def _smem_bound(threads: int, smem: int) -> int:
@@ -166,6 +173,9 @@ FAMILIES = [
            # one CTA per SM.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: k.head_dim,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
+    Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), ("sm_100a",),
+           # Warps in roles (softmax, MMA, load), Q and two 32 x 576 key stages: one CTA per SM.
+           lambda k: Plan(mla_sm100.THREADS, k.plan.smem, 1), head_dim=lambda k: k.latent_dim),
     Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
 ]
 

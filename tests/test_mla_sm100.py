@@ -81,6 +81,24 @@ def test_sm100_mla_sparse_plan():
     assert no.path == "reference" and "int32" in no.reason
 
 
+def test_sm100_mla_sparse_launch_rejects_mismatched_indices():
+    pb = _mla_batch([5], [2], 64)
+    q = torch.zeros(2, 16, LATENT, dtype=torch.bfloat16)
+    out = torch.empty(2, 16, V_DIM, dtype=torch.bfloat16)
+    key = ("mla_decode_sm100", "bfloat16", 16, LATENT, V_DIM, 64, True, False, False, False, True)
+    run = mla_decode_sm100.launch_sparse(key, "sm_100a")  # nothing compiles before the checks pass
+    good = torch.zeros(2, 8, dtype=torch.int32)
+    lengths = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        run(q, pb.collection, 0, torch.zeros(1, 8, dtype=torch.int32), topk_lengths=lengths, out=out)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        run(q, pb.collection, 0, good.long(), topk_lengths=lengths, out=out)
+    with pytest.raises(ValueError, match="topk_lengths must be int32"):
+        run(q, pb.collection, 0, good, topk_lengths=torch.ones(3, dtype=torch.int32), out=out)
+    with pytest.raises(ValueError, match="exactly when the plan"):
+        run(q, pb.collection, 0, good, out=out)
+
+
 def test_sm100_mla_tiling_fits_one_cta_per_sm():
     t = tiling(LATENT)
     # Q 128 x 576, P 128 x 32 (16-bit), two 32 x 576 key stages, barriers and row arrays: one CTA per SM.

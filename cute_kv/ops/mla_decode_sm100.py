@@ -167,11 +167,10 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
 
     def run(q, collection, layer_idx, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None,
             out=None, lse=None):
+        _check_sparse(q, indices, topk_lengths, has_lengths, out)
         t = q.shape[0]
         if t == 0:
             return out
-        if (topk_lengths is not None) != has_lengths:
-            raise ValueError("topk_lengths must be given exactly when the plan was made with it")
         m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device))
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         indices = indices if indices.stride(-1) == 1 else indices.contiguous()
@@ -182,3 +181,20 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
         return out
 
     return run
+
+
+def _check_sparse(q, indices, topk_lengths, has_lengths: bool, out) -> None:
+    """What the kernel reads by the query token's index (``indices[t]``, ``topk_lengths[t]``) must exist for every
+    token: a clear error before any launch (the op checks values; these are shapes)."""
+    t = q.shape[0]
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t or indices.device != q.device:
+        raise ValueError(f"indices must be int32 [T={t}, topk] on {q.device}, got {indices.dtype} "
+                         f"{list(indices.shape)} on {indices.device}")
+    if (topk_lengths is not None) != has_lengths:
+        raise ValueError("topk_lengths must be given exactly when the plan was made with it (plan_sparse again)")
+    if topk_lengths is not None and (topk_lengths.dtype != torch.int32 or list(topk_lengths.shape) != [t]
+                                     or topk_lengths.device != q.device):
+        raise ValueError(f"topk_lengths must be int32 [T={t}] on {q.device}, got {topk_lengths.dtype} "
+                         f"{list(topk_lengths.shape)} on {topk_lengths.device}")
+    if out is None or out.shape[:2] != q.shape[:2] or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {q.dtype} [T, Hq, mla_v_dim] on {q.device} (the op allocates it)")
