@@ -437,6 +437,11 @@ def test_sm100_mla_ptx(case, tmp_path):
     assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
     # S full, P consumed (O stable), key stage free: MMA completions signalled by tcgen05.commit.
     assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == 3
+    # TMEM handed across threads is fenced on both sides: before the arrivals (allocation, S released, P/O handed
+    # over, dealloc) and after the waits (allocation, dealloc, the MMA's S and P waits, the softmax's S wait, its
+    # O-stable waits in the loop and after it).
+    assert ptx.count("tcgen05.fence::before_thread_sync") == 4
+    assert ptx.count("tcgen05.fence::after_thread_sync") == 7
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(THREADS)
     waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
     assert waits and all(w.startswith("%r") for w in waits), waits

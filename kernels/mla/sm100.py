@@ -25,6 +25,11 @@ a 128 x 512 float32 O beside S) is in ``sm100_config``. A CTA is (row block, val
   The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
   gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
 
+TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
+(``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait): the allocation,
+S (QK commit -> softmax loads; softmax loads -> the next QK into the buffer), P/O (softmax rescale -> PV MMA), O
+(PV commit -> rescale / epilogue loads) and the dealloc.
+
 Split-KV, sinks, soft-cap and the log-sum-exp follow the MHA kernels: a split writes its half of ``O/l`` and (value
 half 0) ``lse = m + log2 l`` for ``AttentionCombine``; the sink joins the denominator of split 0 only.
 """
@@ -40,6 +45,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import nvvm
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator, TmemAllocator
@@ -65,6 +72,21 @@ SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
 P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
 S_COLS = BN  # TMEM columns of one S tile
 O_COL = 2 * BN  # first TMEM column of the O half
+
+
+@dsl_user_op
+def tmem_fence_before_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations are ordered before its next
+    thread synchronization (mbarrier arrival, barrier), as the PTX memory model asks of TMEM handed to another
+    thread."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tmem_fence_after_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the
+    synchronization it just completed, so they see the TMEM the other side wrote or released."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
 class MlaDecodeSm100:
@@ -218,7 +240,9 @@ class MlaDecodeSm100:
             tmem.allocate(TMEM_COLUMNS)
             self.load_q(s_q, q, q_start, seq_len, m0)
             cute.arch.mbarrier_init_fence()
+            tmem_fence_before_sync()  # the allocation before the barrier that publishes it
             tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
+            tmem_fence_after_sync()
             tmem.relinquish_alloc_permit()
             tmem_ptr = tmem.retrieve_ptr(Float32)
 
@@ -247,7 +271,9 @@ class MlaDecodeSm100:
                                                 num_slots, score_scale, cap_log2)
                 self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
                               v_half, split, num_splits)
-            cute.arch.sync_threads()  # every TMEM access is done
+            tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
+            cute.arch.sync_threads()
+            tmem_fence_after_sync()  # ... and the dealloc after it
             tmem.free(tmem_ptr)
 
     @cute.jit
@@ -309,6 +335,7 @@ class MlaDecodeSm100:
             if j < n_tiles:
                 kv_pipe.consumer_wait(kv_read)
                 s_pipe.producer_acquire(s_write)
+                tmem_fence_after_sync()  # the softmax's loads of this S buffer before the MMA overwrites it
                 acc_s = t_s[None, None, None, s_write.index]
                 for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
@@ -317,7 +344,8 @@ class MlaDecodeSm100:
                 s_write.advance()
                 kv_read.advance()
             if j > 0:
-                p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled
+                p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled ...
+                tmem_fence_after_sync()  # ... by the softmax's tcgen05.st, ordered before the MMA accumulates O
                 tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
                 for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
                     cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, kv_done.index], t_o)
@@ -360,8 +388,10 @@ class MlaDecodeSm100:
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * BN
             s_pipe.consumer_wait(s_read)
+            tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
             cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * S_COLS, t_s_src.layout), scores)
             cute.arch.fence_view_async_tmem_load()
+            tmem_fence_before_sync()
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
 
@@ -403,7 +433,8 @@ class MlaDecodeSm100:
             row_max = new_max
             probs.store(scores.load().to(self.dtype))
 
-            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable
+            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable ...
+            tmem_fence_after_sync()  # ... and ordered before this thread's tcgen05.ld/st of O
             cute.autovec_copy(probs, t_p_dst)
             # O changes only where a row's max moved; the TMEM copies are warp-wide, so a warp skips the
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
@@ -412,9 +443,11 @@ class MlaDecodeSm100:
                     self.rescale_o(t_o, corr)
             cute.arch.fence_view_async_tmem_store()
             cute.arch.fence_view_async_shared()  # P is read by the MMA next
+            tmem_fence_before_sync()
             p_pipe.producer_commit(p_write)
             p_write.advance()
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
+        tmem_fence_after_sync()
         return row_max, row_sum
 
     @cute.jit
