@@ -70,6 +70,26 @@ def test_sm100_mla_leaves_the_rest_to_the_reference(case):
     assert path.path == "reference" and reason in path.reason, path.reason
 
 
+def test_sm100_mla_dispatch_reaches_the_kernel_plan():
+    # paged_attention's explain (what dispatch asks) hands mla_v_dim and window to the MLA plan.
+    from cute_kv.ops.paged_attention import explain
+
+    pb = _mla_batch([7], [2], 16)
+    q = torch.zeros(pb.total_rows, 16, LATENT, dtype=torch.bfloat16)
+    path = explain(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=V_DIM, arch="sm_100a")
+    assert path.kernel == "MlaDecodeSm100" and path.key[4] == V_DIM
+    path = explain(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=V_DIM, window=4, arch="sm_100a")
+    assert path.path == "reference" and "sliding window" in path.reason
+
+
+def test_sm100_mla_rope_aware_fp8_cache_is_left_to_the_reference():
+    pb = _mla_batch([7], [2], 16)
+    pb.collection.rope_dim = 64  # what the rope-aware cache's collection exposes
+    q = torch.zeros(pb.total_rows, 16, LATENT, dtype=torch.bfloat16)
+    path = plan(pb.collection, q, "sm_100a", None, None, None, False, V_DIM, None)
+    assert path.path == "reference" and "rope-aware" in path.reason
+
+
 def test_sm100_mla_sparse_plan():
     pb = _mla_batch([5], [2], 64)
     q = torch.zeros(2, 128, LATENT, dtype=torch.bfloat16)
