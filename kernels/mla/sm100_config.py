@@ -6,7 +6,9 @@ S tiles of ``BN`` keys (QK of tile j+1 runs during the softmax of tile j) and th
 A whole 128 x 512 float32 O would take all 512 columns and leave none for S; FlashMLA fits 64 heads x 512 in 256
 columns with the weight-stationary ``tcgen05.mma.ws`` M=64 layout, which the DSL offers for no 16-bit kind, so the
 value columns are split across two CTAs instead (each recomputes S, the MMA work of QK is duplicated, the key rows
-are read twice, the second time mostly from L2).
+are read twice, the second time mostly from L2). Per 32-key tile a CTA issues 36 QK MMAs (128 x 32 x 16) and 2 PV
+MMAs (128 x 256 x 16). M=64 tiles (non-ws) would not help: their accumulator still spans N columns, so a 64 x 512 O
+alone fills tensor memory.
 
 Shared memory holds Q (128 x 576 16-bit: 144 KiB), P (16-bit, the PV MMA's A operand) and a ring of key tiles of
 ``BN`` rows x the full latent width; the first 512 columns of a key tile are its values (V = the same bytes read
