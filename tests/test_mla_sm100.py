@@ -14,8 +14,14 @@ import math
 import re
 import subprocess
 
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
 import pytest
 import torch
+from cutlass import Int32
+from cutlass.cute.runtime import from_dlpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -221,8 +227,10 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         num_keys = cache_len + n
 
-        def key_row(key, b=b, num_keys=num_keys):
-            return int(lut[b, key // p]) * rows_per_page + key % p if key < num_keys else oob_row
+        def key_row(key, b=b, num_keys=num_keys):  # a page column past the lookup row (unchecked lengths): no row
+            if key >= num_keys or key // p >= lut.shape[1]:
+                return oob_row
+            return int(lut[b, key // p]) * rows_per_page + key % p
 
         for m_block in range(m_blocks):
             m0 = m_block * BM
@@ -421,6 +429,51 @@ def test_sm100_mla_sparse_plan_all_entries_invalid():
     indices = torch.tensor([[-1] * 40, [c.blocks.shape[0] * 4] * 40], dtype=torch.int32)
     out, lse = model_sparse(q, c, 0, indices, force_splits=2)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == NEG_INF).all())
+
+
+# -- key rows, evaluated on the host ---------------------------------------------------------------------------------
+
+@cute.jit
+def _host_key_rows(kernel: cutlass.Constexpr, lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
+                   out: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
+                   num_slots: Int32, count: cutlass.Constexpr[int]):
+    """``out[k]``: the row ``MlaDecodeSm100.key_row`` gives key ``k`` of request / token ``b`` (CPU tensors)."""
+    for k in cutlass.range_constexpr(count):
+        out[k] = kernel.key_row(lookup_table, indices, b, Int32(k), num_keys, rows_per_page, oob_row, num_slots)
+
+
+@pytest.mark.compile
+def test_sm100_mla_dense_keys_never_read_past_the_lookup_row():
+    """Unchecked lengths (validate=False): a key whose page column lies past the lookup table's row gets the
+    zero-filled row and the entries past the row (here the next columns of a wider buffer) are not read."""
+    from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+    cols, p, rpp, oob = 2, 4, 100, 10_000
+    buf = torch.full((2, 2 * cols), 7, dtype=torch.int32)  # 7: what lies past each row
+    buf[:, :cols] = torch.tensor([[2, 0], [1, 3]])
+    got = torch.full((4 * p,), -5, dtype=torch.int32)
+    _host_key_rows(MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, p), from_dlpack(buf[:, :cols]), None,
+                   from_dlpack(got), 1, 3 * p + 1, rpp, oob, 0, 4 * p)
+    want = [1 * rpp + k for k in range(p)] + [3 * rpp + k for k in range(p)] + [oob] * (2 * p)
+    assert got.tolist() == want
+
+
+@pytest.mark.compile
+def test_sm100_mla_sparse_entries_outside_the_cache_name_no_row():
+    """Every int32 entry: ``[0, N*P)`` names ``page * rows_per_page + offset`` (inside the row view), anything else
+    (-1, other negatives, ``N*P`` and past, entries past ``num_keys``) the zero-filled row one past the view."""
+    from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+    n, p, rpp = 5, 4, 12
+    oob = (n - 1) * rpp + p  # the row view's rows
+    ents = [0, 3, 4, n * p - 1, n * p, n * p + 1, -1, -2, -p, -2**31, 2**31 - 1, 2**31 - p, 7]
+    idx = torch.tensor([[0] * len(ents), ents], dtype=torch.int32)
+    got = torch.full((len(ents),), -5, dtype=torch.int32)
+    _host_key_rows(MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, p, sparse=True), None, from_dlpack(idx),
+                   from_dlpack(got), 1, len(ents) - 1, rpp, oob, n * p, len(ents))
+    want = [(e // p) * rpp + e % p if 0 <= e < n * p else oob for e in ents[:-1]] + [oob]
+    assert got.tolist() == want
+    assert all(0 <= r < oob for r, e in zip(got.tolist(), ents[:-1]) if 0 <= e < n * p)
 
 
 # -- compile (sm_100a, no GPU) ---------------------------------------------------------------------------------------

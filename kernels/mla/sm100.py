@@ -56,7 +56,7 @@ from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
 from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
                                               supported, tiling)
-from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 
 SOFTMAX_THREADS = 128  # warps 0-3
@@ -280,16 +280,17 @@ class MlaDecodeSm100:
     def key_row(self, lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor], b: Int32, key: Int32,
                 num_keys: Int32, rows_per_page: Int32, oob_row: Int32, num_slots: Int32) -> Int32:
         """Row of the layer's row view holding key ``key`` of request (dense) or token (sparse) ``b``; ``oob_row``
-        (zero-filled by TMA, masked by the softmax) past the keys and for sparse entries outside ``[0, N * P)``."""
+        (zero-filled by TMA) past the keys, for dense keys whose page column lies past the lookup table's row
+        (unchecked lengths) and for sparse entries outside ``[0, N * P)`` (masked by the softmax)."""
         row = oob_row
-        if key < num_keys:
-            if cutlass.const_expr(self.sparse):
+        if cutlass.const_expr(self.sparse):
+            if key < num_keys:
                 enc = Int32(indices[b, key])
                 if enc >= 0:
                     if enc < num_slots:
                         row = (enc // self.page_size) * rows_per_page + enc % self.page_size
-            else:
-                row = Int32(lookup_table[b, key // self.page_size]) * rows_per_page + key % self.page_size
+        else:
+            row = populate.key_row(lookup_table, b, key, num_keys, rows_per_page, self.page_size, oob_row)
         return row
 
     @cute.jit
