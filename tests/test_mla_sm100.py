@@ -162,8 +162,10 @@ def _row_view(blocks, layer):
 
 
 def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half, score_scale, cap_log2, softcap,
-              dtype):
-    """One CTA over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max, row_sum)`` (base 2)."""
+              dtype, sparse=False):
+    """One CTA over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max, row_sum)`` (base 2).
+    Keys are masked past ``row_end``, and (sparse) where the entry names no row; a dense key inside ``row_end``
+    is not masked even when its row is the zero-filled one (a page column past the lookup row)."""
     row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
     row_sum = torch.zeros(BM, dtype=torch.float64)
     acc = torch.zeros(BM, O_COLS, dtype=torch.float64)
@@ -177,7 +179,7 @@ def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half
         if softcap:
             s = cap_log2 * torch.tanh(s)
         keys = torch.arange(t * BN, (t + 1) * BN)
-        invalid = torch.tensor([r == oob_row for r in key_rows])
+        invalid = torch.tensor([sparse and r == oob_row for r in key_rows])
         s = s.masked_fill((keys[None, :] >= row_end[:, None]) | invalid[None, :], NEG_INF)
         new_max = torch.maximum(row_max, s.max(dim=1).values)
         ref_max = torch.where(new_max == NEG_INF, 0.0, new_max)
@@ -287,7 +289,7 @@ def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap
                 first, count = _split_tiles(m0, 1, 0, num_keys, False, split, splits, hq)
                 for v_half in range(V_SPLIT):
                     acc, mx, sm = model_cta(qr, key_row, rows, oob_row, row_end, first, count, v_half, score_scale,
-                                            cap_log2, bool(softcap), q.dtype)
+                                            cap_log2, bool(softcap), q.dtype, sparse=True)
                     o, lse = _epilogue(acc, mx, sm, sinks, heads, split)
                     o_part[split, tok, heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = o[live]
                     lse_part[split, tok, heads[live]] = lse[live]
