@@ -16,6 +16,7 @@ from typing import Callable, Optional
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
 from cute_kv.kernels.cache import gather, store, store_rope_aware
 from cute_kv.kernels.mla import sm90 as mla_sm90
+from cute_kv.kernels.mla import sm100 as mla_sm100
 
 ARCHS = ("sm_90a", "sm_100a")
 REGS_PER_SM = 64 * 1024
@@ -120,6 +121,12 @@ MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads,
     ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
 ]
+MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths)
+    ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads
+    ("float16", 16, 576, 512, 1),  # 16 heads (TP 8), pages of one row
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, True),  # V3.2 sparse top-k
+    ("bfloat16", 64, 576, 512, 3, True, True, True, True),  # sparse with soft-cap, sinks, lse
+]
 COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256), ("bfloat16", 128, 512)]
 
 
@@ -209,6 +216,9 @@ FAMILIES = [
     Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
            head_dim=lambda k: (k.latent_dim + k.v_dim) // 2),
+    Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), ("sm_100a",),
+           # Warps in roles (softmax, MMA, load), Q and two 32 x 576 key stages: one CTA per SM.
+           lambda k: Plan(mla_sm100.THREADS, k.plan.smem, 1), head_dim=lambda k: k.latent_dim),
     Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
 ]
 

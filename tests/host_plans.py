@@ -9,6 +9,7 @@ from cutlass import Int32, Uint32, const_expr
 
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged.populate import key_row
 from cute_kv.kernels.paged.ragged_rows import request_rows, resolve_row
 from cute_kv.kernels.quant import e8m0_byte, e8m0_to_float32, granule_scale, lanes_scale
 
@@ -118,6 +119,14 @@ def attention_tile_rows(lookup_table: cute.Tensor, out: cute.Tensor, b: Int32, b
     op.populate(rows, lookup_table, b, base, num_keys, rows_per_page, oob_row)
     for i in cutlass.range_constexpr(op.copies_per_tile):
         out[i] = rows[i]
+
+
+@cute.jit
+def attention_key_rows(lookup_table: cute.Tensor, out: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32,
+                       oob_row: Int32, page_size: cutlass.Constexpr[int], count: cutlass.Constexpr[int]):
+    """``out[k]``: the row of key ``k`` of request ``b`` as the gather4 paths resolve it (``populate.key_row``)."""
+    for k in cutlass.range_constexpr(count):
+        out[k] = key_row(lookup_table, b, Int32(k), num_keys, rows_per_page, page_size, oob_row)
 
 
 @cute.jit

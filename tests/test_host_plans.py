@@ -199,6 +199,20 @@ def test_attention_tiles_never_read_past_the_lookup_row(lut_vector):
         assert got.tolist() == [r if r == oob else r * rpp for r in want], (b, base, keys)
 
 
+def test_gather4_key_rows_never_read_past_the_lookup_row():
+    """The gather4 paths (SM100 attention over small or uneven pages, MLA): a key whose page column lies past the
+    lookup table's row (unchecked lengths) gets the out-of-bounds row and the entries past the row (the next columns
+    of a wider buffer) are not read; keys past ``num_keys`` too; the others read their entry."""
+    cols, p, rpp, oob = 3, 4, 48, 10_000
+    buf = torch.full((2, 2 * cols), 7, dtype=torch.int32)  # 7: what lies past each row
+    buf[:, :cols] = torch.tensor([[2, 0, 3], [1, 3, 0]])
+    got = torch.full((2 * cols * p,), -5, dtype=torch.int32)
+    for b, keys in ((1, 2 * cols * p), (0, 5)):
+        host_plans.attention_key_rows(from_dlpack(buf[:, :cols]), from_dlpack(got), b, keys, rpp, oob, p, got.numel())
+        want = [int(buf[b, k // p]) * rpp + k % p if k < min(keys, cols * p) else oob for k in range(got.numel())]
+        assert got.tolist() == want, (b, keys)
+
+
 def test_attention_scales_of_rows_outside_the_view_are_not_read():
     """fp8 dequantization: a row that is not in the scale view (an unchecked lookup entry that is not a page, its
     row product wrapped negative or past the view) reads no scale and gets 0; rows inside read theirs."""

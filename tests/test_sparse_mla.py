@@ -3,16 +3,12 @@ reads each selected row by hand (page and slot from the encoded index, rope-awar
 with every row nobody selected NaN-poisoned."""
 
 import math
-import sys
-import types
 
 import pytest
 import torch
 
 import cute_kv
 from cute_kv import reference as ref
-from cute_kv.ops import paths
-from cute_kv.ops import sparse_mla_attention as sparse_op
 from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 
@@ -220,23 +216,30 @@ def test_sparse_rejects_non_mla_cache(rng):
 
 # -- plan, custom op, torch.compile ---------------------------------------------------------------------------------
 
-def test_plan_falls_back_and_takes_a_kernel_module(rng, monkeypatch):
+def test_plan_picks_the_sm100_kernel_or_names_why_not(rng):
+    """sm_100a serves bf16 DeepSeek shapes with ``MlaDecodeSm100`` in sparse mode (its key records topk_lengths and
+    lse); SM90 has no gather4, and the SM100 kernel does not read rope-aware rows yet: both name their reason."""
     pb = mla_batch(rng, "rope-aware")
     q, indices = _bad_args(pb, rng)
     args = (q, pb.input_row_offsets, pb.collection, 1, indices)
-    for arch in ("sm_90a", "sm_100a"):
-        path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=64, arch=arch)
-        assert (path.path, path.reason, path.arch) == ("reference", "no sparse MLA kernel on this arch yet", arch)
+    path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=64, arch="sm_90a")
+    assert (path.path, path.arch) == ("reference", "sm_90a") and "no sparse MLA kernel on sm_90a" in path.reason
+    path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=64, arch="sm_100a")
+    assert path.path == "reference" and "rope" in path.reason, path
     assert cute_kv.explain("sparse_mla_attention", *args, mla_v_dim=64).reason.startswith("tensors on cpu")
-    # The hook a kernel plan plugs into: KERNEL_MODULES[arch] names a module with plan_sparse / launcher_sparse.
-    fake = types.ModuleType("fake_sparse_plan")
-    fake.plan_sparse = lambda c, q, indices, topk_lengths, scale, softcap, sinks, return_lse, arch: paths.kernel(
-        sparse_op.OP, "SparseMla", ("sparse", q.shape[1], indices.shape[1], return_lse), arch)
-    monkeypatch.setitem(sys.modules, "fake_sparse_plan", fake)
-    monkeypatch.setitem(sparse_op.KERNEL_MODULES, "sm_100a", "fake_sparse_plan")
-    path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=64, return_lse=True, arch="sm_100a")
-    assert (path.path, path.kernel, path.key) == ("kernel", "SparseMla", ("sparse", 4, 4, True))
-    assert cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=64, arch="sm_90a").path == "reference"
+
+    pb = random_paged_batch([3, 70], [1, 1], num_heads=1, head_size=576, page_size=64, generator=rng, is_mla=True,
+                            dtype=torch.bfloat16)
+    q = torch.randn(pb.total_rows, 128, 576, generator=rng).to(torch.bfloat16)
+    indices = random_indices(rng, pb.collection, pb.total_rows, 8)
+    args = (q, pb.input_row_offsets, pb.collection, 0, indices)
+    lengths = torch.full((pb.total_rows,), 5, dtype=torch.int32)
+    path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=512, topk_lengths=lengths,
+                           return_lse=True, arch="sm_100a")
+    assert (path.path, path.kernel) == ("kernel", "MlaDecodeSm100"), path
+    assert path.key == ("mla_decode_sm100", "bfloat16", 128, 576, 512, 64, True, False, False, True, True)
+    path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=256, arch="sm_100a")
+    assert path.path == "reference", path  # the kernel's value width is 512
 
 
 @pytest.mark.parametrize("cache", ["bf16", "rope-aware"])

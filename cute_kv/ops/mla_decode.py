@@ -24,10 +24,11 @@ KERNEL = "MLADecode"
 LOG2E = math.log2(math.e)
 
 
-def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: bool, sinks: bool,
-         return_lse: bool) -> paths.KernelPath:
-    """``MLADecode``'s key for these arguments on ``arch``, or why the reference runs instead: SM100 (its MLA kernel
-    is planned apart), fp8 caches, q in another dtype than the cache, latent and value widths or page sizes the
+def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[float],
+         sinks: Optional[torch.Tensor], return_lse: bool, window: Optional[int] = None,
+         scale: Optional[float] = None) -> paths.KernelPath:
+    """``MLADecode``'s key for these arguments on ``arch`` (``sm_100a``: ``mla_decode_sm100.plan``), or why the
+    reference runs instead: fp8 caches, q in another dtype than the cache, latent and value widths or page sizes the
     kernel cannot tile (``mla/config.supported``)."""
     from cute_kv.ops.paged_attention import OP, lut_vector
 
@@ -36,6 +37,10 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: bool, sink
     def fallback(reason):
         return paths.reference(OP, f"MLA cache: {reason}", arch)
 
+    if arch == "sm_100a":
+        from cute_kv.ops import mla_decode_sm100
+
+        return mla_decode_sm100.plan(c, q, arch, scale, softcap, sinks, return_lse, mla_v_dim, window, OP)
     if arch != "sm_90a":
         return fallback(f"no attention kernel for {arch} yet")
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
@@ -50,7 +55,7 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: bool, sink
     problem = supported(hq, d, mla_v_dim, p, q_dtype_name)
     if problem:
         return fallback(problem)
-    key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), softcap, sinks, return_lse)
+    key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), bool(softcap), sinks is not None, return_lse)
     return paths.kernel(OP, KERNEL, key, arch)
 
 

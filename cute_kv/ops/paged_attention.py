@@ -11,7 +11,7 @@ import torch
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_limits, key_tile, supported
-from cute_kv.ops import mla_decode, paths
+from cute_kv.ops import mla_decode, mla_decode_sm100, paths
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
@@ -74,7 +74,7 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
     ``lse`` if given)."""
     path = paths.route(collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks, lse is not None,
-                                                            mla_v_dim))
+                                                            mla_v_dim, window))
     run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
@@ -88,7 +88,8 @@ def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = 
     _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
            out, validate)
     return paths.planned(OP, collection.device, arch,
-                         lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse, mla_v_dim))
+                         lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse,
+                                           mla_v_dim, window))
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
@@ -148,12 +149,11 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 
 def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optional[float] = None,
-         sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-         mla_v_dim: Optional[int] = None) -> paths.KernelPath:
+         sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
+         window: Optional[int] = None) -> paths.KernelPath:
     """The kernel serving these arguments on ``arch`` (``PagedAttention`` on SM90, ``PagedAttentionSm100`` on
-    SM100, ``MLADecode`` for an MLA cache: ``mla_decode.plan``) with its compile-time key, or why the reference runs
-    instead: q in another dtype than a
-    16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
+    SM100, MLA caches: ``mla_decode.plan``) with its compile-time key, or why the reference runs instead: q in
+    another dtype than a 16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
     ``attention/sm100_config.supported``), a misaligned cache or float32 scales, a cache past the kernels' int32
     indices (``attention/config.index_limits``), a non-positive scale without soft-cap."""
     c = collection
@@ -180,7 +180,7 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
         return fallback("the float32 scales are not 4-byte aligned")
     if c.is_mla:
-        return mla_decode.plan(c, q, arch, mla_v_dim, bool(softcap), sinks is not None, return_lse)
+        return mla_decode.plan(c, q, arch, mla_v_dim, softcap, sinks, return_lse, window, scale)
     if arch == "sm_100a":
         from cute_kv.ops.paged_attention_sm100 import plan_sm100
 
@@ -208,6 +208,8 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
     combine): what the launcher compiles and ``prebuild`` compiles ahead."""
     if key[0] == mla_decode.KEY:
         return mla_decode.compile_units(key, arch)
+    if key[0] == mla_decode_sm100.KEY:
+        return mla_decode_sm100.compile_units(key, arch)
     dtype_name_, hq, d, return_lse = key[1], key[2], key[4], key[10]
 
     def build():
@@ -236,6 +238,8 @@ def _launcher(key: tuple, arch: str) -> Callable:
         return launcher_sm100(key, arch)
     if key[0] == mla_decode.KEY:
         return mla_decode.launcher(key, arch)
+    if key[0] == mla_decode_sm100.KEY:
+        return mla_decode_sm100.launcher(key, arch)
     from cute_kv.kernels.compile_cache import compiled
 
     _, _, hq, h, d, _, _, _, softcap_on, _, return_lse, kv_dtype_name, granularity, e8m0 = key

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
@@ -14,10 +13,6 @@ from cute_kv.validate import check_activation, check_row_offsets, check_tensor, 
 
 OP = "sparse_mla_attention"
 INT32_MAX = 2**31 - 1
-# Kernel plans by arch: an ops module with ``plan_sparse(collection, q, indices, topk_lengths, scale, softcap, sinks,
-# return_lse, arch) -> paths.KernelPath`` and ``launcher_sparse(key, arch) -> run`` (``run`` takes the reference's
-# arguments). An arch without one, or a plan that declines, runs the reference.
-KERNEL_MODULES: dict[str, str] = {}
 
 
 def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int,
@@ -62,12 +57,17 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
 def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks,
              out, lse) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch, scale,
-                                                            softcap, sinks, lse is not None))
-    run = reference.sparse_mla_attention if path is None else _kernel_module(path.arch).launcher_sparse(path.key,
-                                                                                                         path.arch)
-    run(q, collection, layer_idx, indices, mla_v_dim=mla_v_dim, scale=scale, topk_lengths=topk_lengths,
-        softcap=softcap, sinks=sinks, out=out, lse=lse, return_lse=lse is not None)
+    path = paths.route(collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch, mla_v_dim,
+                                                            scale, softcap, sinks, lse is not None))
+    if path is None:
+        reference.sparse_mla_attention(q, collection, layer_idx, indices, mla_v_dim=mla_v_dim, scale=scale,
+                                       topk_lengths=topk_lengths, softcap=softcap, sinks=sinks, out=out, lse=lse,
+                                       return_lse=lse is not None)
+        return
+    from cute_kv.ops import mla_decode_sm100
+
+    mla_decode_sm100.launch_sparse(path.key, path.arch)(q, collection, layer_idx, indices, topk_lengths=topk_lengths,
+                                                        scale=scale, softcap=softcap, sinks=sinks, out=out, lse=lse)
 
 
 def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_dim: int,
@@ -78,23 +78,22 @@ def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
            return_lse, out, validate)
     return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, q, indices, topk_lengths, arch,
-                                                                         scale, softcap or None, sinks, return_lse))
+                                                                         mla_v_dim, scale, softcap or None, sinks,
+                                                                         return_lse))
 
 
-def plan(collection, q, indices, topk_lengths, arch: str, scale: Optional[float] = None,
+def plan(collection, q, indices, topk_lengths, arch: str, mla_v_dim: int, scale: Optional[float] = None,
          softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
          return_lse: bool = False) -> paths.KernelPath:
-    """The kernel serving these checked arguments on ``arch`` (the plan of ``KERNEL_MODULES[arch]``), or why the
-    reference runs instead. Host values only."""
-    module = KERNEL_MODULES.get(arch)
-    if module is None:
-        return paths.reference(OP, "no sparse MLA kernel on this arch yet", arch)
-    return _kernel_module(arch).plan_sparse(collection, q, indices, topk_lengths, scale, softcap, sinks, return_lse,
-                                            arch)
+    """The kernel serving these checked arguments on ``arch`` (``MlaDecodeSm100`` in sparse mode on ``sm_100a``:
+    ``mla_decode_sm100.plan_sparse``), or why the reference runs instead. Host values only."""
+    if arch != "sm_100a":
+        return paths.reference(OP, f"no sparse MLA kernel on {arch} yet (gather4 is SM100's)", arch)
+    from cute_kv.ops import mla_decode_sm100
 
-
-def _kernel_module(arch: str):
-    return importlib.import_module(KERNEL_MODULES[arch])
+    return mla_decode_sm100.plan_sparse(collection, q, indices, arch, mla_v_dim=mla_v_dim, scale=scale,
+                                        topk_lengths=topk_lengths, softcap=softcap, sinks=sinks,
+                                        return_lse=return_lse)
 
 
 def _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,

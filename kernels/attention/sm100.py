@@ -49,7 +49,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
-from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 from cute_kv.kernels.quant import granule_scale
 
@@ -354,20 +354,17 @@ class PagedAttentionSm100:
                     tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
                     s_v: cute.Tensor, s_rows: cute.Tensor, lookup_table: cute.Tensor, b: Int32, kv_head: Int32,
                     num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
-        """Load warp, small or uneven pages: each lane resolves BN/32 of the tile's token rows (lookup entry x
-        page pitch + offset in the page; ``oob_row``, which TMA zero-fills, past the keys) into the stage's row
-        array, then gather4 brings K and V, 4 rows x one 128-byte swizzle row per instruction, straight into the
-        MMA's swizzled tiles."""
+        """Load warp, small or uneven pages: each lane resolves BN/32 of the tile's token rows
+        (``populate.key_row``: ``oob_row``, which TMA zero-fills, past the keys or the lookup table's row) into the
+        stage's row array, then gather4 brings K and V, 4 rows x one 128-byte swizzle row per instruction, straight
+        into the MMA's swizzled tiles."""
         bn, width = self.bn, self.box_width
         lane = cute.arch.lane_idx()
         pipe.producer_acquire(prod)
         cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
         for t in cutlass.range(lane, bn, 32, unroll=1):
-            token = tile * bn + t
-            row = oob_row
-            if token < num_keys:
-                row = Int32(lookup_table[b, token // self.page_size]) * rows_per_page + token % self.page_size
-            s_rows[t, prod.index] = row
+            s_rows[t, prod.index] = populate.key_row(lookup_table, b, tile * bn + t, num_keys, rows_per_page,
+                                                     self.page_size, oob_row)
         cute.arch.sync_warp()
         bar = pipe.producer_get_barrier(prod)
         index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,

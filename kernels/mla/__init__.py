@@ -1,0 +1,1 @@
+"""MLA (multi-head latent attention) decode kernels: all query heads share one latent KV head."""

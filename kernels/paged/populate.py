@@ -82,3 +82,17 @@ def _read_vector(rows: cute.Tensor, lut: cute.Tensor, first: Int32, c: cutlass.C
     cute.autovec_copy(cute.local_tile(lut, (chunk,), (first // chunk + c,)), entries)
     for i in cutlass.range_constexpr(chunk):
         rows[c * chunk + i] = Int32(entries[i]) * rows_per_page
+
+
+@cute.jit
+def key_row(lookup_table: cute.Tensor, batch_idx: Int32, key: Int32, num_keys: Int32, rows_per_page: Int32,
+            page_size: cutlass.Constexpr[int], oob_row: Int32) -> Int32:
+    """Row of key ``key`` (>= 0) of request ``batch_idx``, one key at a time (the gather4 paths): lookup entry x
+    page pitch + offset in the page. ``oob_row`` (which TMA zero-fills) for a key past ``num_keys`` or whose page
+    column lies past the lookup table's row (unchecked lengths); that entry is not read."""
+    row = oob_row
+    if key < num_keys:
+        page = key // page_size
+        if page < lookup_table.shape[1]:
+            row = Int32(lookup_table[batch_idx, page]) * rows_per_page + key % page_size
+    return row

@@ -1,0 +1,200 @@
+"""MLA attention on SM100 (Blackwell): which calls ``MlaDecodeSm100`` serves, its keys and launchers.
+
+Dense (``paged_attention`` over an MLA cache, through ``mla_decode.plan``): ``plan`` / ``launcher``. Sparse
+(``sparse_mla_attention``, DeepSeek-V3.2 top-k): ``plan_sparse`` / ``launch_sparse``, for that op's plan hook.
+Both launch the kernel on ``2 * splits`` CTAs per row block (two value halves, ``kernels/mla/sm100_config``) and
+merge split partials with the attention combine (512-wide rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.mla.sm100_config import BM, BN, V_SPLIT, supported
+from cute_kv.ops import paths
+from cute_kv.ops.vectors import heads_packed, packed_heads
+
+KEY = "mla_decode_sm100"
+SPARSE_OP = "sparse_mla_attention"
+MAX_GRID_Z = 65535  # gridDim.z: requests (dense) or tokens (sparse)
+VEC = 8
+
+
+def _problem(collection, q, scale, softcap, mla_v_dim) -> Optional[str]:
+    """What both modes share: why the kernel cannot take these arguments, or None."""
+    from cute_kv.kernels.attention.config import index_limits
+
+    c = collection
+    if not c.is_mla:
+        return "the MLA kernel reads MLA caches (KVD=1)"
+    if not softcap and scale is not None and scale <= 0:
+        return "a non-positive scale without soft-cap (the kernel tracks the max of unscaled scores)"
+    problem = supported(dtype_name(q.dtype), dtype_name(c.dtype), q.shape[-1], mla_v_dim, c.page_size,
+                        getattr(c, "rope_dim", None))
+    if problem:
+        return problem
+    if c.num_heads != 1:
+        return f"an MLA cache has one latent head, got {c.num_heads}"
+    if c.blocks.data_ptr() % 16:
+        return "blocks is not 16-byte aligned"
+    return index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
+
+
+def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optional[float] = None,
+         sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
+         window: Optional[int] = None, op: str = "paged_attention") -> paths.KernelPath:
+    """Dense MLA decode/prefill on ``sm_100a``: ``MlaDecodeSm100``'s key, or why the reference runs instead."""
+    problem = _problem(collection, q, scale, softcap, mla_v_dim)
+    if problem is None and window is not None:
+        problem = "the MLA kernel has no sliding window"
+    if problem is None and collection.batch_size > MAX_GRID_Z:
+        problem = f"{collection.batch_size} requests exceed the kernel's grid (at most {MAX_GRID_Z})"
+    if problem:
+        return paths.reference(op, problem, arch)
+    key = (KEY, dtype_name(q.dtype), q.shape[1], q.shape[2], mla_v_dim, collection.page_size, False, bool(softcap),
+           sinks is not None, return_lse, False)
+    return paths.kernel(op, "MlaDecodeSm100", key, arch)
+
+
+def plan_sparse(collection, q, indices: torch.Tensor, arch: str, *, mla_v_dim: int, scale: Optional[float] = None,
+                topk_lengths: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None, return_lse: bool = False) -> paths.KernelPath:
+    """Sparse MLA decode on ``sm_100a`` (arguments checked by the op): ``MlaDecodeSm100``'s key, or why not."""
+    problem = _problem(collection, q, scale, softcap, mla_v_dim)
+    if problem is None and q.shape[0] > MAX_GRID_Z:
+        problem = f"{q.shape[0]} query tokens exceed the kernel's grid (one z index per token, at most {MAX_GRID_Z})"
+    if problem is None and indices.dtype != torch.int32:
+        problem = f"indices must be int32, got {indices.dtype}"
+    if problem:
+        return paths.reference(SPARSE_OP, problem, arch)
+    key = (KEY, dtype_name(q.dtype), q.shape[1], q.shape[2], mla_v_dim, collection.page_size, True, bool(softcap),
+           sinks is not None, return_lse, topk_lengths is not None)
+    return paths.kernel(SPARSE_OP, "MlaDecodeSm100", key, arch)
+
+
+def compile_units(key: tuple, arch: str) -> list[tuple]:
+    """``(compile key, build)`` of the MLA kernel and the split-KV combine of its 512-wide rows."""
+    dtype_name_, hq, v_dim, return_lse = key[1], key[2], key[4], key[9]
+
+    def build():
+        from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+        kernel = MlaDecodeSm100(*key[1:])
+        return kernel, *kernel.fake_args()
+
+    def build_combine():
+        from cute_kv.kernels.attention.combine import AttentionCombine
+
+        kernel = AttentionCombine(dtype_name_, hq, v_dim, return_lse)
+        return kernel, *kernel.fake_args()
+
+    return [(key, build), (("attention_combine", dtype_name_, hq, v_dim, return_lse), build_combine)]
+
+
+def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True) -> tuple[int, int]:
+    """Dense ``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 128-row blocks and 32-key tiles, each
+    block taking two CTAs (the value halves), so half the ``slots`` per block."""
+    from cute_kv.ops.paged_attention import launch_shape as mha_launch_shape
+
+    return mha_launch_shape(collection, num_q_heads, max(slots // V_SPLIT, 1), BM, BN, causal, None)
+
+
+def launch_shape_sparse(num_tokens: int, num_q_heads: int, topk: int, slots: int) -> tuple[int, int]:
+    """Sparse ``(m_blocks, splits)``: a token's heads in ``ceil(Hq / 128)`` blocks, its ``topk`` entries split so
+    the ``2 * T * m_blocks * splits`` CTAs fill the GPU (``paged_attention.num_splits``)."""
+    from cute_kv.ops.paged_attention import num_splits
+
+    m_blocks = -(-num_q_heads // BM)
+    return m_blocks, num_splits(num_tokens * m_blocks, -(-topk // BN), max(slots // V_SPLIT, 1))
+
+
+def _run(unit, combine_unit, arch, q, out, lse, splits, launch_args, return_lse) -> None:
+    """Launch the kernel (``launch_args`` after ``q, out, o_part, lse_part, lse``) and, with splits, the combine."""
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.ops.paged_attention import partials, unused_partials
+
+    t, hq, _ = q.shape
+    d_v = out.shape[-1]
+    dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    o_part, lse_part = partials(splits, t, hq, d_v, q.device)
+    lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d_v)[1][0]
+    compiled(*unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, *launch_args)
+    if splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
+        compiled(*combine_unit, arch)(dst, lse if return_lse else None, o_part, lse_part, splits)
+    if dst is not out:
+        out.copy_(dst)
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(key: tuple, arch: str) -> Callable:
+    """Dense ``run(...)`` with ``paged_attention``'s launcher signature, for one compile-time key, built once."""
+    from cute_kv.ops.paged_attention import sm_count
+    from cute_kv.ops.paged_attention_sm100 import score_args
+
+    _, _, hq, d, _, _, _, has_softcap, has_sinks, _, _ = key
+    unit, combine_unit = compile_units(key, arch)
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
+        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
+            return (out, lse) if return_lse else out
+        c = collection
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal)
+        score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
+        _run(unit, combine_unit, arch, q, out, lse, splits, (
+            c.blocks, input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, None, None,
+            sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, c.batch_size, int(causal),
+            score_scale, cap_log2), return_lse)
+        return (out, lse) if return_lse else out
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def launch_sparse(key: tuple, arch: str) -> Callable:
+    """Sparse ``run(q, collection, layer_idx, indices, *, topk_lengths, scale, softcap, sinks, out, lse)`` for one
+    compile-time key (``plan_sparse``), built once; the op has checked the arguments and allocated ``out``
+    ``[T, Hq, mla_v_dim]`` (and ``lse [T, Hq]`` float32 with ``return_lse``)."""
+    from cute_kv.ops.paged_attention import sm_count
+    from cute_kv.ops.paged_attention_sm100 import score_args
+
+    _, _, hq, d, _, _, _, has_softcap, has_sinks, return_lse, has_lengths = key
+    unit, combine_unit = compile_units(key, arch)
+
+    def run(q, collection, layer_idx, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None,
+            out=None, lse=None):
+        _check_sparse(q, indices, topk_lengths, has_lengths, out)
+        t = q.shape[0]
+        if t == 0:
+            return out
+        m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device))
+        score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
+        indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+        _run(unit, combine_unit, arch, q, out, lse, splits, (
+            collection.blocks, None, None, None, indices, topk_lengths.contiguous() if has_lengths else None,
+            sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, t, 0, score_scale, cap_log2),
+            return_lse)
+        return out
+
+    return run
+
+
+def _check_sparse(q, indices, topk_lengths, has_lengths: bool, out) -> None:
+    """What the kernel reads by the query token's index (``indices[t]``, ``topk_lengths[t]``) must exist for every
+    token: a clear error before any launch (the op checks values; these are shapes)."""
+    t = q.shape[0]
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != t or indices.device != q.device:
+        raise ValueError(f"indices must be int32 [T={t}, topk] on {q.device}, got {indices.dtype} "
+                         f"{list(indices.shape)} on {indices.device}")
+    if (topk_lengths is not None) != has_lengths:
+        raise ValueError("topk_lengths must be given exactly when the plan was made with it (plan_sparse again)")
+    if topk_lengths is not None and (topk_lengths.dtype != torch.int32 or list(topk_lengths.shape) != [t]
+                                     or topk_lengths.device != q.device):
+        raise ValueError(f"topk_lengths must be int32 [T={t}] on {q.device}, got {topk_lengths.dtype} "
+                         f"{list(topk_lengths.shape)} on {topk_lengths.device}")
+    if out is None or out.shape[:2] != q.shape[:2] or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {q.dtype} [T, Hq, mla_v_dim] on {q.device} (the op allocates it)")

@@ -1,0 +1,537 @@
+"""``MlaDecodeSm100`` (Blackwell): MLA decode over a paged latent cache with ``tcgen05.mma`` and tensor memory,
+dense (every key of the request, causal for multi-token steps) or sparse (DeepSeek-V3.2: each query token's top-k
+encoded rows).
+
+An MLA cache has one latent head of ``latent_dim`` = kv_lora_rank + rope_dim (576) values a row; every query head
+attends to it, so the heads are packed in M: packed row ``i * Hq + h`` is token ``i``, head ``h``. Keys are the
+latent rows, values their first ``v_dim`` (512) columns: ``S = Q K^T`` over 576 columns, ``O = P V`` with V the same
+key tile in shared memory read MN-major. Why the value columns are split across two CTAs (tensor memory cannot hold
+a 128 x 512 float32 O beside S) is in ``sm100_config``. A CTA is (row block, value half x split, request) dense, or
+(row block of one token's heads, value half x split, token) sparse. Warp roles follow the MHA kernel
+(``attention/sm100.py``):
+
+* warps 0-3, softmax: thread ``t`` owns packed row ``t`` (TMEM lane ``t``): reads its row of S (``tcgen05.ld``),
+  masks, optionally soft-caps, runs the online softmax in base 2, writes P (16-bit) to shared memory and rescales its
+  row of the O half in TMEM before the MMA warp adds ``P V``; at the end divides by the row sum (with the sink's
+  term) and writes the output half, or a split's partial.
+* warp 4, MMA: ``S[j % 2] = Q K_j^T`` (36 MMAs of K=16), then ``O += P_{j-1} V_{j-1}`` (the value half of the same
+  stage), so the QK of one tile overlaps the softmax of the previous one. Owns the TMEM allocation.
+* warp 5, load: each lane resolves key rows of the tile into the stage's row array, then gather4 TMAs bring 4 rows x
+  64 columns each straight into the MMA's 128-byte-swizzled tile (the swizzle on the smem pointer, so each
+  instruction lands 512 bytes past the previous one). Dense rows: ``lookup_table[b, k // P] * rows_per_page + k % P``
+  for keys of the request. Sparse rows: MAX's ``get_tma_row`` of the encoded entry ``enc = page * P + offset``,
+  ``(enc // P) * rows_per_page + enc % P``. A key past the request (past ``topk_lengths``), ``-1`` or any entry
+  outside ``[0, N * P)`` gets the row one past the row view, which TMA zero-fills: nothing outside the cache is read.
+  The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
+  gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
+
+TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
+(``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait): the allocation,
+S (QK commit -> softmax loads; softmax loads -> the next QK into the buffer), P/O (softmax rescale -> PV MMA), O
+(PV commit -> rescale / epilogue loads) and the dealloc.
+
+Split-KV, sinks, soft-cap and the log-sum-exp follow the MHA kernels: a split writes its half of ``O/l`` and (value
+half 0) ``lse = m + log2 l`` for ``AttentionCombine``; the sink joins the denominator of split 0 only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import nvvm
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.memory import SmemAllocator, TmemAllocator
+
+from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
+from cute_kv.kernels.attention.config import VEC
+from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
+                                              supported, tiling)
+from cute_kv.kernels.paged import populate, tma_tiles
+from cute_kv.kernels.paged.ragged_rows import request_rows
+
+SOFTMAX_THREADS = 128  # warps 0-3
+MMA_WARP = 4
+LOAD_WARP = 5
+THREADS = 32 * (LOAD_WARP + 1)
+TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
+NEG_INF = Float32(float("-inf"))
+LN2 = math.log(2.0)
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
+P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
+S_COLS = BN  # TMEM columns of one S tile
+O_COL = 2 * BN  # first TMEM column of the O half
+
+
+@dsl_user_op
+def tmem_fence_before_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations are ordered before its next
+    thread synchronization (mbarrier arrival, barrier), as the PTX memory model asks of TMEM handed to another
+    thread."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tmem_fence_after_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the
+    synchronization it just completed, so they see the TMEM the other side wrote or released."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+class MlaDecodeSm100:
+    """Compile-time key: dtype (of Q, O, the cache and the MMAs), query heads, ``latent_dim``, ``v_dim``,
+    ``page_size``, ``sparse``, the flags ``softcap``, ``sinks``, ``return_lse`` and (sparse) whether
+    ``topk_lengths`` is given."""
+
+    def __init__(self, dtype_name: str, num_q_heads: int, latent_dim: int, v_dim: int, page_size: int,
+                 sparse: bool = False, softcap: bool = False, sinks: bool = False, return_lse: bool = False,
+                 topk_lengths: bool = False):
+        problem = supported(dtype_name, dtype_name, latent_dim, v_dim, page_size)
+        if problem:
+            raise ValueError(problem)
+        self.dtype = DTYPES[dtype_name]
+        self.num_q_heads, self.latent_dim, self.v_dim, self.page_size = num_q_heads, latent_dim, v_dim, page_size
+        self.group = num_q_heads  # packed rows per token: one latent KV head
+        self.sparse, self.softcap, self.sinks, self.return_lse = sparse, softcap, sinks, return_lse
+        self.has_topk_lengths = sparse and topk_lengths
+        self.plan = tiling(latent_dim)
+
+    # -- host ------------------------------------------------------------------------------------
+
+    def fake_args(self) -> tuple:
+        dt, d, dv, hq = self.dtype, self.latent_dim, self.v_dim, self.num_q_heads
+        t = cute.sym_int32()
+        row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
+        q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        out = make_fake_tensor(dt, (t, hq, dv), stride=(row(), dv, 1), assumed_align=16)
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, dv),
+                                          stride_order=(3, 2, 1, 0), assumed_align=16)
+        lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
+                                            stride_order=(2, 1, 0), assumed_align=4)
+        lse = make_fake_compact_tensor(Float32, (cute.sym_int32(), hq), stride_order=(1, 0), assumed_align=4)
+        p = self.page_size
+        blocks = make_fake_tensor(dt, (cute.sym_int32(), 1, cute.sym_int32(), p, 1, d), stride=(
+            cute.sym_int64(divisibility=p * d), cute.sym_int64(divisibility=p * d), p * d, d, d, 1),
+            assumed_align=16)
+        b = cute.sym_int32()
+        offsets = lengths = lut = indices = topk_lengths = None
+        if self.sparse:
+            indices = make_fake_tensor(Int32, (t, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4)
+            if self.has_topk_lengths:
+                topk_lengths = make_fake_compact_tensor(Int32, (t,), assumed_align=4)
+        else:
+            lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4)
+            offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
+            lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
+        sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
+        return (q, out, o_part, lse_part, lse, blocks, offsets, lengths, lut, indices, topk_lengths, sinks, Int32(0),
+                Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(1.0),
+                make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
+                 lse: cute.Tensor, blocks: cute.Tensor, input_row_offsets: Optional[cute.Tensor],
+                 cache_lengths: Optional[cute.Tensor], lookup_table: Optional[cute.Tensor],
+                 indices: Optional[cute.Tensor], topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
+                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, batch: Int32, causal: Int32,
+                 score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
+        """Dense: ``input_row_offsets``, ``cache_lengths``, ``lookup_table`` name each request's keys; ``batch``
+        requests. Sparse: ``indices [T, topk]`` (and ``topk_lengths [T]``) name each token's keys; ``batch`` = T.
+        ``m_blocks``: row blocks per request (dense ``ceil(max_seq_len * Hq / BM)``, sparse ``ceil(Hq / BM)``).
+        Logits in base 2 are ``score_scale * q.k``, or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``."""
+        dt = self.dtype
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                                          tcgen05.CtaGroup.ONE, (BM, BN))
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                                          tcgen05.CtaGroup.ONE, (BM, O_COLS))
+        rows = tma_tiles.kv_row_view(blocks, 0, layer_idx)
+        # The index tensor only shapes the descriptor; the kernel points it at its shared-memory rows.
+        index_src = indices.iterator if cutlass.const_expr(self.sparse) else cute.recast_ptr(lookup_table.iterator,
+                                                                                             dtype=Int32)
+        index = cute.make_tensor(index_src, cute.make_layout((BN,)))
+        tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, BN, GATHER_WIDTH,
+                                                          SWIZZLE)
+        rows_per_page = blocks.shape[1] * blocks.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
+        num_slots = blocks.shape[0] * self.page_size  # encoded sparse entries in [0, N*P) name a row
+        grid = (m_blocks, V_SPLIT * num_splits, batch)
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, q, out, o_part, lse_part, lse, input_row_offsets,
+                    cache_lengths, lookup_table, indices, topk_lengths, sinks, rows_per_page, rows.shape[0],
+                    num_slots, num_splits, causal, score_scale, cap_log2).launch(
+            grid=grid, block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    # -- device ----------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
+               g_k: cute.Tensor, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
+               lse: cute.Tensor, input_row_offsets: Optional[cute.Tensor], cache_lengths: Optional[cute.Tensor],
+               lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
+               topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor], rows_per_page: Int32,
+               oob_row: Int32, num_slots: Int32, num_splits: Int32, causal: Int32, score_scale: Float32,
+               cap_log2: Float32):
+        dt, d, group = self.dtype, self.latent_dim, self.group
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, half_split, b = cute.arch.block_idx()
+        v_half = half_split % V_SPLIT
+        split = half_split // V_SPLIT
+        # Dense: request b's new tokens, after cache_len keys. Sparse: token b alone, its top-k entries the keys.
+        q_start, seq_len, cache_len, num_keys = b, Int32(1), Int32(0), Int32(0)
+        if cutlass.const_expr(self.sparse):
+            num_keys = Int32(indices.shape[1])
+            if cutlass.const_expr(self.has_topk_lengths):
+                num_keys = cutlass.max(cutlass.min(Int32(topk_lengths[b]), num_keys), 0)
+        else:
+            q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
+            cache_len = Int32(cache_lengths[b])
+            num_keys = cache_len + seq_len
+        m0 = m_block * BM
+        if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if cutlass.const_expr(self.sparse):
+                causal = Int32(0)  # the indices decide which keys a token sees
+            first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, Int32(0), split,
+                                              num_splits, BM, BN, group)
+
+            smem = SmemAllocator()
+            kv_bars = smem.allocate_array(cutlass.Int64, 2 * STAGES)
+            s_bars = smem.allocate_array(cutlass.Int64, 4)
+            p_bars = smem.allocate_array(cutlass.Int64, 2)
+            s_rows = smem.allocate_tensor(Int32, cute.make_layout((BN, STAGES)), byte_alignment=16)
+            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
+            sp_layout = tma_tiles.smem_tile_layout(dt, BM, BN, P_SWIZZLE)
+            ring_layout = tma_tiles.smem_tile_layout(dt, BN, d, SWIZZLE, stages=STAGES)
+            s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
+            s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
+            ring = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+            # V as the PV MMA's B operand: this CTA's value half of the key tile, (O_COLS, BN) with the value dim
+            # contiguous (MN-major), the same bytes (a stage is BN x latent_dim).
+            s_vt = cute.composition(cute.domain_offset((0, v_half * O_COLS, 0), ring),
+                                    cute.make_layout((O_COLS, BN, STAGES), stride=(BN, 1, BN * d)))
+
+            one_cta = cute.make_layout((1, 1, 1, 1))
+            thread = pipeline.Agent.Thread
+            kv_pipe = pipeline.PipelineTmaUmma.create(
+                barrier_storage=kv_bars, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(thread),
+                consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
+                cta_layout_vmnk=one_cta, defer_sync=True)
+            s_pipe = pipeline.PipelineUmmaAsync.create(
+                barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
+                consumer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS), cta_layout_vmnk=one_cta,
+                defer_sync=True)
+            p_pipe = pipeline.PipelineAsyncUmma.create(
+                barrier_storage=p_bars, num_stages=1,
+                producer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS),
+                consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+
+            tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
+                                                                            num_threads=THREADS),
+                                 allocator_warp_id=MMA_WARP)
+            tmem.allocate(TMEM_COLUMNS)
+            self.load_q(s_q, q, q_start, seq_len, m0)
+            cute.arch.mbarrier_init_fence()
+            tmem_fence_before_sync()  # the allocation before the barrier that publishes it
+            tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
+            tmem_fence_after_sync()
+            tmem.relinquish_alloc_permit()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+
+            thr_qk = tiled_mma_qk.get_slice(0)
+            thr_pv = tiled_mma_pv.get_slice(0)
+            # TMEM: S tiles at columns [0, BN) and [BN, 2 BN), the O half at [2 BN, 2 BN + O_COLS).
+            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, BN)), 2))
+            t_s = cute.make_tensor(tmem_ptr, t_s.layout)
+            t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, O_COLS)))
+            t_o = cute.make_tensor(tmem_ptr + O_COL, t_o.layout)
+
+            if warp_idx == LOAD_WARP:
+                cpasync.prefetch_descriptor(tma_k)
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                for _ in cutlass.range(n_tiles, unroll=1):
+                    self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring, s_rows, lookup_table,
+                                     indices, b, num_keys, rows_per_page, oob_row, num_slots)
+                    prod.advance()
+                kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
+            if warp_idx == MMA_WARP:
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, ring, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
+                         p_pipe, n_tiles)
+            if warp_idx < SOFTMAX_THREADS // 32:
+                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_pipe, p_pipe, indices, b, first_tile, n_tiles, m0,
+                                                seq_len, cache_len, num_keys, causal, rows_per_page, oob_row,
+                                                num_slots, score_scale, cap_log2)
+                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
+                              v_half, split, num_splits)
+            tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
+            cute.arch.sync_threads()
+            tmem_fence_after_sync()  # ... and the dealloc after it
+            tmem.free(tmem_ptr)
+
+    @cute.jit
+    def key_row(self, lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor], b: Int32, key: Int32,
+                num_keys: Int32, rows_per_page: Int32, oob_row: Int32, num_slots: Int32) -> Int32:
+        """Row of the layer's row view holding key ``key`` of request (dense) or token (sparse) ``b``; ``oob_row``
+        (zero-filled by TMA) past the keys, for dense keys whose page column lies past the lookup table's row
+        (unchecked lengths) and for sparse entries outside ``[0, N * P)`` (masked by the softmax)."""
+        row = oob_row
+        if cutlass.const_expr(self.sparse):
+            if key < num_keys:
+                enc = Int32(indices[b, key])
+                if enc >= 0:
+                    if enc < num_slots:
+                        row = (enc // self.page_size) * rows_per_page + enc % self.page_size
+        else:
+            row = populate.key_row(lookup_table, b, key, num_keys, rows_per_page, self.page_size, oob_row)
+        return row
+
+    @cute.jit
+    def gather_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
+                    tma_k: cute.CopyAtom, g_k: cute.Tensor, ring: cute.Tensor, s_rows: cute.Tensor,
+                    lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor], b: Int32, num_keys: Int32,
+                    rows_per_page: Int32, oob_row: Int32, num_slots: Int32):
+        """Load warp: key tile ``tile`` into stage ``prod.index``: a lane per key row into the stage's row array,
+        then gather4, 4 rows x one 128-byte swizzle row per instruction, ``latent_dim / 64`` column blocks."""
+        lane = cute.arch.lane_idx()
+        pipe.producer_acquire(prod)
+        cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
+        s_rows[lane, prod.index] = self.key_row(lookup_table, indices, b, tile * BN + lane, num_keys, rows_per_page,
+                                                oob_row, num_slots)
+        cute.arch.sync_warp()
+        bar = pipe.producer_get_barrier(prod)
+        index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
+                                                    cute.make_layout((BN, GATHER_WIDTH), stride=(1, 0))),
+                                   (BN, GATHER_WIDTH))
+        for c in cutlass.range_constexpr(self.latent_dim // GATHER_WIDTH):
+            src = cute.zipped_divide(cute.domain_offset((0, c * GATHER_WIDTH), g_k), (BN, GATHER_WIDTH))
+            dst = cute.local_tile(ring[None, None, prod.index], (BN, GATHER_WIDTH), (0, c))
+            t_s, t_g, t_i = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                  [src, index])
+            cute.copy(tma_k, [t_g[None, (0, 0)], t_i[None, (0, 0)]], t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
+            thr_pv: cute.ThrMma, s_q: cute.Tensor, ring: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
+            t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
+            p_pipe: pipeline.PipelineAsyncUmma, n_tiles: Int32):
+        """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (V: the CTA's value half of the
+        same stage, released by the commit of that PV MMA)."""
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
+        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(ring))
+        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
+        t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
+        kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        p_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for j in cutlass.range(n_tiles + 1, unroll=1):
+            if j < n_tiles:
+                kv_pipe.consumer_wait(kv_read)
+                s_pipe.producer_acquire(s_write)
+                tmem_fence_after_sync()  # the softmax's loads of this S buffer before the MMA overwrites it
+                acc_s = t_s[None, None, None, s_write.index]
+                for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
+                    tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, kv_read.index], acc_s)
+                s_pipe.producer_commit(s_write)
+                s_write.advance()
+                kv_read.advance()
+            if j > 0:
+                p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled ...
+                tmem_fence_after_sync()  # ... by the softmax's tcgen05.st, ordered before the MMA accumulates O
+                tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
+                for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
+                    cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, kv_done.index], t_o)
+                    tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
+                p_pipe.consumer_release(p_read)  # on completion: P free, O final for this tile
+                kv_pipe.consumer_release(kv_done)  # on completion: the key stage is free
+                p_read.advance()
+                kv_done.advance()
+
+    @cute.jit
+    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_pipe: pipeline.PipelineUmmaAsync,
+                p_pipe: pipeline.PipelineAsyncUmma, indices: Optional[cute.Tensor], b: Int32, first_tile: Int32,
+                n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
+                rows_per_page: Int32, oob_row: Int32, num_slots: Int32, score_scale: Float32, cap_log2: Float32):
+        """Softmax warpgroup: row ``tidx`` of every S tile -> P; rescales the O half's row. Masked: keys past the
+        row's causal end (dense), and (sparse) keys past ``topk_lengths`` or naming no row. Returns ``(row_max,
+        row_sum)`` (base 2) after waiting for the last PV MMA."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tok = (m0 + tidx) // self.group
+        row_end = num_keys
+        if cutlass.const_expr(not self.sparse):
+            if causal != 0:
+                row_end = cutlass.min(cache_len + tok + 1, num_keys)
+        if tok >= seq_len:
+            row_end = Int32(0)  # a padding row: everything masked
+
+        s_tile = t_s[(None, None), 0, 0, 0]
+        load_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(BN)),
+                                                            Float32), s_tile).get_slice(tidx)
+        t_s_src = load_s.partition_S(s_tile)
+        cols = load_s.partition_D(cute.make_identity_tensor((BM, BN)))  # (row, key) of each S register
+        scores = cute.make_rmem_tensor(cols.shape, Float32)
+        probs = cute.make_rmem_tensor(cols.shape, self.dtype)
+        t_p_dst = load_s.partition_D(s_p)  # this thread's row of P, in the same register order
+
+        row_max = NEG_INF
+        row_sum = Float32(0.0)
+        s_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        p_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for j in cutlass.range(n_tiles, unroll=1):
+            tile_base = (first_tile + j) * BN
+            s_pipe.consumer_wait(s_read)
+            tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
+            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * S_COLS, t_s_src.layout), scores)
+            cute.arch.fence_view_async_tmem_load()
+            tmem_fence_before_sync()
+            s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
+            s_read.advance()
+
+            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
+                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
+                                                                      (score_scale, score_scale))
+                if cutlass.const_expr(self.softcap):
+                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
+                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+            masked = Int32(0)  # most tiles of a dense context are whole
+            if tile_base + BN > row_end:
+                masked = Int32(1)
+            valid = Int32(-1)  # bit k: key k of the tile names a row
+            if cutlass.const_expr(self.sparse):
+                # Lane k resolves key k as the load warp did (BN = 32 lanes), one ballot gives the warp the tile.
+                row = self.key_row(None, indices, b, tile_base + cute.arch.lane_idx(), num_keys, rows_per_page,
+                                   oob_row, num_slots)
+                valid = cute.arch.vote_ballot_sync(row != oob_row)
+                if valid != -1:
+                    masked = Int32(1)
+            if masked != 0:
+                for c in cutlass.range(cute.size(scores), unroll_full=True):
+                    key = cols[c][1]
+                    if tile_base + key >= row_end:
+                        scores[c] = NEG_INF
+                    if cutlass.const_expr(self.sparse):
+                        if ((valid >> key) & 1) == 0:
+                            scores[c] = NEG_INF
+            new_max = PagedAttentionSm100.row_reduce(scores, row_max, cute.arch.fmax)
+            ref = new_max
+            if new_max == NEG_INF:
+                ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
+            corr = cute.math.exp2(row_max - ref, fastmath=True)
+            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
+                scores[c] = cute.math.exp2(scores[c], fastmath=True)
+                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
+            row_sum = PagedAttentionSm100.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
+            row_max = new_max
+            probs.store(scores.load().to(self.dtype))
+
+            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable ...
+            tmem_fence_after_sync()  # ... and ordered before this thread's tcgen05.ld/st of O
+            cute.autovec_copy(probs, t_p_dst)
+            # O changes only where a row's max moved; the TMEM copies are warp-wide, so a warp skips the
+            # rescale only when none of its rows moved (exact: the skipped factor is 1).
+            if j > 0:
+                if cute.arch.vote_any_sync(corr != 1.0):
+                    self.rescale_o(t_o, corr)
+            cute.arch.fence_view_async_tmem_store()
+            cute.arch.fence_view_async_shared()  # P is read by the MMA next
+            tmem_fence_before_sync()
+            p_pipe.producer_commit(p_write)
+            p_write.advance()
+        p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
+        tmem_fence_after_sync()
+        return row_max, row_sum
+
+    @cute.jit
+    def o_copies(self, t_o: cute.Tensor):
+        """This thread's row of the O half in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source,
+        destination, register shape)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
+        load = tcgen05.make_tmem_copy(cute.make_copy_atom(
+            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+        store = tcgen05.make_tmem_copy(cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+        shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
+        return load, store, load.partition_S(piece), store.partition_D(piece), shape
+
+    @cute.jit
+    def rescale_o(self, t_o: cute.Tensor, corr: Float32):
+        """The O half's row *= ``corr`` in TMEM (between the PV MMAs of two tiles)."""
+        load, store, src, dst, shape = self.o_copies(t_o)
+        vals = cute.make_rmem_tensor(shape, Float32)
+        for i in cutlass.range_constexpr(O_COLS // O_CHUNK):
+            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
+                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
+            cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
+
+    @cute.jit
+    def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
+                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
+                 seq_len: Int32, m0: Int32, v_half: Int32, split: Int32, num_splits: Int32):
+        """Row ``tidx``: its O half ``/ l`` to ``out`` (one split) or to this split's float32 partial; value half 0
+        writes the row's lse (base 2 for a split, natural with ``return_lse``). The sink joins split 0's
+        denominator. A row with no visible key writes 0, and lse = -inf (the sink's with one)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tok = (m0 + tidx) // self.group
+        head = (m0 + tidx) % self.group
+        total = row_sum
+        top = row_max
+        if cutlass.const_expr(self.sinks):
+            if split == 0:
+                sink = Float32(sinks[head]) * Float32(1.0 / LN2)
+                top = cute.arch.fmax(row_max, sink)
+                total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
+                                                                                                fastmath=True)
+        inv = Float32(0.0)
+        if row_sum > 0.0:
+            inv = cute.math.exp2(row_max - top, fastmath=True) / total
+        load, _, src, _, shape = self.o_copies(t_o)
+        vals = cute.make_rmem_tensor(shape, Float32)
+        res = cute.make_rmem_tensor(shape, self.dtype)
+        chunk0 = v_half * (O_COLS // O_CHUNK)  # the half's first O_CHUNK column block of the output row
+        for i in cutlass.range_constexpr(O_COLS // O_CHUNK):
+            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+            for e in cutlass.range_constexpr(cute.size(vals)):
+                vals[e] = vals[e] * inv
+            if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
+                vals.fill(0.0)
+            if tok < seq_len:
+                row = q_start + tok
+                if num_splits == 1:
+                    res.store(vals.load().to(self.dtype))
+                    cute.autovec_copy(res, cute.local_tile(out[row, head, None], (O_CHUNK,), (chunk0 + i,)))
+                else:
+                    cute.autovec_copy(vals, cute.local_tile(o_part[split, row, head, None], (O_CHUNK,),
+                                                            (chunk0 + i,)))
+        if tok < seq_len:
+            if v_half == 0:
+                lse2 = NEG_INF
+                if total > 0.0:
+                    lse2 = top + cute.math.log2(total, fastmath=True)
+                if num_splits == 1:
+                    if cutlass.const_expr(self.return_lse):
+                        lse[q_start + tok, head] = lse2 * Float32(LN2)
+                else:
+                    lse_part[split, q_start + tok, head] = lse2
+
+    @cute.jit
+    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32):
+        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time (all warps); rows past the
+        request are 0. Made visible to the MMA (async proxy) before the CTA's first barrier."""
+        chunks = self.latent_dim // VEC
+        tidx, _, _ = cute.arch.thread_idx()
+        vals = cute.make_rmem_tensor((VEC,), self.dtype)
+        for idx in cutlass.range(tidx, BM * chunks, THREADS, unroll=1):
+            copy_q_chunk(q, s_q, vals, idx // chunks, idx % chunks, m0, q_start, seq_len, Int32(0), self.group)
+        cute.arch.fence_view_async_shared()

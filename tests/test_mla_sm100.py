@@ -1,0 +1,614 @@
+"""``MlaDecodeSm100``: which calls it serves (host), its plan replayed in PyTorch (no GPU), what it compiles to for
+sm_100a (PTX and ptxas), and the kernel against float64 oracles on a B200 (``gpu``, skipped elsewhere).
+
+The plan replay walks the grid the host launches (``launch_shape`` / ``launch_shape_sparse``: 128 packed (token,
+head) rows, two value halves, 32-key tiles, splits) and does per CTA what ``kernels/mla/sm100.py`` does: the split's
+tile range, each key's row in the layer's row view (dense: the lookup table; sparse: ``get_tma_row`` of the encoded
+entry, the one-past-the-end sentinel for -1, entries past ``topk_lengths`` and entries outside ``[0, N*P)``, read as
+TMA's zero fill from the cache flattened to rows), per-row masks, soft-cap, the base-2 online softmax with the
+kernel's guards, P rounded to 16 bits, the O half rescaled before each ``P V``, the sink in split 0's denominator,
+and the split merge. The oracles index the 6-D cache directly.
+"""
+
+import math
+import re
+import subprocess
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Int32
+from cutlass.cute.runtime import from_dlpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cute_kv import reference as ref
+from cute_kv.kernels.mla.sm100_config import BM, BN, O_COLS, SMEM_PER_CTA, STAGES, TMEM_COLUMNS, V_SPLIT, tiling
+from cute_kv.ops import mla_decode_sm100
+from cute_kv.ops.paged_attention import plan
+from cute_kv.ops.paged_attention_sm100 import score_args
+from cute_kv.reference.batch import random_paged_batch
+
+from numerics import rel_err
+
+NEG_INF = float("-inf")
+LN2 = math.log(2.0)
+B200_SMS = 148
+LATENT, V_DIM = 576, 512
+
+
+def _mla_batch(cache_lengths, new_lengths, page_size, seed=0, num_layers=2, spare_pages=3, dtype=torch.bfloat16):
+    return random_paged_batch(cache_lengths, new_lengths, num_heads=1, head_size=LATENT, page_size=page_size,
+                              is_mla=True, num_layers=num_layers, spare_pages=spare_pages, dtype=dtype,
+                              generator=torch.Generator().manual_seed(seed))
+
+
+# -- host: what the kernel serves ------------------------------------------------------------------------------------
+
+def test_sm100_mla_serves_16_bit_latent_caches():
+    for page_size, dtype in ((1, torch.bfloat16), (16, torch.float16), (64, torch.bfloat16), (3, torch.bfloat16)):
+        pb = _mla_batch([5, 40], [3, 1], page_size, dtype=dtype)
+        q = torch.zeros(pb.total_rows, 16, LATENT, dtype=dtype)
+        path = plan(pb.collection, q, "sm_100a", None, 5.0, torch.zeros(16), True, V_DIM, None)
+        assert path.path == "kernel" and path.kernel == "MlaDecodeSm100"
+        assert path.key == ("mla_decode_sm100", str(dtype).split(".")[-1], 16, LATENT, V_DIM, page_size, False, True,
+                            True, True, False)
+
+
+@pytest.mark.parametrize("case", [
+    ({"mla_v_dim": 448}, "mla_v_dim"),
+    ({"window": 8}, "sliding window"),
+    ({"q_dtype": torch.float16}, "same 16-bit dtype"),
+    ({"head_size": 128}, "latent dims"),
+    ({"scale": -1.0}, "non-positive scale"),
+    ({"arch": "sm_90a"}, "no attention kernel on sm_90a"),
+])
+def test_sm100_mla_leaves_the_rest_to_the_reference(case):
+    args, reason = case
+    pb = random_paged_batch([5], [2], num_heads=1, head_size=args.get("head_size", LATENT), page_size=16,
+                            is_mla=True, generator=torch.Generator().manual_seed(1))
+    q = torch.zeros(pb.total_rows, 8, pb.collection.head_size, dtype=args.get("q_dtype", torch.bfloat16))
+    path = plan(pb.collection, q, args.get("arch", "sm_100a"), args.get("scale"), None, None, False,
+                args.get("mla_v_dim", min(V_DIM, pb.collection.head_size)), args.get("window"))
+    assert path.path == "reference" and reason in path.reason, path.reason
+
+
+def test_sm100_mla_dispatch_reaches_the_kernel_plan():
+    # paged_attention's explain (what dispatch asks) hands mla_v_dim and window to the MLA plan.
+    from cute_kv.ops.paged_attention import explain
+
+    pb = _mla_batch([7], [2], 16)
+    q = torch.zeros(pb.total_rows, 16, LATENT, dtype=torch.bfloat16)
+    path = explain(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=V_DIM, arch="sm_100a")
+    assert path.kernel == "MlaDecodeSm100" and path.key[4] == V_DIM
+    path = explain(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=V_DIM, window=4, arch="sm_100a")
+    assert path.path == "reference" and "sliding window" in path.reason
+
+
+def test_sm100_mla_rope_aware_fp8_cache_is_left_to_the_reference():
+    pb = _mla_batch([7], [2], 16)
+    pb.collection.rope_dim = 64  # what the rope-aware cache's collection exposes
+    q = torch.zeros(pb.total_rows, 16, LATENT, dtype=torch.bfloat16)
+    path = plan(pb.collection, q, "sm_100a", None, None, None, False, V_DIM, None)
+    assert path.path == "reference" and "rope-aware" in path.reason
+
+
+def test_sm100_mla_sparse_plan():
+    pb = _mla_batch([5], [2], 64)
+    q = torch.zeros(2, 128, LATENT, dtype=torch.bfloat16)
+    indices = torch.zeros(2, 2048, dtype=torch.int32)
+    path = mla_decode_sm100.plan_sparse(pb.collection, q, indices, "sm_100a", mla_v_dim=V_DIM,
+                                        topk_lengths=torch.ones(2, dtype=torch.int32))
+    assert path.key == ("mla_decode_sm100", "bfloat16", 128, LATENT, V_DIM, 64, True, False, False, False, True)
+    no = mla_decode_sm100.plan_sparse(pb.collection, q, indices.long(), "sm_100a", mla_v_dim=V_DIM)
+    assert no.path == "reference" and "int32" in no.reason
+
+
+def test_sm100_mla_sparse_launch_rejects_mismatched_indices():
+    pb = _mla_batch([5], [2], 64)
+    q = torch.zeros(2, 16, LATENT, dtype=torch.bfloat16)
+    out = torch.empty(2, 16, V_DIM, dtype=torch.bfloat16)
+    key = ("mla_decode_sm100", "bfloat16", 16, LATENT, V_DIM, 64, True, False, False, False, True)
+    run = mla_decode_sm100.launch_sparse(key, "sm_100a")  # nothing compiles before the checks pass
+    good = torch.zeros(2, 8, dtype=torch.int32)
+    lengths = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        run(q, pb.collection, 0, torch.zeros(1, 8, dtype=torch.int32), topk_lengths=lengths, out=out)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        run(q, pb.collection, 0, good.long(), topk_lengths=lengths, out=out)
+    with pytest.raises(ValueError, match="topk_lengths must be int32"):
+        run(q, pb.collection, 0, good, topk_lengths=torch.ones(3, dtype=torch.int32), out=out)
+    with pytest.raises(ValueError, match="exactly when the plan"):
+        run(q, pb.collection, 0, good, out=out)
+
+
+def test_sm100_mla_tiling_fits_one_cta_per_sm():
+    t = tiling(LATENT)
+    # Q 128 x 576, P 128 x 32 (16-bit), two 32 x 576 key stages, barriers and row arrays: one CTA per SM.
+    assert (t.q_bytes, t.p_bytes, t.stage_bytes) == (147456, 8192, 36864)
+    assert t.smem == 230400 <= SMEM_PER_CTA
+    assert t.tmem_columns == 2 * BN + O_COLS == 320 <= TMEM_COLUMNS
+    assert V_SPLIT * O_COLS == V_DIM
+
+
+def test_sm100_mla_splits_fill_the_gpu():
+    pb = _mla_batch([4000], [1], 64)
+    m_blocks, splits = mla_decode_sm100.launch_shape(pb.collection, 128, B200_SMS)
+    assert m_blocks == 1 and splits > 1  # one request: the key range is split to reach the SMs
+    assert V_SPLIT * splits * m_blocks <= 2 * B200_SMS
+    m_blocks, splits = mla_decode_sm100.launch_shape_sparse(64, 128, 2048, B200_SMS)
+    assert m_blocks == 1 and 1 <= splits
+    assert mla_decode_sm100.launch_shape_sparse(3, 16, 0, B200_SMS) == (1, 1)  # no keys: one split, no tile
+
+
+# -- plan replay -----------------------------------------------------------------------------------------------------
+
+def _split_tiles(m0, seq_len, cache_len, num_keys, causal, split, splits, group):
+    tok_last = (min(m0 + BM, seq_len * group) - 1) // group
+    k_end = cache_len + tok_last + 1 if causal else num_keys
+    tiles = -(-k_end // BN)
+    per_split = -(-tiles // splits)
+    return split * per_split, max(min(per_split, tiles - split * per_split), 0)
+
+
+def _row_view(blocks, layer):
+    """The kernel's gather4 source: the cache flattened to ``[rows, 576]`` from the layer's plane, ``oob_row`` rows."""
+    n, kvd, nl, p = blocks.shape[:4]
+    flat = blocks.reshape(-1, blocks.shape[-1])[layer * p:]
+    return flat, (n - 1) * kvd * nl * p + p, kvd * nl * p
+
+
+def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half, score_scale, cap_log2, softcap,
+              dtype, sparse=False):
+    """One CTA over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max, row_sum)`` (base 2).
+    Keys are masked past ``row_end``, and (sparse) where the entry names no row; a dense key inside ``row_end``
+    is not masked even when its row is the zero-filled one (a page column past the lookup row)."""
+    row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
+    row_sum = torch.zeros(BM, dtype=torch.float64)
+    acc = torch.zeros(BM, O_COLS, dtype=torch.float64)
+    for t in range(first_tile, first_tile + n_tiles):
+        key_rows = [keys_rows(t * BN + i) for i in range(BN)]
+        kt = torch.zeros(BN, qr.shape[1], dtype=torch.float64)
+        for i, r in enumerate(key_rows):
+            if 0 <= r < oob_row:  # TMA: rows outside the view are zero-filled
+                kt[i] = rows[r].double()
+        s = (qr @ kt.T) * score_scale
+        if softcap:
+            s = cap_log2 * torch.tanh(s)
+        keys = torch.arange(t * BN, (t + 1) * BN)
+        invalid = torch.tensor([sparse and r == oob_row for r in key_rows])
+        s = s.masked_fill((keys[None, :] >= row_end[:, None]) | invalid[None, :], NEG_INF)
+        new_max = torch.maximum(row_max, s.max(dim=1).values)
+        ref_max = torch.where(new_max == NEG_INF, 0.0, new_max)
+        corr = torch.exp2(row_max - ref_max)
+        p = torch.exp2(s - ref_max[:, None])
+        row_sum = row_sum * corr + p.sum(dim=1)
+        row_max = new_max
+        p16 = p.to(dtype).double()
+        acc = acc * corr[:, None] + p16 @ kt[:, v_half * O_COLS:(v_half + 1) * O_COLS]
+    return acc, row_max, row_sum
+
+
+def _epilogue(acc, row_max, row_sum, sinks, heads, split):
+    total, top = row_sum.clone(), row_max.clone()
+    if sinks is not None and split == 0:
+        sink = sinks[heads].double() / LN2
+        top = torch.maximum(row_max, sink)
+        total = row_sum * torch.exp2(row_max - top) + torch.exp2(sink - top)
+    inv = torch.where(row_sum > 0, torch.exp2(row_max - top) / total, 0.0)
+    o = torch.where((row_sum > 0)[:, None], acc * inv[:, None], 0.0)
+    lse = torch.where(total > 0, top + torch.log2(total), NEG_INF)
+    return o, lse
+
+
+def _merge(o_part, lse_part):
+    top = lse_part.max(dim=0).values
+    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
+    out = (w[..., None] * o_part).sum(0) / w.sum(0).clamp_min(1e-300)[..., None]
+    out = torch.where(w.sum(0)[..., None] > 0, out, 0.0)
+    return out, torch.logsumexp(lse_part * LN2, dim=0)
+
+
+def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=None, slots=B200_SMS,
+                force_splits=None):
+    """The whole dense launch (grid, value halves, splits, combine): float64 ``(out [T, Hq, 512], lse [T, Hq])``."""
+    c = pb.collection
+    t, hq, d = q.shape
+    score_scale, cap_log2 = score_args(d, scale, softcap)
+    m_blocks, splits = mla_decode_sm100.launch_shape(c, hq, slots, causal)
+    splits = force_splits or splits
+    o_part = torch.full((splits, t, hq, V_DIM), float("nan"), dtype=torch.float64)
+    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
+    lut = c.lookup_table.long()
+    p = c.page_size
+    offsets = pb.input_row_offsets.tolist()
+    for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
+        num_keys = cache_len + n
+
+        def key_row(key, b=b, num_keys=num_keys):  # a page column past the lookup row (unchecked lengths): no row
+            if key >= num_keys or key // p >= lut.shape[1]:
+                return oob_row
+            return int(lut[b, key // p]) * rows_per_page + key % p
+
+        for m_block in range(m_blocks):
+            m0 = m_block * BM
+            if m0 >= n * hq:
+                continue
+            toks = torch.arange(m0, m0 + BM) // hq
+            heads = torch.arange(m0, m0 + BM) % hq
+            live = toks < n
+            qr = torch.zeros(BM, d, dtype=torch.float64)
+            qr[live] = q[offsets[b] + toks[live], heads[live]].double()
+            row_end = torch.clamp(cache_len + toks + 1, max=num_keys) if causal else torch.full((BM,), num_keys)
+            row_end = torch.where(live, row_end, 0)
+            for split in range(splits):
+                first, count = _split_tiles(m0, n, cache_len, num_keys, causal, split, splits, hq)
+                for v_half in range(V_SPLIT):
+                    acc, mx, sm = model_cta(qr, key_row, rows, oob_row, row_end, first, count, v_half, score_scale,
+                                            cap_log2, bool(softcap), q.dtype)
+                    o, lse = _epilogue(acc, mx, sm, sinks, heads, split)
+                    o_part[split, offsets[b] + toks[live], heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = \
+                        o[live]
+                    lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
+    return _merge(o_part, lse_part)
+
+
+def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None, slots=B200_SMS,
+                 force_splits=None):
+    """The whole sparse launch: one token's heads per row block, keys from its encoded entries."""
+    t, hq, d = q.shape
+    topk = indices.shape[1]
+    score_scale, cap_log2 = score_args(d, scale, softcap)
+    m_blocks, splits = mla_decode_sm100.launch_shape_sparse(t, hq, topk, slots)
+    splits = force_splits or splits
+    o_part = torch.full((splits, t, hq, V_DIM), float("nan"), dtype=torch.float64)
+    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
+    p, num_slots = c.page_size, c.blocks.shape[0] * c.page_size
+    for tok in range(t):
+        num_keys = topk if topk_lengths is None else max(min(int(topk_lengths[tok]), topk), 0)
+
+        def key_row(key, tok=tok, num_keys=num_keys):
+            if key >= num_keys:
+                return oob_row
+            enc = int(indices[tok, key])
+            return (enc // p) * rows_per_page + enc % p if 0 <= enc < num_slots else oob_row
+
+        for m_block in range(m_blocks):
+            m0 = m_block * BM
+            heads = torch.arange(m0, m0 + BM) % hq
+            live = torch.arange(m0, m0 + BM) < hq
+            qr = torch.zeros(BM, d, dtype=torch.float64)
+            qr[live] = q[tok, heads[live]].double()
+            row_end = torch.where(live, num_keys, 0)
+            for split in range(splits):
+                first, count = _split_tiles(m0, 1, 0, num_keys, False, split, splits, hq)
+                for v_half in range(V_SPLIT):
+                    acc, mx, sm = model_cta(qr, key_row, rows, oob_row, row_end, first, count, v_half, score_scale,
+                                            cap_log2, bool(softcap), q.dtype, sparse=True)
+                    o, lse = _epilogue(acc, mx, sm, sinks, heads, split)
+                    o_part[split, tok, heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = o[live]
+                    lse_part[split, tok, heads[live]] = lse[live]
+    return _merge(o_part, lse_part)
+
+
+def _attend(qv, keys, scale, softcap, sink):
+    """float64 attention of one query over ``keys [n, 576]`` (values: their first 512 dims): ``(out, lse)``."""
+    s = scale * (keys @ qv)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    terms = s if sink is None else torch.cat([s, sink.reshape(1).double()])
+    if terms.numel() == 0 or terms.max() == NEG_INF:
+        return torch.zeros(V_DIM, dtype=torch.float64), NEG_INF
+    m = terms.max()
+    denom = torch.exp(terms - m).sum()
+    return (torch.exp(s - m) @ keys[:, :V_DIM]) / denom, float(m + torch.log(denom))
+
+
+def oracle_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=None):
+    c = pb.collection
+    t, hq, d = q.shape
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(t, hq, V_DIM, dtype=torch.float64)
+    lse = torch.full((t, hq), NEG_INF, dtype=torch.float64)
+    offsets = pb.input_row_offsets.tolist()
+    for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
+        pages = c.lookup_table[b].long()
+        keys = torch.stack([c.blocks[pages[k // c.page_size], 0, layer, k % c.page_size, 0]
+                            for k in range(cache_len + n)]).double() if cache_len + n else \
+            torch.zeros(0, d, dtype=torch.float64)
+        for i in range(n):
+            visible = cache_len + i + 1 if causal else cache_len + n
+            for h in range(hq):
+                out[offsets[b] + i, h], lse[offsets[b] + i, h] = _attend(
+                    q[offsets[b] + i, h].double(), keys[:visible], scale, softcap, None if sinks is None else sinks[h])
+    return out, lse
+
+
+def oracle_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None):
+    t, hq, d = q.shape
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    p, n = c.page_size, c.blocks.shape[0]
+    out = torch.zeros(t, hq, V_DIM, dtype=torch.float64)
+    lse = torch.full((t, hq), NEG_INF, dtype=torch.float64)
+    for tok in range(t):
+        ents = indices[tok].tolist()
+        if topk_lengths is not None:
+            ents = ents[:max(int(topk_lengths[tok]), 0)]
+        ents = [e for e in ents if 0 <= e < n * p]
+        keys = torch.stack([c.blocks[e // p, 0, layer, e % p, 0] for e in ents]).double() if ents else \
+            torch.zeros(0, d, dtype=torch.float64)
+        for h in range(hq):
+            out[tok, h], lse[tok, h] = _attend(q[tok, h].double(), keys, scale, softcap,
+                                               None if sinks is None else sinks[h])
+    return out, lse
+
+
+def _check(got, want):
+    out, lse = got
+    out_w, lse_w = want
+    assert out.shape == out_w.shape
+    if out_w.norm() == 0:  # no row sees a key (empty step, no valid entry): zeros exactly
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_err(out, out_w) < 2e-2
+    assert torch.equal(lse == NEG_INF, lse_w == NEG_INF)
+    finite = lse_w != NEG_INF
+    assert torch.allclose(lse[finite], lse_w[finite], atol=2e-2)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 3)), min_size=1, max_size=2),
+    page_size=st.sampled_from([1, 3, 16, 64]),
+    heads=st.sampled_from([16, 128, 96]),
+    causal=st.booleans(),
+    splits=st.one_of(st.none(), st.integers(2, 3)),
+    softcap=st.one_of(st.none(), st.just(20.0)),
+    sinks=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sm100_mla_dense_plan_matches_the_oracle(lengths, page_size, heads, causal, splits, softcap, sinks, seed):
+    pb = _mla_batch([a for a, _ in lengths], [b for _, b in lengths], page_size, seed=seed % 1000)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(pb.total_rows, heads, LATENT, generator=g).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=g) if sinks else None
+    got = model_dense(q, pb, 1, causal=causal, softcap=softcap, sinks=sink, force_splits=splits)
+    _check(got, oracle_dense(q, pb, 1, causal=causal, softcap=softcap, sinks=sink))
+    if sink is None and not softcap and q.shape[0]:
+        want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, causal=causal, mla_v_dim=V_DIM)
+        assert rel_err(got[0], want.double()) < 2e-2
+
+
+def test_sm100_mla_dense_plan_rows_without_keys():
+    pb = _mla_batch([0, 33], [0, 2], 16)
+    q = torch.randn(pb.total_rows, 16, LATENT, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = model_dense(q, pb, 0, causal=True, force_splits=4)  # more splits than tiles: empty splits merge to 0
+    _check(got, oracle_dense(q, pb, 0, causal=True))
+
+
+def _sparse_indices(c, t, topk, g, invalid_frac=0.2):
+    """Random encoded rows over the whole cache (any page, owned or not), with -1, out-of-range and negative
+    entries mixed in."""
+    n, p = c.blocks.shape[0], c.page_size
+    idx = torch.randint(0, n * p, (t, topk), generator=g, dtype=torch.int32)
+    bad = torch.rand(t, topk, generator=g) < invalid_frac
+    junk = torch.tensor([-1, n * p, n * p + 5, -7, 2**31 - 1], dtype=torch.int32)
+    idx[bad] = junk[torch.randint(0, len(junk), (int(bad.sum()),), generator=g)]
+    return idx
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    t=st.integers(1, 3),
+    topk=st.sampled_from([0, 1, 31, 32, 70]),
+    page_size=st.sampled_from([1, 4, 64]),
+    heads=st.sampled_from([16, 128, 160]),
+    lengths=st.booleans(),
+    splits=st.one_of(st.none(), st.integers(2, 3)),
+    softcap=st.one_of(st.none(), st.just(20.0)),
+    sinks=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sm100_mla_sparse_plan_matches_the_oracle(t, topk, page_size, heads, lengths, splits, softcap, sinks, seed):
+    c = _mla_batch([50], [1], page_size, seed=seed % 1000, spare_pages=4).collection
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, heads, LATENT, generator=g).to(torch.bfloat16)
+    indices = _sparse_indices(c, t, topk, g)
+    topk_lengths = torch.randint(-2, topk + 3, (t,), generator=g, dtype=torch.int32) if lengths else None
+    sink = torch.randn(heads, generator=g) if sinks else None
+    got = model_sparse(q, c, 1, indices, topk_lengths=topk_lengths, softcap=softcap, sinks=sink, force_splits=splits)
+    _check(got, oracle_sparse(q, c, 1, indices, topk_lengths=topk_lengths, softcap=softcap, sinks=sink))
+
+
+def test_sm100_mla_sparse_plan_all_entries_invalid():
+    c = _mla_batch([10], [1], 4).collection
+    q = torch.randn(2, 16, LATENT, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    indices = torch.tensor([[-1] * 40, [c.blocks.shape[0] * 4] * 40], dtype=torch.int32)
+    out, lse = model_sparse(q, c, 0, indices, force_splits=2)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == NEG_INF).all())
+
+
+# -- key rows, evaluated on the host ---------------------------------------------------------------------------------
+
+@cute.jit
+def _host_key_rows(kernel: cutlass.Constexpr, lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
+                   out: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
+                   num_slots: Int32, count: cutlass.Constexpr[int]):
+    """``out[k]``: the row ``MlaDecodeSm100.key_row`` gives key ``k`` of request / token ``b`` (CPU tensors)."""
+    for k in cutlass.range_constexpr(count):
+        out[k] = kernel.key_row(lookup_table, indices, b, Int32(k), num_keys, rows_per_page, oob_row, num_slots)
+
+
+@pytest.mark.compile
+def test_sm100_mla_dense_keys_never_read_past_the_lookup_row():
+    """Unchecked lengths (validate=False): a key whose page column lies past the lookup table's row gets the
+    zero-filled row and the entries past the row (here the next columns of a wider buffer) are not read."""
+    from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+    cols, p, rpp, oob = 2, 4, 100, 10_000
+    buf = torch.full((2, 2 * cols), 7, dtype=torch.int32)  # 7: what lies past each row
+    buf[:, :cols] = torch.tensor([[2, 0], [1, 3]])
+    got = torch.full((4 * p,), -5, dtype=torch.int32)
+    _host_key_rows(MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, p), from_dlpack(buf[:, :cols]), None,
+                   from_dlpack(got), 1, 3 * p + 1, rpp, oob, 0, 4 * p)
+    want = [1 * rpp + k for k in range(p)] + [3 * rpp + k for k in range(p)] + [oob] * (2 * p)
+    assert got.tolist() == want
+
+
+@pytest.mark.compile
+def test_sm100_mla_sparse_entries_outside_the_cache_name_no_row():
+    """Every int32 entry: ``[0, N*P)`` names ``page * rows_per_page + offset`` (inside the row view), anything else
+    (-1, other negatives, ``N*P`` and past, entries past ``num_keys``) the zero-filled row one past the view."""
+    from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+    n, p, rpp = 5, 4, 12
+    oob = (n - 1) * rpp + p  # the row view's rows
+    ents = [0, 3, 4, n * p - 1, n * p, n * p + 1, -1, -2, -p, -2**31, 2**31 - 1, 2**31 - p, 7]
+    idx = torch.tensor([[0] * len(ents), ents], dtype=torch.int32)
+    got = torch.full((len(ents),), -5, dtype=torch.int32)
+    _host_key_rows(MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, p, sparse=True), None, from_dlpack(idx),
+                   from_dlpack(got), 1, len(ents) - 1, rpp, oob, n * p, len(ents))
+    want = [(e // p) * rpp + e % p if 0 <= e < n * p else oob for e in ents[:-1]] + [oob]
+    assert got.tolist() == want
+    assert all(0 <= r < oob for r, e in zip(got.tolist(), ents[:-1]) if 0 <= e < n * p)
+
+
+# -- compile (sm_100a, no GPU) ---------------------------------------------------------------------------------------
+
+COMPILE_CASES = [  # (dtype, Hq, page[, flags])
+    ("bfloat16", 128, 64),
+    ("float16", 16, 1),
+    ("bfloat16", 128, 64, {"sparse": True, "topk_lengths": True}),
+    ("bfloat16", 64, 3, {"sparse": True, "softcap": True, "sinks": True, "return_lse": True}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:3])) + (
+    "-" + "-".join(c[3]) if c[3:] else ""))
+def test_sm100_mla_ptx(case, tmp_path):
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.mla.sm100 import THREADS, MlaDecodeSm100
+
+    flags = case[3] if case[3:] else {}
+    kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], **flags)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    # Per key tile: QK over the 576 latent columns (36 MMAs of K=16, N=32) and P V for the CTA's value half
+    # (BN/16 = 2 MMAs of N=256), M=128, fp32 accumulators in TMEM.
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)
+    assert len(mmas) == LATENT // 16 + BN // 16
+    # S read as one 32-column load; the O half rescaled and stored back (256/32 each), then read by the epilogue.
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 1 + 2 * O_COLS // 32
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == O_COLS // 32
+    assert ptx.count("tcgen05.wait::ld") >= 1 and ptx.count("tcgen05.wait::st") >= 1
+    # TMEM allocated once (512 columns), relinquished, freed once.
+    alloc = re.findall(r"tcgen05\.alloc\.cta_group::1\S*\s+\[[^\]]+\],\s*(\S+);", ptx)
+    assert len(alloc) == 1 and len(re.findall(r"tcgen05\.dealloc\.cta_group::1", ptx)) == 1
+    assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
+    # S full, P consumed (O stable), key stage free: MMA completions signalled by tcgen05.commit.
+    assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == 3
+    # TMEM handed across threads is fenced on both sides: before the arrivals (allocation, S released, P/O handed
+    # over, dealloc) and after the waits (allocation, dealloc, the MMA's S and P waits, the softmax's S wait, its
+    # O-stable waits in the loop and after it).
+    assert ptx.count("tcgen05.fence::before_thread_sync") == 4
+    assert ptx.count("tcgen05.fence::after_thread_sync") == 7
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(THREADS)
+    waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
+    assert waits and all(w.startswith("%r") for w in waits), waits
+    # gather4: BN/4 instructions per 64-column block, 9 blocks; every destination distinct, 512 B apart (4 rows of
+    # 128 B) and the column blocks back to back (BN x 128 B each): the swizzle is on the pointer.
+    g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
+    assert len(g4) == (BN // 4) * (LATENT // 64)
+    assert len(set(g4)) == len(g4)
+    offsets = [int(re.search(r"\+(\d+)$", x).group(1)) if "+" in x else 0 for x in g4]
+    assert all(b - a == 512 for a, b in zip(offsets, offsets[1:]))
+    assert "cp.async.bulk.tensor.3d" not in ptx and not re.search(r"wgmma|mma\.sync", ptx)
+    # Sparse: the softmax warps resolve the tile's keys again and share them by one ballot.
+    assert ptx.count("vote.sync.ballot.b32") == (1 if flags.get("sparse") else 0)
+    assert ptx.count("tanh.approx.f32") == (BN if flags.get("softcap") else 0)
+    assert ptx.count("ex2.approx.ftz.f32") >= BN
+    ptx_file = tmp_path / "k.ptx"
+    ptx_file.write_text(ptx)
+    info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(ptx_file), "-o", "/dev/null"], capture_output=True,
+                          text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert regs <= 168  # measured 96 (dense) to 154 (sparse with every flag); 192 threads, one CTA per SM
+
+
+# -- GPU (B200) ------------------------------------------------------------------------------------------------------
+
+def _sm100():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs an SM100 GPU")
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("flags", [{}, {"softcap": 20.0, "sinks": True, "return_lse": True}])
+def test_sm100_mla_dense_kernel_matches_the_oracle(page_size, heads, flags):
+    import cute_kv
+    from cute_kv.ops import paths
+    from numerics import bits
+
+    cached, new = [0, 1, 300, 2000], [1, 1, 4, 1]
+    cpu = _mla_batch(cached, new, page_size, seed=page_size)
+    pb = random_paged_batch(cached, new, num_heads=1, head_size=LATENT, page_size=page_size, is_mla=True,
+                            generator=torch.Generator().manual_seed(page_size), device="cuda")
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(pb.total_rows, heads, LATENT, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=g) if flags.get("sinks") else None
+    want = oracle_dense(q, cpu, 1, softcap=flags.get("softcap"), sinks=sinks)
+    before = bits(pb.collection.blocks)
+    out = torch.full((q.shape[0], heads, V_DIM), float("nan"), dtype=q.dtype, device="cuda")
+    paths.set_strict(True)  # a reference fallback raises
+    try:
+        res = cute_kv.paged_attention(q.cuda(), pb.input_row_offsets.cuda(), pb.collection, 1, mla_v_dim=V_DIM,
+                                      out=out, softcap=flags.get("softcap"),
+                                      sinks=None if sinks is None else sinks.cuda(),
+                                      return_lse=bool(flags.get("return_lse")))
+    finally:
+        paths.set_strict(False)
+    got = res[0] if flags.get("return_lse") else res
+    assert not got.isnan().any()
+    assert rel_err(got.cpu().double(), want[0]) < 2e-2
+    if flags.get("return_lse"):
+        assert torch.allclose(res[1].cpu().double(), want[1], atol=2e-2)
+    assert torch.equal(bits(pb.collection.blocks), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs an SM100 GPU")
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("topk", [1, 100, 2048])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_sm100_mla_sparse_kernel_matches_the_oracle(page_size, topk, lengths):
+    from numerics import bits
+
+    cpu = _mla_batch([3000], [1], page_size, seed=topk, spare_pages=8).collection
+    dev = random_paged_batch([3000], [1], num_heads=1, head_size=LATENT, page_size=page_size, is_mla=True,
+                             spare_pages=8, generator=torch.Generator().manual_seed(topk),
+                             device="cuda").collection
+    g = torch.Generator().manual_seed(page_size)
+    t, heads = 5, 128
+    q = torch.randn(t, heads, LATENT, generator=g).to(torch.bfloat16)
+    indices = _sparse_indices(cpu, t, topk, g)
+    topk_lengths = torch.randint(0, topk + 1, (t,), generator=g, dtype=torch.int32) if lengths else None
+    want = oracle_sparse(q, cpu, 0, indices, topk_lengths=topk_lengths)
+    path = mla_decode_sm100.plan_sparse(dev, q.cuda(), indices.cuda(), "sm_100a", mla_v_dim=V_DIM,
+                                        topk_lengths=topk_lengths)
+    assert path.path == "kernel", path.reason
+    before = bits(dev.blocks)
+    out = torch.full((t, heads, V_DIM), float("nan"), dtype=q.dtype, device="cuda")
+    mla_decode_sm100.launch_sparse(path.key, path.arch)(
+        q.cuda(), dev, 0, indices.cuda(), topk_lengths=None if topk_lengths is None else topk_lengths.cuda(),
+        out=out)
+    assert not out.isnan().any()
+    assert rel_err(out.cpu().double(), want[0]) < 2e-2
+    assert torch.equal(bits(dev.blocks), before)
