@@ -61,10 +61,10 @@ def test_sm100_mla_serves_16_bit_latent_caches():
 @pytest.mark.parametrize("case", [
     ({"mla_v_dim": 448}, "mla_v_dim"),
     ({"window": 8}, "sliding window"),
-    ({"q_dtype": torch.float16}, "same 16-bit dtype"),
+    ({"q_dtype": torch.float16}, "need them equal"),
     ({"head_size": 128}, "latent dims"),
     ({"scale": -1.0}, "non-positive scale"),
-    ({"arch": "sm_90a"}, "no attention kernel on sm_90a"),
+    ({"arch": "sm_120a"}, "no attention kernel for sm_120a"),
 ])
 def test_sm100_mla_leaves_the_rest_to_the_reference(case):
     args, reason = case

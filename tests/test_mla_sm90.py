@@ -46,7 +46,7 @@ def test_plan_serves_deepseek_decode_on_sm90():
 
 
 @pytest.mark.parametrize("what,expect", [
-    ("sm100", "MLA cache: no attention kernel for sm_100a"),
+    ("sm120", "MLA cache: no attention kernel for sm_120a"),
     ("fp8", "fp8 MLA caches take the reference"),
     ("q dtype", "q is float16 but the cache is bfloat16"),
     ("v_dim", "mla_v_dim (96) must be a multiple of 128"),
@@ -56,8 +56,8 @@ def test_plan_serves_deepseek_decode_on_sm90():
 def test_plan_falls_back_with_a_reason(what, expect):
     latent, page, dtype, v_dim, arch, q_dtype = 576, 64, torch.bfloat16, 512, "sm_90a", torch.bfloat16
     extra = {}
-    if what == "sm100":
-        arch = "sm_100a"
+    if what == "sm120":
+        arch = "sm_120a"
     elif what == "fp8":
         dtype = torch.float8_e4m3fn
         extra = {"scale_dtype": torch.float32}
