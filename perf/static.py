@@ -19,9 +19,10 @@ configuration the host code passes, and the CTAs per SM these allow.
   loops that issue MMAs (a persistent kernel's loop over work tiles holds the tile loop and is passed over), the one
   with the most MMAs (ties: the fewest instructions, which for a causal prefill is the unmasked steady-state loop
   rather than its masked twins); a kernel without MMAs takes the loop with the most instructions. Its instruction
-  count is the fast path of one iteration: the loop's blocks reached from the header when every mbarrier wait
-  succeeds at its first try (a branch on a ``SYNCS.PHASECHK`` result goes the success way; any other branch both
-  ways, each block counted once). A loop body may cover several tiles; ``instructions_per_s_block`` divides by
+  count is the fast path of one iteration: from the header to the back edge with every mbarrier wait succeeding at
+  its first try (a branch on a ``SYNCS.PHASECHK`` result goes the success way); where other branches leave a choice,
+  the longest way (``loop_instructions``) and the shortest (``loop_instructions_shortest``, e.g. an O rescale
+  skipped). A loop body may cover several tiles; ``instructions_per_s_block`` divides by
   the 64x64 blocks of S its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are
   in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
   loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
@@ -190,7 +191,7 @@ def hgmma_flops(op: str) -> int:
 class Loop:
     start: int  # the header's address
     end: int  # the last back edge's branch
-    instructions: int  # on the fast path of one iteration (the counts below too)
+    instructions: int  # on the longest fast path of one iteration (the counts below too)
     mma: int
     mma_flops: int
     ex2: int
@@ -200,6 +201,7 @@ class Loop:
     cta_barriers: int
     named_barriers: int
     blocks: frozenset = dataclasses.field(default=frozenset(), compare=False)  # every block's start, slow paths too
+    shortest: int = 0  # instructions on the shortest fast path (``instructions``: the longest; equal without branches)
 
 
 _ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
@@ -254,13 +256,13 @@ def _condition(ins: Instruction) -> str:
 
 
 def _waited_predicate(instrs: list[Instruction], k: int, cond: str) -> str:
-    """The predicate the branch ``instrs[k]`` tests, when an mbarrier wait shortly before it wrote it."""
-    guard = cond.lstrip("!")
-    for ins in reversed(instrs[max(0, k - 4):k]):
-        if ins.opcode.startswith("SYNCS.PHASECHK") and ins.text.strip().startswith(guard + ","):
-            return guard
-        if guard and re.search(rf"\b{guard}\b", ins.text):
-            return ""  # written by something else in between
+    """The predicate the branch ``instrs[k]`` tests, when its last writer in the block is an mbarrier wait."""
+    pred = cond.lstrip("!")
+    for ins in reversed(instrs[:k]):
+        if ins.opcode.startswith(_ENDS_BLOCK):
+            return ""
+        if pred and ins.text.strip().startswith(pred + ","):  # the destination is the first operand
+            return pred if ins.opcode.startswith("SYNCS.PHASECHK") else ""
     return ""
 
 
@@ -314,20 +316,39 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
             if n not in body:
                 body.add(n)
                 work.extend(preds[n])
-        fast, work = set(), [header]
-        while work:
-            n = work.pop()
-            if n in fast:
-                continue
-            fast.add(n)
-            work.extend(s for s, failed in cfg[n].succs if s in body and s != header and not failed)
-        code = [i for n in sorted(fast) for i in cfg[n].instrs]
+        longest, shortest = _paths(cfg, dom, body, header, set(latches))
+        code = [i for n in longest for i in cfg[n].instrs]
         out.append(Loop(header, max(cfg[n].instrs[-1].address for n in latches), len(code),
                         sum(is_mma(i.opcode) for i in code), sum(hgmma_flops(i.opcode) for i in code),
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
                         sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
-                        sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body)))
+                        sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
+                        sum(len(cfg[n].instrs) for n in shortest)))
     return out
+
+
+def _paths(cfg: dict[int, Block], dom: dict[int, set], body: set, header: int, latches: set) -> tuple:
+    """The longest and the shortest block sequences of one iteration's fast path (no failed wait, no nested back
+    edge), header to latch: a branch's two ways are never added together."""
+    memo: dict[int, tuple] = {}
+
+    def walk(n: int) -> tuple:  # (longest, shortest) from n on, each (instructions, blocks); an acyclic walk
+        if n not in memo:
+            size = len(cfg[n].instrs)
+            tails = [walk(succ) for succ, failed in cfg[n].succs
+                     if succ in body and not failed and succ not in dom[n]]  # (a back edge goes to a dominator)
+            ends = [((0, ()), (0, ()))] if n in latches else []
+            options = tails + ends
+            if not options:  # leaves the loop: no iteration ends here
+                memo[n] = ((float("-inf"), ()), (float("inf"), ()))
+            else:
+                hi = max((t[0] for t in options), key=lambda t: t[0])
+                lo = min((t[1] for t in options), key=lambda t: t[0])
+                memo[n] = ((size + hi[0], (n,) + hi[1]), (size + lo[0], (n,) + lo[1]))
+        return memo[n]
+
+    (_, longest), (_, shortest) = walk(header)
+    return longest, shortest
 
 
 def _innermost(candidates: list[Loop]) -> list[Loop]:
@@ -429,12 +450,14 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
     for name, lp in (("loop", main_loop(all_loops)), ("softmax_loop", softmax_loop(all_loops))):
         if lp is None:
             continue
-        rec.update({f"{name}_instructions": lp.instructions, f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
+        rec.update({f"{name}_instructions": lp.instructions, f"{name}_instructions_shortest": lp.shortest,
+                    f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
                     f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
                     f"{name}_cta_barriers": lp.cta_barriers, f"{name}_named_barriers": lp.named_barriers})
         if name == "loop" and head_dim and lp.mma_flops:
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)
+            rec["instructions_per_s_block_shortest"] = round(lp.shortest / rec["loop_s_blocks"], 1)
     return rec
 
 

@@ -139,7 +139,7 @@ def test_sass_loops_and_counts():
                                                               (0x130, 0x140)]
     main = static.main_loop(all_loops)  # the innermost loop with MMAs, not the one with the most
     assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits,
-            main.cta_barriers, main.named_barriers) == (0x20, 0xe0, 11, 2, 1, 1, 1, 3, 0, 1)
+            main.cta_barriers, main.named_barriers, main.shortest) == (0x20, 0xe0, 11, 2, 1, 1, 1, 3, 0, 1, 11)
     assert main.blocks == {0x20, 0x50, 0x70, 0x90, 0x130, 0x150}  # the slow paths belong to it, uncounted
     assert [static.is_cta_barrier(i) for i in instrs].count(True) == 1  # barrier 0, no count: __syncthreads
     assert main.mma_flops == 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16
@@ -159,7 +159,7 @@ def test_wait_branches():
     instrs, labels = static.parse_sass(data)
     assert static.blocks(instrs, labels)[0x50].succs == [(0x90, False), (0x70, False)]
     lp = static.main_loop(static.loops(instrs, labels))
-    assert lp.instructions == 3 + 3 + 2 + 6  # both ways of a data branch, each block once
+    assert (lp.instructions, lp.shortest) == (3 + 3 + 2 + 6, 3 + 3 + 6)  # a data branch: the longest and shortest way
 
 
 def test_launch_from_host_ir():

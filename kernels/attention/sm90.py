@@ -491,7 +491,8 @@ class PagedAttention:
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, wg: Int32,
              score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
         """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn), wait
-        for the QK only, run the softmax while the PV runs, then fold the rescale into O. Returns the read state."""
+        for the QK only, run the softmax while the PV runs, then rescale O (skipped when no row max of the warp
+        moved). Returns the read state."""
         prev = read.clone()
         read.advance()
         pipe_k.consumer_wait(read)
@@ -507,7 +508,7 @@ class PagedAttention:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(prev)
         softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
-        softmax.rescale_rows(acc_o, row_scale)
+        softmax.rescale_rows_if_moved(acc_o, row_scale)
         return read
 
     @cute.jit

@@ -103,3 +103,14 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     acc_mn = mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def rescale_rows_if_moved(acc: cute.Tensor, row_scale: cute.Tensor):
+    """``rescale_rows`` unless no row of the warp changed its max (every scale exactly 1, the common case once the
+    largest scores are seen): a warp-uniform vote, so the branch never diverges and the result is bit-identical."""
+    moved = row_scale[0] != Float32(1.0)
+    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+        moved = moved | (row_scale[r] != Float32(1.0))
+    if cute.arch.vote_any_sync(moved):
+        rescale_rows(acc, row_scale)
