@@ -5,10 +5,10 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
 ``group = Hq/H`` query heads of a KV head with the tokens (row ``i*group + g`` is token ``i``, head
 ``kv_head*group + g``; FA's pack-GQA), so a decode step's heads fill the MMA's M. Three warpgroups:
 
-* the producer (32 registers): warp 0, for each key tile, issues one TMA per page slot for K into the K ring and for
-  V into the V ring (separate pipelines, so QK of a tile can start before its V lands) and then reads the lookup
-  entries of the next tile (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring
-  and the whole warpgroup dequantizes them into the 16-bit rings;
+* the producer (32 registers; 40 dequantizing fp8): warp 0, for each key tile, issues one TMA per page slot for K
+  into the K ring and for V into the V ring (separate pipelines, so QK of a tile can start before its V lands) and
+  then reads the lookup entries of the next tile (``populate``) while they are in flight. Over an fp8 cache the
+  tiles land in an fp8 ring and the whole warpgroup dequantizes them into the 16-bit rings;
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
   registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
   operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
@@ -54,6 +54,7 @@ WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 PRODUCER_REGS = 32
+PRODUCER_REGS_FP8 = 40  # the dequantizing warpgroup: all that the launch's 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -94,7 +95,8 @@ class PagedAttention:
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
+        self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 else PRODUCER_REGS
+        self.consumer_regs = CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
