@@ -67,6 +67,21 @@ def test_pv_runs_under_the_next_softmax(compiled):
         assert not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
 
 
+def test_q_descriptors_advance_in_32_bits(compiled):
+    """In the loops each QK wgmma's Q descriptor is the low word of the warpgroup's Q tile plus the k block's offset
+    over a constant high word (Q indexed like the K ring, by warpgroup), not a 64-bit add on a descriptor rebuilt
+    from the tile's address, which ptxas splits into a carry chain and high-word moves per wgmma. Head dim 256
+    keeps the sliced tile (measured shorter there)."""
+    kernel, ptx, _ = compiled
+    if kernel.head_dim > 128:
+        return
+    per_tile = kernel.head_dim // 16
+    qk = [m.start() for m in SS.finditer(ptx)]
+    for site in range(1, 1 + LOOPS):  # the loops' QK (the first tile's is outside them)
+        group = qk[site * per_tile:(site + 1) * per_tile]
+        assert "add.s64" not in ptx[group[0]:group[-1]]
+
+
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
     """The only CTA-wide barrier publishes the pipelines' barrier init, before the warpgroups part (setmaxnreg);
     the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong) only."""

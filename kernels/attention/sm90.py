@@ -405,7 +405,10 @@ class PagedAttention:
 
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q_wg))
+        # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: the descriptor's low
+        # word then advances in 32 bits, where a tile sliced first makes every k block a 64-bit add on a rebuilt
+        # descriptor. At head dim 256 the sliced form measures shorter, and the other spills the page-16 producer.
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q if cutlass.const_expr(d <= 128) else s_q_wg))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
@@ -449,7 +452,7 @@ class PagedAttention:
         if n_tiles > 0:
             # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
             pipe_k.consumer_wait(read)
-            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(read)
             self.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, True)
@@ -499,7 +502,7 @@ class PagedAttention:
         read.advance()
         pipe_k.consumer_wait(read)
         self.sched_wait(wg)
-        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
         pipe_v.consumer_wait(prev)
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
         self.sched_release(wg)
@@ -515,14 +518,16 @@ class PagedAttention:
 
     @cute.jit
     def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
-                stage: Int32):
-        """Issue ``S = Q K^T`` for one K stage (no wait). A fresh atom per call: its accumulate flag is set here, and
-        an atom shared across the loop's regions would carry the flag out of them."""
+                stage: Int32, wg: Int32):
+        """Issue ``S = Q K^T`` for one K stage (no wait); ``t_rq`` holds both warpgroups' Q tiles (``wg`` picks) or
+        this one's. A fresh atom per call: its accumulate flag is set here, and an atom shared across the loop's
+        regions would carry the flag out of them."""
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
-            cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb, stage], acc)
+            q_kb = t_rq[None, None, kb, wg] if cutlass.const_expr(cute.rank(t_rq) == 4) else t_rq[None, None, kb]
+            cute.gemm(atom, acc, q_kb, t_rk[None, None, kb, stage], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
