@@ -218,7 +218,7 @@ def blocks(instrs: list[Instruction], labels: dict[str, int]) -> dict[int, Block
     """Basic blocks by start address. Each edge says whether it is taken only when an mbarrier try-wait failed: a
     branch on the predicate a ``SYNCS.PHASECHK`` just wrote goes to the retry when guarded by its negation (its
     fall-through is the success way) and past the retry when guarded by it (then the fall-through is the retry)."""
-    targets = {a for a in labels.values()}
+    targets = set(labels.values())
     out: dict[int, Block] = {}
     cur: Optional[Block] = None
     for k, ins in enumerate(instrs):
@@ -256,7 +256,8 @@ def _condition(ins: Instruction) -> str:
 
 
 def _waited_predicate(instrs: list[Instruction], k: int, cond: str) -> str:
-    """The predicate the branch ``instrs[k]`` tests, when its last writer in the block is an mbarrier wait."""
+    """The predicate the branch ``instrs[k]`` tests, when its last writer since the previous branch is an mbarrier
+    wait (``SYNCS.PHASECHK``); "" otherwise."""
     pred = cond.lstrip("!")
     for ins in reversed(instrs[:k]):
         if ins.opcode.startswith(_ENDS_BLOCK):
@@ -267,6 +268,8 @@ def _waited_predicate(instrs: list[Instruction], k: int, cond: str) -> str:
 
 
 def _dominators(cfg: dict[int, Block], entry: int) -> dict[int, set]:
+    """Each block's dominators (the blocks every path from the entry to it passes), for the blocks the entry
+    reaches: the iterative data-flow solution over reverse postorder."""
     order, seen, stack = [], {entry}, [(entry, iter(cfg[entry].succs))]
     while stack:  # reverse postorder by an iterative depth-first walk
         node, it = stack[-1]
