@@ -268,8 +268,24 @@ def _waited_predicate(instrs: list[Instruction], k: int, cond: str) -> str:
 
 
 def _dominators(cfg: dict[int, Block], entry: int) -> dict[int, set]:
-    """Each block's dominators (the blocks every path from the entry to it passes), for the blocks the entry
-    reaches: the iterative data-flow solution over reverse postorder."""
+    """Each block's dominators (the blocks every path from an entry to it passes): the iterative data-flow solution
+    over reverse postorder. Besides the kernel's entry, the first block (by address) of code no entry reaches yet
+    is one, until every block is reached: the targets of an indirect ``BRX`` (a switch over warp roles) whose jump
+    table the SASS does not show."""
+    roots, reached = [], set()
+    for b in sorted(cfg, key=lambda b: b != entry):  # the entry first, then by address
+        if b in reached:
+            continue
+        roots.append(b)
+        work = [b]
+        while work:
+            n = work.pop()
+            if n not in reached:
+                reached.add(n)
+                work.extend(succ for succ, _ in cfg[n].succs)
+    root = -1  # a virtual block before the entries
+    cfg = {**cfg, root: Block(root, [], [(b, False) for b in roots])}
+    entry = root
     order, seen, stack = [], {entry}, [(entry, iter(cfg[entry].succs))]
     while stack:  # reverse postorder by an iterative depth-first walk
         node, it = stack[-1]
@@ -295,7 +311,7 @@ def _dominators(cfg: dict[int, Block], entry: int) -> dict[int, set]:
             new = set.intersection(*(dom[p] for p in preds[n])) | {n} if preds[n] else {n}
             if new != dom[n]:
                 dom[n], changed = new, True
-    return dom
+    return {n: d - {root} for n, d in dom.items() if n != root}
 
 
 def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:

@@ -125,16 +125,16 @@ SASS = """
 def test_sass_loops_and_counts():
     """Loops come from the control-flow graph: a wait's retry moved past the function's end (0x130, branching back
     into the body at 0x50) is a loop of its own but makes no loop of [0x50, 0x150] the way an address range would;
-    code no path reaches (0x160) is no loop. The main loop's count is its fast path: the out-of-line retry and the
-    second try after a first that succeeded (0x70, FA4's form) are left out."""
+    code the entry does not reach (0x160) is an entry of its own. The main loop's count is its fast path: the
+    out-of-line retry and the second try after a first that succeeded (0x70, FA4's form) are left out."""
     instrs, labels = static.parse_sass(SASS)
     assert len(instrs) == 23 and labels[".L_x_4"] == 0x130 and labels[".L_x_5"] == 0x50
     assert instrs[4].guard == "!P0" and instrs[0].guard == ""
     assert [static.is_mma(i.opcode) for i in instrs].count(True) == 3  # two HGMMA, one tcgen05
     all_loops = static.loops(instrs, labels)
-    # the loop over work tiles, the main loop, the two retries
+    # the loop over work tiles, the main loop, the two retries, the trailing self-branch
     assert sorted((lp.start, lp.end) for lp in all_loops) == [(0x10, 0x100), (0x20, 0xe0), (0x70, 0x80),
-                                                              (0x130, 0x140)]
+                                                              (0x130, 0x140), (0x160, 0x160)]
     main = static.main_loop(all_loops)  # the innermost loop with MMAs, not the one with the most
     assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits,
             main.cta_barriers, main.named_barriers, main.shortest) == (0x20, 0xe0, 11, 2, 1, 1, 1, 3, 0, 1, 11)
@@ -158,6 +158,24 @@ def test_wait_branches():
     assert static.blocks(instrs, labels)[0x50].succs == [(0x90, False), (0x70, False)]
     lp = static.main_loop(static.loops(instrs, labels))
     assert (lp.instructions, lp.shortest) == (3 + 3 + 2 + 6, 3 + 3 + 6)  # a data branch: the longest and shortest way
+
+
+def test_indirect_branch_targets_are_entries():
+    """A switch over warp roles compiles to ``BRX`` through a jump table the SASS does not show: the blocks no branch
+    names are entries of their own, so a role's loop is still found."""
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   BRX R2 -0x20 ;
+.L_x_0:
+        /*0020*/                   EXIT ;
+.L_x_1:
+        /*0030*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR12], UPT ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   EXIT ;
+"""
+    instrs, labels = static.parse_sass(sass)
+    main = static.main_loop(static.loops(instrs, labels))
+    assert (main.start, main.end, main.instructions, main.mma) == (0x30, 0x40, 2, 1)
 
 
 def test_launch_from_host_ir():
