@@ -30,7 +30,8 @@ COLUMNS = [  # (header, record key or function, width)
     ("LDS/STS", lambda r: f"{r['lds']}/{r['sts']}", 7), ("loop", "loop_instructions", 5),
     ("loopwaits", lambda r: "loop_cta_barriers" in r and f"{r['loop_cta_barriers']}+{r['loop_named_barriers']}+"
      f"{r['loop_barrier_waits'] - r['loop_cta_barriers'] - r['loop_named_barriers']}" or None, 9),
-    ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6), ("softmax", "softmax_loop_instructions", 7),
+    ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6),
+    ("/S64min", "instructions_per_s_block_shortest", 7), ("softmax", "softmax_loop_instructions", 7),
     ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]
 

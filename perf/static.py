@@ -12,12 +12,17 @@ configuration the host code passes, and the CTAs per SM these allow.
   warps; ``SYNCS.PHASECHK``: mbarrier waits), shared loads / stores
   (``LDS``/``LDSM``, ``STS``/``STSM``), ``MUFU.EX2``, local-memory ``LDL``/``STL`` (spills, or an array the
   compiler could not keep in registers: a stack frame without spills).
-* The main loop: every backward branch (a ``BRA`` to a label at a lower address) closes a loop spanning
-  [label, branch]. The main loop is, among the innermost loops that issue MMAs (a persistent kernel's loop over
-  work tiles holds the tile loop and is passed over), the one with the most MMAs (ties: the shortest, which for
-  FA4's causal prefill is the unmasked steady-state loop rather than its masked twin); a kernel without MMAs takes
-  the loop with the most instructions. Its instruction count is the static length of that address range, mbarrier
-  retry loops inside it counted once. A loop body may cover several tiles; ``instructions_per_s_block`` divides by
+* The main loop is found on the control-flow graph: SASS is cut into basic blocks, a back edge is a branch to a
+  block that dominates it, and its natural loop is the header plus every block that reaches the branch without
+  passing the header (so an mbarrier retry the compiler moved past the function's end, branching back into the
+  body, is no loop of its own, and interleaved loops keep their own blocks). The main loop is, among the innermost
+  loops that issue MMAs (a persistent kernel's loop over work tiles holds the tile loop and is passed over), the one
+  with the most MMAs (ties: the fewest instructions, which for a causal prefill is the unmasked steady-state loop
+  rather than its masked twins); a kernel without MMAs takes the loop with the most instructions. Its instruction
+  count is the fast path of one iteration: from the header to the back edge with every mbarrier wait succeeding at
+  its first try (a branch on a ``SYNCS.PHASECHK`` result goes the success way); where other branches leave a choice,
+  the longest way (``loop_instructions``) and the shortest (``loop_instructions_shortest``, e.g. an O rescale
+  skipped). A loop body may cover several tiles; ``instructions_per_s_block`` divides by
   the 64x64 blocks of S its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are
   in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
   loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
@@ -122,9 +127,10 @@ class Instruction:
     address: int
     opcode: str  # with modifiers, e.g. HGMMA.64x128x16.F32.BF16
     text: str
+    guard: str = ""  # the predicate it runs under, e.g. "!P0" ("" when unguarded)
 
 
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]*)(.*?);")
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@(!?U?P\w+)\s+)?([A-Z][A-Z0-9_.x]*)(.*?);")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
@@ -141,7 +147,7 @@ def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
             continue
         m = _INSTR.search(line)
         if m:
-            ins = Instruction(int(m[1], 16), m[2], m[3])
+            ins = Instruction(int(m[1], 16), m[3], m[4], m[2] or "")
             for name in pending:
                 labels[name] = ins.address
             pending = []
@@ -183,9 +189,9 @@ def hgmma_flops(op: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    start: int
-    end: int
-    instructions: int
+    start: int  # the header's address
+    end: int  # the last back edge's branch
+    instructions: int  # on the longest fast path of one iteration (the counts below too)
     mma: int
     mma_flops: int
     ex2: int
@@ -194,30 +200,179 @@ class Loop:
     barrier_waits: int
     cta_barriers: int
     named_barriers: int
+    blocks: frozenset = dataclasses.field(default=frozenset(), compare=False)  # every block's start, slow paths too
+    shortest: int = 0  # instructions on the shortest fast path (``instructions``: the longest; equal without branches)
+
+
+_ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
+
+
+@dataclasses.dataclass
+class Block:
+    start: int
+    instrs: list
+    succs: list  # (block start, taken only when an mbarrier wait failed)
+
+
+def blocks(instrs: list[Instruction], labels: dict[str, int]) -> dict[int, Block]:
+    """Basic blocks by start address. Each edge says whether it is taken only when an mbarrier try-wait failed: a
+    branch on the predicate a ``SYNCS.PHASECHK`` just wrote goes to the retry when guarded by its negation (its
+    fall-through is the success way) and past the retry when guarded by it (then the fall-through is the retry)."""
+    targets = set(labels.values())
+    out: dict[int, Block] = {}
+    cur: Optional[Block] = None
+    for k, ins in enumerate(instrs):
+        if cur is None or ins.address in targets:
+            if cur is not None:
+                cur.succs.append((ins.address, False))
+            cur = out[ins.address] = Block(ins.address, [], [])
+        cur.instrs.append(ins)
+        if not ins.opcode.startswith(_ENDS_BLOCK):
+            continue
+        nxt = instrs[k + 1].address if k + 1 < len(instrs) else None
+        m = _TARGET.search(ins.text)
+        cond = _condition(ins)
+        waited = _waited_predicate(instrs, k, cond)
+        fails = cond == "!" + waited if waited else False  # taken on failure
+        succeeds = cond == waited if waited else False  # taken on success: the fall-through is the retry
+        if m and m[1] in labels:
+            cur.succs.append((labels[m[1]], fails))
+        if cond and nxt is not None:
+            cur.succs.append((nxt, succeeds))
+        cur = None
+    return out
+
+
+_PRED_OPERAND = re.compile(r"\s*(!?U?P\d+)\s*,")
+
+
+def _condition(ins: Instruction) -> str:
+    """The predicate a branch or exit is taken under ("" when always): its guard, or a predicate operand
+    (``BRA.U !UP0, target``; ``@P1 BRA P0, target`` is taken under both, named here by the guard)."""
+    if ins.guard:
+        return ins.guard
+    m = _PRED_OPERAND.match(ins.text)
+    return m[1] if m and m[1].lstrip("!") != "PT" else ""
+
+
+def _waited_predicate(instrs: list[Instruction], k: int, cond: str) -> str:
+    """The predicate the branch ``instrs[k]`` tests, when its last writer since the previous branch is an mbarrier
+    wait (``SYNCS.PHASECHK``); "" otherwise."""
+    pred = cond.lstrip("!")
+    for ins in reversed(instrs[:k]):
+        if ins.opcode.startswith(_ENDS_BLOCK):
+            return ""
+        if pred and ins.text.strip().startswith(pred + ","):  # the destination is the first operand
+            return pred if ins.opcode.startswith("SYNCS.PHASECHK") else ""
+    return ""
+
+
+def _dominators(cfg: dict[int, Block], entry: int) -> dict[int, set]:
+    """Each block's dominators (the blocks every path from an entry to it passes): the iterative data-flow solution
+    over reverse postorder. Besides the kernel's entry, the first block (by address) of code no entry reaches yet
+    is one, until every block is reached: the targets of an indirect ``BRX`` (a switch over warp roles) whose jump
+    table the SASS does not show."""
+    roots, reached = [], set()
+    for b in sorted(cfg, key=lambda b: b != entry):  # the entry first, then by address
+        if b in reached:
+            continue
+        roots.append(b)
+        work = [b]
+        while work:
+            n = work.pop()
+            if n not in reached:
+                reached.add(n)
+                work.extend(succ for succ, _ in cfg[n].succs)
+    root = -1  # a virtual block before the entries
+    cfg = {**cfg, root: Block(root, [], [(b, False) for b in roots])}
+    entry = root
+    order, seen, stack = [], {entry}, [(entry, iter(cfg[entry].succs))]
+    while stack:  # reverse postorder by an iterative depth-first walk
+        node, it = stack[-1]
+        for succ, _ in it:
+            if succ not in seen:
+                seen.add(succ)
+                stack.append((succ, iter(cfg[succ].succs)))
+                break
+        else:
+            order.append(node)
+            stack.pop()
+    order.reverse()
+    preds: dict[int, list] = {n: [] for n in order}
+    for n in order:
+        for succ, _ in cfg[n].succs:
+            preds[succ].append(n)
+    dom = {n: set(order) for n in order}
+    dom[entry] = {entry}
+    changed = True
+    while changed:
+        changed = False
+        for n in order[1:]:
+            new = set.intersection(*(dom[p] for p in preds[n])) | {n} if preds[n] else {n}
+            if new != dom[n]:
+                dom[n], changed = new, True
+    return {n: d - {root} for n, d in dom.items() if n != root}
 
 
 def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
-    """Every [label, backward branch] range."""
+    """Every natural loop (back edges to one header merged), with its fast-path counts."""
+    if not instrs:
+        return []
+    cfg = blocks(instrs, labels)
+    dom = _dominators(cfg, instrs[0].address)
+    preds: dict[int, list] = {n: [] for n in dom}
+    back: dict[int, list] = {}
+    for n in dom:
+        for succ, _ in cfg[n].succs:
+            preds[succ].append(n)
+            if succ in dom[n]:
+                back.setdefault(succ, []).append(n)
     out = []
-    for ins in instrs:
-        if not ins.opcode.startswith("BRA"):
-            continue
-        m = _TARGET.search(ins.text)
-        if m is None or labels.get(m[1], ins.address + 1) > ins.address:
-            continue
-        body = [i for i in instrs if labels[m[1]] <= i.address <= ins.address]
-        out.append(Loop(labels[m[1]], ins.address, len(body), sum(is_mma(i.opcode) for i in body),
-                        sum(hgmma_flops(i.opcode) for i in body), sum(i.opcode.startswith("MUFU.EX2") for i in body),
-                        sum(is_lds(i.opcode) for i in body), sum(is_sts(i.opcode) for i in body),
-                        sum(is_barrier_wait(i.opcode) for i in body), sum(map(is_cta_barrier, body)),
-                        sum(map(is_named_barrier, body))))
+    for header, latches in sorted(back.items()):
+        body, work = {header}, list(latches)
+        while work:
+            n = work.pop()
+            if n not in body:
+                body.add(n)
+                work.extend(preds[n])
+        longest, shortest = _paths(cfg, dom, body, header, set(latches))
+        code = [i for n in longest for i in cfg[n].instrs]
+        out.append(Loop(header, max(cfg[n].instrs[-1].address for n in latches), len(code),
+                        sum(is_mma(i.opcode) for i in code), sum(hgmma_flops(i.opcode) for i in code),
+                        sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
+                        sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
+                        sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
+                        sum(len(cfg[n].instrs) for n in shortest)))
     return out
+
+
+def _paths(cfg: dict[int, Block], dom: dict[int, set], body: set, header: int, latches: set) -> tuple:
+    """The longest and the shortest block sequences of one iteration's fast path (no failed wait, no nested back
+    edge), header to latch: a branch's two ways are never added together."""
+    memo: dict[int, tuple] = {}
+
+    def walk(n: int) -> tuple:  # (longest, shortest) from n on, each (instructions, blocks); an acyclic walk
+        if n not in memo:
+            size = len(cfg[n].instrs)
+            tails = [walk(succ) for succ, failed in cfg[n].succs
+                     if succ in body and not failed and succ not in dom[n]]  # (a back edge goes to a dominator)
+            ends = [((0, ()), (0, ()))] if n in latches else []
+            options = tails + ends
+            if not options:  # leaves the loop: no iteration ends here
+                memo[n] = ((float("-inf"), ()), (float("inf"), ()))
+            else:
+                hi = max((t[0] for t in options), key=lambda t: t[0])
+                lo = min((t[1] for t in options), key=lambda t: t[0])
+                memo[n] = ((size + hi[0], (n,) + hi[1]), (size + lo[0], (n,) + lo[1]))
+        return memo[n]
+
+    (_, longest), (_, shortest) = walk(header)
+    return longest, shortest
 
 
 def _innermost(candidates: list[Loop]) -> list[Loop]:
     """Loops that hold no other candidate: a persistent kernel's loop over work tiles holds its tile loop."""
-    return [a for a in candidates
-            if not any(b is not a and a.start <= b.start and b.end <= a.end for b in candidates)]
+    return [a for a in candidates if not any(b is not a and b.blocks <= a.blocks for b in candidates)]
 
 
 def main_loop(all_loops: list[Loop]) -> Optional[Loop]:
@@ -314,12 +469,14 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
     for name, lp in (("loop", main_loop(all_loops)), ("softmax_loop", softmax_loop(all_loops))):
         if lp is None:
             continue
-        rec.update({f"{name}_instructions": lp.instructions, f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
+        rec.update({f"{name}_instructions": lp.instructions, f"{name}_instructions_shortest": lp.shortest,
+                    f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
                     f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
                     f"{name}_cta_barriers": lp.cta_barriers, f"{name}_named_barriers": lp.named_barriers})
         if name == "loop" and head_dim and lp.mma_flops:
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)
+            rec["instructions_per_s_block_shortest"] = round(lp.shortest / rec["loop_s_blocks"], 1)
     return rec
 
 

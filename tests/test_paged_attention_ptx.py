@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -66,6 +67,21 @@ def test_pv_runs_under_the_next_softmax(compiled):
         assert not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
 
 
+def test_q_descriptors_advance_in_32_bits(compiled):
+    """In the loops each QK wgmma's Q descriptor is the low word of the warpgroup's Q tile plus the k block's offset
+    over a constant high word (Q indexed like the K ring, by warpgroup), not a 64-bit add on a descriptor rebuilt
+    from the tile's address, which ptxas splits into a carry chain and high-word moves per wgmma. Head dim 256
+    keeps the sliced tile (measured shorter there)."""
+    kernel, ptx, _ = compiled
+    if kernel.head_dim > 128:
+        return
+    per_tile = kernel.head_dim // 16
+    qk = [m.start() for m in SS.finditer(ptx)]
+    for site in range(1, 1 + LOOPS):  # the loops' QK (the first tile's is outside them)
+        group = qk[site * per_tile:(site + 1) * per_tile]
+        assert "add.s64" not in ptx[group[0]:group[-1]]
+
+
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
     """The only CTA-wide barrier publishes the pipelines' barrier init, before the warpgroups part (setmaxnreg);
     the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong) only."""
@@ -78,11 +94,14 @@ def test_no_cta_wide_barrier_past_the_prologue(compiled):
 
 
 def test_register_split(compiled):
-    """The producer warpgroup gives registers to the two consumer ones (32 / 232): within the SM's 64K."""
+    """The producer warpgroup gives registers to the two consumer ones (32 / 232; 40 / 232 when it dequantizes
+    fp8, whose scale loads spilled in 32): within what the CTA holds from its launch (168 x 384), the pool
+    setmaxnreg shares out."""
     kernel, ptx, _ = compiled
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx) == [
         ("dec", str(kernel.producer_regs)), ("inc", str(kernel.consumer_regs))]
-    assert kernel.producer_regs * WG_THREADS + kernel.consumer_regs * (THREADS - WG_THREADS) <= 65536
+    launch = 65536 // THREADS // 8 * 8  # registers a thread gets at launch (168): the pool setmaxnreg shares out
+    assert kernel.producer_regs * WG_THREADS + kernel.consumer_regs * (THREADS - WG_THREADS) <= launch * THREADS
     assert f".reqntid {THREADS}, 1, 1" in ptx
 
 
@@ -174,3 +193,45 @@ def test_ptxas_fits_without_spills(compiled, tmp_path):
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     assert regs <= 65536 // THREADS // 8 * 8
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info
+
+
+PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
+
+
+@pytest.fixture(scope="module")
+def steady_loop(compiled):
+    """The SASS of the unmasked loop, through perf/static.py's control-flow analysis (ptxas and nvdisasm)."""
+    import sys
+
+    sys.path.insert(0, PERF)
+    import static
+
+    if static.tools_available():
+        pytest.skip(static.tools_available())
+    kernel, ptx, _ = compiled
+    with tempfile.TemporaryDirectory() as work:
+        sass = static.disassemble(static.assemble(ptx, "sm_90a", work)[1])
+    instrs, labels = static.parse_sass(sass)
+    lp = static.main_loop(static.loops(instrs, labels))
+    cfg = static.blocks(instrs, labels)
+    return kernel, lp, [i for b in sorted(lp.blocks) for i in cfg[b].instrs]
+
+
+def test_o_rescale_skipped_when_no_max_moved(steady_loop):
+    """The loop's two ways differ by exactly the O rescale (D/2 FMULs a thread): taken only when some row of the
+    warp changed its max (a warp vote), so the common tile skips it."""
+    kernel, lp, code = steady_loop
+    assert lp.instructions - lp.shortest == kernel.head_dim // 2
+    assert any(i.opcode.startswith("VOTE.ANY") for i in code)
+
+
+def test_exp2_before_the_pv_wait(steady_loop):
+    """The PV of the previous tile is waited for (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) only after the softmax's
+    first exp2s have issued: the PV's wgmmas are still in flight under them. Over an fp8 cache ptxas hoists that
+    wait above the first exp2 of the same consumer code (an open finding), so only 16-bit caches are held to it."""
+    kernel, lp, code = steady_loop
+    if kernel.kv_fp8:
+        pytest.skip("fp8: ptxas places the PV wait before the first exp2")
+    ops = [(i.opcode, i.text.strip()) for i in sorted(code, key=lambda i: i.address)]
+    wait0 = next(k for k, (op, text) in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR") and text.endswith("0x0"))
+    assert sum(op.startswith("MUFU.EX2") for op, _ in ops[:wait0]) > 0

@@ -89,40 +89,93 @@ def test_parse_ptxas():
 
 
 SASS = """
-.L_x_0:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   IMAD.MOV.U32 R2, RZ, RZ, R4 ;
 .L_x_1:
-        /*0010*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT ;
-        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT ;
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+        /*0040*/              @!P0 BRA `(.L_x_4) ;
+.L_x_5:
+        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR5], R3 ;
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+.L_x_6:
+        /*0070*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR5], R3 ;
+        /*0080*/              @!P1 BRA `(.L_x_6) ;
 .L_x_2:
-        /*0030*/              @!P0 BRA `(.L_x_2) ;
-        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12], R24, gsb0 ;
-        /*0050*/                   MUFU.EX2 R5, R5 ;
-        /*0060*/                   LDS.128 R8, [R2] ;
-        /*0070*/                   STS.128 [R2], R8 ;
-        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;
-        /*0090*/               @P1 BRA `(.L_x_1) ;
-        /*00a0*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR12], UPT ;
-        /*00b0*/               @P2 BRA `(.L_x_0) ;
-        /*00c0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0090*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12], R24, gsb0 ;
+        /*00a0*/                   MUFU.EX2 R5, R5 ;
+        /*00b0*/                   LDS.128 R8, [R2] ;
+        /*00c0*/                   STS.128 [R2], R8 ;
+        /*00d0*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;
+        /*00e0*/               @P2 BRA `(.L_x_1) ;
+        /*00f0*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR12], UPT ;
+        /*0100*/               @P3 BRA `(.L_x_0) ;
+        /*0110*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0120*/                   EXIT ;
+.L_x_4:
+        /*0130*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+        /*0140*/              @!P0 BRA `(.L_x_4) ;
+        /*0150*/                   BRA `(.L_x_5) ;
 .L_x_3:
-        /*00d0*/                   BRA `(.L_x_3);
+        /*0160*/                   BRA `(.L_x_3);
 """
 
 
 def test_sass_loops_and_counts():
+    """Loops come from the control-flow graph: a wait's retry moved past the function's end (0x130, branching back
+    into the body at 0x50) is a loop of its own but makes no loop of [0x50, 0x150] the way an address range would;
+    code the entry does not reach (0x160) is an entry of its own. The main loop's count is its fast path: the
+    out-of-line retry and the second try after a first that succeeded (0x70, FA4's form) are left out."""
     instrs, labels = static.parse_sass(SASS)
-    assert len(instrs) == 14 and labels == {".L_x_0": 0, ".L_x_1": 0x10, ".L_x_2": 0x30, ".L_x_3": 0xd0}
+    assert len(instrs) == 23 and labels[".L_x_4"] == 0x130 and labels[".L_x_5"] == 0x50
+    assert instrs[4].guard == "!P0" and instrs[0].guard == ""
     assert [static.is_mma(i.opcode) for i in instrs].count(True) == 3  # two HGMMA, one tcgen05
     all_loops = static.loops(instrs, labels)
-    # The main loop, its mbarrier retry loop, the loop over work tiles around it, the trailing self-branch.
-    assert len(all_loops) == 4 and max(lp.mma for lp in all_loops) == 3
+    # the loop over work tiles, the main loop, the two retries, the trailing self-branch
+    assert sorted((lp.start, lp.end) for lp in all_loops) == [(0x10, 0x100), (0x20, 0xe0), (0x70, 0x80),
+                                                              (0x130, 0x140), (0x160, 0x160)]
     main = static.main_loop(all_loops)  # the innermost loop with MMAs, not the one with the most
     assert (main.start, main.end, main.instructions, main.mma, main.ex2, main.lds, main.sts, main.barrier_waits,
-            main.cta_barriers, main.named_barriers) == (0x10, 0x90, 9, 2, 1, 1, 1, 2, 0, 1)
+            main.cta_barriers, main.named_barriers, main.shortest) == (0x20, 0xe0, 11, 2, 1, 1, 1, 3, 0, 1, 11)
+    assert main.blocks == {0x20, 0x50, 0x70, 0x90, 0x130, 0x150}  # the slow paths belong to it, uncounted
     assert [static.is_cta_barrier(i) for i in instrs].count(True) == 1  # barrier 0, no count: __syncthreads
     assert main.mma_flops == 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16
     assert static.softmax_loop(all_loops) == main
+
+
+def test_wait_branches():
+    """A branch on a try-wait's predicate: guarded by its negation it goes to the retry (the fall-through is the
+    success way); guarded by it, past the retry. A branch on a predicate something else wrote since is data."""
+    instrs, labels = static.parse_sass(SASS)
+    cfg = static.blocks(instrs, labels)
+    assert cfg[0x20].succs == [(0x130, True), (0x50, False)]
+    assert cfg[0x50].succs == [(0x90, False), (0x70, True)]
+    assert cfg[0x90].succs == [(0x20, False), (0xf0, False)]
+    isetp = "        /*0058*/                   ISETP.NE.AND P1, PT, R2, RZ, PT ;\n"
+    data = SASS.replace("        /*0060*/               @P1 BRA", isetp + "        /*0060*/               @P1 BRA")
+    instrs, labels = static.parse_sass(data)
+    assert static.blocks(instrs, labels)[0x50].succs == [(0x90, False), (0x70, False)]
+    lp = static.main_loop(static.loops(instrs, labels))
+    assert (lp.instructions, lp.shortest) == (3 + 3 + 2 + 6, 3 + 3 + 6)  # a data branch: the longest and shortest way
+
+
+def test_indirect_branch_targets_are_entries():
+    """A switch over warp roles compiles to ``BRX`` through a jump table the SASS does not show: the blocks no branch
+    names are entries of their own, so a role's loop is still found."""
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   BRX R2 -0x20 ;
+.L_x_0:
+        /*0020*/                   EXIT ;
+.L_x_1:
+        /*0030*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR12], UPT ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/                   EXIT ;
+"""
+    instrs, labels = static.parse_sass(sass)
+    main = static.main_loop(static.loops(instrs, labels))
+    assert (main.start, main.end, main.instructions, main.mma) == (0x30, 0x40, 2, 1)
 
 
 def test_launch_from_host_ir():

@@ -5,10 +5,10 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
 ``group = Hq/H`` query heads of a KV head with the tokens (row ``i*group + g`` is token ``i``, head
 ``kv_head*group + g``; FA's pack-GQA), so a decode step's heads fill the MMA's M. Three warpgroups:
 
-* the producer (32 registers): warp 0, for each key tile, issues one TMA per page slot for K into the K ring and for
-  V into the V ring (separate pipelines, so QK of a tile can start before its V lands) and then reads the lookup
-  entries of the next tile (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring
-  and the whole warpgroup dequantizes them into the 16-bit rings;
+* the producer (32 registers; 40 dequantizing fp8): warp 0, for each key tile, issues one TMA per page slot for K
+  into the K ring and for V into the V ring (separate pipelines, so QK of a tile can start before its V lands) and
+  then reads the lookup entries of the next tile (``populate``) while they are in flight. Over an fp8 cache the
+  tiles land in an fp8 ring and the whole warpgroup dequantizes them into the 16-bit rings;
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
   registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
   operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
@@ -54,6 +54,7 @@ WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 PRODUCER_REGS = 32
+PRODUCER_REGS_FP8 = 40  # the dequantizing warpgroup: all that the launch's 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -94,7 +95,8 @@ class PagedAttention:
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
+        self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 else PRODUCER_REGS
+        self.consumer_regs = CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -398,7 +400,10 @@ class PagedAttention:
 
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q_wg))
+        # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: the descriptor's low
+        # word then advances in 32 bits, where a tile sliced first makes every k block a 64-bit add on a rebuilt
+        # descriptor. At head dim 256 the sliced form measures shorter, and the other spills the page-16 producer.
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q if cutlass.const_expr(d <= 128) else s_q_wg))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
@@ -424,7 +429,7 @@ class PagedAttention:
         if n_tiles > 0:
             # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
             pipe_k.consumer_wait(read)
-            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(read)
             softmax.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, self.softcap, True)
@@ -465,12 +470,13 @@ class PagedAttention:
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, wg: Int32,
              score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
         """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn), wait
-        for the QK only, run the softmax while the PV runs, then fold the rescale into O. Returns the read state."""
+        for the QK only, run the softmax while the PV runs, then rescale O (skipped when no row max of the warp
+        moved). Returns the read state."""
         prev = read.clone()
         read.advance()
         pipe_k.consumer_wait(read)
         self.sched_wait(wg)
-        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
+        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
         pipe_v.consumer_wait(prev)
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
         self.sched_release(wg)
@@ -481,19 +487,21 @@ class PagedAttention:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(prev)
         softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
-        softmax.rescale_rows(acc_o, row_scale)
+        softmax.rescale_rows_if_moved(acc_o, row_scale)
         return read
 
     @cute.jit
     def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
-                stage: Int32):
-        """Issue ``S = Q K^T`` for one K stage (no wait). A fresh atom per call: its accumulate flag is set here, and
-        an atom shared across the loop's regions would carry the flag out of them."""
+                stage: Int32, wg: Int32):
+        """Issue ``S = Q K^T`` for one K stage (no wait); ``t_rq`` holds both warpgroups' Q tiles (``wg`` picks) or
+        this one's. A fresh atom per call: its accumulate flag is set here, and an atom shared across the loop's
+        regions would carry the flag out of them."""
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, False)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
-            cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb, stage], acc)
+            q_kb = t_rq[None, None, kb, wg] if cutlass.const_expr(cute.rank(t_rq) == 4) else t_rq[None, None, kb]
+            cute.gemm(atom, acc, q_kb, t_rk[None, None, kb, stage], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 

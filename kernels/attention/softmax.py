@@ -158,3 +158,14 @@ def finish_row(total: Float32, top: Float32, sink: Float32, with_sink: cutlass.C
         inv = weight / total
         lse2 = top + cute.math.log2(total, fastmath=True)
     return inv, lse2
+
+
+@cute.jit
+def rescale_rows_if_moved(acc: cute.Tensor, row_scale: cute.Tensor):
+    """``rescale_rows`` unless no row of the warp changed its max (every scale exactly 1, the common case once the
+    largest scores are seen): a warp-uniform vote, so the branch never diverges and the result is bit-identical."""
+    moved = row_scale[0] != Float32(1.0)
+    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+        moved = moved | (row_scale[r] != Float32(1.0))
+    if cute.arch.vote_any_sync(moved):
+        rescale_rows(acc, row_scale)
