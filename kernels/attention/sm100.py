@@ -6,12 +6,13 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 * warps 0-3, the softmax warpgroup: thread ``t`` owns packed row ``t`` (TMEM lane ``t``). Per key tile it reads its
   row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the keys), optionally soft-caps it, runs
-  the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) to shared memory, zeroes V rows past
+  the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) back to TMEM over the upper half of
+  its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory), zeroes V rows past
   the request's keys, and rescales its row of O in TMEM (``tcgen05.ld``/``st``) before the MMA warp adds ``P V``.
   At the end it divides O by the row sum (adding the sink's term) and writes the output, or a split's partial.
 * warp 4, the MMA warp: ``S[j % 2] = Q K_j^T`` as soon as K/V tile j lands, then ``O += P_{j-1} V_{j-1}`` once the
-  softmax has handed P over, so the QK of one tile overlaps the softmax of the previous one. It owns the TMEM
-  allocation (512 columns: two S tiles and O).
+  softmax has handed P over (``tcgen05.mma`` with A in TMEM), so the QK of one tile overlaps the softmax of the
+  previous one. It owns the TMEM allocation (all 512 columns, so it starts at column 0: two S/P tiles and O).
 * warp 5, the load warp: K and V tiles into a ``stages``-deep ring, straight in the MMA's swizzled layout. Pages
   that tile the key tile: ``populate`` names the tile's page rows, one TMA per page slot. Other pages (under 8 rows,
   or not dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4
@@ -23,8 +24,14 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
-buffers), P (softmax -> MMA, one buffer: its "empty" arrival is the commit of the PV MMA, which also says O is
-stable for the next rescale and, after the last tile, for the epilogue).
+buffers; S[j % 2] is free again for QK_{j+2} because the PV MMA that reads P_j there is issued before it and
+``tcgen05.mma`` executes in issue order: the S pipeline's "empty" side is never used), P (softmax -> MMA: its "empty"
+arrival is the commit of the PV MMA, which says O is stable for the next rescale and, after the last tile, for the
+epilogue).
+TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
+(``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait), as the PTX memory
+model asks: TMEM allocation, S (QK commit -> softmax loads), P and O (softmax stores -> PV MMA), O (PV commit ->
+softmax rescale / epilogue loads), and the dealloc.
 
 Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a split writes ``O/l`` and
 ``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
@@ -42,8 +49,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
@@ -67,7 +76,23 @@ NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
+
+
+@dsl_user_op
+def tmem_fence_before_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations (TMEM loads/stores, MMAs)
+    are ordered before its next thread synchronization (mbarrier arrival, barrier), as the PTX memory model asks of
+    TMEM accesses that another thread's tcgen05 operations depend on."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tmem_fence_after_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the
+    synchronization it just completed (an mbarrier wait, a barrier), so they see the TMEM the other side wrote."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
 class PagedAttentionSm100:
@@ -107,6 +132,7 @@ class PagedAttentionSm100:
             self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
         self.box_width = SWIZZLE * 8 // self.dtype.width  # gather4 columns per instruction: one swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
+        self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)
         self.o_col = 2 * self.bn  # first TMEM column of O
 
     # -- host ------------------------------------------------------------------------------------
@@ -156,7 +182,7 @@ class PagedAttentionSm100:
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                          tcgen05.CtaGroup.ONE, (BM, d))
+                                                          tcgen05.CtaGroup.ONE, (BM, d), tcgen05.OperandSource.TMEM)
         k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
         v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
         if cutlass.const_expr(self.gather4):
@@ -181,6 +207,10 @@ class PagedAttentionSm100:
                     input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    def p_col(self, buf: Int32) -> Int32:
+        """First TMEM column of P in S buffer ``buf``: the buffer's upper half, read into registers before."""
+        return buf * self.s_cols + self.s_cols - self.p_cols
 
     @staticmethod
     def rows_2d(rows: cute.Tensor) -> cute.Tensor:
@@ -222,10 +252,8 @@ class PagedAttentionSm100:
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
-            sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
             ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-            s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
             ring_k = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
                                           swizzle=ring_layout.inner)
             ring_v = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
@@ -271,7 +299,9 @@ class PagedAttentionSm100:
             tmem.allocate(TMEM_COLUMNS)
             self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
             cute.arch.mbarrier_init_fence()
+            tmem_fence_before_sync()  # the allocation (tcgen05.alloc) before the barrier that publishes it
             tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
+            tmem_fence_after_sync()
             tmem.relinquish_alloc_permit()
             tmem_ptr = tmem.retrieve_ptr(Float32)
 
@@ -301,7 +331,7 @@ class PagedAttentionSm100:
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
                 self.set_registers("mma_load")
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_vt, t_s, t_o, kv_pipe, s_pipe,
                          p_pipe, k_pipe, v_pipe, n_tiles)
             if cutlass.const_expr(self.kv_fp8):
                 if warp_idx > LOAD_WARP and warp_idx < CONVERT_WARPS[0]:
@@ -312,11 +342,13 @@ class PagedAttentionSm100:
                                  first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
             if warp_idx < SOFTMAX_THREADS // 32:
                 self.set_registers("softmax")
-                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
+                row_max, row_sum = self.softmax(t_s, t_o, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
                                                 cache_len, num_keys, causal, window, score_scale, cap_log2)
                 self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
                               kv_head, split, num_splits)
-            cute.arch.sync_threads()  # every TMEM access is done
+            tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
+            cute.arch.sync_threads()
+            tmem_fence_after_sync()  # ... and the dealloc after it
             tmem.free(tmem_ptr)
 
     def set_registers(self, role: str):
@@ -383,7 +415,7 @@ class PagedAttentionSm100:
 
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
-            thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
+            thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_vt: cute.Tensor,
             t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
             p_pipe: pipeline.PipelineAsyncUmma, k_pipe: Optional[pipeline.PipelineAsyncUmma],
             v_pipe: Optional[pipeline.PipelineAsyncUmma], n_tiles: Int32):
@@ -392,7 +424,10 @@ class PagedAttentionSm100:
         each released by the commit of the MMA that reads it)."""
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
-        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
+        # P as the PV MMA's A operand in TMEM (K-major, two 16-bit values per column), at its S tile's upper half. The
+        # fragment's addresses are columns from 0, where the allocation starts: it takes all 512 columns.
+        p_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, (BM, self.head_dim, self.bn), self.dtype, 1)
+        t_rp = thr_pv.make_fragment_A(cute.make_tensor(t_s.iterator, p_layout.outer))[None, None, None, 0]
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -408,7 +443,8 @@ class PagedAttentionSm100:
                     k_pipe.consumer_wait(k_read)
                 else:
                     kv_pipe.consumer_wait(kv_read)
-                s_pipe.producer_acquire(s_write)
+                # S[j % 2] last held P_{j-2}, read by the PV MMA issued before this one: tcgen05.mma runs in issue
+                # order, so S has no empty barrier (the softmax read S_{j-2} before handing P_{j-2} over).
                 acc_s = t_s[None, None, None, s_write.index]
                 for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
@@ -425,11 +461,14 @@ class PagedAttentionSm100:
                     v_stage = Int32(0)
                     v_pipe.consumer_wait(v_read)
                 p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled
+                tmem_fence_after_sync()  # ... by the softmax's tcgen05.st, ordered before the MMA reads them
+                t_rp_j = cute.make_tensor(t_rp.iterator + self.p_col((j + 1) % 2) * (32 // self.dtype.width),
+                                          t_rp.layout)  # (the A fragment counts 16-bit elements)
                 tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
                 for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
-                    cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
+                    cute.gemm(tiled_mma_pv, t_o, t_rp_j[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
                     tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-                p_pipe.consumer_release(p_read)  # on completion: P free, O final for this tile
+                p_pipe.consumer_release(p_read)  # on completion: O final for this tile
                 if cutlass.const_expr(self.kv_fp8):
                     v_pipe.consumer_release(v_read)  # on completion: the converter may write the next V
                     v_read.advance()
@@ -439,7 +478,7 @@ class PagedAttentionSm100:
                 kv_done.advance()
 
     @cute.jit
-    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_v: cute.Tensor,
+    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_v: cute.Tensor,
                 s_pipe: pipeline.PipelineUmmaAsync, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
                 n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
                 window: Int32, score_scale: Float32, cap_log2: Float32):
@@ -464,8 +503,15 @@ class PagedAttentionSm100:
         t_s_src = load_s.partition_S(s_tile)
         cols = load_s.partition_D(cute.make_identity_tensor((BM, bn)))  # (row, key) of each S register
         scores = cute.make_rmem_tensor(cols.shape, Float32)
-        probs = cute.make_rmem_tensor(cols.shape, self.dtype)
-        t_p_dst = load_s.partition_D(s_p)  # this thread's row of P, in the same register order
+        # P goes back to TMEM over the upper half of its S tile: the thread's row, 16-bit pairs in 32-bit columns.
+        p_tile = cute.make_tensor(s_tile.iterator + self.p_col(0),
+                                  cute.composition(s_tile.layout, cute.make_layout((BM, self.p_cols))))
+        store_p = tcgen05.make_tmem_copy(cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_STORE_COLUMNS)), Float32), p_tile).get_slice(tidx)
+        t_p_dst = store_p.partition_D(p_tile)
+        packed = cute.make_rmem_tensor(store_p.partition_S(cute.make_identity_tensor((BM, self.p_cols))).shape,
+                                       Float32)
+        probs = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype), scores.layout)
 
         row_max = NEG_INF
         row_sum = Float32(0.0)
@@ -474,9 +520,10 @@ class PagedAttentionSm100:
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * bn
             s_pipe.consumer_wait(s_read)
-            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * self.s_cols, t_s_src.layout), scores)
-            cute.arch.fence_view_async_tmem_load()
-            s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
+            tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
+            buf = s_read.index
+            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + buf * self.s_cols, t_s_src.layout), scores)
+            cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
             s_read.advance()
 
             for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
@@ -509,9 +556,11 @@ class PagedAttentionSm100:
             row_sum = self.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
             row_max = new_max
             probs.store(scores.load().to(self.dtype))
+            # P_j's columns are free (P_{j-2}'s PV precedes QK_j) and P_{j-1}'s PV may still run: no wait.
+            cute.copy(store_p, packed, cute.make_tensor(t_p_dst.iterator + buf * self.s_cols, t_p_dst.layout))
 
-            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable
-            cute.autovec_copy(probs, t_p_dst)
+            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: O stable
+            tmem_fence_after_sync()  # ... and ordered before this thread's tcgen05.ld/st of O
             if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
                 if tile_base + bn > num_keys:
                     self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
@@ -520,11 +569,13 @@ class PagedAttentionSm100:
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
                     self.rescale_o(t_o, corr)
-            cute.arch.fence_view_async_tmem_store()
-            cute.arch.fence_view_async_shared()  # P and zeroed V rows are read by the MMA next
+            cute.arch.fence_view_async_tmem_store()  # P and O in TMEM, zeroed V rows in shared memory: the MMA
+            cute.arch.fence_view_async_shared()  # reads them next
+            tmem_fence_before_sync()
             p_pipe.producer_commit(p_write)
             p_write.advance()
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
+        tmem_fence_after_sync()
         return row_max, row_sum
 
     @staticmethod
