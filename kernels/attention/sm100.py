@@ -629,22 +629,29 @@ class PagedAttentionSm100:
                    rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
         """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
         granule (the row from the tile's ``populate``; its offset in 64 bits: rows x H x G can pass 2^31), rounded
-        once. Rows past the request's keys are written as zeros."""
-        d, per_copy = self.head_dim, self.k_op.rows_per_copy
+        once. Rows past the request's keys are written as zeros. A thread keeps one row of the tile (BN = 128; two
+        threads a row at 64), so it picks that row's page slot once, by a select over the slots: indexing
+        ``rows`` by a runtime slot would put the array in local memory."""
+        d, bn, per_copy = self.head_dim, self.bn, self.k_op.rows_per_copy
         chunks = d // VEC
+        per_row = CONVERT_THREADS // bn
         tidx = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
+        r = tidx // per_row
+        row = Int32(0)
+        if cutlass.const_expr(scales is not None):
+            for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
+                if r // per_copy == p:
+                    row = rows[p]
+            row = row + r % per_copy
         raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, self.bn * chunks, CONVERT_THREADS, unroll=1):
-            r = idx // chunks
-            c = idx % chunks
+        for c in cutlass.range(tidx % per_row, chunks, per_row, unroll=1):
             vals.fill(0.0)
             if tile_base + r < num_keys:
                 cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
                 x = raw.load().to(Float32)
                 if cutlass.const_expr(scales is not None):
-                    x = x * granule_scale(scales, rows[r // per_copy] + r % per_copy, kv_head,
-                                          c * VEC // self.granularity, self.e8m0_scales)
+                    x = x * granule_scale(scales, row, kv_head, c * VEC // self.granularity, self.e8m0_scales)
                 vals.store(x.to(self.dtype))
             cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
 
