@@ -65,9 +65,11 @@ def test_sm100_serves_16_bit_paged_caches():
 FP8 = torch.float8_e4m3fn
 
 
-def test_sm100_serves_fp8_caches_that_tile():
+def test_sm100_serves_fp8_caches():
     fp8 = {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 32}
     assert _key(fp8)[11:] == ("float8_e4m3fn", 32, False)
+    assert _key({**fp8, "page_size": 4})[5] == 4  # gather4 into the fp8 ring, the converter reads its row array
+    assert _key({"dtype": FP8, "page_size": 48})[5] == 48
     assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:] == ("float8_e4m3fn", 32, True)
     assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
     assert _key({**fp8, "page_size": 8}, torch.float16)[1] == "float16"  # q in any 16-bit dtype
@@ -75,7 +77,6 @@ def test_sm100_serves_fp8_caches_that_tile():
 
 @pytest.mark.parametrize("case", [
     {"cache": {"num_heads": 1, "is_mla": True}},
-    {"cache": {"dtype": FP8, "page_size": 4}},  # fp8 ring by gather4: not built
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_dtype": torch.float16},
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
@@ -320,6 +321,8 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 8, 2, 128, 16, {"kv_dtype_name": "float8_e4m3fn", "granularity": 32}),
     ("float16", 8, 1, 256, 128, {"kv_dtype_name": "float8_e4m3fn", "granularity": 64, "e8m0_scales": True}),
     ("bfloat16", 4, 2, 64, 8, {"kv_dtype_name": "float8_e4m3fn", "softcap": True, "sinks": True}),
+    ("bfloat16", 8, 2, 128, 4, {"kv_dtype_name": "float8_e4m3fn", "granularity": 32}),  # fp8 by gather4
+    ("float16", 8, 2, 64, 3, {"kv_dtype_name": "float8_e4m3fn"}),  # fp8 gather4, 64-byte rows: 64-byte swizzle
 ]
 
 
@@ -375,15 +378,17 @@ def test_sm100_ptx(case, tmp_path):
         converter = ptx[ptx.index(f"setmaxnreg.dec.sync.aligned.u32 \t{FP8_REGS['convert']}"):
                         ptx.index("setmaxnreg.inc")]
         assert converter.count("mbarrier.try_wait") == 5
-    if kernel.gather4:  # 4 rows x one 128-byte swizzle row per instruction, for K and for V
+    if kernel.gather4:  # 4 rows x one swizzle row (128 B; 64 B for fp8 rows of 64) per instruction, for K and for V
         g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
-        assert len(g4) == 2 * (bn // 4) * (d // 64)
-        # Swizzle on the pointer: every instruction has its own destination, 512 B (4 rows of 128 B) apart within a
-        # 64-column block, and blocks follow each other (K's then V's).
+        row_bytes = kernel.ring_swizzle
+        assert kernel.box_width * kernel.kv_dtype.width // 8 == row_bytes
+        assert len(g4) == 2 * (bn // 4) * (d // kernel.box_width)
+        # Swizzle on the pointer: every instruction has its own destination, 4 swizzle rows apart within a column
+        # block, and blocks follow each other (K's then V's).
         offsets = [int(re.search(r"\+(\d+)$", x).group(1)) if "+" in x else 0 for x in g4]
         assert len(set(g4)) == len(g4)
         k_offsets = offsets[:len(g4) // 2]
-        assert all(b - a == 512 for a, b in zip(k_offsets, k_offsets[1:]))
+        assert all(b - a == 4 * row_bytes for a, b in zip(k_offsets, k_offsets[1:]))
         assert "cp.async.bulk.tensor.3d" not in ptx
     else:  # one TMA per page slot, per swizzle-wide box of the head dim, for K and for V
         slots = max(bn // page, 1)
@@ -426,6 +431,8 @@ GPU_CASES = [  # (dtype, kv heads, q heads, D, page[, fp8 cache: {scale dtype, g
     (torch.float16, 1, 8, 256, 128, {"scale_dtype": torch.float8_e8m0fnu, "quantization_granularity": 64}),
     (torch.bfloat16, 2, 4, 64, 64, {}),  # fp8 without scales
     (torch.float16, 2, 4, 64, 3),  # gather4, a page of 3
+    (torch.bfloat16, 2, 8, 128, 4, {"scale_dtype": torch.float32, "quantization_granularity": 32}),  # fp8 gather4
+    (torch.float16, 2, 4, 64, 3, {}),  # fp8 gather4, unscaled, 64-byte rows
 ]
 
 

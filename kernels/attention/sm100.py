@@ -130,7 +130,7 @@ class PagedAttentionSm100:
         if not self.gather4:  # one TMA per page slot, rows from populate
             self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
             self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
-        self.box_width = SWIZZLE * 8 // self.dtype.width  # gather4 columns per instruction: one swizzle row
+        self.box_width = self.ring_swizzle * 8 // self.kv_dtype.width  # gather4 columns an instruction: a swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
         self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)
         self.o_col = 2 * self.bn  # first TMEM column of O
@@ -189,16 +189,17 @@ class PagedAttentionSm100:
             # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
             index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
             tma_k, g_k, s_slot = tma_tiles.create_gather4_tma_tile(self.rows_2d(k_rows), index, bn, self.box_width,
-                                                                   SWIZZLE)
+                                                                   self.ring_swizzle)
             tma_v, g_v, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(v_rows), index, bn, self.box_width,
-                                                              SWIZZLE)
+                                                              self.ring_swizzle)
         else:
             tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
             tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d, self.ring_swizzle)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
-            k_scales = self.k_op.scale_view(scales, layer_idx)
-            v_scales = self.v_op.scale_view(scales, layer_idx)
+            # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
+            k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
+            v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
         rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
@@ -338,8 +339,8 @@ class PagedAttentionSm100:
                     self.set_registers("mma_load")  # idle warps of the MMA / load warpgroup
                 if warp_idx >= CONVERT_WARPS[0]:
                     self.set_registers("convert")
-                    self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, lookup_table,
-                                 first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
+                    self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, s_rows,
+                                 lookup_table, first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
             if warp_idx < SOFTMAX_THREADS // 32:
                 self.set_registers("softmax")
                 row_max, row_sum = self.softmax(t_s, t_o, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
@@ -591,23 +592,35 @@ class PagedAttentionSm100:
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,
                 v_pipe: pipeline.PipelineAsyncUmma, ring_k: cute.Tensor, ring_v: cute.Tensor, s_k: cute.Tensor,
                 s_v: cute.Tensor, k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
-                lookup_table: cute.Tensor, first_tile: Int32, n_tiles: Int32, b: Int32, kv_head: Int32,
-                num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+                s_rows: Optional[cute.Tensor], lookup_table: cute.Tensor, first_tile: Int32, n_tiles: Int32, b: Int32,
+                kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
         """Converter warpgroup (fp8): each ring stage -> the 16-bit K tile (once the previous QK read it) and V tile
-        (once the previous PV read it); the stage is released when both are written."""
+        (once the previous PV read it); the stage is released when both are written. A thread keeps one row of
+        the tile (BN = 128; two threads a row at BN = 64): with granule scales it looks that row's cache row up once
+        per tile, from the tile's ``populate`` or, for gather4 pages, from the stage's row array the load warp
+        wrote (read before the stage is released, so before the load warp rewrites it)."""
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         k_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         v_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        r = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) // (CONVERT_THREADS // self.bn)
+        rows = None
+        if cutlass.const_expr(k_scales is not None and not self.gather4):
+            rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * self.bn
-            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            if cutlass.const_expr(rows is not None):
+                self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             kv_pipe.consumer_wait(read)
+            row = Int32(0)  # (unused without scales)
+            if cutlass.const_expr(k_scales is not None):
+                row = self.cache_row(rows, s_rows, read.index, r)
             # The states advance by their own names: the loop carries only the variables its body names, so a
             # state advanced through an alias would wait on the first phase's parity every tile.
-            self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, rows, tile_base, num_keys, kv_head)
+            self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, r, row, tile_base, num_keys,
+                              kv_head)
             k_write.advance()
-            self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, rows, tile_base, num_keys, kv_head)
+            self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, r, row, tile_base, num_keys,
+                              kv_head)
             v_write.advance()
             kv_pipe.consumer_release(read)
             read.advance()
@@ -615,37 +628,41 @@ class PagedAttentionSm100:
         v_pipe.producer_tail(v_write)
 
     @cute.jit
+    def cache_row(self, rows: Optional[cute.Tensor], s_rows: Optional[cute.Tensor], stage: Int32, r: Int32) -> Int32:
+        """Cache row of the tile's row ``r``: gather4's row array, or ``populate``'s page slot picked by a select
+        over the slots (indexing ``rows`` by a runtime slot would put the array in local memory)."""
+        row = Int32(0)
+        if cutlass.const_expr(self.gather4):
+            row = s_rows[r, stage]
+        else:
+            per_copy = self.k_op.rows_per_copy
+            for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
+                if r // per_copy == p:
+                    row = rows[p]
+            row = row + r % per_copy
+        return row
+
+    @cute.jit
     def convert_tile(self, pipe: pipeline.PipelineAsyncUmma, state: pipeline.PipelineState, ring: cute.Tensor,
-                     tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, rows: cute.Tensor,
+                     tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, r: Int32, row: Int32,
                      tile_base: Int32, num_keys: Int32, kv_head: Int32):
         """Ring ``stage`` -> the 16-bit ``tile`` once the MMA that read it last is done, then hand it over."""
         pipe.producer_acquire(state)
-        self.dequantize(ring, tile, stage, scales, rows, tile_base, num_keys, kv_head)
+        self.dequantize(ring, tile, stage, scales, r, row, tile_base, num_keys, kv_head)
         cute.arch.fence_view_async_shared()  # the MMA reads the tile next
         pipe.producer_commit(state)
 
     @cute.jit
     def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
-                   rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
-        """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
-        granule (the row from the tile's ``populate``; its offset in 64 bits: rows x H x G can pass 2^31), rounded
-        once. Rows past the request's keys are written as zeros. A thread keeps one row of the tile (BN = 128; two
-        threads a row at 64), so it picks that row's page slot once, by a select over the slots: indexing
-        ``rows`` by a runtime slot would put the array in local memory."""
-        d, bn, per_copy = self.head_dim, self.bn, self.k_op.rows_per_copy
-        chunks = d // VEC
-        per_row = CONVERT_THREADS // bn
-        tidx = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
-        r = tidx // per_row
-        row = Int32(0)
-        if cutlass.const_expr(scales is not None):
-            for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
-                if r // per_copy == p:
-                    row = rows[p]
-            row = row + r % per_copy
+                   r: Int32, row: Int32, tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """Row ``r`` of ``ring[stage]`` (fp8) -> the 16-bit ``tile``, 8 values at a time (this thread's share of the
+        row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64 bits: rows x H x G can pass
+        2^31), rounded once. A row past the request's keys is written as zeros."""
+        per_row = CONVERT_THREADS // self.bn
         raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for c in cutlass.range(tidx % per_row, chunks, per_row, unroll=1):
+        first = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) % per_row
+        for c in cutlass.range(first, self.head_dim // VEC, per_row, unroll=1):
             vals.fill(0.0)
             if tile_base + r < num_keys:
                 cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)

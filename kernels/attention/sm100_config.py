@@ -86,8 +86,6 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
     if page_size is None:
         return "the SM100 kernel reads paged caches"
-    if kv_dtype_name == FP8 and uses_gather4(page_size, key_tile(head_dim)):
-        return f"an fp8 cache needs pages of 8+ rows that divide or are divided by the {key_tile(head_dim)}-key tile"
     problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
     if problem:
         return problem
