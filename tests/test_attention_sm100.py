@@ -323,6 +323,8 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 4, 2, 64, 8, {"kv_dtype_name": "float8_e4m3fn", "softcap": True, "sinks": True}),
     ("bfloat16", 8, 2, 128, 4, {"kv_dtype_name": "float8_e4m3fn", "granularity": 32}),  # fp8 by gather4
     ("float16", 8, 2, 64, 3, {"kv_dtype_name": "float8_e4m3fn"}),  # fp8 gather4, 64-byte rows: 64-byte swizzle
+    ("bfloat16", 12, 2, 128, 16),  # a group of 6 does not divide the 128-row tile: O by per-thread stores
+    ("bfloat16", 2, 2, 64, 128),  # group 1: boxes of 128 tokens
 ]
 
 
@@ -347,9 +349,19 @@ def test_sm100_ptx(case, tmp_path):
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x16.b32") == bn // 32
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == d // 32
     # P never goes through shared memory: the only shared stores are Q's staging, V rows zeroed past the keys (16-bit
-    # rings), the dequantized tiles (fp8) and gather4's row numbers.
+    # rings), the dequantized tiles (fp8), gather4's row numbers and O's rows staged for the TMA store (D/8 each).
     stores = re.findall(r"st\.shared\S*", ptx)
-    assert len(stores) == 2 + kernel.kv_fp8 + kernel.gather4, stores
+    assert len(stores) == 2 + kernel.kv_fp8 + kernel.gather4 + (d // 8 if kernel.tma_store else 0), stores
+    # O: with a group dividing the 128-row tile, D/64 TMA stores of (64 columns, group heads, 128/group tokens) boxes
+    # over the request's ragged window (token coordinate shifted by 2^30, so rows past the request are dropped), one
+    # thread issuing and waiting for their reads; split partials (float32), and O for other groups, by the threads'
+    # 16-byte stores. (Modes of static extent 1, a group of 1 or one KV head, leave the tensor map.)
+    o_tma = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.global\.shared::cta\.tile\.bulk_group", ptx)
+    assert len(o_tma) == (d // 64 if kernel.tma_store else 0)
+    assert set(o_tma) <= {str(5 - (kernel.group == 1) - (kernel.num_kv_heads == 1))}
+    assert ptx.count("cp.async.bulk.wait_group.read") == (1 if kernel.tma_store else 0)
+    assert (str(2**30) in ptx) == kernel.tma_store
+    assert ptx.count("st.global.v4") == d * 4 // 16 + (0 if kernel.tma_store else d * 2 // 16)
     # TMEM handed between threads is fenced on both sides of the sync: before the allocation's barrier, P/O's hand-
     # over and the dealloc's barrier; after those barriers, the S wait, the O waits (rescale, epilogue) and the
     # MMA's wait for P.

@@ -9,7 +9,8 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
   the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) back to TMEM over the upper half of
   its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory), zeroes V rows past
   the request's keys, and rescales its row of O in TMEM (``tcgen05.ld``/``st``) before the MMA warp adds ``P V``.
-  At the end it divides O by the row sum (adding the sink's term) and writes the output, or a split's partial.
+  At the end it divides O by the row sum (adding the sink's term) and writes the output (by TMA, see below), or a
+  split's partial.
 * warp 4, the MMA warp: ``S[j % 2] = Q K_j^T`` as soon as K/V tile j lands, then ``O += P_{j-1} V_{j-1}`` once the
   softmax has handed P over (``tcgen05.mma`` with A in TMEM), so the QK of one tile overlaps the softmax of the
   previous one. It owns the TMEM allocation (all 512 columns, so it starts at column 0: two S/P tiles and O).
@@ -36,6 +37,25 @@ softmax rescale / epilogue loads), and the dealloc.
 Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a split writes ``O/l`` and
 ``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
 ``return_lse`` a single split writes ``lse`` (natural log) itself.
+
+The epilogue stages O (16-bit, one split) in Q's shared-memory tile and one thread stores it with D / 64 TMA stores
+when the group divides BM: a tile's packed rows are (token, head) pairs, a token's group heads contiguous in ``out``,
+so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
+clips only at its tensor map's bounds, so the map is the ragged window (``tma_tiles.create_packed_ragged_store``:
+base shifted back 2^30 tokens, the request's end as an extra coordinate): rows past the request fall out of bounds
+and are dropped, never written into the next request's rows. Other groups, and split partials (float32 rows of
+``o_part``), leave by the threads' 16-byte stores (a thread's row is contiguous).
+
+No 2-CTA MMA (``cta_group::2``, M = 256 over a CTA pair, each CTA holding half of each K and V tile): it halves a
+CTA's K/V shared-memory traffic and stage size, which pays when the MMAs are fed too slowly. Here they are not: a
+128-key tile at D = 128 is 16 MMAs (8 QK of K = 16, 8 PV) of 128 x 128 x 16, 4 MFLOP each way, about 1024 cycles
+of an SM's tensor core (B200 dense 16-bit: ~8K FLOP a cycle an SM), while each softmax warp, one per
+sub-partition, spends 1024 cycles on its 128 x 32 exponentials alone (MUFU: 4 a cycle a sub-partition) within ~1900
+instructions of its loop body (static SASS, masked path included): the softmax bounds the tile, with the K/V ring 3
+stages deep (2 at D = 256, 16-bit) and the TMA ahead of it. Decode gains nothing either: a KV head's query rows
+fill at most one 128-row tile, and the K/V bytes from HBM are the same. TMEM does not limit it (each CTA of a pair
+keeps its 128 lanes: the same 2 x BN + D columns); what 2-CTA would need first is the softmax's throughput (two
+softmax warpgroups over two Q tiles, so one's exponentials overlap the other's MMAs).
 """
 
 from __future__ import annotations
@@ -72,6 +92,7 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # the three targets may sum to 3 * 168 = 504 at most (512 leaves the softmax's inc waiting forever).
 FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
+EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -134,6 +155,9 @@ class PagedAttentionSm100:
         self.s_cols = self.bn  # TMEM columns of one S tile
         self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)
         self.o_col = 2 * self.bn  # first TMEM column of O
+        # O leaves by TMA stores of (group heads, BM / group tokens, 64 columns) boxes when the group divides BM.
+        self.tma_store = BM % self.group == 0
+        self.o_box_width = SWIZZLE * 8 // self.dtype.width
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -195,6 +219,9 @@ class PagedAttentionSm100:
         else:
             tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
             tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d, self.ring_swizzle)
+        tma_o = g_out = None
+        if cutlass.const_expr(self.tma_store):
+            tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, SWIZZLE)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
@@ -204,7 +231,8 @@ class PagedAttentionSm100:
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
         # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part, lse,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, tma_o, g_out, q, out, o_part,
+                    lse_part, lse,
                     input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
@@ -223,8 +251,9 @@ class PagedAttentionSm100:
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
-               out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
+               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout,
+               tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor,
+               o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
                rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
@@ -345,8 +374,8 @@ class PagedAttentionSm100:
                 self.set_registers("softmax")
                 row_max, row_sum = self.softmax(t_s, t_o, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
                                                 cache_len, num_keys, causal, window, score_scale, cap_log2)
-                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
-                              kv_head, split, num_splits)
+                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o, g_out, s_q, q_start,
+                              seq_len, m0, kv_head, split, num_splits)
             tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
             cute.arch.sync_threads()
             tmem_fence_after_sync()  # ... and the dealloc after it
@@ -710,10 +739,13 @@ class PagedAttentionSm100:
 
     @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
-                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
+                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
+                 tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor, q_start: Int32,
                  seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
         """Row ``tidx``: ``O / l`` to ``out`` (one split) or to this split's float32 partial with its base-2 lse. The
-        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one)."""
+        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one).
+        ``out`` rows go through ``s_o`` (Q's tile, free: the last PV completed after the last QK) and TMA stores when
+        the group divides BM (``store_o``), else straight from the thread."""
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
@@ -737,13 +769,17 @@ class PagedAttentionSm100:
                 vals[e] = vals[e] * inv
             if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
                 vals.fill(0.0)
-            if tok < seq_len:
-                row = q_start + tok
-                if num_splits == 1:
-                    res.store(vals.load().to(self.dtype))
-                    cute.autovec_copy(res, cute.local_tile(out[row, head, None], (O_CHUNK,), (i,)))
-                else:
-                    cute.autovec_copy(vals, cute.local_tile(o_part[split, row, head, None], (O_CHUNK,), (i,)))
+            if num_splits == 1:
+                res.store(vals.load().to(self.dtype))
+                if cutlass.const_expr(self.tma_store):  # every row: the TMA drops those past the request
+                    cute.autovec_copy(res, cute.local_tile(s_o[tidx, None], (O_CHUNK,), (i,)))
+                elif tok < seq_len:
+                    cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (O_CHUNK,), (i,)))
+            elif tok < seq_len:
+                cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (O_CHUNK,), (i,)))
+        if cutlass.const_expr(self.tma_store):
+            if num_splits == 1:
+                self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)
         if tok < seq_len:
             lse2 = NEG_INF
             if total > 0.0:
@@ -753,6 +789,27 @@ class PagedAttentionSm100:
                     lse[q_start + tok, head] = lse2 * Float32(LN2)
             else:
                 lse_part[split, q_start + tok, head] = lse2
+
+    @cute.jit
+    def store_o(self, tma_o: cute.CopyAtom, g_out: cute.Tensor, s_o: cute.Tensor, q_start: Int32, seq_len: Int32,
+                m0: Int32, kv_head: Int32):
+        """The staged O tile to ``out``: one thread issues one TMA store per 64 columns, box (group heads, BM / group
+        tokens), over the request's ragged window (rows past it are dropped), and waits until they have read shared
+        memory, so the tile outlives them (the CTA's last barrier follows)."""
+        cute.arch.fence_view_async_shared()  # this thread's row (generic stores) before the TMA reads it
+        pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=SOFTMAX_THREADS).arrive_and_wait()
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+            window = tma_tiles.packed_ragged_window(g_out, q_start, seq_len)[None, None, None, kv_head]
+            width, group = self.o_box_width, self.group
+            with cute.arch.elect_one():  # one thread issues, commits and waits for its bulk group
+                for c in cutlass.range_constexpr(self.head_dim // width):
+                    src = tma_tiles.packed_box(cute.local_tile(s_o, (BM, width), (0, c)), group)
+                    dst = cute.local_tile(window, (group, BM // group, width), (0, m0 // BM, c))
+                    t_s, t_g = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(src, 0, 3),
+                                                     cute.group_modes(dst, 0, 3))
+                    cute.copy(tma_o, t_s, t_g)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32):
