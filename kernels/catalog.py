@@ -115,6 +115,7 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("bfloat16", 64, 8, 128, 32, 2, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 32),
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
+    ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", 32),  # fp8 by gather4
 ]
 MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode

@@ -19,8 +19,6 @@ needs_tools = pytest.mark.skipif(static.tools_available() is not None, reason=st
 
 # Open defects the gate found, by configuration id: the test fails (strict) once one is fixed, so the entry goes.
 KNOWN = {
-    "paged_attention_sm100[bfloat16-8-2-128-16-2-True-False-False-False-float8_e4m3fn-32]-sm_100a":
-        "fp8 with scales, pages under the key tile: the converter's per-copy row array sits in local memory (48 B)",
     "paged_kv_store[float32-1-64-1-576-64]-sm_90a": "168 registers: 3 CTAs per SM, the plan claims 4",
     "paged_kv_store[float32-1-64-1-576-64]-sm_100a": "168 registers: 3 CTAs per SM, the plan claims 4",
 }

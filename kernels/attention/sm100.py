@@ -6,12 +6,14 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 * warps 0-3, the softmax warpgroup: thread ``t`` owns packed row ``t`` (TMEM lane ``t``). Per key tile it reads its
   row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the keys), optionally soft-caps it, runs
-  the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) to shared memory, zeroes V rows past
+  the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) back to TMEM over the upper half of
+  its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory), zeroes V rows past
   the request's keys, and rescales its row of O in TMEM (``tcgen05.ld``/``st``) before the MMA warp adds ``P V``.
-  At the end it divides O by the row sum (adding the sink's term) and writes the output, or a split's partial.
+  At the end it divides O by the row sum (adding the sink's term) and writes the output (by TMA, see below), or a
+  split's partial.
 * warp 4, the MMA warp: ``S[j % 2] = Q K_j^T`` as soon as K/V tile j lands, then ``O += P_{j-1} V_{j-1}`` once the
-  softmax has handed P over, so the QK of one tile overlaps the softmax of the previous one. It owns the TMEM
-  allocation (512 columns: two S tiles and O).
+  softmax has handed P over (``tcgen05.mma`` with A in TMEM), so the QK of one tile overlaps the softmax of the
+  previous one. It owns the TMEM allocation (all 512 columns, so it starts at column 0: two S/P tiles and O).
 * warp 5, the load warp: K and V tiles into a ``stages``-deep ring, straight in the MMA's swizzled layout. Pages
   that tile the key tile: ``populate`` names the tile's page rows, one TMA per page slot. Other pages (under 8 rows,
   or not dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4
@@ -23,12 +25,37 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
-buffers), P (softmax -> MMA, one buffer: its "empty" arrival is the commit of the PV MMA, which also says O is
-stable for the next rescale and, after the last tile, for the epilogue).
+buffers; S[j % 2] is free again for QK_{j+2} because the PV MMA that reads P_j there is issued before it and
+``tcgen05.mma`` executes in issue order: the S pipeline's "empty" side is never used), P (softmax -> MMA: its "empty"
+arrival is the commit of the PV MMA, which says O is stable for the next rescale and, after the last tile, for the
+epilogue).
+TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
+(``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait), as the PTX memory
+model asks: TMEM allocation, S (QK commit -> softmax loads), P and O (softmax stores -> PV MMA), O (PV commit ->
+softmax rescale / epilogue loads), and the dealloc.
 
 Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a split writes ``O/l`` and
 ``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
 ``return_lse`` a single split writes ``lse`` (natural log) itself.
+
+The epilogue stages O (16-bit, one split) in Q's shared-memory tile and one thread stores it with D / 64 TMA stores
+when the group divides BM: a tile's packed rows are (token, head) pairs, a token's group heads contiguous in ``out``,
+so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
+clips only at its tensor map's bounds, so the map is the ragged window (``tma_tiles.create_packed_ragged_store``:
+base shifted back 2^30 tokens, the request's end as an extra coordinate): rows past the request fall out of bounds
+and are dropped, never written into the next request's rows. Other groups, and split partials (float32 rows of
+``o_part``), leave by the threads' 16-byte stores (a thread's row is contiguous).
+
+No 2-CTA MMA (``cta_group::2``, M = 256 over a CTA pair, each CTA holding half of each K and V tile): it halves a
+CTA's K/V shared-memory traffic and stage size, which pays when the MMAs are fed too slowly. Here they are not: a
+128-key tile at D = 128 is 16 MMAs (8 QK of K = 16, 8 PV) of 128 x 128 x 16, 4 MFLOP each way, about 1024 cycles
+of an SM's tensor core (B200 dense 16-bit: ~8K FLOP a cycle an SM), while each softmax warp, one per
+sub-partition, spends 1024 cycles on its 128 x 32 exponentials alone (MUFU: 4 a cycle a sub-partition) within ~1700
+instructions of its loop body (static SASS, masked path included): the softmax bounds the tile, with the K/V ring 3
+stages deep (2 at D = 256, 16-bit) and the TMA ahead of it. Decode gains nothing either: a KV head's query rows
+fill at most one 128-row tile, and the K/V bytes from HBM are the same. TMEM does not limit it (each CTA of a pair
+keeps its 128 lanes: the same 2 x BN + D columns); what 2-CTA would need first is the softmax's throughput (two
+softmax warpgroups over two Q tiles, so one's exponentials overlap the other's MMAs).
 """
 
 from __future__ import annotations
@@ -42,12 +69,15 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
+from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -63,11 +93,28 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # the three targets may sum to 3 * 168 = 504 at most (512 leaves the softmax's inc waiting forever).
 FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
+EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
+
+
+@dsl_user_op
+def tmem_fence_before_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations (TMEM loads/stores, MMAs)
+    are ordered before its next thread synchronization (mbarrier arrival, barrier), as the PTX memory model asks of
+    TMEM accesses that another thread's tcgen05 operations depend on."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tmem_fence_after_sync(*, loc=None, ip=None):
+    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the
+    synchronization it just completed (an mbarrier wait, a barrier), so they see the TMEM the other side wrote."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
 class PagedAttentionSm100:
@@ -105,9 +152,13 @@ class PagedAttentionSm100:
         if not self.gather4:  # one TMA per page slot, rows from populate
             self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
             self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
-        self.box_width = SWIZZLE * 8 // self.dtype.width  # gather4 columns per instruction: one swizzle row
+        self.box_width = self.ring_swizzle * 8 // self.kv_dtype.width  # gather4 columns an instruction: a swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
+        self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)
         self.o_col = 2 * self.bn  # first TMEM column of O
+        # O leaves by TMA stores of (group heads, BM / group tokens, 64 columns) boxes when the group divides BM.
+        self.tma_store = BM % self.group == 0
+        self.o_box_width = SWIZZLE * 8 // self.dtype.width
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -156,31 +207,40 @@ class PagedAttentionSm100:
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                          tcgen05.CtaGroup.ONE, (BM, d))
+                                                          tcgen05.CtaGroup.ONE, (BM, d), tcgen05.OperandSource.TMEM)
         k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
         v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
         if cutlass.const_expr(self.gather4):
             # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
             index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
             tma_k, g_k, s_slot = tma_tiles.create_gather4_tma_tile(self.rows_2d(k_rows), index, bn, self.box_width,
-                                                                   SWIZZLE)
+                                                                   self.ring_swizzle)
             tma_v, g_v, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(v_rows), index, bn, self.box_width,
-                                                              SWIZZLE)
+                                                              self.ring_swizzle)
         else:
             tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
             tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d, self.ring_swizzle)
+        tma_o = g_out = None
+        if cutlass.const_expr(self.tma_store):
+            tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, SWIZZLE)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
-            k_scales = self.k_op.scale_view(scales, layer_idx)
-            v_scales = self.v_op.scale_view(scales, layer_idx)
+            # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
+            k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
+            v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
         rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
         # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, o_part, lse_part, lse,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, tma_o, g_out, q, out, o_part,
+                    lse_part, lse,
                     input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    def p_col(self, buf: Int32) -> Int32:
+        """First TMEM column of P in S buffer ``buf``: the buffer's upper half, read into registers before."""
+        return buf * self.s_cols + self.s_cols - self.p_cols
 
     @staticmethod
     def rows_2d(rows: cute.Tensor) -> cute.Tensor:
@@ -192,8 +252,9 @@ class PagedAttentionSm100:
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
-               out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
+               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout,
+               tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor,
+               o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
                rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
@@ -222,10 +283,8 @@ class PagedAttentionSm100:
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
-            sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn)
             ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-            s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
             ring_k = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
                                           swizzle=ring_layout.inner)
             ring_v = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
@@ -271,7 +330,9 @@ class PagedAttentionSm100:
             tmem.allocate(TMEM_COLUMNS)
             self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
             cute.arch.mbarrier_init_fence()
+            tmem_fence_before_sync()  # the allocation (tcgen05.alloc) before the barrier that publishes it
             tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
+            tmem_fence_after_sync()
             tmem.relinquish_alloc_permit()
             tmem_ptr = tmem.retrieve_ptr(Float32)
 
@@ -301,22 +362,24 @@ class PagedAttentionSm100:
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
                 self.set_registers("mma_load")
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_vt, t_s, t_o, kv_pipe, s_pipe,
                          p_pipe, k_pipe, v_pipe, n_tiles)
             if cutlass.const_expr(self.kv_fp8):
                 if warp_idx > LOAD_WARP and warp_idx < CONVERT_WARPS[0]:
                     self.set_registers("mma_load")  # idle warps of the MMA / load warpgroup
                 if warp_idx >= CONVERT_WARPS[0]:
                     self.set_registers("convert")
-                    self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, lookup_table,
-                                 first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
+                    self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, s_rows,
+                                 lookup_table, first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
             if warp_idx < SOFTMAX_THREADS // 32:
                 self.set_registers("softmax")
-                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
+                row_max, row_sum = self.softmax(t_s, t_o, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
                                                 cache_len, num_keys, causal, window, score_scale, cap_log2)
-                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
-                              kv_head, split, num_splits)
-            cute.arch.sync_threads()  # every TMEM access is done
+                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o, g_out, s_q, q_start,
+                              seq_len, m0, kv_head, split, num_splits)
+            tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
+            cute.arch.sync_threads()
+            tmem_fence_after_sync()  # ... and the dealloc after it
             tmem.free(tmem_ptr)
 
     def set_registers(self, role: str):
@@ -380,7 +443,7 @@ class PagedAttentionSm100:
 
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
-            thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
+            thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_vt: cute.Tensor,
             t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
             p_pipe: pipeline.PipelineAsyncUmma, k_pipe: Optional[pipeline.PipelineAsyncUmma],
             v_pipe: Optional[pipeline.PipelineAsyncUmma], n_tiles: Int32):
@@ -389,7 +452,10 @@ class PagedAttentionSm100:
         each released by the commit of the MMA that reads it)."""
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
-        t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
+        # P as the PV MMA's A operand in TMEM (K-major, two 16-bit values per column), at its S tile's upper half. The
+        # fragment's addresses are columns from 0, where the allocation starts: it takes all 512 columns.
+        p_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, (BM, self.head_dim, self.bn), self.dtype, 1)
+        t_rp = thr_pv.make_fragment_A(cute.make_tensor(t_s.iterator, p_layout.outer))[None, None, None, 0]
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -405,7 +471,8 @@ class PagedAttentionSm100:
                     k_pipe.consumer_wait(k_read)
                 else:
                     kv_pipe.consumer_wait(kv_read)
-                s_pipe.producer_acquire(s_write)
+                # S[j % 2] last held P_{j-2}, read by the PV MMA issued before this one: tcgen05.mma runs in issue
+                # order, so S has no empty barrier (the softmax read S_{j-2} before handing P_{j-2} over).
                 acc_s = t_s[None, None, None, s_write.index]
                 for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
@@ -422,11 +489,14 @@ class PagedAttentionSm100:
                     v_stage = Int32(0)
                     v_pipe.consumer_wait(v_read)
                 p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled
+                tmem_fence_after_sync()  # ... by the softmax's tcgen05.st, ordered before the MMA reads them
+                t_rp_j = cute.make_tensor(t_rp.iterator + self.p_col((j + 1) % 2) * (32 // self.dtype.width),
+                                          t_rp.layout)  # (the A fragment counts 16-bit elements)
                 tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
                 for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
-                    cute.gemm(tiled_mma_pv, t_o, t_rp[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
+                    cute.gemm(tiled_mma_pv, t_o, t_rp_j[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
                     tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-                p_pipe.consumer_release(p_read)  # on completion: P free, O final for this tile
+                p_pipe.consumer_release(p_read)  # on completion: O final for this tile
                 if cutlass.const_expr(self.kv_fp8):
                     v_pipe.consumer_release(v_read)  # on completion: the converter may write the next V
                     v_read.advance()
@@ -436,7 +506,7 @@ class PagedAttentionSm100:
                 kv_done.advance()
 
     @cute.jit
-    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_v: cute.Tensor,
+    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_v: cute.Tensor,
                 s_pipe: pipeline.PipelineUmmaAsync, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
                 n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
                 window: Int32, score_scale: Float32, cap_log2: Float32):
@@ -461,8 +531,15 @@ class PagedAttentionSm100:
         t_s_src = load_s.partition_S(s_tile)
         cols = load_s.partition_D(cute.make_identity_tensor((BM, bn)))  # (row, key) of each S register
         scores = cute.make_rmem_tensor(cols.shape, Float32)
-        probs = cute.make_rmem_tensor(cols.shape, self.dtype)
-        t_p_dst = load_s.partition_D(s_p)  # this thread's row of P, in the same register order
+        # P goes back to TMEM over the upper half of its S tile: the thread's row, 16-bit pairs in 32-bit columns.
+        p_tile = cute.make_tensor(s_tile.iterator + self.p_col(0),
+                                  cute.composition(s_tile.layout, cute.make_layout((BM, self.p_cols))))
+        store_p = tcgen05.make_tmem_copy(cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_STORE_COLUMNS)), Float32), p_tile).get_slice(tidx)
+        t_p_dst = store_p.partition_D(p_tile)
+        packed = cute.make_rmem_tensor(store_p.partition_S(cute.make_identity_tensor((BM, self.p_cols))).shape,
+                                       Float32)
+        probs = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype), scores.layout)
 
         row_max = NEG_INF
         row_sum = Float32(0.0)
@@ -471,9 +548,10 @@ class PagedAttentionSm100:
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * bn
             s_pipe.consumer_wait(s_read)
-            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * self.s_cols, t_s_src.layout), scores)
-            cute.arch.fence_view_async_tmem_load()
-            s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
+            tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
+            buf = s_read.index
+            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + buf * self.s_cols, t_s_src.layout), scores)
+            cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
             s_read.advance()
 
             for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
@@ -488,11 +566,10 @@ class PagedAttentionSm100:
             if tile_base + bn > row_end:
                 masked = Int32(1)
             if masked != 0:
+                lo = row_begin - tile_base  # visible columns of the tile: [lo, hi)
+                hi = row_end - tile_base
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
-                    key = tile_base + cols[c][1]
-                    if key < row_begin:
-                        scores[c] = NEG_INF
-                    if key >= row_end:
+                    if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
                         scores[c] = NEG_INF
             new_max = self.row_reduce(scores, row_max, cute.arch.fmax)
             ref = new_max
@@ -503,12 +580,14 @@ class PagedAttentionSm100:
                 scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
                 scores[c] = cute.math.exp2(scores[c], fastmath=True)
                 scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-            row_sum = self.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
+            row_sum = self.row_add(scores, row_sum * corr)
             row_max = new_max
-            probs.store(scores.load().to(self.dtype))
+            to_16bit(scores, probs)  # one cvt per pair
+            # P_j's columns are free (P_{j-2}'s PV precedes QK_j) and P_{j-1}'s PV may still run: no wait.
+            cute.copy(store_p, packed, cute.make_tensor(t_p_dst.iterator + buf * self.s_cols, t_p_dst.layout))
 
-            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: P free, O stable
-            cute.autovec_copy(probs, t_p_dst)
+            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: O stable
+            tmem_fence_after_sync()  # ... and ordered before this thread's tcgen05.ld/st of O
             if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
                 if tile_base + bn > num_keys:
                     self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
@@ -517,11 +596,13 @@ class PagedAttentionSm100:
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
                     self.rescale_o(t_o, corr)
-            cute.arch.fence_view_async_tmem_store()
-            cute.arch.fence_view_async_shared()  # P and zeroed V rows are read by the MMA next
+            cute.arch.fence_view_async_tmem_store()  # P and O in TMEM, zeroed V rows in shared memory: the MMA
+            cute.arch.fence_view_async_shared()  # reads them next
+            tmem_fence_before_sync()
             p_pipe.producer_commit(p_write)
             p_write.advance()
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
+        tmem_fence_after_sync()
         return row_max, row_sum
 
     @staticmethod
@@ -533,27 +614,51 @@ class PagedAttentionSm100:
             part[c % 4] = op(part[c % 4], vals[c])
         return op(op(part[0], part[1]), op(part[2], part[3]))
 
+    @staticmethod
+    def row_add(vals: cute.Tensor, init: Float32) -> Float32:
+        """``init`` + the row's values in two f32x2 chains (four lanes): half the add instructions of scalar
+        chains, a quarter of one chain's latency."""
+        a = (vals[0], vals[1])
+        b = (vals[2], vals[3])
+        for c in range(4, cute.size(vals), 4):
+            a = cute.arch.add_packed_f32x2(a, (vals[c], vals[c + 1]))
+            b = cute.arch.add_packed_f32x2(b, (vals[c + 2], vals[c + 3]))
+        a = cute.arch.add_packed_f32x2(a, b)
+        return init + (a[0] + a[1])
+
     @cute.jit
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,
                 v_pipe: pipeline.PipelineAsyncUmma, ring_k: cute.Tensor, ring_v: cute.Tensor, s_k: cute.Tensor,
                 s_v: cute.Tensor, k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
-                lookup_table: cute.Tensor, first_tile: Int32, n_tiles: Int32, b: Int32, kv_head: Int32,
-                num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+                s_rows: Optional[cute.Tensor], lookup_table: cute.Tensor, first_tile: Int32, n_tiles: Int32, b: Int32,
+                kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
         """Converter warpgroup (fp8): each ring stage -> the 16-bit K tile (once the previous QK read it) and V tile
-        (once the previous PV read it); the stage is released when both are written."""
+        (once the previous PV read it); the stage is released when both are written. A thread keeps one row of
+        the tile (BN = 128; two threads a row at BN = 64): with granule scales it looks that row's cache row up once
+        per tile, from the tile's ``populate`` or, for gather4 pages, from the stage's row array the load warp
+        wrote (read before the stage is released, so before the load warp rewrites it)."""
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         k_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         v_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        r = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) // (CONVERT_THREADS // self.bn)
+        rows = None
+        if cutlass.const_expr(k_scales is not None and not self.gather4):
+            rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * self.bn
-            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            if cutlass.const_expr(rows is not None):
+                self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             kv_pipe.consumer_wait(read)
+            row = Int32(0)  # (unused without scales)
+            if cutlass.const_expr(k_scales is not None):
+                row = self.cache_row(rows, s_rows, read.index, r)
             # The states advance by their own names: the loop carries only the variables its body names, so a
             # state advanced through an alias would wait on the first phase's parity every tile.
-            self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, rows, tile_base, num_keys, kv_head)
+            self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, r, row, tile_base, num_keys,
+                              kv_head)
             k_write.advance()
-            self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, rows, tile_base, num_keys, kv_head)
+            self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, r, row, tile_base, num_keys,
+                              kv_head)
             v_write.advance()
             kv_pipe.consumer_release(read)
             read.advance()
@@ -561,36 +666,47 @@ class PagedAttentionSm100:
         v_pipe.producer_tail(v_write)
 
     @cute.jit
+    def cache_row(self, rows: Optional[cute.Tensor], s_rows: Optional[cute.Tensor], stage: Int32, r: Int32) -> Int32:
+        """Cache row of the tile's row ``r``: gather4's row array, or ``populate``'s page slot picked by a select
+        over the slots (indexing ``rows`` by a runtime slot would put the array in local memory)."""
+        row = Int32(0)
+        if cutlass.const_expr(self.gather4):
+            row = s_rows[r, stage]
+        else:
+            per_copy = self.k_op.rows_per_copy
+            for p in cutlass.range_constexpr(self.k_op.copies_per_tile):
+                if r // per_copy == p:
+                    row = rows[p]
+            row = row + r % per_copy
+        return row
+
+    @cute.jit
     def convert_tile(self, pipe: pipeline.PipelineAsyncUmma, state: pipeline.PipelineState, ring: cute.Tensor,
-                     tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, rows: cute.Tensor,
+                     tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, r: Int32, row: Int32,
                      tile_base: Int32, num_keys: Int32, kv_head: Int32):
         """Ring ``stage`` -> the 16-bit ``tile`` once the MMA that read it last is done, then hand it over."""
         pipe.producer_acquire(state)
-        self.dequantize(ring, tile, stage, scales, rows, tile_base, num_keys, kv_head)
+        self.dequantize(ring, tile, stage, scales, r, row, tile_base, num_keys, kv_head)
         cute.arch.fence_view_async_shared()  # the MMA reads the tile next
         pipe.producer_commit(state)
 
     @cute.jit
     def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
-                   rows: cute.Tensor, tile_base: Int32, num_keys: Int32, kv_head: Int32):
-        """fp8 rows of ``ring[stage]`` -> the 16-bit ``tile``, 8 values at a time: ``x * scale`` of the value's
-        granule (the row from the tile's ``populate``; its offset in 64 bits: rows x H x G can pass 2^31), rounded
-        once. Rows past the request's keys are written as zeros."""
-        d, per_copy = self.head_dim, self.k_op.rows_per_copy
-        chunks = d // VEC
-        tidx = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
+                   r: Int32, row: Int32, tile_base: Int32, num_keys: Int32, kv_head: Int32):
+        """Row ``r`` of ``ring[stage]`` (fp8) -> the 16-bit ``tile``, 8 values at a time (this thread's share of the
+        row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64 bits: rows x H x G can pass
+        2^31), rounded once. A row past the request's keys is written as zeros."""
+        per_row = CONVERT_THREADS // self.bn
         raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, self.bn * chunks, CONVERT_THREADS, unroll=1):
-            r = idx // chunks
-            c = idx % chunks
+        first = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) % per_row
+        for c in cutlass.range(first, self.head_dim // VEC, per_row, unroll=1):
             vals.fill(0.0)
             if tile_base + r < num_keys:
                 cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
                 x = raw.load().to(Float32)
                 if cutlass.const_expr(scales is not None):
-                    x = x * granule_scale(scales, rows[r // per_copy] + r % per_copy, kv_head,
-                                          c * VEC // self.granularity, self.e8m0_scales)
+                    x = x * granule_scale(scales, row, kv_head, c * VEC // self.granularity, self.e8m0_scales)
                 vals.store(x.to(self.dtype))
             cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
 
@@ -632,10 +748,13 @@ class PagedAttentionSm100:
 
     @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
-                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
+                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
+                 tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor, q_start: Int32,
                  seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
         """Row ``tidx``: ``O / l`` to ``out`` (one split) or to this split's float32 partial with its base-2 lse. The
-        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one)."""
+        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one).
+        ``out`` rows go through ``s_o`` (Q's tile, free: the last PV completed after the last QK) and TMA stores when
+        the group divides BM (``store_o``), else straight from the thread."""
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
@@ -655,17 +774,21 @@ class PagedAttentionSm100:
         res = cute.make_rmem_tensor(shape, self.dtype)
         for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
             cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(cute.size(vals)):
-                vals[e] = vals[e] * inv
+            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
+                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (inv, inv))
             if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
                 vals.fill(0.0)
-            if tok < seq_len:
-                row = q_start + tok
-                if num_splits == 1:
-                    res.store(vals.load().to(self.dtype))
-                    cute.autovec_copy(res, cute.local_tile(out[row, head, None], (O_CHUNK,), (i,)))
-                else:
-                    cute.autovec_copy(vals, cute.local_tile(o_part[split, row, head, None], (O_CHUNK,), (i,)))
+            if num_splits == 1:
+                res.store(vals.load().to(self.dtype))
+                if cutlass.const_expr(self.tma_store):  # every row: the TMA drops those past the request
+                    cute.autovec_copy(res, cute.local_tile(s_o[tidx, None], (O_CHUNK,), (i,)))
+                elif tok < seq_len:
+                    cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (O_CHUNK,), (i,)))
+            elif tok < seq_len:
+                cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (O_CHUNK,), (i,)))
+        if cutlass.const_expr(self.tma_store):
+            if num_splits == 1:
+                self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)
         if tok < seq_len:
             lse2 = NEG_INF
             if total > 0.0:
@@ -675,6 +798,27 @@ class PagedAttentionSm100:
                     lse[q_start + tok, head] = lse2 * Float32(LN2)
             else:
                 lse_part[split, q_start + tok, head] = lse2
+
+    @cute.jit
+    def store_o(self, tma_o: cute.CopyAtom, g_out: cute.Tensor, s_o: cute.Tensor, q_start: Int32, seq_len: Int32,
+                m0: Int32, kv_head: Int32):
+        """The staged O tile to ``out``: one thread issues one TMA store per 64 columns, box (group heads, BM / group
+        tokens), over the request's ragged window (rows past it are dropped), and waits until they have read shared
+        memory, so the tile outlives them (the CTA's last barrier follows)."""
+        cute.arch.fence_view_async_shared()  # this thread's row (generic stores) before the TMA reads it
+        pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=SOFTMAX_THREADS).arrive_and_wait()
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+            window = tma_tiles.packed_ragged_window(g_out, q_start, seq_len)[None, None, None, kv_head]
+            width, group = self.o_box_width, self.group
+            with cute.arch.elect_one():  # one thread issues, commits and waits for its bulk group
+                for c in cutlass.range_constexpr(self.head_dim // width):
+                    src = tma_tiles.packed_box(cute.local_tile(s_o, (BM, width), (0, c)), group)
+                    dst = cute.local_tile(window, (group, BM // group, width), (0, m0 // BM, c))
+                    t_s, t_g = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(src, 0, 3),
+                                                     cute.group_modes(dst, 0, 3))
+                    cute.copy(tma_o, t_s, t_g)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32):

@@ -1,10 +1,10 @@
 """``PagedAttentionSm100``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
 
 A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) and walks key tiles of ``BN``
-keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j) and the O accumulator:
-``2 * BN + D <= 512`` columns, so one CTA per SM. Shared memory holds Q, P (16-bit, the PV MMA's A operand) and a
-ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page size: pages that tile the key tile load
-by one TMA per page slot, others by gather4 (``uses_gather4``).
+keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j), each tile's P (16-bit,
+the PV MMA's A operand) over the upper half of its S, and the O accumulator: ``2 * BN + D <= 512`` columns, so one CTA
+per SM. Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page
+size: pages that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahea
 @dataclasses.dataclass(frozen=True)
 class Sm100Tiling:
     """Key tile ``bn``, K/V ring ``stages``, K/V by ``gather4``; bytes of the barriers and gather4 row arrays ahead
-    of the 1024-aligned tiles (``fixed``), of Q, P, one K+V stage as loaded, and the 16-bit K and V tiles the MMAs
+    of the 1024-aligned tiles (``fixed``), of Q, one K+V stage as loaded, and the 16-bit K and V tiles the MMAs
     read when an fp8 ring is dequantized (``mma_tiles``, 0 otherwise)."""
 
     bn: int
@@ -32,17 +32,16 @@ class Sm100Tiling:
     gather4: bool
     fixed: int
     q_bytes: int
-    p_bytes: int
     stage_bytes: int
     mma_tiles: int = 0
 
     @property
     def smem(self) -> int:
-        return self.fixed + self.q_bytes + self.p_bytes + self.stages * self.stage_bytes + self.mma_tiles
+        return self.fixed + self.q_bytes + self.stages * self.stage_bytes + self.mma_tiles
 
     @property
     def tmem_columns(self) -> int:
-        """Columns used: S tiles at ``[0, 2*bn)``, O at ``[2*bn, 2*bn + D)``."""
+        """Columns used: S tiles at ``[0, 2*bn)`` (P in the upper half of each), O at ``[2*bn, 2*bn + D)``."""
         return 2 * self.bn + self.q_bytes // (2 * BM)
 
 
@@ -59,13 +58,13 @@ def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
 
 
 def tiling(head_dim: int, page_size: int, kv_fp8: bool = False) -> Sm100Tiling:
-    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q and P (and, for fp8, one 16-bit K and V tile)."""
+    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q (and, for fp8, one 16-bit K and V tile)."""
     bn = key_tile(head_dim)
     gather4 = uses_gather4(page_size, bn)
-    q_bytes, p_bytes, stage_bytes = BM * head_dim * 2, BM * bn * 2, 2 * bn * head_dim * (1 if kv_fp8 else 2)
+    q_bytes, stage_bytes = BM * head_dim * 2, 2 * bn * head_dim * (1 if kv_fp8 else 2)
     mma_tiles = 2 * bn * head_dim * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
-        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, p_bytes, stage_bytes,
+        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, stage_bytes,
                            mma_tiles)
         if plan.smem <= SMEM_PER_CTA:
             assert plan.tmem_columns <= TMEM_COLUMNS
@@ -87,8 +86,6 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
     if page_size is None:
         return "the SM100 kernel reads paged caches"
-    if kv_dtype_name == FP8 and uses_gather4(page_size, key_tile(head_dim)):
-        return f"an fp8 cache needs pages of 8+ rows that divide or are divided by the {key_tile(head_dim)}-key tile"
     problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
     if problem:
         return problem

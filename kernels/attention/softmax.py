@@ -59,7 +59,7 @@ def to_16bit(src: cute.Tensor, dst: cute.Tensor):
     ``.to()`` lets the compiler sink the conversion into the next iteration, which keeps the float32 P live (in 32
     more registers) across the next QK issue and makes ptxas wait for the PV before the softmax."""
     packed = cute.recast_tensor(dst, Int32)
-    for i in cutlass.range_constexpr(cute.size(packed)):
+    for i in cutlass.range(cute.size(packed), unroll_full=True):
         packed[i] = _cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
 
 

@@ -10,6 +10,8 @@ returns (``populate.py``); TMA coordinates are int32, so a descriptor spans at m
 * ``create_ragged_tma_tile``: ``[total_rows, H, D]`` rows packed back to back (``input_row_offsets``); a request's
   window is masked by the descriptor itself (FA4 / Triton's ragged TMA: base shifted back by 2^30 rows, an extra
   mode with the row stride), so loads past the request zero-fill and stores past it are dropped.
+* ``create_packed_ragged_store``: the same ragged window over pack-GQA rows of ``[total_rows, Hq, D]`` (token,
+  head of a KV head's group): a box of (group heads, tokens) rows, for an attention epilogue's TMA store.
 * ``create_scale_tma_tile``: the plane's scales, flat (``flat_scales``, its extent in 64 bits): a page slot's rows
   are consecutive, so one box of ``rows * H * G`` float32 covers them.
 * ``create_gather4_tma_tile`` (SM100): 2-D ``[rows, tile_stride]``; each ``cp.async.bulk.tensor...gather4`` fetches
@@ -133,6 +135,39 @@ def create_ragged_tma_tile(rows: cute.Tensor, tile_rows: int, depth: int, swizzl
 def ragged_window(coords: cute.Tensor, offset, length) -> cute.Tensor:
     """``(2^30, D, H)`` coordinates whose row ``r`` is packed row ``offset + r``, in bounds only for ``r < length``."""
     return cute.domain_offset((RAGGED_BIG - length, None, None), coords[None, None, None, offset + length])
+
+
+def create_packed_ragged_store(rows: cute.Tensor, group: int, tile_rows: int, width: int, swizzle_bytes: int = 128):
+    """TMA store of ``tile_rows`` pack-GQA rows x ``width`` columns into ragged ``[total, Hq, D]`` rows: packed row
+    ``p`` of a tile is token ``p // group``, head ``p % group`` of the KV head's group, so the box is ``(group heads,
+    tile_rows / group tokens, width)`` (``group`` must divide ``tile_rows``) over the view ``[group, 2^30, D,
+    Hq/group, 2^31-1]`` (``ragged_view``'s window on the token mode). The smem tile is the usual K-major
+    ``(tile_rows, width)``; ``packed_box`` sees it in the box's shape. Address a request with
+    ``packed_ragged_window``."""
+    dtype = rows.element_type
+    t, hq, d = rows.shape
+    view = cute.make_tensor(cute.domain_offset((-RAGGED_BIG, None, None), rows).iterator, cute.make_layout(
+        (group, Int32(RAGGED_BIG), d, hq // group, Int32(_RAGGED_LIM)),
+        stride=(rows.stride[1], rows.stride[0], rows.stride[2], rows.stride[1] * group, rows.stride[0])))
+    smem = smem_tile_layout(dtype, tile_rows, width, swizzle_bytes)
+    box = cute.make_composed_layout(smem.inner, smem.offset, packed_box(smem.outer, group))
+    atom, coords = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view, box,
+                                               (group, tile_rows // group, width))
+    return atom, coords, smem
+
+
+def packed_box(layout, group: int):
+    """A ``(rows, width)`` tile (layout or tensor) as ``(group, rows / group, width)``: row ``p`` is ``(p % group,
+    p // group)``."""
+    rows, width = cute.size(layout, mode=[0]), cute.size(layout, mode=[1])
+    return cute.composition(layout, cute.make_layout((group, rows // group, width), stride=(1, group, rows)))
+
+
+def packed_ragged_window(coords: cute.Tensor, offset, length) -> cute.Tensor:
+    """``(group, 2^30, D, H)`` coordinates whose token ``r`` is token ``offset + r``, in bounds only for
+    ``r < length``."""
+    return cute.domain_offset((None, RAGGED_BIG - length, None, None),
+                              coords[None, None, None, None, offset + length])
 
 
 def create_scale_tma_tile(scales: cute.Tensor, kv_idx, layer_idx, rows_per_copy: int):
