@@ -45,15 +45,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Uint32
-from cutlass._mlir.dialects import nvvm
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import VEC
-from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_after_sync, tmem_fence_before_sync
 from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
                                               supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
@@ -72,21 +70,6 @@ SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
 P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
 S_COLS = BN  # TMEM columns of one S tile
 O_COL = 2 * BN  # first TMEM column of the O half
-
-
-@dsl_user_op
-def tmem_fence_before_sync(*, loc=None, ip=None):
-    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations are ordered before its next
-    thread synchronization (mbarrier arrival, barrier), as the PTX memory model asks of TMEM handed to another
-    thread."""
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def tmem_fence_after_sync(*, loc=None, ip=None):
-    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the
-    synchronization it just completed, so they see the TMEM the other side wrote or released."""
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
 class MlaDecodeSm100:
