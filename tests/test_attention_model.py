@@ -48,7 +48,10 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     toks = torch.tensor(rows[0])
     live = toks < seq_len
     qr = torch.zeros(bm, q.shape[-1], dtype=torch.float64)
-    qr[live] = q[q_start + toks[live], torch.tensor(rows[1])[live]].double()
+    # Q by TMA (the group divides a warpgroup's rows): rows past the request hold the next requests' tokens, zeros
+    # past q's end; the thread copy writes zeros. Either way only masked S entries may come of them.
+    loaded = q_start + toks < q.shape[0] if WG_ROWS % group == 0 else live
+    qr[loaded] = q[q_start + toks[loaded], torch.tensor(rows[1])[loaded]].double()
     pos = cache_len + toks
     row_end = torch.where(live, torch.clamp(pos + 1, max=num_keys) if causal else torch.full_like(pos, num_keys), 0)
     row_begin = pos - window + 1 if window > 0 else torch.zeros_like(pos)
@@ -144,7 +147,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 40)), min_size=1, max_size=4),
     page_size=st.sampled_from([16, 64, 128]),
-    group=st.sampled_from([1, 4, 8]),
+    group=st.sampled_from([1, 4, 6, 8]),  # 6: Q by thread copies (6 does not divide 64)
     head_dim=st.sampled_from([64, 256]),
     causal=st.booleans(),
     window=st.one_of(st.none(), st.integers(1, 200)),
@@ -169,6 +172,21 @@ def test_kernel_plan_matches_reference(lengths, page_size, group, head_dim, caus
     assert not got.isnan().any() and not lse.isnan().any()  # every (token, head) written, by some CTA
     assert rel_err(got, want.float()) < 1e-2
     assert (lse - want_lse.double()).abs().max() < 1e-3
+
+
+def test_rows_past_the_request_never_reach_its_output():
+    """Q by TMA loads a block's rows past the request from the next request's tokens: with those tokens' Q at
+    +-inf (NaN in their S rows of unmasked tiles), the first request's output and lse are unchanged and finite."""
+    gen = torch.Generator().manual_seed(5)
+    pb = random_paged_batch([300, 0], [3, 40], num_heads=2, head_size=64, page_size=16, dtype=torch.bfloat16,
+                            generator=gen)
+    q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
+    poisoned = q.clone()
+    poisoned[3:] = torch.where(torch.rand(poisoned[3:].shape, generator=gen) < 0.5, -math.inf, math.inf)
+    got, lse = model_attention(q, pb, 0, causal=True)
+    bad, bad_lse = model_attention(poisoned, pb, 0, causal=True)
+    assert torch.isfinite(bad[:3]).all() and torch.isfinite(bad_lse[:3]).all()
+    assert torch.equal(bad[:3], got[:3]) and torch.equal(bad_lse[:3], lse[:3])
 
 
 def test_plan_splits_long_decode_and_merges_exactly():

@@ -26,6 +26,7 @@ CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector 
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, FP8, 32, True),  # fp8, e8m0 scale per 32 dims
     ("float16", 16, 2, 64, 64, 2, True, False, False, False, FP8),  # fp8 without scales: a plain cast
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True, FP8, 16),  # fp8, float32 scale per 16 dims, features
+    ("bfloat16", 12, 2, 128, 16, 2, True),  # GQA 6 (does not divide 64 rows): Q by thread copies
 ]
 MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
 SS = re.compile(MMA + r"%rd\d+, %rd\d+")  # A and B from shared memory (descriptors)
@@ -108,8 +109,8 @@ def test_register_split(compiled):
 def test_softmax_in_registers(compiled):
     """Per thread and tile: one exp2 per score of its two rows (BN/2), plus the two rows' O rescale in the loops,
     plus a sink's two per row; a quad max per row per tile site and a quad sum per row at the end; one tanh per
-    score with soft-cap. No S or P goes through shared memory: the only shared stores are Q (16-byte), the stale V
-    rows (16-byte, one site) and the staged 16-bit O (4-byte pairs)."""
+    score with soft-cap. No S or P goes through shared memory: the only shared stores are Q (16-byte, unless loaded
+    by TMA), the stale V rows (16-byte, one site) and the staged 16-bit O (4-byte pairs)."""
     kernel, ptx, _ = compiled
     bn = kernel.bn
     assert ptx.count("ex2.approx") == bn // 2 + LOOPS * (bn // 2 + 2) + (4 if kernel.sinks else 0)
@@ -117,8 +118,9 @@ def test_softmax_in_registers(compiled):
     assert ptx.count("shfl.sync.bfly.b32") == (1 + LOOPS) * 2 * 2 + 2 * 2
     chunks = kernel.head_dim // 8 * 64 // WG_THREADS
     passes = 2 * kernel.bn // (WG_THREADS // (kernel.head_dim // 8))  # fp8: K and V dequantized 8 values a thread
-    # Q, then the stale V rows (16-bit cache) or the dequantized K and V (fp8)
-    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == chunks + (passes if kernel.kv_fp8 else 1)
+    # Q (thread copies), then the stale V rows (16-bit cache) or the dequantized K and V (fp8)
+    q_stores = 0 if kernel.q_tma else chunks
+    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == q_stores + (passes if kernel.kv_fp8 else 1)
     assert len(re.findall(r"st\.shared\.b32", ptx)) == kernel.head_dim // 8 * 2  # O: 2 rows x D/8 pairs
     # the staged O read back in 16-byte rows, and 8 fp8 bytes per dequantized vector
     assert len(re.findall(r"ld\.shared\.v4", ptx)) == chunks
@@ -154,14 +156,42 @@ def test_one_tma_per_page_slot(compiled):
     boxes = max(kernel.head_dim * (1 if kernel.kv_fp8 else 2) // 128, 1)
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     sites = 2 if kernel.kv_fp8 else 1  # fp8: the ring's first fill, then one tile per dequantized tile
-    assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes * sites
+    q_loads = 2 * kernel.head_dim // 64 if kernel.q_tma else 0  # per warpgroup, one 128-byte-wide box each
+    assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes * sites + q_loads
+
+
+def test_q_by_tma(compiled):
+    """A group dividing 64 rows: the producer issues each warpgroup's Q tile (expect 64 * D * 2 bytes) as D/64
+    3-D boxes (128 bytes of D, the group's heads, 64/group tokens: 8 KiB each, back to back in the swizzled tile)
+    before its first K/V copy; a consumer waits on that barrier, then K's, before its first QK, with no 16-byte
+    global load or shared store of Q between. Other groups keep the thread copies (16-byte loads, no Q TMA)."""
+    kernel, ptx, _ = compiled
+    consumer = ptx.index("setmaxnreg.inc")
+    first_qk = SS.search(ptx, consumer).start()
+    prologue = ptx[consumer:first_qk]
+    tma = r"cp\.async\.bulk\.tensor\.3d\.shared::cta\S*\s+\[%r\d+(?:\+(\d+))?\], \[%rd\d+, \{%r\d+, %r\d+, %r\d+\}\]"
+    producer = ptx[ptx.index("setmaxnreg.dec"):]
+    if not kernel.q_tma:
+        assert re.search(r"ld\.global(?:\.nc)?\.v4", prologue)
+        return
+    tile = 64 * kernel.head_dim * 2
+    regs = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[[^]]+\], (%r\d+);", producer)[:2]
+    assert [int(re.search(rf"mov\.b32\s+{r}, (\d+);", ptx).group(1)) for r in regs] == [tile, tile]
+    boxes = [int(x or 0) for x in re.findall(tma, producer)][:2 * kernel.head_dim // 64]
+    box = 64 * 128  # 64 packed rows x 128 bytes
+    # the first at the Q tile's base (1024 bytes past the barriers, a register), the others at immediate offsets
+    assert boxes[1:] == [1024 + i * box for i in range(1, len(boxes))]
+    assert len(re.findall(r"mbarrier\.try_wait", prologue)) == 2  # Q's barrier, then the first K stage's
+    assert not re.search(r"ld\.global(?:\.nc)?\.v4|st\.shared\.v4", prologue)
 
 
 def test_request_rows_bounded_by_q(compiled):
     """Unchecked offsets (validate=False) cannot send a request's rows past ``q``/``out``: the kernel reads q's row
-    count (parameter 6, its shape at byte 8), which it otherwise never needs (``request_rows``)."""
-    _, ptx, _ = compiled
-    assert re.search(r"ld\.param\.b32\s+%r\d+, \[\w+_param_6\+8\];", ptx)
+    count (its shape at byte 8; parameter 6, or 8 behind Q's TMA atom and coordinates), which it otherwise never
+    needs (``request_rows``)."""
+    kernel, ptx, _ = compiled
+    param = 8 if kernel.q_tma else 6
+    assert re.search(rf"ld\.param\.b32\s+%r\d+, \[\w+_param_{param}\+8\];", ptx)
 
 
 def test_shared_memory_within_the_launch(compiled):

@@ -5,10 +5,12 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
 ``group = Hq/H`` query heads of a KV head with the tokens (row ``i*group + g`` is token ``i``, head
 ``kv_head*group + g``; FA's pack-GQA), so a decode step's heads fill the MMA's M. Three warpgroups:
 
-* the producer (32 registers; 40 dequantizing fp8): warp 0, for each key tile, issues one TMA per page slot for K
-  into the K ring and for V into the V ring (separate pipelines, so QK of a tile can start before its V lands) and
-  then reads the lookup entries of the next tile (``populate``) while they are in flight. Over an fp8 cache the
-  tiles land in an fp8 ring and the whole warpgroup dequantizes them into the 16-bit rings;
+* the producer (32 registers; 40 dequantizing fp8): warp 0 first loads each consumer warpgroup's Q tile by TMA
+  when the GQA group divides its 64 rows (``q_tma_tile``; the consumers copy Q themselves for other groups), then,
+  for each key tile, issues one TMA per page slot for K into the K ring and for V into the V ring (separate
+  pipelines, so QK of a tile can start before its V lands) and then reads the lookup entries of the next tile
+  (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring and the whole warpgroup
+  dequantizes them into the 16-bit rings;
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
   registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
   operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
@@ -99,6 +101,8 @@ class PagedAttention:
         self.consumer_regs = CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
+        # Q by TMA when the group divides a warpgroup's 64 rows (power-of-two groups up to 64); else thread copies
+        self.q_tma = WG_ROWS % self.group == 0
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
         self.plan = tiling(head_dim, self.kv_fp8)
@@ -169,6 +173,9 @@ class PagedAttention:
                                                          (1, 1, 1), (WG_ROWS, bn))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                          (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM)
+        tma_q = g_q = None
+        if cutlass.const_expr(self.q_tma):
+            tma_q, g_q = self.q_tma_tile(q)
         k_rows = self.k_op.row_view(k_src, layer_idx)
         tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzle)
         tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
@@ -178,22 +185,32 @@ class PagedAttention:
             k_scales = self.k_op.scale_view(scales, layer_idx)
             v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part, lse_part, sinks,
-                    input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, g_q, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part,
+                    lse_part, sinks, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
                     self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, score_scale,
                     softmax_scale_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
 
+    def q_tma_tile(self, q: cute.Tensor):
+        """Q's TMA descriptor: ``q [T, Hq, D]`` seen as ``((Hq, T), D)``, box ``((group, 64 / group), D)``: the
+        group's heads of ``64 / group`` consecutive tokens land in packed-row order (row ``i*group + g``) in a
+        warpgroup's swizzled Q tile. TMA zero-fills boxes past ``T``."""
+        t, hq, d = q.shape
+        packed = cute.make_tensor(q.iterator, cute.make_layout(((hq, t), d), stride=((d, q.stride[0]), 1)))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), packed,
+                                           tma_tiles.smem_tile_layout(self.dtype, WG_ROWS, d),
+                                           ((self.group, WG_ROWS // self.group), d))
+
     # -- device ----------------------------------------------------------------------------------
 
     @cute.kernel
-    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor,
-               out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
-               sinks: Optional[cute.Tensor], input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
-               lookup_table: Optional[cute.Tensor], k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor],
-               rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
-               score_scale: Float32, softmax_scale_log2: Float32):
+    def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_q: Optional[cute.CopyAtom],
+               g_q: Optional[cute.Tensor], tma_k: cute.CopyAtom, g_k: cute.Tensor, tma_v: cute.CopyAtom,
+               g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor, out: cute.Tensor,
+               lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
+               input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
+               k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32,
+               num_splits: Int32, causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
         dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
@@ -203,6 +220,8 @@ class PagedAttention:
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp_idx == 0:
+                if cutlass.const_expr(self.q_tma):
+                    cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
             cache_len = Int32(cache_lengths[b])
@@ -216,6 +235,14 @@ class PagedAttention:
             mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
             if cutlass.const_expr(self.kv_fp8):  # every barrier before the tiles: one alignment slack (``tiling``)
                 mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
+            mbars_q = None
+            if cutlass.const_expr(self.q_tma):  # one per warpgroup's Q tile (within ``tiling``'s barrier bytes)
+                mbars_q = smem.allocate_array(cutlass.Int64, 2)
+                if warp_idx == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_init(mbars_q, 1)
+                        cute.arch.mbarrier_init(mbars_q + 1, 1)
+                    cute.arch.mbarrier_init_fence()
             sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
             ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
@@ -256,6 +283,9 @@ class PagedAttention:
                 # (the last create's sync publishes every barrier's init)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
+                if cutlass.const_expr(self.q_tma):
+                    if warp_idx == 0:  # Q ahead of the first K tile, which the first QK waits for as well
+                        self.load_q_tma(tma_q, g_q, s_q, mbars_q, q_start, m0, kv_head)
                 if cutlass.const_expr(self.kv_fp8):
                     self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
                                      s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
@@ -267,8 +297,8 @@ class PagedAttention:
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 wg = warp_idx // 4 - 1
-                self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, s_q, s_k, s_v, q, out, lse, o_part, lse_part,
-                             sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split, num_splits,
+                self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, mbars_q, s_q, s_k, s_v, q, out, lse, o_part,
+                             lse_part, sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split, num_splits,
                              causal, window, first_tile, last_tile, n_tiles, score_scale, softmax_scale_log2)
 
     @cute.jit
@@ -385,18 +415,21 @@ class PagedAttention:
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe_k: pipeline.PipelineAsync,
-                pipe_v: pipeline.PipelineAsync, s_q: cute.Tensor, s_k: cute.Tensor, s_v: cute.Tensor,
-                q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
+                pipe_v: pipeline.PipelineAsync, mbars_q: Optional[cute.Pointer], s_q: cute.Tensor, s_k: cute.Tensor,
+                s_v: cute.Tensor, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
                 lse_part: cute.Tensor, sinks: Optional[cute.Tensor], wg: Int32, q_start: Int32, seq_len: Int32,
                 cache_len: Int32, num_keys: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32,
-                causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32,
-                score_scale: Float32, softmax_scale_log2: Float32):
+                causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32, score_scale: Float32,
+                softmax_scale_log2: Float32):
         """One consumer warpgroup: rows ``m0 + 64*wg ..`` of the block."""
         d, bn, group = self.head_dim, self.bn, self.group
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         rows0 = m0 + wg * WG_ROWS
         s_q_wg = s_q[None, None, wg]
-        self.load_q(s_q_wg, q, q_start, seq_len, rows0, kv_head, tidx, wg)
+        if cutlass.const_expr(self.q_tma):
+            cute.arch.mbarrier_wait(mbars_q + wg, 0)  # the producer's TMA of this warpgroup's Q tile
+        else:
+            self.load_q(s_q_wg, q, q_start, seq_len, rows0, kv_head, tidx, wg)
 
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
@@ -525,10 +558,28 @@ class PagedAttention:
         cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - wg, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
+    def load_q_tma(self, tma_q: cute.CopyAtom, g_q: cute.Tensor, s_q: cute.Tensor, mbars_q: cute.Pointer,
+                   q_start: Int32, m0: Int32, kv_head: Int32):
+        """Producer warp: each consumer warpgroup's 64 packed rows (``64 / group`` tokens from ``m0 / group``, the
+        KV head's ``group`` heads) on its own barrier, one box per 128 bytes of the head dim (the swizzle's width).
+        Tokens past the request are the next requests' (their S rows are masked on masked tiles, and a row's O,
+        never stored for them, depends on its own S row only) or, past ``T``, zeros."""
+        group, tokens = self.group, WG_ROWS // self.group
+        for wg in cutlass.range_constexpr(2):
+            origin = cute.domain_offset(((kv_head * group, q_start + (m0 + wg * WG_ROWS) // group), 0), g_q)
+            src = cute.make_tensor(origin.iterator, cute.make_layout(((group, tokens), self.head_dim),
+                                                                     stride=g_q.stride))
+            t_s, t_g = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                             cute.group_modes(s_q[None, None, wg], 0, 2), cute.group_modes(src, 0, 2))
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbars_q + wg, WG_ROWS * self.head_dim * self.dtype.width // 8)
+            cute.copy(tma_q, t_g, t_s, tma_bar_ptr=mbars_q + wg)
+
+    @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, rows0: Int32,
                kv_head: Int32, tidx: Int32, wg: Int32):
         """The warpgroup's 64 packed rows of ``q`` into its swizzled Q tile, 16 bytes a thread at a time (rows past
-        the request are 0): a packed row is (token, head), which one TMA box cannot address for any group size."""
+        the request are 0), for a group that does not divide 64: its rows' (token, head) pairs form no TMA box."""
         d, group = self.head_dim, self.group
         chunks = d // VEC
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
