@@ -13,9 +13,10 @@ def rows_aligned(x: torch.Tensor) -> bool:
 
 
 def heads_packed(x: torch.Tensor, vec: int) -> bool:
-    """``[T, H, D]`` with heads back to back, rows ``vec``-element aligned and a 16-byte aligned base."""
+    """``[T, H, D]`` with heads back to back, rows ``vec``-element aligned and apart (an expanded, stride-0 token dim
+    is copied: TMA descriptors and stores need distinct rows) and a 16-byte aligned base."""
     return (x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) % vec == 0
-            and x.data_ptr() % 16 == 0)
+            and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1] * x.shape[2]) and x.data_ptr() % 16 == 0)
 
 
 def packed_heads(x: Optional[torch.Tensor], vec: int) -> Optional[torch.Tensor]:
