@@ -85,7 +85,7 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
         s = masked
         new_max = torch.maximum(row_max, s.max(dim=1).values)
         ref_max = torch.where(new_max == NEG_INF, 0.0, new_max * scale_log2)
-        corr = torch.exp2(row_max * scale_log2 - ref_max)
+        corr = torch.exp2((row_max - torch.where(new_max == NEG_INF, 0.0, new_max)) * scale_log2)  # as the kernel
         p = torch.exp2(s * scale_log2 - ref_max[:, None])
         row_sum = row_sum * corr + p.sum(dim=1)
         acc = acc * corr[:, None] + p.to(q.dtype).double() @ vt  # P is rounded to the MMA dtype

@@ -83,6 +83,32 @@ def test_q_descriptors_advance_in_32_bits(compiled):
         assert "add.s64" not in ptx[group[0]:group[-1]]
 
 
+def _definition(ptx: str, reg: str, before: int) -> tuple[str, list[str]]:
+    """Opcode and operands of the last instruction before ``before`` that writes ``reg``."""
+    found = list(re.finditer(rf"^\s*([a-z][\w.]*)\s+{re.escape(reg)},\s*([^;]*);", ptx[:before], re.M))
+    assert found, reg
+    return found[-1][1], [x.strip() for x in found[-1][2].split(",")]
+
+
+def test_o_scale_exactly_one_when_no_max_moved(compiled):
+    """The O scale each loop's vote tests is ``2^((old max - new max) * scale)``: the difference comes first, so a
+    max that did not move gives exactly 0 and a scale of exactly 1. ``old * scale - new * scale`` is a multiply
+    and a subtract ptxas fuses into one FFMA, whose result is the rounding error of ``old * scale`` (not 0), and
+    the vote would see scales a rounding step off 1."""
+    _, ptx, _ = compiled
+    votes = [m.start() for m in re.finditer(r"vote\.sync\.any\.pred", ptx)]
+    assert len(votes) == LOOPS
+    for vote in votes:
+        scales = re.findall(r"setp\.neu\.f32\s+%p\d+, (%r\d+), 0f3F800000;", ptx[ptx.rindex("wgmma", 0, vote):vote])
+        assert len(scales) == 2  # the thread's two rows
+        for scale in scales:
+            op, (arg,) = _definition(ptx, scale, vote)
+            assert op == "ex2.approx.ftz.f32"
+            op, factors = _definition(ptx, arg, vote)
+            assert op == "mul.f32", (op, factors)
+            assert "sub.f32" in [_definition(ptx, f, vote)[0] for f in factors if f.startswith("%r")]
+
+
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
     """The only CTA-wide barrier publishes the pipelines' barrier init, before the warpgroups part (setmaxnreg);
     the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong) only."""

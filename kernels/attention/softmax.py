@@ -101,15 +101,18 @@ def exponentiate(s: cute.Tensor, new_max: cute.Tensor, row_max: cute.Tensor, row
     warpgroups takes the max of theirs): ``s`` becomes ``p``, the sums and ``row_max`` move on."""
     s_mn = mn_view(s)
     for r in cutlass.range_constexpr(cute.size(row_max)):
-        ref = new_max[r] * scale_log2
-        if new_max[r] == NEG_INF:
-            ref = Float32(0.0)
+        top = new_max[r]
+        if top == NEG_INF:
+            top = Float32(0.0)
+        ref = top * scale_log2
         p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - ref, fastmath=True)
         s_mn[r, None].store(p)
         if cutlass.const_expr(is_first):
             row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         else:
-            row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - ref, fastmath=True)
+            # The difference first: exactly 0 (a scale of exactly 1) when the max did not move. ``old * scale -
+            # ref`` is fused into one FFMA whose result is the rounding error of ``old * scale``, not 0.
+            row_scale[r] = cute.math.exp2((row_max[r] - top) * scale_log2, fastmath=True)
             row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * row_scale[r], 0)
         row_max[r] = new_max[r]
 
