@@ -136,6 +136,30 @@ def test_no_cta_wide_barrier_past_the_prologue(compiled):
     assert named == {("1", "256"), ("2", "256")}
 
 
+SYNC = re.compile(r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*);|bar\.sync\s+(\d+)\b|"
+                  r"mbarrier\.arrive\.shared\.b64")
+
+
+@pytest.mark.compile
+def test_p_tile_and_stage_reused_after_both_pvs(compiled):
+    """The one P tile and a K stage (V is its first columns) are reused only once both warpgroups' PV wgmmas are
+    done: a warpgroup waits for all its wgmmas (``wait_group 0``) before each max-exchange barrier (the next P is
+    written behind it, by both) and before it arrives on a stage's empty barrier, which counts the 8 warps of both
+    consumer warpgroups."""
+    _, ptx = compiled
+    last, checked = None, 0
+    for m in SYNC.finditer(ptx):
+        if m.group(1):
+            last = ("wait", m.group(2)) if m.group(1) == "wait_group" else ("commit", "")
+        elif m.group(3) == "1" or m.group(3) is None:  # max-exchange barrier, or a consumer's stage release
+            assert last in (None, ("wait", "0")), (m.group(0), last)
+            checked += last is not None
+    assert checked >= 2 * SITES
+    counts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
+    inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+\d+)?\], (%r\d+);", ptx)
+    assert sorted(int(counts[r]) for r in inits) == [1] * STAGES + [8] * STAGES  # full; empty: 8 consumer warps
+
+
 @pytest.mark.compile
 def test_one_tma_per_page_slot_and_no_v_load(compiled):
     """One site issues the tile's copies: a 128-byte box per 64 latent columns per page slot, K only (V is read
