@@ -423,12 +423,19 @@ class PagedAttentionSm100:
         into the MMA's swizzled tiles."""
         bn, width = self.bn, self.box_width
         lane = cute.arch.lane_idx()
-        pipe.producer_acquire(prod)
+        if cutlass.const_expr(self.kv_fp8):
+            # The converter reads the rows once the stage's full barrier completes, so the arrival on it (a
+            # release) follows the rows' stores; ``producer_acquire`` would arrive before them.
+            pipe.sync_object_empty.wait(prod.index, prod.phase)
+        else:
+            pipe.producer_acquire(prod)
         cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
         for t in cutlass.range(lane, bn, 32, unroll=1):
             s_rows[t, prod.index] = populate.key_row(lookup_table, b, tile * bn + t, num_keys, rows_per_page,
                                                      self.page_size, oob_row)
-        cute.arch.sync_warp()
+        cute.arch.sync_warp()  # (orders every lane's rows before the elected lane's arrival)
+        if cutlass.const_expr(self.kv_fp8):
+            pipe.sync_object_full.arrive(prod.index, pipe.producer_mask)
         bar = pipe.producer_get_barrier(prod)
         index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
                                                     cute.make_layout((bn, width), stride=(1, 0))), (bn, width))
