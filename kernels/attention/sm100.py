@@ -25,8 +25,10 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
-buffers; S[j % 2] is free again for QK_{j+2} because the PV MMA that reads P_j there is issued before it and
-``tcgen05.mma`` executes in issue order: the S pipeline's "empty" side is never used), P (softmax -> MMA: its "empty"
+buffers; S[j % 2] is free again for QK_{j+2} because the PV MMA that reads P_j there is issued before it and the
+tensor core runs one thread's MMAs in issue order: the S pipeline's "empty" side is never used. FA4 relies on the
+same; the PTX ISA promises that order only between MMAs of the same accumulator and shape, which PV and QK are not,
+so an ISA-strict schedule would wait for PV_j's commit before QK_{j+2}), P (softmax -> MMA: its "empty"
 arrival is the commit of the PV MMA, which says O is stable for the next rescale and, after the last tile, for the
 epilogue).
 TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
@@ -423,12 +425,19 @@ class PagedAttentionSm100:
         into the MMA's swizzled tiles."""
         bn, width = self.bn, self.box_width
         lane = cute.arch.lane_idx()
-        pipe.producer_acquire(prod)
+        if cutlass.const_expr(self.kv_fp8):
+            # The converter reads the rows once the stage's full barrier completes, so the arrival on it (a
+            # release) follows the rows' stores; ``producer_acquire`` would arrive before them.
+            pipe.sync_object_empty.wait(prod.index, prod.phase)
+        else:
+            pipe.producer_acquire(prod)
         cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
         for t in cutlass.range(lane, bn, 32, unroll=1):
             s_rows[t, prod.index] = populate.key_row(lookup_table, b, tile * bn + t, num_keys, rows_per_page,
                                                      self.page_size, oob_row)
-        cute.arch.sync_warp()
+        cute.arch.sync_warp()  # (orders every lane's rows before the elected lane's arrival)
+        if cutlass.const_expr(self.kv_fp8):
+            pipe.sync_object_full.arrive(prod.index, pipe.producer_mask)
         bar = pipe.producer_get_barrier(prod)
         index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
                                                     cute.make_layout((bn, width), stride=(1, 0))), (bn, width))
@@ -471,8 +480,9 @@ class PagedAttentionSm100:
                     k_pipe.consumer_wait(k_read)
                 else:
                     kv_pipe.consumer_wait(kv_read)
-                # S[j % 2] last held P_{j-2}, read by the PV MMA issued before this one: tcgen05.mma runs in issue
-                # order, so S has no empty barrier (the softmax read S_{j-2} before handing P_{j-2} over).
+                # S[j % 2] last held P_{j-2}, read by the PV MMA issued before this one: the MMAs run in issue
+                # order (beyond the ISA's same-accumulator pairs: see the module), so S has no empty barrier (the
+                # softmax read S_{j-2} before handing P_{j-2} over).
                 acc_s = t_s[None, None, None, s_write.index]
                 for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
