@@ -524,3 +524,17 @@ def test_sm100_fp8_scales_decode_and_bound_as_torch():
     assert loads and all(ptx.count(f"0f{bits:08X}") == loads for bits in (E8M0_MIN_BITS, E8M0_NAN_BITS))
     assert "0f7FC00000" not in ptx
     assert len(re.findall(r"setp\.\w+\.s64", ptx)) >= loads  # offset >= 0 and < rows * H * G, per read
+
+
+def test_sm100_refuses_steps_past_the_store_window():
+    """The TMA-store epilogue shifts a request's rows by 2^30 so rows past it fall out of bounds: a step of that
+    many query rows (a meta tensor: nothing is allocated) takes the reference."""
+    from cute_kv.ops.paged_attention_sm100 import RAGGED_ROWS, plan_sm100
+    from cute_kv.reference.batch import random_paged_batch
+
+    pb = random_paged_batch([3], [1], num_heads=8, head_size=128, page_size=16, dtype=torch.bfloat16,
+                            generator=torch.Generator().manual_seed(0))
+    q = torch.empty(RAGGED_ROWS, 32, 128, dtype=torch.bfloat16, device="meta")
+    path = plan_sm100(pb.collection, q, None, False, False, False)
+    assert path.path == "reference" and "2^30" in path.reason
+    assert plan_sm100(pb.collection, q[: RAGGED_ROWS - 1], None, False, False, False).path == "kernel"

@@ -18,6 +18,7 @@ from cute_kv.ops import paths
 from cute_kv.ops.vectors import heads_packed, packed_heads
 
 LOG2E = math.log2(math.e)
+RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
 KEY = "paged_attention_sm100"
 
 
@@ -32,6 +33,8 @@ def plan_sm100(collection, q, granularity: Optional[int], softcap: bool, sinks: 
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
     problem = supported(hq, h, d, p, kv_dtype_name, granularity)
+    if not problem and q.shape[0] >= RAGGED_ROWS:
+        problem = f"{q.shape[0]} query rows reach the TMA-store epilogue's ragged window shift (2^30 rows)"
     if problem:
         return paths.reference(OP, problem, "sm_100a")
     bn = key_tile(d)
