@@ -16,7 +16,7 @@ import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.config import BM, BN, VEC, supported
-from cute_kv.ops import paths
+from cute_kv.ops import paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode"
@@ -61,21 +61,12 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[f
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
     """``(compile key, build)`` of the MLA kernel of ``key`` and its split-KV combine (over ``v_dim`` columns)."""
-    dtype_name_, hq, v_dim, return_lse = key[1], key[2], key[4], key[9]
-
-    def build():
+    def kernel_class():
         from cute_kv.kernels.mla.sm90 import MLADecode
 
-        kernel = MLADecode(*key[1:])
-        return kernel, *kernel.fake_args()
+        return MLADecode
 
-    def build_combine():
-        from cute_kv.kernels.attention.combine import AttentionCombine
-
-        kernel = AttentionCombine(dtype_name_, hq, v_dim, return_lse)
-        return kernel, *kernel.fake_args()
-
-    return [(key, build), (("attention_combine", dtype_name_, hq, v_dim, return_lse), build_combine)]
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[9])
 
 
 def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,

@@ -11,7 +11,7 @@ import torch
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_limits, key_tile, supported
-from cute_kv.ops import mla_decode, mla_decode_sm100, paths
+from cute_kv.ops import mla_decode, mla_decode_sm100, paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
@@ -210,23 +210,16 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
         return mla_decode.compile_units(key, arch)
     if key[0] == mla_decode_sm100.KEY:
         return mla_decode_sm100.compile_units(key, arch)
-    dtype_name_, hq, d, return_lse = key[1], key[2], key[4], key[10]
-
-    def build():
+    def kernel_class():
         if key[0] == "paged_attention_sm100":
-            from cute_kv.kernels.attention.sm100 import PagedAttentionSm100 as kernel_class
-        else:
-            from cute_kv.kernels.attention.sm90 import PagedAttention as kernel_class
-        kernel = kernel_class(*key[1:])
-        return kernel, *kernel.fake_args()
+            from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
 
-    def build_combine():
-        from cute_kv.kernels.attention.combine import AttentionCombine
+            return PagedAttentionSm100
+        from cute_kv.kernels.attention.sm90 import PagedAttention
 
-        kernel = AttentionCombine(dtype_name_, hq, d, return_lse)
-        return kernel, *kernel.fake_args()
+        return PagedAttention
 
-    return [(key, build), (("attention_combine", dtype_name_, hq, d, return_lse), build_combine)]
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[10])
 
 
 @functools.lru_cache(maxsize=None)
