@@ -134,7 +134,7 @@ def bench_shape(args, shape: Shape, ceiling: dict, peers: dict) -> list[dict]:
     base = {"bench": "paged_attention", "section": shape.section, "shape": shape.name, "page_size": shape.page_size,
             "batch": shape.batch, "rows": step.rows, "kv_bytes": kv_bytes, "flops": flops}
     if dev.type != "cuda":  # the CPU smoke checks what each implementation computes; times would mean nothing
-        return [{**base, "impl": i.name, "role": i.role, **_checked(i)} for i in impls]
+        return [{**base, "impl": i.name, "role": i.role, **cases.checked(i, tol=TOL)} for i in impls]
 
     def figures(seconds):
         if shape.section == "decode":
@@ -144,16 +144,6 @@ def bench_shape(args, shape: Shape, ceiling: dict, peers: dict) -> list[dict]:
                 "roofline_fraction": report.compute_fraction(flops, seconds, ceiling["tflops"])}
 
     return cases.measure_case(base, impls, n_rot, args, tol=TOL, figures=figures)
-
-
-def _checked(impl: cases.Impl) -> dict:
-    if impl.absent:
-        return {"status": "absent", "error": impl.absent}
-    try:
-        err = impl.check(impl.fn)
-    except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:1000]}
-    return {"status": "ok" if err <= TOL else "wrong", "rel_err": err}
 
 
 def _sdpa(pl: Placements, q: torch.Tensor, step: cases.Step) -> cases.Impl:

@@ -168,6 +168,18 @@ class Impl:
     absent: Optional[str] = None  # why it cannot run here
 
 
+def checked(impl: Impl, *, tol: float) -> dict:
+    """``status`` (ok / wrong / error / absent) and ``rel_err`` of ``impl`` without timing it: the CPU smoke, where
+    times would mean nothing."""
+    if impl.absent:
+        return {"status": "absent", "error": impl.absent}
+    try:
+        err = impl.check(impl.fn)
+    except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:1000]}
+    return {"status": "ok" if err <= tol else "wrong", "rel_err": err}
+
+
 def measure(impl: Impl, n_rot: int, *, tol: float, samples: int, host_iters: int) -> dict:
     """``status`` (ok / wrong / error / absent), ``rel_err``, eager and graph times, host cost of one eager call.
 
