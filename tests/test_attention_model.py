@@ -23,6 +23,7 @@ from cute_kv.ops.paged_attention import launch_shape, window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
+from plan_replay import cta_tiles, merge_splits
 
 NEG_INF = float("-inf")
 WG_ROWS = 64  # packed rows a consumer warpgroup computes
@@ -35,14 +36,8 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     bm, bn = BM, key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
     m0 = m_block * bm
-    tok_first, tok_last = m0 // group, (min(m0 + bm, seq_len * group) - 1) // group
-    k_end = cache_len + tok_last + 1 if causal else num_keys
-    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
-    tile_begin = k_begin // bn
-    tiles = -(-k_end // bn) - tile_begin
-    per_split = -(-tiles // splits)
-    first_tile = tile_begin + split * per_split
-    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, bm, group, seq_len, cache_len, causal, window, bn, split,
+                                                         splits)
 
     rows = [(m0 + r) // group for r in range(bm)], [kv_head * group + (m0 + r) % group for r in range(bm)]
     toks = torch.tensor(rows[0])
@@ -134,13 +129,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
                         if live[r]:
                             o_part[split, offsets[b] + toks[r], heads[r]] = o[r]
                             lse_part[split, offsets[b] + toks[r], heads[r]] = lse[r]
-    if splits == 1:
-        return o_part[0], lse_part[0] * math.log(2)
-    top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    total = w.sum(0)
-    lse = torch.where(total > 0, (top + torch.log2(total)) * math.log(2), NEG_INF)
-    return (w[..., None] * o_part).sum(0) / total[..., None], lse
+    return merge_splits(o_part, lse_part)
 
 
 @settings(max_examples=25, deadline=None)

@@ -24,6 +24,7 @@ from cute_kv.ops.paged_attention import window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
+from plan_replay import cta_tiles, merge_splits
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -36,14 +37,8 @@ def model_cta(q, k, q_start, seq_len, cache_len, m_block, split, splits, v_dim, 
     hq = q.shape[1]
     num_keys = cache_len + seq_len
     m0 = m_block * BM
-    tok_first, tok_last = m0 // hq, (min(m0 + BM, seq_len * hq) - 1) // hq
-    k_end = cache_len + tok_last + 1 if causal else num_keys
-    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
-    tile_begin = k_begin // BN
-    tiles = -(-k_end // BN) - tile_begin
-    per_split = -(-tiles // splits)
-    first_tile = tile_begin + split * per_split
-    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, BM, hq, seq_len, cache_len, causal, window, BN, split,
+                                                         splits)
 
     toks = torch.arange(m0, m0 + BM) // hq
     heads = torch.arange(m0, m0 + BM) % hq  # a token's heads are consecutive rows
@@ -135,13 +130,7 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
                                                       causal, window_arg(window), scale, softcap, sinks)
                 o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
                 lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
-    if splits == 1:
-        return o_part[0], lse_part[0] * math.log(2)
-    top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    total = w.sum(0)
-    lse = torch.where(total > 0, (top + torch.log2(total)) * math.log(2), NEG_INF)
-    return (w[..., None] * o_part).sum(0) / total[..., None], lse
+    return merge_splits(o_part, lse_part)
 
 
 def _batch(cached, new, latent, page_size, gen, dtype=torch.bfloat16):
