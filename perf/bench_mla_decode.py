@@ -132,16 +132,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32,128", help="comma list")
     ap.add_argument("--contexts", default="1024,4096,32768", help="comma list")
-    ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
-    ap.add_argument("--host-iters", type=int, default=100, help="eager calls timed for the host cost")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny shapes on the CPU: every implementation checked, nothing timed")
+    cases.smoke_args(ap)
     args = ap.parse_args(argv)
+    cases.set_device(args)
     if args.cpu_smoke:
-        args.device, args.batches, args.contexts, args.page_size = "cpu", "3", "70", 16
-    else:
-        args.device = "cuda"
-        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
+        args.batches, args.contexts, args.page_size = "3", "70", 16
     fi = cases.flashinfer_or_reason()
     records, ceiling = [], {}
     if args.device == "cuda":

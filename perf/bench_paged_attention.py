@@ -230,17 +230,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prefill-batch", type=int, default=4)
     ap.add_argument("--prefill-new", type=int, default=2048)
     ap.add_argument("--prefill-cached", default="0,4096", help="cached tokens before the prefill")
-    ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
-    ap.add_argument("--host-iters", type=int, default=100, help="eager calls timed for the host cost")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny shapes on the CPU: every implementation checked, nothing timed")
+    cases.smoke_args(ap)
     args = ap.parse_args(argv)
+    cases.set_device(args)
     if args.cpu_smoke:
-        args.device, args.batches, args.contexts, args.page_sizes = "cpu", "3", "70", "16"
+        args.batches, args.contexts, args.page_sizes = "3", "70", "16"
         args.prefill_batch, args.prefill_new, args.prefill_cached = 2, 9, "0,20"
-    else:
-        args.device = "cuda"
-        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
     peers = optional_peers()
     records, ceiling = [], {}
     if args.device == "cuda":

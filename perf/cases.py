@@ -257,5 +257,21 @@ def common_args(ap) -> None:
     ap.add_argument("--host-iters", type=int, default=200, help="eager calls timed for the host cost")
 
 
+def smoke_args(ap) -> None:
+    """The attention benches' timing options and ``--cpu-smoke`` (their shapes are their own)."""
+    ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
+    ap.add_argument("--host-iters", type=int, default=100, help="eager calls timed for the host cost")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes on the CPU: every implementation checked, nothing timed")
+
+
+def set_device(args) -> None:
+    """``args.device``: the CPU for ``--cpu-smoke``, else CUDA with TF32 matmuls off (the float32 references must
+    be float32)."""
+    args.device = "cpu" if args.cpu_smoke else "cuda"
+    if not args.cpu_smoke:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
