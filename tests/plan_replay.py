@@ -25,6 +25,19 @@ def cta_tiles(m0, rows, group, seq_len, cache_len, causal, window, bn, split, sp
     return tok_first, tok_last, first_tile, max(min(per_split, tiles - split * per_split), 0)
 
 
+def join_sink(row_sum, top, sink):
+    """``(row_sum, top, weight)`` after a row's sink (base 2; ``None``: no sink, or a split past 0, which leaves it to
+    split 0) joins its softmax denominator; ``weight`` rescales the row's O to the new top."""
+    weight = torch.ones_like(row_sum)
+    if sink is None:
+        return row_sum, top, weight
+    new_top = torch.maximum(top, sink)
+    ok = new_top != NEG_INF
+    weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
+    row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
+    return row_sum, torch.where(ok, new_top, top), weight
+
+
 def merge_splits(o_part, lse_part):
     """The combine as the SM90 models state it: splits weighted by their base-2 lse; one split passes through.
     Returns ``(O, natural-log lse)``."""

@@ -23,7 +23,7 @@ from cute_kv.ops.paged_attention import launch_shape, window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
-from plan_replay import cta_tiles, merge_splits
+from plan_replay import cta_tiles, join_sink, merge_splits
 
 NEG_INF = float("-inf")
 WG_ROWS = 64  # packed rows a consumer warpgroup computes
@@ -85,15 +85,9 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
         row_sum = row_sum * corr + p.sum(dim=1)
         acc = acc * corr[:, None] + p.to(q.dtype).double() @ vt  # P is rounded to the MMA dtype
         row_max = new_max
-    top = row_max * scale_log2
-    weight = torch.ones(bm, dtype=torch.float64)
-    if sinks is not None and split == 0:  # the sink joins the denominator once, in split 0
-        sink = sinks[torch.tensor(rows[1])].double() * LOG2E
-        new_top = torch.maximum(top, sink)
-        ok = new_top != NEG_INF
-        weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
-        row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
-        top = torch.where(ok, new_top, top)
+    # the sink joins the denominator once, in split 0
+    sink = sinks[torch.tensor(rows[1])].double() * LOG2E if sinks is not None and split == 0 else None
+    row_sum, top, weight = join_sink(row_sum, row_max * scale_log2, sink)
     pos_sum = row_sum > 0
     out = torch.where(pos_sum[:, None], acc * (weight / row_sum.clamp_min(1e-300))[:, None], 0.0)
     lse = torch.where(pos_sum, top + torch.log2(row_sum.clamp_min(1e-300)), NEG_INF)

@@ -24,7 +24,7 @@ from cute_kv.ops.paged_attention import window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
-from plan_replay import cta_tiles, merge_splits
+from plan_replay import cta_tiles, join_sink, merge_splits
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -93,15 +93,9 @@ def model_cta(q, k, q_start, seq_len, cache_len, m_block, split, splits, v_dim, 
             acc[w] = acc[w] * corr[:, None] + p16 @ vt[:, w * half_v:(w + 1) * half_v]
         row_max = new_max
     row_sum = sums.sum(0)
-    top = row_max * scale_log2
-    weight = torch.ones(BM, dtype=torch.float64)
-    if sinks is not None and split == 0:  # the sink joins the denominator once, in split 0
-        sink = sinks[heads].double() * LOG2E
-        new_top = torch.maximum(top, sink)
-        ok = new_top != NEG_INF
-        weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
-        row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
-        top = torch.where(ok, new_top, top)
+    # the sink joins the denominator once, in split 0
+    sink = sinks[heads].double() * LOG2E if sinks is not None and split == 0 else None
+    row_sum, top, weight = join_sink(row_sum, row_max * scale_log2, sink)
     pos_sum = row_sum > 0
     inv = torch.where(pos_sum, weight / row_sum.clamp_min(1e-300), 0.0)
     out = torch.cat(acc, dim=1) * inv[:, None]
