@@ -54,9 +54,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
                  mla_v_dim, out, validate)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
-    if out is None:
-        out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = outputs(q, d_v, out, return_lse)
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
@@ -114,6 +112,14 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
     d_v = check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
     check_step(collection, input_row_offsets, t, data_checks=validate)
     return d_v
+
+
+def outputs(q: torch.Tensor, v_dim: int, out: Optional[torch.Tensor], return_lse: bool):
+    """``(out, lse)``: ``out`` as given (checked) or a new ``[T, Hq, v_dim]`` of q's dtype, and a new float32
+    ``lse [T, Hq]`` when asked for."""
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
+    return out, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
 
 
 def check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out) -> int:
