@@ -9,7 +9,6 @@ its float32 partials with ``AttentionCombine`` over the ``v_dim`` value columns.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +20,6 @@ from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode"
 KERNEL = "MLADecode"
-LOG2E = math.log2(math.e)
 
 
 def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[float],
@@ -84,7 +82,7 @@ def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import partials, sm_count, window_arg
+    from cute_kv.ops.paged_attention import partials, sm_count, softmax_args, window_arg
 
     _, _, hq, d, v_dim, _, _, softcap_on, _, _ = key
     attention_unit, combine_unit = compile_units(key, arch)
@@ -98,8 +96,7 @@ def launcher(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, v_dim, q.device)
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks,
                                         input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,

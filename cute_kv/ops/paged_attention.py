@@ -254,8 +254,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
                                         input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
@@ -268,6 +267,13 @@ def _launcher(key: tuple, arch: str) -> Callable:
         return (out, lse) if return_lse else out
 
     return run
+
+
+def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
+    """The SM90 kernels' ``(score_scale, softmax_scale_log2)``: ``q.k`` is scaled inside the base-2 exponent, or,
+    soft-capped, by ``scale / softcap`` inside the tanh with ``softcap`` moved into the exponent's scale."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return (scale / softcap, softcap * LOG2E) if softcap else (1.0, scale * LOG2E)
 
 
 def partials(splits: int, t: int, num_q_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
