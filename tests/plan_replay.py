@@ -11,6 +11,12 @@ NEG_INF = float("-inf")
 LN2 = math.log(2)
 
 
+def poisoned_partials(splits, t, num_q_heads, v_dim):
+    """float64 ``(O [splits, T, Hq, v_dim], lse [splits, T, Hq])`` filled with NaN: a row no CTA writes shows."""
+    return (torch.full((splits, t, num_q_heads, v_dim), float("nan"), dtype=torch.float64),
+            torch.full((splits, t, num_q_heads), float("nan"), dtype=torch.float64))
+
+
 def cta_tiles(m0, rows, group, seq_len, cache_len, causal, window, bn, split, splits):
     """``(tok_first, tok_last, first_tile, n_tiles)`` of the CTA whose packed rows start at ``m0`` (``rows`` of them,
     ``group`` heads a token): the key tiles its rows see (causal end, window start), cut into ``splits`` even runs."""

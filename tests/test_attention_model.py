@@ -23,7 +23,7 @@ from cute_kv.ops.paged_attention import launch_shape, window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
-from plan_replay import cta_tiles, join_sink, merge_splits
+from plan_replay import cta_tiles, join_sink, merge_splits, poisoned_partials
 
 NEG_INF = float("-inf")
 WG_ROWS = 64  # packed rows a consumer warpgroup computes
@@ -106,8 +106,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     win = window_arg(window)
     m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal, window)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)

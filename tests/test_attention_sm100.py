@@ -24,7 +24,7 @@ from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, score_args
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
-from plan_replay import cta_tiles, merge_splits_zero_empty
+from plan_replay import cta_tiles, merge_splits_zero_empty, poisoned_partials
 
 NEG_INF = float("-inf")
 LN2 = math.log(2.0)
@@ -181,8 +181,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     win = window_arg(window)
     m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)

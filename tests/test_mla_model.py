@@ -24,7 +24,7 @@ from cute_kv.ops.paged_attention import window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
-from plan_replay import cta_tiles, join_sink, merge_splits
+from plan_replay import cta_tiles, join_sink, merge_splits, poisoned_partials
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -111,8 +111,7 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
     scale = 1 / math.sqrt(d) if scale is None else scale
     m_blocks, splits = launch_shape(c, hq, slots, causal, window)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, v_dim), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, v_dim)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)

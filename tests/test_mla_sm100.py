@@ -33,7 +33,7 @@ from cute_kv.ops.paged_attention_sm100 import score_args
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
-from plan_replay import merge_splits_zero_empty
+from plan_replay import merge_splits_zero_empty, poisoned_partials
 
 NEG_INF = float("-inf")
 LN2 = math.log(2.0)
@@ -213,8 +213,7 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
     score_scale, cap_log2 = score_args(d, scale, softcap)
     m_blocks, splits = mla_decode_sm100.launch_shape(c, hq, slots, causal)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, V_DIM), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
     rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
     lut = c.lookup_table.long()
     p = c.page_size
@@ -258,8 +257,7 @@ def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap
     score_scale, cap_log2 = score_args(d, scale, softcap)
     m_blocks, splits = mla_decode_sm100.launch_shape_sparse(t, hq, topk, slots)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, V_DIM), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
     rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
     p, num_slots = c.page_size, c.blocks.shape[0] * c.page_size
     for tok in range(t):
