@@ -102,23 +102,13 @@ def bench_step(args, batch: int, context: int, step: cases.Step, ceiling: dict, 
     base = {"bench": "mla_decode", "shape": f"decode B={batch} ctx={context} P={page}", "batch": batch,
             "context": context, "page_size": page, "kv_bytes": kv_bytes}
     if dev.type != "cuda":  # the CPU smoke checks what each implementation computes; times would mean nothing
-        return [{**base, "impl": i.name, "role": i.role, **_checked(i)} for i in impls]
+        return [{**base, "impl": i.name, "role": i.role, **cases.checked(i, tol=TOL)} for i in impls]
 
     def figures(seconds):
         return {"gbps": (kv_bytes + qo_bytes) / seconds / 1e9,
                 "roofline_fraction": report.bandwidth_fraction(kv_bytes + qo_bytes, seconds, ceiling["gbps"])}
 
     return cases.measure_case(base, impls, n_rot, args, tol=TOL, figures=figures)
-
-
-def _checked(impl: cases.Impl) -> dict:
-    if impl.absent:
-        return {"status": "absent", "error": impl.absent}
-    try:
-        err = impl.check(impl.fn)
-    except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:1000]}
-    return {"status": "ok" if err <= TOL else "wrong", "rel_err": err}
 
 
 def _flashinfer(fi, pl: Placements, q: torch.Tensor, page: int, scale: float, dev) -> cases.Impl:
@@ -142,16 +132,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32,128", help="comma list")
     ap.add_argument("--contexts", default="1024,4096,32768", help="comma list")
-    ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
-    ap.add_argument("--host-iters", type=int, default=100, help="eager calls timed for the host cost")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny shapes on the CPU: every implementation checked, nothing timed")
+    cases.smoke_args(ap)
     args = ap.parse_args(argv)
+    cases.set_device(args)
     if args.cpu_smoke:
-        args.device, args.batches, args.contexts, args.page_size = "cpu", "3", "70", 16
-    else:
-        args.device = "cuda"
-        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
+        args.batches, args.contexts, args.page_size = "3", "70", 16
     fi = cases.flashinfer_or_reason()
     records, ceiling = [], {}
     if args.device == "cuda":

@@ -134,7 +134,7 @@ def bench_shape(args, shape: Shape, ceiling: dict, peers: dict) -> list[dict]:
     base = {"bench": "paged_attention", "section": shape.section, "shape": shape.name, "page_size": shape.page_size,
             "batch": shape.batch, "rows": step.rows, "kv_bytes": kv_bytes, "flops": flops}
     if dev.type != "cuda":  # the CPU smoke checks what each implementation computes; times would mean nothing
-        return [{**base, "impl": i.name, "role": i.role, **_checked(i)} for i in impls]
+        return [{**base, "impl": i.name, "role": i.role, **cases.checked(i, tol=TOL)} for i in impls]
 
     def figures(seconds):
         if shape.section == "decode":
@@ -144,16 +144,6 @@ def bench_shape(args, shape: Shape, ceiling: dict, peers: dict) -> list[dict]:
                 "roofline_fraction": report.compute_fraction(flops, seconds, ceiling["tflops"])}
 
     return cases.measure_case(base, impls, n_rot, args, tol=TOL, figures=figures)
-
-
-def _checked(impl: cases.Impl) -> dict:
-    if impl.absent:
-        return {"status": "absent", "error": impl.absent}
-    try:
-        err = impl.check(impl.fn)
-    except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:1000]}
-    return {"status": "ok" if err <= TOL else "wrong", "rel_err": err}
 
 
 def _sdpa(pl: Placements, q: torch.Tensor, step: cases.Step) -> cases.Impl:
@@ -240,17 +230,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prefill-batch", type=int, default=4)
     ap.add_argument("--prefill-new", type=int, default=2048)
     ap.add_argument("--prefill-cached", default="0,4096", help="cached tokens before the prefill")
-    ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
-    ap.add_argument("--host-iters", type=int, default=100, help="eager calls timed for the host cost")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny shapes on the CPU: every implementation checked, nothing timed")
+    cases.smoke_args(ap)
     args = ap.parse_args(argv)
+    cases.set_device(args)
     if args.cpu_smoke:
-        args.device, args.batches, args.contexts, args.page_sizes = "cpu", "3", "70", "16"
+        args.batches, args.contexts, args.page_sizes = "3", "70", "16"
         args.prefill_batch, args.prefill_new, args.prefill_cached = 2, 9, "0,20"
-    else:
-        args.device = "cuda"
-        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference must be float32
     peers = optional_peers()
     records, ceiling = [], {}
     if args.device == "cuda":

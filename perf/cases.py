@@ -168,6 +168,18 @@ class Impl:
     absent: Optional[str] = None  # why it cannot run here
 
 
+def checked(impl: Impl, *, tol: float) -> dict:
+    """``status`` (ok / wrong / error / absent) and ``rel_err`` of ``impl`` without timing it: the CPU smoke, where
+    times would mean nothing."""
+    if impl.absent:
+        return {"status": "absent", "error": impl.absent}
+    try:
+        err = impl.check(impl.fn)
+    except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the others
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:1000]}
+    return {"status": "ok" if err <= tol else "wrong", "rel_err": err}
+
+
 def measure(impl: Impl, n_rot: int, *, tol: float, samples: int, host_iters: int) -> dict:
     """``status`` (ok / wrong / error / absent), ``rel_err``, eager and graph times, host cost of one eager call.
 
@@ -243,6 +255,22 @@ def common_args(ap) -> None:
                     help="layers per page (the pool's size; 32 makes the decode pool ~40 GiB)")
     ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
     ap.add_argument("--host-iters", type=int, default=200, help="eager calls timed for the host cost")
+
+
+def smoke_args(ap) -> None:
+    """The attention benches' timing options and ``--cpu-smoke`` (their shapes are their own)."""
+    ap.add_argument("--samples", type=int, default=30, help="timed samples per measurement")
+    ap.add_argument("--host-iters", type=int, default=100, help="eager calls timed for the host cost")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes on the CPU: every implementation checked, nothing timed")
+
+
+def set_device(args) -> None:
+    """``args.device``: the CPU for ``--cpu-smoke``, else CUDA with TF32 matmuls off (the float32 references must
+    be float32)."""
+    args.device = "cpu" if args.cpu_smoke else "cuda"
+    if not args.cpu_smoke:
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def ints(text: str) -> list[int]:

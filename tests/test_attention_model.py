@@ -23,6 +23,7 @@ from cute_kv.ops.paged_attention import launch_shape, window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
+from plan_replay import cta_tiles, join_sink, merge_splits, poisoned_partials
 
 NEG_INF = float("-inf")
 WG_ROWS = 64  # packed rows a consumer warpgroup computes
@@ -35,14 +36,8 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     bm, bn = BM, key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
     m0 = m_block * bm
-    tok_first, tok_last = m0 // group, (min(m0 + bm, seq_len * group) - 1) // group
-    k_end = cache_len + tok_last + 1 if causal else num_keys
-    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
-    tile_begin = k_begin // bn
-    tiles = -(-k_end // bn) - tile_begin
-    per_split = -(-tiles // splits)
-    first_tile = tile_begin + split * per_split
-    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, bm, group, seq_len, cache_len, causal, window, bn, split,
+                                                         splits)
 
     rows = [(m0 + r) // group for r in range(bm)], [kv_head * group + (m0 + r) % group for r in range(bm)]
     toks = torch.tensor(rows[0])
@@ -90,15 +85,9 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
         row_sum = row_sum * corr + p.sum(dim=1)
         acc = acc * corr[:, None] + p.to(q.dtype).double() @ vt  # P is rounded to the MMA dtype
         row_max = new_max
-    top = row_max * scale_log2
-    weight = torch.ones(bm, dtype=torch.float64)
-    if sinks is not None and split == 0:  # the sink joins the denominator once, in split 0
-        sink = sinks[torch.tensor(rows[1])].double() * LOG2E
-        new_top = torch.maximum(top, sink)
-        ok = new_top != NEG_INF
-        weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
-        row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
-        top = torch.where(ok, new_top, top)
+    # the sink joins the denominator once, in split 0
+    sink = sinks[torch.tensor(rows[1])].double() * LOG2E if sinks is not None and split == 0 else None
+    row_sum, top, weight = join_sink(row_sum, row_max * scale_log2, sink)
     pos_sum = row_sum > 0
     out = torch.where(pos_sum[:, None], acc * (weight / row_sum.clamp_min(1e-300))[:, None], 0.0)
     lse = torch.where(pos_sum, top + torch.log2(row_sum.clamp_min(1e-300)), NEG_INF)
@@ -117,8 +106,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     win = window_arg(window)
     m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal, window)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
@@ -134,13 +122,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
                         if live[r]:
                             o_part[split, offsets[b] + toks[r], heads[r]] = o[r]
                             lse_part[split, offsets[b] + toks[r], heads[r]] = lse[r]
-    if splits == 1:
-        return o_part[0], lse_part[0] * math.log(2)
-    top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    total = w.sum(0)
-    lse = torch.where(total > 0, (top + torch.log2(total)) * math.log(2), NEG_INF)
-    return (w[..., None] * o_part).sum(0) / total[..., None], lse
+    return merge_splits(o_part, lse_part)
 
 
 @settings(max_examples=25, deadline=None)

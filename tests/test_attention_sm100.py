@@ -24,6 +24,7 @@ from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, score_args
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
+from plan_replay import cta_tiles, merge_splits_zero_empty, poisoned_partials
 
 NEG_INF = float("-inf")
 LN2 = math.log(2.0)
@@ -122,14 +123,8 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     """One CTA: ``(rows, live, O/l [BM, D], lse (log2) [BM])`` for its packed rows."""
     num_keys = cache_len + seq_len
     m0 = m_block * BM
-    tok_first, tok_last = m0 // group, (min(m0 + BM, seq_len * group) - 1) // group
-    k_end = cache_len + tok_last + 1 if causal else num_keys
-    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
-    tile_begin = k_begin // bn
-    tiles = -(-k_end // bn) - tile_begin
-    per_split = -(-tiles // splits)
-    first_tile = tile_begin + split * per_split
-    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, BM, group, seq_len, cache_len, causal, window, bn, split,
+                                                         splits)
 
     toks = torch.tensor([(m0 + r) // group for r in range(BM)])
     heads = torch.tensor([kv_head * group + (m0 + r) % group for r in range(BM)])
@@ -186,8 +181,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     win = window_arg(window)
     m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, d), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
@@ -203,12 +197,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
                     rows = offsets[b] + toks[live]
                     o_part[split, rows, heads[live]] = o[live]
                     lse_part[split, rows, heads[live]] = lse[live]
-    top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    out = (w[..., None] * o_part).sum(0) / w.sum(0).clamp_min(1e-300)[..., None]
-    out = torch.where(w.sum(0)[..., None] > 0, out, 0.0)
-    lse = torch.logsumexp(lse_part * LN2, dim=0)
-    return out, lse
+    return merge_splits_zero_empty(o_part, lse_part)
 
 
 def oracle(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, sinks=None):

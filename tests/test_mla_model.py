@@ -24,6 +24,7 @@ from cute_kv.ops.paged_attention import window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
+from plan_replay import cta_tiles, join_sink, merge_splits, poisoned_partials
 
 NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
@@ -36,14 +37,8 @@ def model_cta(q, k, q_start, seq_len, cache_len, m_block, split, splits, v_dim, 
     hq = q.shape[1]
     num_keys = cache_len + seq_len
     m0 = m_block * BM
-    tok_first, tok_last = m0 // hq, (min(m0 + BM, seq_len * hq) - 1) // hq
-    k_end = cache_len + tok_last + 1 if causal else num_keys
-    k_begin = max(cache_len + tok_first - window + 1, 0) if window > 0 else 0
-    tile_begin = k_begin // BN
-    tiles = -(-k_end // BN) - tile_begin
-    per_split = -(-tiles // splits)
-    first_tile = tile_begin + split * per_split
-    n_tiles = max(min(per_split, tiles - split * per_split), 0)
+    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, BM, hq, seq_len, cache_len, causal, window, BN, split,
+                                                         splits)
 
     toks = torch.arange(m0, m0 + BM) // hq
     heads = torch.arange(m0, m0 + BM) % hq  # a token's heads are consecutive rows
@@ -98,15 +93,9 @@ def model_cta(q, k, q_start, seq_len, cache_len, m_block, split, splits, v_dim, 
             acc[w] = acc[w] * corr[:, None] + p16 @ vt[:, w * half_v:(w + 1) * half_v]
         row_max = new_max
     row_sum = sums.sum(0)
-    top = row_max * scale_log2
-    weight = torch.ones(BM, dtype=torch.float64)
-    if sinks is not None and split == 0:  # the sink joins the denominator once, in split 0
-        sink = sinks[heads].double() * LOG2E
-        new_top = torch.maximum(top, sink)
-        ok = new_top != NEG_INF
-        weight = torch.where(ok, torch.exp2(top - new_top), 1.0)
-        row_sum = torch.where(ok, row_sum * weight + torch.exp2(sink - new_top), row_sum)
-        top = torch.where(ok, new_top, top)
+    # the sink joins the denominator once, in split 0
+    sink = sinks[heads].double() * LOG2E if sinks is not None and split == 0 else None
+    row_sum, top, weight = join_sink(row_sum, row_max * scale_log2, sink)
     pos_sum = row_sum > 0
     inv = torch.where(pos_sum, weight / row_sum.clamp_min(1e-300), 0.0)
     out = torch.cat(acc, dim=1) * inv[:, None]
@@ -122,8 +111,7 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
     scale = 1 / math.sqrt(d) if scale is None else scale
     m_blocks, splits = launch_shape(c, hq, slots, causal, window)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, v_dim), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, v_dim)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
@@ -135,13 +123,7 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
                                                       causal, window_arg(window), scale, softcap, sinks)
                 o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
                 lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
-    if splits == 1:
-        return o_part[0], lse_part[0] * math.log(2)
-    top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    total = w.sum(0)
-    lse = torch.where(total > 0, (top + torch.log2(total)) * math.log(2), NEG_INF)
-    return (w[..., None] * o_part).sum(0) / total[..., None], lse
+    return merge_splits(o_part, lse_part)
 
 
 def _batch(cached, new, latent, page_size, gen, dtype=torch.bfloat16):

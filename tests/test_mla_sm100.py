@@ -33,6 +33,7 @@ from cute_kv.ops.paged_attention_sm100 import score_args
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
+from plan_replay import merge_splits_zero_empty, poisoned_partials
 
 NEG_INF = float("-inf")
 LN2 = math.log(2.0)
@@ -204,14 +205,6 @@ def _epilogue(acc, row_max, row_sum, sinks, heads, split):
     return o, lse
 
 
-def _merge(o_part, lse_part):
-    top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
-    out = (w[..., None] * o_part).sum(0) / w.sum(0).clamp_min(1e-300)[..., None]
-    out = torch.where(w.sum(0)[..., None] > 0, out, 0.0)
-    return out, torch.logsumexp(lse_part * LN2, dim=0)
-
-
 def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=None, slots=B200_SMS,
                 force_splits=None):
     """The whole dense launch (grid, value halves, splits, combine): float64 ``(out [T, Hq, 512], lse [T, Hq])``."""
@@ -220,8 +213,7 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
     score_scale, cap_log2 = score_args(d, scale, softcap)
     m_blocks, splits = mla_decode_sm100.launch_shape(c, hq, slots, causal)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, V_DIM), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
     rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
     lut = c.lookup_table.long()
     p = c.page_size
@@ -254,7 +246,7 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
                     o_part[split, offsets[b] + toks[live], heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = \
                         o[live]
                     lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
-    return _merge(o_part, lse_part)
+    return merge_splits_zero_empty(o_part, lse_part)
 
 
 def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None, slots=B200_SMS,
@@ -265,8 +257,7 @@ def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap
     score_scale, cap_log2 = score_args(d, scale, softcap)
     m_blocks, splits = mla_decode_sm100.launch_shape_sparse(t, hq, topk, slots)
     splits = force_splits or splits
-    o_part = torch.full((splits, t, hq, V_DIM), float("nan"), dtype=torch.float64)
-    lse_part = torch.full((splits, t, hq), float("nan"), dtype=torch.float64)
+    o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
     rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
     p, num_slots = c.page_size, c.blocks.shape[0] * c.page_size
     for tok in range(t):
@@ -293,7 +284,7 @@ def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap
                     o, lse = _epilogue(acc, mx, sm, sinks, heads, split)
                     o_part[split, tok, heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = o[live]
                     lse_part[split, tok, heads[live]] = lse[live]
-    return _merge(o_part, lse_part)
+    return merge_splits_zero_empty(o_part, lse_part)
 
 
 def _attend(qv, keys, scale, softcap, sink):

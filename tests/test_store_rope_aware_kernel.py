@@ -1,8 +1,6 @@
 """``RopeAwareKVStore``: compiles for sm_90a / sm_100a with the instruction mix it claims (``compile``), its plan, and
 bit-exact against the reference store on a GPU (``gpu``)."""
 
-import re
-
 import pytest
 import torch
 
@@ -15,11 +13,7 @@ from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import bits
-from test_compile_kernels import _page_guards
-
-
-def _count(pattern, text):
-    return len(re.findall(pattern, text))
+from test_compile_kernels import _count, _page_guards
 
 
 @pytest.mark.compile

@@ -9,19 +9,17 @@ its float32 partials with ``AttentionCombine`` over the ``v_dim`` value columns.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional
 
 import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.config import BM, BN, VEC, supported
-from cute_kv.ops import paths
+from cute_kv.ops import paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode"
 KERNEL = "MLADecode"
-LOG2E = math.log2(math.e)
 
 
 def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[float],
@@ -61,21 +59,12 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[f
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
     """``(compile key, build)`` of the MLA kernel of ``key`` and its split-KV combine (over ``v_dim`` columns)."""
-    dtype_name_, hq, v_dim, return_lse = key[1], key[2], key[4], key[9]
-
-    def build():
+    def kernel_class():
         from cute_kv.kernels.mla.sm90 import MLADecode
 
-        kernel = MLADecode(*key[1:])
-        return kernel, *kernel.fake_args()
+        return MLADecode
 
-    def build_combine():
-        from cute_kv.kernels.attention.combine import AttentionCombine
-
-        kernel = AttentionCombine(dtype_name_, hq, v_dim, return_lse)
-        return kernel, *kernel.fake_args()
-
-    return [(key, build), (("attention_combine", dtype_name_, hq, v_dim, return_lse), build_combine)]
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[9])
 
 
 def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,
@@ -93,7 +82,7 @@ def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import partials, sm_count, window_arg
+    from cute_kv.ops.paged_attention import partials, sm_count, softmax_args, window_arg
 
     _, _, hq, d, v_dim, _, _, softcap_on, _, _ = key
     attention_unit, combine_unit = compile_units(key, arch)
@@ -107,8 +96,7 @@ def launcher(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, v_dim, q.device)
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks,
                                         input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,

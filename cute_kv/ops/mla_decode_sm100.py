@@ -15,7 +15,7 @@ import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.sm100_config import BM, BN, V_SPLIT, supported
-from cute_kv.ops import paths
+from cute_kv.ops import paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode_sm100"
@@ -78,21 +78,12 @@ def plan_sparse(collection, q, indices: torch.Tensor, arch: str, *, mla_v_dim: i
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
     """``(compile key, build)`` of the MLA kernel and the split-KV combine of its 512-wide rows."""
-    dtype_name_, hq, v_dim, return_lse = key[1], key[2], key[4], key[9]
-
-    def build():
+    def kernel_class():
         from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
 
-        kernel = MlaDecodeSm100(*key[1:])
-        return kernel, *kernel.fake_args()
+        return MlaDecodeSm100
 
-    def build_combine():
-        from cute_kv.kernels.attention.combine import AttentionCombine
-
-        kernel = AttentionCombine(dtype_name_, hq, v_dim, return_lse)
-        return kernel, *kernel.fake_args()
-
-    return [(key, build), (("attention_combine", dtype_name_, hq, v_dim, return_lse), build_combine)]
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[9])
 
 
 def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import torch
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_limits, key_tile, supported
-from cute_kv.ops import mla_decode, mla_decode_sm100, paths
+from cute_kv.ops import mla_decode, mla_decode_sm100, paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
@@ -54,9 +54,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
                  mla_v_dim, out, validate)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
-    if out is None:
-        out = torch.empty((q.shape[0], q.shape[1], d_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = outputs(q, d_v, out, return_lse)
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
@@ -114,6 +112,14 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
     d_v = check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
     check_step(collection, input_row_offsets, t, data_checks=validate)
     return d_v
+
+
+def outputs(q: torch.Tensor, v_dim: int, out: Optional[torch.Tensor], return_lse: bool):
+    """``(out, lse)``: ``out`` as given (checked) or a new ``[T, Hq, v_dim]`` of q's dtype, and a new float32
+    ``lse [T, Hq]`` when asked for."""
+    if out is None:
+        out = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
+    return out, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
 
 
 def check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out) -> int:
@@ -210,23 +216,16 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
         return mla_decode.compile_units(key, arch)
     if key[0] == mla_decode_sm100.KEY:
         return mla_decode_sm100.compile_units(key, arch)
-    dtype_name_, hq, d, return_lse = key[1], key[2], key[4], key[10]
-
-    def build():
+    def kernel_class():
         if key[0] == "paged_attention_sm100":
-            from cute_kv.kernels.attention.sm100 import PagedAttentionSm100 as kernel_class
-        else:
-            from cute_kv.kernels.attention.sm90 import PagedAttention as kernel_class
-        kernel = kernel_class(*key[1:])
-        return kernel, *kernel.fake_args()
+            from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
 
-    def build_combine():
-        from cute_kv.kernels.attention.combine import AttentionCombine
+            return PagedAttentionSm100
+        from cute_kv.kernels.attention.sm90 import PagedAttention
 
-        kernel = AttentionCombine(dtype_name_, hq, d, return_lse)
-        return kernel, *kernel.fake_args()
+        return PagedAttention
 
-    return [(key, build), (("attention_combine", dtype_name_, hq, d, return_lse), build_combine)]
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[10])
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,8 +254,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        score_scale, softmax_scale_log2 = (scale / softcap, softcap * LOG2E) if softcap_on else (1.0, scale * LOG2E)
+        score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
                                         input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
@@ -269,6 +267,13 @@ def _launcher(key: tuple, arch: str) -> Callable:
         return (out, lse) if return_lse else out
 
     return run
+
+
+def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
+    """The SM90 kernels' ``(score_scale, softmax_scale_log2)``: ``q.k`` is scaled inside the base-2 exponent, or,
+    soft-capped, by ``scale / softcap`` inside the tanh with ``softcap`` moved into the exponent's scale."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return (scale / softcap, softcap * LOG2E) if softcap else (1.0, scale * LOG2E)
 
 
 def partials(splits: int, t: int, num_q_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from cute_kv.ops import paths
-from cute_kv.ops.paged_attention import check_logits_and_output
+from cute_kv.ops.paged_attention import check_logits_and_output, outputs
 from cute_kv.reference import sparse_mla as reference
 from cute_kv.validate import check_activation, check_row_offsets, check_tensor, uint32_bits
 
@@ -38,9 +38,7 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
            return_lse, out, validate)
     input_row_offsets = uint32_bits(input_row_offsets)
-    if out is None:
-        out = torch.empty((q.shape[0], q.shape[1], mla_v_dim), dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = outputs(q, mla_v_dim, out, return_lse)
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes

@@ -35,6 +35,19 @@ VECS_PER_THREAD = 16  # vectors in flight per thread
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
 
 
+def staged_rows(rows: int, first_row: Int32, num_rows: Int32, input_row_offsets: cute.Tensor,
+                cache_lengths: cute.Tensor, lookup_table: cute.Tensor, num_pages: Int32, page_size: int):
+    """``(s_page, s_pos)`` in shared memory: the tile's ``rows`` rows resolved once (one thread a row), read by the
+    whole CTA after the barrier. Traced inline into the calling store kernel."""
+    smem = SmemAllocator()
+    s_page = smem.allocate_tensor(Int32, cute.make_layout(rows), byte_alignment=4)
+    s_pos = smem.allocate_tensor(Int32, cute.make_layout(rows), byte_alignment=4)
+    resolve_rows(s_page, s_pos, first_row, num_rows, input_row_offsets, cache_lengths, lookup_table, num_pages,
+                 page_size)
+    cute.arch.sync_threads()
+    return s_page, s_pos
+
+
 def quantizable(granularity: int, head_dim: int) -> bool:
     """Whether a granule fits the in-kernel reduction: lanes of one warp, whole granules per head."""
     return granularity & (granularity - 1) == 0 and 8 <= granularity <= 256 and head_dim % granularity == 0
@@ -108,12 +121,8 @@ class PagedKVStore:
         first_row = bidx * rows
         num_rows = k.shape[0]
 
-        smem = SmemAllocator()
-        s_page = smem.allocate_tensor(Int32, cute.make_layout(rows), byte_alignment=4)
-        s_pos = smem.allocate_tensor(Int32, cute.make_layout(rows), byte_alignment=4)
-        resolve_rows(s_page, s_pos, first_row, num_rows, input_row_offsets, cache_lengths, lookup_table,
-                     blocks.shape[0], self.page_size)
-        cute.arch.sync_threads()
+        s_page, s_pos = staged_rows(rows, first_row, num_rows, input_row_offsets, cache_lengths, lookup_table,
+                                    blocks.shape[0], self.page_size)
 
         for kv in cutlass.range_constexpr(self.kv_dim):
             src = k if cutlass.const_expr(kv == 0) else v

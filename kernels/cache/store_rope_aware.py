@@ -20,10 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
-from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels.cache.store import DTYPES
-from cute_kv.kernels.paged.ragged_rows import resolve_rows
+from cute_kv.kernels.cache.store import DTYPES, staged_rows
 from cute_kv.kernels.quant import VEC, lane_amax, lanes_scale, to_e4m3
 
 THREADS = 128
@@ -95,12 +93,8 @@ class RopeAwareKVStore:
         first_row = bidx * ROWS
         num_rows = k.shape[0]
 
-        smem = SmemAllocator()
-        s_page = smem.allocate_tensor(Int32, cute.make_layout(ROWS), byte_alignment=4)
-        s_pos = smem.allocate_tensor(Int32, cute.make_layout(ROWS), byte_alignment=4)
-        resolve_rows(s_page, s_pos, first_row, num_rows, input_row_offsets, cache_lengths, lookup_table,
-                     blocks.shape[0], self.page_size)
-        cute.arch.sync_threads()
+        s_page, s_pos = staged_rows(ROWS, first_row, num_rows, input_row_offsets, cache_lengths, lookup_table,
+                                    blocks.shape[0], self.page_size)
 
         content = [cute.make_rmem_tensor((self.content_vecs * VEC,), self.in_dtype) for _ in range(ROWS_PER_WARP)]
         rope = [[cute.make_rmem_tensor((VEC,), self.in_dtype) for _ in range(self.rope_vecs_per_lane)]

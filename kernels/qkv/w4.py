@@ -55,9 +55,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from quack.cute_dsl_utils import ParamsBase, mlir_namedtuple
+from quack.cute_dsl_utils import mlir_namedtuple
 
-from cute_kv.kernels.qkv.epilogue import C_PAD, VEC, QKVEpilogueMixin
+from cute_kv.kernels.qkv.epilogue import C_PAD, VEC, QKVEpilogueMixin, QKVEpilogueParams
 from cute_kv.kernels.qkv.gemm import BN, MAX_SWIZZLE, FusedQKVGemm, QKVSpec, supported
 
 TILE_TOKENS = 128
@@ -198,18 +198,10 @@ class QKVW4EpilogueArguments(NamedTuple):
 
 
 @dataclasses.dataclass
-class QKVW4EpilogueParams(ParamsBase):
-    output: cute.Tensor
-    blocks: cute.Tensor
-    input_row_offsets: cute.Tensor
-    cache_lengths: cute.Tensor
-    lookup_table: cute.Tensor
-    layer_idx: Int32
-    bias: Optional[cute.Tensor] = None
-    freqs_cis: Optional[cute.Tensor] = None
-    q_norm: Optional[cute.Tensor] = None
-    k_norm: Optional[cute.Tensor] = None
-    scales: Optional[cute.Tensor] = None
+class QKVW4EpilogueParams(QKVEpilogueParams):
+    """``QKVEpilogueParams`` (fields inherited in order, so the bf16 epilogue's hooks read them unchanged) and the
+    per-channel scales."""
+
     column_scales: Optional[cute.Tensor] = None
 
 
