@@ -80,6 +80,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
+from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies, rescale_o
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -99,7 +100,6 @@ EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in s
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
@@ -605,7 +605,7 @@ class PagedAttentionSm100:
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
-                    self.rescale_o(t_o, corr)
+                    rescale_o(t_o, corr, self.head_dim)
             cute.arch.fence_view_async_tmem_store()  # P and O in TMEM, zeroed V rows in shared memory: the MMA
             cute.arch.fence_view_async_shared()  # reads them next
             tmem_fence_before_sync()
@@ -733,30 +733,6 @@ class PagedAttentionSm100:
                 cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
 
     @cute.jit
-    def o_copies(self, t_o: cute.Tensor):
-        """This thread's row of O in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source, destination,
-        register shape)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
-        load = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        store = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
-        return load, store, load.partition_S(piece), store.partition_D(piece), shape
-
-    @cute.jit
-    def rescale_o(self, t_o: cute.Tensor, corr: Float32):
-        """O's row *= ``corr`` in TMEM (between the PV MMAs of two tiles)."""
-        load, store, src, dst, shape = self.o_copies(t_o)
-        vals = cute.make_rmem_tensor(shape, Float32)
-        for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
-                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
-            cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
-
-    @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
                  out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                  tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor, q_start: Int32,
@@ -779,7 +755,7 @@ class PagedAttentionSm100:
         inv = Float32(0.0)
         if row_sum > 0.0:
             inv = cute.math.exp2(row_max - top, fastmath=True) / total
-        load, _, src, _, shape = self.o_copies(t_o)
+        load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
         for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):

@@ -52,6 +52,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_after_sync, tmem_fence_before_sync
+from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies, rescale_o
 from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
                                               supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
@@ -65,7 +66,6 @@ TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q sta
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
 P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
 S_COLS = BN  # TMEM columns of one S tile
@@ -424,7 +424,7 @@ class MlaDecodeSm100:
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
-                    self.rescale_o(t_o, corr)
+                    rescale_o(t_o, corr, O_COLS)  # the value half
             cute.arch.fence_view_async_tmem_store()
             cute.arch.fence_view_async_shared()  # P is read by the MMA next
             tmem_fence_before_sync()
@@ -433,30 +433,6 @@ class MlaDecodeSm100:
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
         tmem_fence_after_sync()
         return row_max, row_sum
-
-    @cute.jit
-    def o_copies(self, t_o: cute.Tensor):
-        """This thread's row of the O half in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source,
-        destination, register shape)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
-        load = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        store = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
-        return load, store, load.partition_S(piece), store.partition_D(piece), shape
-
-    @cute.jit
-    def rescale_o(self, t_o: cute.Tensor, corr: Float32):
-        """The O half's row *= ``corr`` in TMEM (between the PV MMAs of two tiles)."""
-        load, store, src, dst, shape = self.o_copies(t_o)
-        vals = cute.make_rmem_tensor(shape, Float32)
-        for i in cutlass.range_constexpr(O_COLS // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
-                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
-            cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
 
     @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
@@ -479,7 +455,7 @@ class MlaDecodeSm100:
         inv = Float32(0.0)
         if row_sum > 0.0:
             inv = cute.math.exp2(row_max - top, fastmath=True) / total
-        load, _, src, _, shape = self.o_copies(t_o)
+        load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
         chunk0 = v_half * (O_COLS // O_CHUNK)  # the half's first O_CHUNK column block of the output row
