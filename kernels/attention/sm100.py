@@ -80,7 +80,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
-from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies, rescale_o
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_add,
+                                                      scale_scores)
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -97,7 +98,6 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
-NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
@@ -564,12 +564,7 @@ class PagedAttentionSm100:
             cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
             s_read.advance()
 
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
-                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
-                                                                      (score_scale, score_scale))
-                if cutlass.const_expr(self.softcap):
-                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
-                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+            scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
             if tile_base < row_begin:
                 masked = Int32(1)
@@ -581,16 +576,8 @@ class PagedAttentionSm100:
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
                     if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
                         scores[c] = NEG_INF
-            new_max = self.row_reduce(scores, row_max, cute.arch.fmax)
-            ref = new_max
-            if new_max == NEG_INF:
-                ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
-            corr = cute.math.exp2(row_max - ref, fastmath=True)
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
-                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
-                scores[c] = cute.math.exp2(scores[c], fastmath=True)
-                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-            row_sum = self.row_add(scores, row_sum * corr)
+            new_max, corr = exp_scores(scores, row_max)
+            row_sum = row_add(scores, row_sum * corr)
             row_max = new_max
             to_16bit(scores, probs)  # one cvt per pair
             # P_j's columns are free (P_{j-2}'s PV precedes QK_j) and P_{j-1}'s PV may still run: no wait.
@@ -614,27 +601,6 @@ class PagedAttentionSm100:
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
         tmem_fence_after_sync()
         return row_max, row_sum
-
-    @staticmethod
-    def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:
-        """``op`` over ``init`` and the row's values (traced inline), in four independent chains: a quarter of the
-        dependency latency of one chain."""
-        part = [op(init, vals[0]), vals[1], vals[2], vals[3]]
-        for c in range(4, cute.size(vals)):
-            part[c % 4] = op(part[c % 4], vals[c])
-        return op(op(part[0], part[1]), op(part[2], part[3]))
-
-    @staticmethod
-    def row_add(vals: cute.Tensor, init: Float32) -> Float32:
-        """``init`` + the row's values in two f32x2 chains (four lanes): half the add instructions of scalar
-        chains, a quarter of one chain's latency."""
-        a = (vals[0], vals[1])
-        b = (vals[2], vals[3])
-        for c in range(4, cute.size(vals), 4):
-            a = cute.arch.add_packed_f32x2(a, (vals[c], vals[c + 1]))
-            b = cute.arch.add_packed_f32x2(b, (vals[c + 2], vals[c + 3]))
-        a = cute.arch.add_packed_f32x2(a, b)
-        return init + (a[0] + a[1])
 
     @cute.jit
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,

@@ -12,6 +12,7 @@ from cutlass.cute.nvgpu import tcgen05
 
 from cute_kv.kernels.attention.config import BM
 
+NEG_INF = Float32(float("-inf"))
 O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 
 
@@ -39,3 +40,53 @@ def rescale_o(t_o: cute.Tensor, corr: Float32, cols: cutlass.Constexpr[int]):
         for e in cutlass.range_constexpr(0, cute.size(vals), 2):
             vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
         cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
+
+
+def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:
+    """``op`` over ``init`` and the row's values (traced inline), in four independent chains: a quarter of the
+    dependency latency of one chain."""
+    part = [op(init, vals[0]), vals[1], vals[2], vals[3]]
+    for c in range(4, cute.size(vals)):
+        part[c % 4] = op(part[c % 4], vals[c])
+    return op(op(part[0], part[1]), op(part[2], part[3]))
+
+
+def row_add(vals: cute.Tensor, init: Float32) -> Float32:
+    """``init`` + the row's values in two f32x2 chains (four lanes): half the add instructions of scalar
+    chains, a quarter of one chain's latency."""
+    a = (vals[0], vals[1])
+    b = (vals[2], vals[3])
+    for c in range(4, cute.size(vals), 4):
+        a = cute.arch.add_packed_f32x2(a, (vals[c], vals[c + 1]))
+        b = cute.arch.add_packed_f32x2(b, (vals[c + 2], vals[c + 3]))
+    a = cute.arch.add_packed_f32x2(a, b)
+    return init + (a[0] + a[1])
+
+
+@cute.jit
+def scale_scores(scores: cute.Tensor, score_scale: Float32, softcap: cutlass.Constexpr[bool], cap_log2: Float32):
+    """This thread's row of S, in place, to base-2 logits: ``* score_scale`` (f32x2: two scores an instruction),
+    then with ``softcap`` ``cap_log2 * tanh``."""
+    for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+        scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
+                                                              (score_scale, score_scale))
+        if cutlass.const_expr(softcap):
+            scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
+            scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+
+
+@cute.jit
+def exp_scores(scores: cute.Tensor, row_max: Float32):
+    """The online softmax's step over this thread's (masked) row of S, in place: ``p = 2^(s - new max)``. Returns
+    ``(new_max, corr)``, ``corr = 2^(row_max - new_max)`` the factor of the running sum and of O. The sum is the
+    caller's (the kernels reduce it differently)."""
+    new_max = row_reduce(scores, row_max, cute.arch.fmax)
+    ref = new_max
+    if new_max == NEG_INF:
+        ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
+    corr = cute.math.exp2(row_max - ref, fastmath=True)
+    for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+        scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
+        scores[c] = cute.math.exp2(scores[c], fastmath=True)
+        scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
+    return new_max, corr

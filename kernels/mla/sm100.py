@@ -52,7 +52,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_after_sync, tmem_fence_before_sync
-from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies, rescale_o
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_reduce,
+                                                      scale_scores)
 from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
                                               supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
@@ -63,7 +64,6 @@ MMA_WARP = 4
 LOAD_WARP = 5
 THREADS = 32 * (LOAD_WARP + 1)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
-NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
@@ -379,12 +379,7 @@ class MlaDecodeSm100:
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
 
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
-                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
-                                                                      (score_scale, score_scale))
-                if cutlass.const_expr(self.softcap):
-                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
-                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+            scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # most tiles of a dense context are whole
             if tile_base + BN > row_end:
                 masked = Int32(1)
@@ -404,16 +399,8 @@ class MlaDecodeSm100:
                     if cutlass.const_expr(self.sparse):
                         if ((valid >> key) & 1) == 0:
                             scores[c] = NEG_INF
-            new_max = PagedAttentionSm100.row_reduce(scores, row_max, cute.arch.fmax)
-            ref = new_max
-            if new_max == NEG_INF:
-                ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
-            corr = cute.math.exp2(row_max - ref, fastmath=True)
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
-                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
-                scores[c] = cute.math.exp2(scores[c], fastmath=True)
-                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-            row_sum = PagedAttentionSm100.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
+            new_max, corr = exp_scores(scores, row_max)
+            row_sum = row_reduce(scores, row_sum * corr, lambda a, b: a + b)
             row_max = new_max
             probs.store(scores.load().to(self.dtype))
 
