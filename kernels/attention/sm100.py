@@ -62,7 +62,6 @@ softmax warpgroups over two Q tiles, so one's exponentials overlap the other's M
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -81,7 +80,7 @@ from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_add,
-                                                      scale_scores)
+                                                      row_normalizer, scale_scores, write_lse)
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -98,7 +97,6 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
-LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
@@ -710,17 +708,7 @@ class PagedAttentionSm100:
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
-        total = row_sum
-        top = row_max
-        if cutlass.const_expr(self.sinks):
-            if split == 0:
-                sink = Float32(sinks[head]) * Float32(1.0 / LN2)
-                top = cute.arch.fmax(row_max, sink)
-                total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
-                                                                                                fastmath=True)
-        inv = Float32(0.0)
-        if row_sum > 0.0:
-            inv = cute.math.exp2(row_max - top, fastmath=True) / total
+        top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
         load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
@@ -742,14 +730,7 @@ class PagedAttentionSm100:
             if num_splits == 1:
                 self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)
         if tok < seq_len:
-            lse2 = NEG_INF
-            if total > 0.0:
-                lse2 = top + cute.math.log2(total, fastmath=True)
-            if num_splits == 1:
-                if cutlass.const_expr(self.return_lse):
-                    lse[q_start + tok, head] = lse2 * Float32(LN2)
-            else:
-                lse_part[split, q_start + tok, head] = lse2
+            write_lse(lse, lse_part, q_start, tok, head, split, num_splits, top, total, self.return_lse)
 
     @cute.jit
     def store_o(self, tma_o: cute.CopyAtom, g_out: cute.Tensor, s_o: cute.Tensor, q_start: Int32, seq_len: Int32,

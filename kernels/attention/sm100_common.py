@@ -5,6 +5,8 @@ half), which the callers pass."""
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -13,6 +15,7 @@ from cutlass.cute.nvgpu import tcgen05
 from cute_kv.kernels.attention.config import BM
 
 NEG_INF = Float32(float("-inf"))
+LN2 = math.log(2.0)
 O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 
 
@@ -90,3 +93,38 @@ def exp_scores(scores: cute.Tensor, row_max: Float32):
         scores[c] = cute.math.exp2(scores[c], fastmath=True)
         scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
     return new_max, corr
+
+
+@cute.jit
+def row_normalizer(row_max: Float32, row_sum: Float32, sinks, head, split, has_sinks: cutlass.Constexpr[bool]):
+    """The epilogue's factor of a row (base 2): ``(top, total, inv)``, O / l = O * ``inv`` with ``total`` the
+    denominator and ``top`` its max, so ``lse = top + log2 total``. The sink (natural log, of query head
+    ``head``) joins split 0's denominator only. ``inv`` is 0 for a row with no visible key."""
+    total = row_sum
+    top = row_max
+    if cutlass.const_expr(has_sinks):
+        if split == 0:
+            sink = Float32(sinks[head]) * Float32(1.0 / LN2)
+            top = cute.arch.fmax(row_max, sink)
+            total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
+                                                                                            fastmath=True)
+    inv = Float32(0.0)
+    if row_sum > 0.0:
+        inv = cute.math.exp2(row_max - top, fastmath=True) / total
+    return top, total, inv
+
+
+@cute.jit
+def write_lse(lse: cute.Tensor, lse_part: cute.Tensor, q_start, tok, head, split, num_splits, top: Float32,
+              total: Float32, return_lse: cutlass.Constexpr[bool]):
+    """A row's log-sum-exp: base 2 into this split's ``lse_part`` for ``AttentionCombine``, or (one split, with
+    ``return_lse``) natural into ``lse``; -inf for a row with no visible key and no sink. The row ``q_start + tok``
+    is formed at each store, as the kernels wrote it inline (their PTX unchanged by the sharing)."""
+    lse2 = NEG_INF
+    if total > 0.0:
+        lse2 = top + cute.math.log2(total, fastmath=True)
+    if num_splits == 1:
+        if cutlass.const_expr(return_lse):
+            lse[q_start + tok, head] = lse2 * Float32(LN2)
+    else:
+        lse_part[split, q_start + tok, head] = lse2

@@ -36,7 +36,6 @@ half 0) ``lse = m + log2 l`` for ``AttentionCombine``; the sink joins the denomi
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -53,7 +52,7 @@ from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_after_sync, tmem_fence_before_sync
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_reduce,
-                                                      scale_scores)
+                                                      row_normalizer, scale_scores, write_lse)
 from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
                                               supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
@@ -64,7 +63,6 @@ MMA_WARP = 4
 LOAD_WARP = 5
 THREADS = 32 * (LOAD_WARP + 1)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
-LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
 P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
@@ -431,17 +429,7 @@ class MlaDecodeSm100:
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = (m0 + tidx) % self.group
-        total = row_sum
-        top = row_max
-        if cutlass.const_expr(self.sinks):
-            if split == 0:
-                sink = Float32(sinks[head]) * Float32(1.0 / LN2)
-                top = cute.arch.fmax(row_max, sink)
-                total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
-                                                                                                fastmath=True)
-        inv = Float32(0.0)
-        if row_sum > 0.0:
-            inv = cute.math.exp2(row_max - top, fastmath=True) / total
+        top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
         load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
@@ -462,14 +450,7 @@ class MlaDecodeSm100:
                                                             (chunk0 + i,)))
         if tok < seq_len:
             if v_half == 0:
-                lse2 = NEG_INF
-                if total > 0.0:
-                    lse2 = top + cute.math.log2(total, fastmath=True)
-                if num_splits == 1:
-                    if cutlass.const_expr(self.return_lse):
-                        lse[q_start + tok, head] = lse2 * Float32(LN2)
-                else:
-                    lse_part[split, q_start + tok, head] = lse2
+                write_lse(lse, lse_part, q_start, tok, head, split, num_splits, top, total, self.return_lse)
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32):
