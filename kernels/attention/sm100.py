@@ -80,7 +80,7 @@ from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_add,
-                                                      row_normalizer, scale_scores, write_lse)
+                                                      row_normalizer, scale_scores, softmax_pipelines, write_lse)
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -315,14 +315,7 @@ class PagedAttentionSm100:
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
                     consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
                     cta_layout_vmnk=one_cta, defer_sync=True)
-            s_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
-                consumer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS), cta_layout_vmnk=one_cta,
-                defer_sync=True)
-            p_pipe = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=p_bars, num_stages=1,
-                producer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS),
-                consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+            s_pipe, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS)
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
                                                                             num_threads=self.threads),

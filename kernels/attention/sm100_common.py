@@ -9,6 +9,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Float32
 from cutlass.cute.nvgpu import tcgen05
 
@@ -128,3 +129,19 @@ def write_lse(lse: cute.Tensor, lse_part: cute.Tensor, q_start, tok, head, split
             lse[q_start + tok, head] = lse2 * Float32(LN2)
     else:
         lse_part[split, q_start + tok, head] = lse2
+
+
+def softmax_pipelines(s_bars, p_bars, one_cta: cute.Layout, softmax_threads: int):
+    """The CTA's S pipeline (MMA warp -> softmax warpgroup: two S buffers in TMEM, each released once read) and
+    P/O pipeline (softmax warpgroup -> MMA warp: P written and O rescaled, one stage); their barriers are
+    initialized here and made visible by the caller's first CTA barrier (``defer_sync``)."""
+    thread = pipeline.Agent.Thread
+    s_pipe = pipeline.PipelineUmmaAsync.create(
+        barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
+        consumer_group=pipeline.CooperativeGroup(thread, softmax_threads), cta_layout_vmnk=one_cta,
+        defer_sync=True)
+    p_pipe = pipeline.PipelineAsyncUmma.create(
+        barrier_storage=p_bars, num_stages=1,
+        producer_group=pipeline.CooperativeGroup(thread, softmax_threads),
+        consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+    return s_pipe, p_pipe
