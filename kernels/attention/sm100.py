@@ -62,7 +62,6 @@ softmax warpgroups over two Q tiles, so one's exponentials overlap the other's M
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -80,6 +79,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_add,
+                                                      row_normalizer, scale_scores, softmax_pipelines, write_lse)
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -96,10 +97,7 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
-NEG_INF = Float32(float("-inf"))
-LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
@@ -317,14 +315,7 @@ class PagedAttentionSm100:
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
                     consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
                     cta_layout_vmnk=one_cta, defer_sync=True)
-            s_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
-                consumer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS), cta_layout_vmnk=one_cta,
-                defer_sync=True)
-            p_pipe = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=p_bars, num_stages=1,
-                producer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS),
-                consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+            s_pipe, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS)
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
                                                                             num_threads=self.threads),
@@ -564,12 +555,7 @@ class PagedAttentionSm100:
             cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
             s_read.advance()
 
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
-                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
-                                                                      (score_scale, score_scale))
-                if cutlass.const_expr(self.softcap):
-                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
-                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+            scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
             if tile_base < row_begin:
                 masked = Int32(1)
@@ -581,16 +567,8 @@ class PagedAttentionSm100:
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
                     if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
                         scores[c] = NEG_INF
-            new_max = self.row_reduce(scores, row_max, cute.arch.fmax)
-            ref = new_max
-            if new_max == NEG_INF:
-                ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
-            corr = cute.math.exp2(row_max - ref, fastmath=True)
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
-                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
-                scores[c] = cute.math.exp2(scores[c], fastmath=True)
-                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-            row_sum = self.row_add(scores, row_sum * corr)
+            new_max, corr = exp_scores(scores, row_max)
+            row_sum = row_add(scores, row_sum * corr)
             row_max = new_max
             to_16bit(scores, probs)  # one cvt per pair
             # P_j's columns are free (P_{j-2}'s PV precedes QK_j) and P_{j-1}'s PV may still run: no wait.
@@ -605,7 +583,7 @@ class PagedAttentionSm100:
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
-                    self.rescale_o(t_o, corr)
+                    rescale_o(t_o, corr, self.head_dim)
             cute.arch.fence_view_async_tmem_store()  # P and O in TMEM, zeroed V rows in shared memory: the MMA
             cute.arch.fence_view_async_shared()  # reads them next
             tmem_fence_before_sync()
@@ -614,27 +592,6 @@ class PagedAttentionSm100:
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
         tmem_fence_after_sync()
         return row_max, row_sum
-
-    @staticmethod
-    def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:
-        """``op`` over ``init`` and the row's values (traced inline), in four independent chains: a quarter of the
-        dependency latency of one chain."""
-        part = [op(init, vals[0]), vals[1], vals[2], vals[3]]
-        for c in range(4, cute.size(vals)):
-            part[c % 4] = op(part[c % 4], vals[c])
-        return op(op(part[0], part[1]), op(part[2], part[3]))
-
-    @staticmethod
-    def row_add(vals: cute.Tensor, init: Float32) -> Float32:
-        """``init`` + the row's values in two f32x2 chains (four lanes): half the add instructions of scalar
-        chains, a quarter of one chain's latency."""
-        a = (vals[0], vals[1])
-        b = (vals[2], vals[3])
-        for c in range(4, cute.size(vals), 4):
-            a = cute.arch.add_packed_f32x2(a, (vals[c], vals[c + 1]))
-            b = cute.arch.add_packed_f32x2(b, (vals[c + 2], vals[c + 3]))
-        a = cute.arch.add_packed_f32x2(a, b)
-        return init + (a[0] + a[1])
 
     @cute.jit
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,
@@ -733,30 +690,6 @@ class PagedAttentionSm100:
                 cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
 
     @cute.jit
-    def o_copies(self, t_o: cute.Tensor):
-        """This thread's row of O in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source, destination,
-        register shape)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
-        load = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        store = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
-        return load, store, load.partition_S(piece), store.partition_D(piece), shape
-
-    @cute.jit
-    def rescale_o(self, t_o: cute.Tensor, corr: Float32):
-        """O's row *= ``corr`` in TMEM (between the PV MMAs of two tiles)."""
-        load, store, src, dst, shape = self.o_copies(t_o)
-        vals = cute.make_rmem_tensor(shape, Float32)
-        for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
-                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
-            cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
-
-    @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
                  out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                  tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor, q_start: Int32,
@@ -768,18 +701,8 @@ class PagedAttentionSm100:
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
-        total = row_sum
-        top = row_max
-        if cutlass.const_expr(self.sinks):
-            if split == 0:
-                sink = Float32(sinks[head]) * Float32(1.0 / LN2)
-                top = cute.arch.fmax(row_max, sink)
-                total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
-                                                                                                fastmath=True)
-        inv = Float32(0.0)
-        if row_sum > 0.0:
-            inv = cute.math.exp2(row_max - top, fastmath=True) / total
-        load, _, src, _, shape = self.o_copies(t_o)
+        top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
+        load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
         for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
@@ -800,14 +723,7 @@ class PagedAttentionSm100:
             if num_splits == 1:
                 self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)
         if tok < seq_len:
-            lse2 = NEG_INF
-            if total > 0.0:
-                lse2 = top + cute.math.log2(total, fastmath=True)
-            if num_splits == 1:
-                if cutlass.const_expr(self.return_lse):
-                    lse[q_start + tok, head] = lse2 * Float32(LN2)
-            else:
-                lse_part[split, q_start + tok, head] = lse2
+            write_lse(lse, lse_part, q_start, tok, head, split, num_splits, top, total, self.return_lse)
 
     @cute.jit
     def store_o(self, tma_o: cute.CopyAtom, g_out: cute.Tensor, s_o: cute.Tensor, q_start: Int32, seq_len: Int32,

@@ -36,7 +36,6 @@ half 0) ``lse = m + log2 l`` for ``AttentionCombine``; the sink joins the denomi
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -52,6 +51,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_after_sync, tmem_fence_before_sync
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_reduce,
+                                                      row_normalizer, scale_scores, softmax_pipelines, write_lse)
 from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
                                               supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
@@ -62,10 +63,7 @@ MMA_WARP = 4
 LOAD_WARP = 5
 THREADS = 32 * (LOAD_WARP + 1)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
-NEG_INF = Float32(float("-inf"))
-LN2 = math.log(2.0)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
 P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
 S_COLS = BN  # TMEM columns of one S tile
@@ -208,14 +206,7 @@ class MlaDecodeSm100:
                 barrier_storage=kv_bars, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(thread),
                 consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
                 cta_layout_vmnk=one_cta, defer_sync=True)
-            s_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
-                consumer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS), cta_layout_vmnk=one_cta,
-                defer_sync=True)
-            p_pipe = pipeline.PipelineAsyncUmma.create(
-                barrier_storage=p_bars, num_stages=1,
-                producer_group=pipeline.CooperativeGroup(thread, SOFTMAX_THREADS),
-                consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+            s_pipe, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS)
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
                                                                             num_threads=THREADS),
@@ -379,12 +370,7 @@ class MlaDecodeSm100:
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
 
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):  # f32x2: two scores an instruction
-                scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
-                                                                      (score_scale, score_scale))
-                if cutlass.const_expr(self.softcap):
-                    scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
-                    scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+            scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # most tiles of a dense context are whole
             if tile_base + BN > row_end:
                 masked = Int32(1)
@@ -404,16 +390,8 @@ class MlaDecodeSm100:
                     if cutlass.const_expr(self.sparse):
                         if ((valid >> key) & 1) == 0:
                             scores[c] = NEG_INF
-            new_max = PagedAttentionSm100.row_reduce(scores, row_max, cute.arch.fmax)
-            ref = new_max
-            if new_max == NEG_INF:
-                ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
-            corr = cute.math.exp2(row_max - ref, fastmath=True)
-            for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
-                scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
-                scores[c] = cute.math.exp2(scores[c], fastmath=True)
-                scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-            row_sum = PagedAttentionSm100.row_reduce(scores, row_sum * corr, lambda a, b: a + b)
+            new_max, corr = exp_scores(scores, row_max)
+            row_sum = row_reduce(scores, row_sum * corr, lambda a, b: a + b)
             row_max = new_max
             probs.store(scores.load().to(self.dtype))
 
@@ -424,7 +402,7 @@ class MlaDecodeSm100:
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
-                    self.rescale_o(t_o, corr)
+                    rescale_o(t_o, corr, O_COLS)  # the value half
             cute.arch.fence_view_async_tmem_store()
             cute.arch.fence_view_async_shared()  # P is read by the MMA next
             tmem_fence_before_sync()
@@ -433,30 +411,6 @@ class MlaDecodeSm100:
         p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
         tmem_fence_after_sync()
         return row_max, row_sum
-
-    @cute.jit
-    def o_copies(self, t_o: cute.Tensor):
-        """This thread's row of the O half in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source,
-        destination, register shape)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
-        load = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        store = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-        shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
-        return load, store, load.partition_S(piece), store.partition_D(piece), shape
-
-    @cute.jit
-    def rescale_o(self, t_o: cute.Tensor, corr: Float32):
-        """The O half's row *= ``corr`` in TMEM (between the PV MMAs of two tiles)."""
-        load, store, src, dst, shape = self.o_copies(t_o)
-        vals = cute.make_rmem_tensor(shape, Float32)
-        for i in cutlass.range_constexpr(O_COLS // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
-                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
-            cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
 
     @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
@@ -468,18 +422,8 @@ class MlaDecodeSm100:
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = (m0 + tidx) % self.group
-        total = row_sum
-        top = row_max
-        if cutlass.const_expr(self.sinks):
-            if split == 0:
-                sink = Float32(sinks[head]) * Float32(1.0 / LN2)
-                top = cute.arch.fmax(row_max, sink)
-                total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
-                                                                                                fastmath=True)
-        inv = Float32(0.0)
-        if row_sum > 0.0:
-            inv = cute.math.exp2(row_max - top, fastmath=True) / total
-        load, _, src, _, shape = self.o_copies(t_o)
+        top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
+        load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
         chunk0 = v_half * (O_COLS // O_CHUNK)  # the half's first O_CHUNK column block of the output row
@@ -499,14 +443,7 @@ class MlaDecodeSm100:
                                                             (chunk0 + i,)))
         if tok < seq_len:
             if v_half == 0:
-                lse2 = NEG_INF
-                if total > 0.0:
-                    lse2 = top + cute.math.log2(total, fastmath=True)
-                if num_splits == 1:
-                    if cutlass.const_expr(self.return_lse):
-                        lse[q_start + tok, head] = lse2 * Float32(LN2)
-                else:
-                    lse_part[split, q_start + tok, head] = lse2
+                write_lse(lse, lse_part, q_start, tok, head, split, num_splits, top, total, self.return_lse)
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32):

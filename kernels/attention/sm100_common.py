@@ -1,0 +1,147 @@
+"""Softmax-warpgroup device helpers shared by the SM100 attention kernels (``sm100.PagedAttentionSm100`` and the
+MLA kernel ``mla/sm100.MlaDecodeSm100``): thread ``t`` of the softmax warpgroup owns row ``t`` of O in tensor
+memory (TMEM lane ``t``). The kernels differ in how many O columns a CTA holds (the MHA head dim; MLA's value
+half), which the callers pass."""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32
+from cutlass.cute.nvgpu import tcgen05
+
+from cute_kv.kernels.attention.config import BM
+
+NEG_INF = Float32(float("-inf"))
+LN2 = math.log(2.0)
+O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+
+
+@cute.jit
+def o_copies(t_o: cute.Tensor):
+    """This thread's row of O in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source, destination, register
+    shape); piece ``i`` is the source / destination iterator moved by ``i * O_CHUNK``."""
+    tidx, _, _ = cute.arch.thread_idx()
+    piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
+    load = tcgen05.make_tmem_copy(cute.make_copy_atom(
+        tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+    store = tcgen05.make_tmem_copy(cute.make_copy_atom(
+        tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+    shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
+    return load, store, load.partition_S(piece), store.partition_D(piece), shape
+
+
+@cute.jit
+def rescale_o(t_o: cute.Tensor, corr: Float32, cols: cutlass.Constexpr[int]):
+    """This thread's row of O (its first ``cols`` columns) *= ``corr`` in TMEM, between the PV MMAs of two tiles."""
+    load, store, src, dst, shape = o_copies(t_o)
+    vals = cute.make_rmem_tensor(shape, Float32)
+    for i in cutlass.range_constexpr(cols // O_CHUNK):
+        cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+        for e in cutlass.range_constexpr(0, cute.size(vals), 2):
+            vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
+        cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
+
+
+def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:
+    """``op`` over ``init`` and the row's values (traced inline), in four independent chains: a quarter of the
+    dependency latency of one chain."""
+    part = [op(init, vals[0]), vals[1], vals[2], vals[3]]
+    for c in range(4, cute.size(vals)):
+        part[c % 4] = op(part[c % 4], vals[c])
+    return op(op(part[0], part[1]), op(part[2], part[3]))
+
+
+def row_add(vals: cute.Tensor, init: Float32) -> Float32:
+    """``init`` + the row's values in two f32x2 chains (four lanes): half the add instructions of scalar
+    chains, a quarter of one chain's latency."""
+    a = (vals[0], vals[1])
+    b = (vals[2], vals[3])
+    for c in range(4, cute.size(vals), 4):
+        a = cute.arch.add_packed_f32x2(a, (vals[c], vals[c + 1]))
+        b = cute.arch.add_packed_f32x2(b, (vals[c + 2], vals[c + 3]))
+    a = cute.arch.add_packed_f32x2(a, b)
+    return init + (a[0] + a[1])
+
+
+@cute.jit
+def scale_scores(scores: cute.Tensor, score_scale: Float32, softcap: cutlass.Constexpr[bool], cap_log2: Float32):
+    """This thread's row of S, in place, to base-2 logits: ``* score_scale`` (f32x2: two scores an instruction),
+    then with ``softcap`` ``cap_log2 * tanh``."""
+    for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+        scores[c], scores[c + 1] = cute.arch.mul_packed_f32x2((scores[c], scores[c + 1]),
+                                                              (score_scale, score_scale))
+        if cutlass.const_expr(softcap):
+            scores[c] = cap_log2 * cute.math.tanh(scores[c], fastmath=True)
+            scores[c + 1] = cap_log2 * cute.math.tanh(scores[c + 1], fastmath=True)
+
+
+@cute.jit
+def exp_scores(scores: cute.Tensor, row_max: Float32):
+    """The online softmax's step over this thread's (masked) row of S, in place: ``p = 2^(s - new max)``. Returns
+    ``(new_max, corr)``, ``corr = 2^(row_max - new_max)`` the factor of the running sum and of O. The sum is the
+    caller's (the kernels reduce it differently)."""
+    new_max = row_reduce(scores, row_max, cute.arch.fmax)
+    ref = new_max
+    if new_max == NEG_INF:
+        ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
+    corr = cute.math.exp2(row_max - ref, fastmath=True)
+    for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+        scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
+        scores[c] = cute.math.exp2(scores[c], fastmath=True)
+        scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
+    return new_max, corr
+
+
+@cute.jit
+def row_normalizer(row_max: Float32, row_sum: Float32, sinks, head, split, has_sinks: cutlass.Constexpr[bool]):
+    """The epilogue's factor of a row (base 2): ``(top, total, inv)``, O / l = O * ``inv`` with ``total`` the
+    denominator and ``top`` its max, so ``lse = top + log2 total``. The sink (natural log, of query head
+    ``head``) joins split 0's denominator only. ``inv`` is 0 for a row with no visible key."""
+    total = row_sum
+    top = row_max
+    if cutlass.const_expr(has_sinks):
+        if split == 0:
+            sink = Float32(sinks[head]) * Float32(1.0 / LN2)
+            top = cute.arch.fmax(row_max, sink)
+            total = row_sum * cute.math.exp2(row_max - top, fastmath=True) + cute.math.exp2(sink - top,
+                                                                                            fastmath=True)
+    inv = Float32(0.0)
+    if row_sum > 0.0:
+        inv = cute.math.exp2(row_max - top, fastmath=True) / total
+    return top, total, inv
+
+
+@cute.jit
+def write_lse(lse: cute.Tensor, lse_part: cute.Tensor, q_start, tok, head, split, num_splits, top: Float32,
+              total: Float32, return_lse: cutlass.Constexpr[bool]):
+    """A row's log-sum-exp: base 2 into this split's ``lse_part`` for ``AttentionCombine``, or (one split, with
+    ``return_lse``) natural into ``lse``; -inf for a row with no visible key and no sink. The row ``q_start + tok``
+    is formed at each store, as the kernels wrote it inline (their PTX unchanged by the sharing)."""
+    lse2 = NEG_INF
+    if total > 0.0:
+        lse2 = top + cute.math.log2(total, fastmath=True)
+    if num_splits == 1:
+        if cutlass.const_expr(return_lse):
+            lse[q_start + tok, head] = lse2 * Float32(LN2)
+    else:
+        lse_part[split, q_start + tok, head] = lse2
+
+
+def softmax_pipelines(s_bars, p_bars, one_cta: cute.Layout, softmax_threads: int):
+    """The CTA's S pipeline (MMA warp -> softmax warpgroup: two S buffers in TMEM, each released once read) and
+    P/O pipeline (softmax warpgroup -> MMA warp: P written and O rescaled, one stage); their barriers are
+    initialized here and made visible by the caller's first CTA barrier (``defer_sync``)."""
+    thread = pipeline.Agent.Thread
+    s_pipe = pipeline.PipelineUmmaAsync.create(
+        barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
+        consumer_group=pipeline.CooperativeGroup(thread, softmax_threads), cta_layout_vmnk=one_cta,
+        defer_sync=True)
+    p_pipe = pipeline.PipelineAsyncUmma.create(
+        barrier_storage=p_bars, num_stages=1,
+        producer_group=pipeline.CooperativeGroup(thread, softmax_threads),
+        consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+    return s_pipe, p_pipe
