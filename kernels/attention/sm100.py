@@ -119,9 +119,10 @@ def tmem_fence_after_sync(*, loc=None, ip=None):
 
 class PagedAttentionSm100:
     """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, ``page_size``, KVD, whether the
-    lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, and an fp8 cache:
+    lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, an fp8 cache:
     ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
-    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits.
+    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, and ``v_dim`` (None: the head dim): values are
+    the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide.
 
     An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 8-11) into one
     16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
@@ -131,9 +132,9 @@ class PagedAttentionSm100:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
                  return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
-                 e8m0_scales: bool = False):
+                 e8m0_scales: bool = False, v_dim: Optional[int] = None):
         kv_dtype_name = kv_dtype_name or dtype_name
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity)
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity, v_dim)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -142,7 +143,8 @@ class PagedAttentionSm100:
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
         self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else LOAD_WARP + 1)  # 384 or 192
         self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
-        self.plan = tiling(head_dim, page_size, self.kv_fp8)
+        self.v_dim = v_dim or head_dim
+        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim)
         self.bn, self.stages = self.plan.bn, self.plan.stages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
@@ -163,12 +165,12 @@ class PagedAttentionSm100:
     # -- host ------------------------------------------------------------------------------------
 
     def fake_args(self) -> tuple:
-        dt, d, hq = self.dtype, self.head_dim, self.num_q_heads
+        dt, d, dv, hq = self.dtype, self.head_dim, self.v_dim, self.num_q_heads
         t = cute.sym_int32()
         row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
         q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
-        out = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
-        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, d),
+        out = make_fake_tensor(dt, (t, hq, dv), stride=(row(), dv, 1), assumed_align=16)
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, dv),
                                           stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
                                             stride_order=(2, 1, 0), assumed_align=4)
@@ -203,23 +205,23 @@ class PagedAttentionSm100:
         ``score_scale * q.k`` (``scale * log2 e``), or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``
         (``score_scale = scale / c``, ``cap_log2 = c * log2 e``). ``sinks``: float32 ``[Hq]`` (natural log units).
         ``scales``: an fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
-        dt, d, bn = self.dtype, self.head_dim, self.bn
+        dt, d, dv, bn = self.dtype, self.head_dim, self.v_dim, self.bn
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                          tcgen05.CtaGroup.ONE, (BM, d), tcgen05.OperandSource.TMEM)
+                                                          tcgen05.CtaGroup.ONE, (BM, dv), tcgen05.OperandSource.TMEM)
         k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
         v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
         if cutlass.const_expr(self.gather4):
             # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
             index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
-            tma_k, g_k, s_slot = tma_tiles.create_gather4_tma_tile(self.rows_2d(k_rows), index, bn, self.box_width,
-                                                                   self.ring_swizzle)
+            tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(k_rows), index, bn, self.box_width,
+                                                              self.ring_swizzle)
             tma_v, g_v, _ = tma_tiles.create_gather4_tma_tile(self.rows_2d(v_rows), index, bn, self.box_width,
                                                               self.ring_swizzle)
         else:
-            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
-            tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, d, self.ring_swizzle)
+            tma_k, g_k, _ = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.ring_swizzle)
+            tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, dv, self.ring_swizzle)
         tma_o = g_out = None
         if cutlass.const_expr(self.tma_store):
             tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, SWIZZLE)
@@ -232,7 +234,7 @@ class PagedAttentionSm100:
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
         # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, s_slot, tma_o, g_out, q, out, o_part,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, tma_o, g_out, q, out, o_part,
                     lse_part, lse,
                     input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales, sinks, rows_per_page,
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
@@ -252,14 +254,13 @@ class PagedAttentionSm100:
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_slot: cute.ComposedLayout,
-               tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor,
+               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor,
                o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
                rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
                score_scale: Float32, cap_log2: Float32):
-        dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
+        dt, d, dv, bn, group, stages = self.dtype, self.head_dim, self.v_dim, self.bn, self.group, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
@@ -283,19 +284,22 @@ class PagedAttentionSm100:
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
-            ring_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
+            ring_k_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
+            ring_v_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, dv, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-            ring_k = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
-                                          swizzle=ring_layout.inner)
-            ring_v = smem.allocate_tensor(self.kv_dtype, ring_layout.outer, byte_alignment=1024,
-                                          swizzle=ring_layout.inner)
+            ring_k = smem.allocate_tensor(self.kv_dtype, ring_k_layout.outer, byte_alignment=1024,
+                                          swizzle=ring_k_layout.inner)
+            ring_v = smem.allocate_tensor(self.kv_dtype, ring_v_layout.outer, byte_alignment=1024,
+                                          swizzle=ring_v_layout.inner)
             s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles
             if cutlass.const_expr(self.kv_fp8):
-                mma_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
-                s_k = smem.allocate_tensor(dt, mma_layout.outer, byte_alignment=1024, swizzle=mma_layout.inner)
-                s_v = smem.allocate_tensor(dt, mma_layout.outer, byte_alignment=1024, swizzle=mma_layout.inner)
-            # V as the PV MMA's B operand: (D, BN) with D contiguous (MN-major), the same bytes.
-            s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, cute.size(s_v, mode=[2])), order=(1, 0, 2)))
+                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
+                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, stages=1)
+                s_k = smem.allocate_tensor(dt, k_layout.outer, byte_alignment=1024, swizzle=k_layout.inner)
+                s_v = smem.allocate_tensor(dt, v_layout.outer, byte_alignment=1024, swizzle=v_layout.inner)
+            # V as the PV MMA's B operand: (D_v, BN) with D_v contiguous (MN-major), the same bytes.
+            s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, cute.size(s_v, mode=[2])),
+                                                                  order=(1, 0, 2)))
 
             one_cta = cute.make_layout((1, 1, 1, 1))
             thread = pipeline.Agent.Thread
@@ -331,10 +335,10 @@ class PagedAttentionSm100:
 
             thr_qk = tiled_mma_qk.get_slice(0)
             thr_pv = tiled_mma_pv.get_slice(0)
-            # TMEM: S tiles at columns [0, BN) and [BN, 2 BN), O at [2 BN, 2 BN + D).
+            # TMEM: S tiles at columns [0, BN) and [BN, 2 BN), O at [2 BN, 2 BN + D_v).
             t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, bn)), 2))
             t_s = cute.make_tensor(tmem_ptr, t_s.layout)
-            t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, d)))
+            t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, dv)))
             t_o = cute.make_tensor(tmem_ptr + self.o_col, t_o.layout)
 
             # Each role sets its register budget first thing in its own branch (fp8: three warpgroups), so ptxas
@@ -350,7 +354,7 @@ class PagedAttentionSm100:
                                          ring_v, s_rows, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     else:
                         self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
-                                       ring_v, s_slot, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                                       ring_v, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
@@ -387,17 +391,18 @@ class PagedAttentionSm100:
     @cute.jit
     def load_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
                   tma_k: cute.CopyAtom, g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor,
-                  s_v: cute.Tensor, s_slot: cute.ComposedLayout, lookup_table: cute.Tensor, b: Int32,
-                  kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
+                  s_v: cute.Tensor, lookup_table: cute.Tensor, b: Int32, kv_head: Int32, num_keys: Int32,
+                  rows_per_page: Int32, oob_row: Int32):
         """Load warp: K and V of key tile ``tile`` into stage ``prod.index``, one TMA per page slot each (the K and
-        V planes share the row numbering, so one ``populate`` serves both)."""
+        V planes share the row numbering, so one ``populate`` serves both); boxes of the K rows' ``head_dim`` and
+        the V rows' first ``v_dim`` columns."""
         op = self.k_op
         rows = cute.make_rmem_tensor((op.copies_per_tile,), Int32)
         op.populate(rows, lookup_table, b, tile * self.bn, num_keys, rows_per_page, oob_row)
         pipe.producer_acquire(prod)
         bar = pipe.producer_get_barrier(prod)
-        box = (op.rows_per_copy, cute.size(s_slot, mode=[1]))
-        for g_rows, s_tiles, atom in ((g_k, s_k, tma_k), (g_v, s_v, tma_v)):
+        for g_rows, s_tiles, atom, width in ((g_k, s_k, tma_k, self.head_dim), (g_v, s_v, tma_v, self.v_dim)):
+            box = (op.rows_per_copy, width)
             for p in cutlass.range_constexpr(op.copies_per_tile):
                 src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, kv_head))
                 dst = cute.local_tile(s_tiles[None, None, prod.index], box, (p, 0))
@@ -432,8 +437,8 @@ class PagedAttentionSm100:
         bar = pipe.producer_get_barrier(prod)
         index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
                                                     cute.make_layout((bn, width), stride=(1, 0))), (bn, width))
-        for g_rows, s_tiles, atom in ((g_k, s_k, tma_k), (g_v, s_v, tma_v)):
-            for c in cutlass.range_constexpr(self.head_dim // width):
+        for g_rows, s_tiles, atom, depth in ((g_k, s_k, tma_k, self.head_dim), (g_v, s_v, tma_v, self.v_dim)):
+            for c in cutlass.range_constexpr(depth // width):
                 src = cute.zipped_divide(cute.domain_offset((0, kv_head * self.head_dim + c * width), g_rows),
                                          (bn, width))
                 dst = cute.local_tile(s_tiles[None, None, prod.index], (bn, width), (0, c))
@@ -454,7 +459,7 @@ class PagedAttentionSm100:
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         # P as the PV MMA's A operand in TMEM (K-major, two 16-bit values per column), at its S tile's upper half. The
         # fragment's addresses are columns from 0, where the allocation starts: it takes all 512 columns.
-        p_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, (BM, self.head_dim, self.bn), self.dtype, 1)
+        p_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, (BM, self.v_dim, self.bn), self.dtype, 1)
         t_rp = thr_pv.make_fragment_A(cute.make_tensor(t_s.iterator, p_layout.outer))[None, None, None, 0]
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -583,7 +588,7 @@ class PagedAttentionSm100:
             # rescale only when none of its rows moved (exact: the skipped factor is 1).
             if j > 0:
                 if cute.arch.vote_any_sync(corr != 1.0):
-                    rescale_o(t_o, corr, self.head_dim)
+                    rescale_o(t_o, corr, self.v_dim)
             cute.arch.fence_view_async_tmem_store()  # P and O in TMEM, zeroed V rows in shared memory: the MMA
             cute.arch.fence_view_async_shared()  # reads them next
             tmem_fence_before_sync()
@@ -622,10 +627,10 @@ class PagedAttentionSm100:
             # The states advance by their own names: the loop carries only the variables its body names, so a
             # state advanced through an alias would wait on the first phase's parity every tile.
             self.convert_tile(k_pipe, k_write, ring_k, s_k, k_scales, read.index, r, row, tile_base, num_keys,
-                              kv_head)
+                              kv_head, self.head_dim)
             k_write.advance()
             self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, r, row, tile_base, num_keys,
-                              kv_head)
+                              kv_head, self.v_dim)
             v_write.advance()
             kv_pipe.consumer_release(read)
             read.advance()
@@ -650,24 +655,26 @@ class PagedAttentionSm100:
     @cute.jit
     def convert_tile(self, pipe: pipeline.PipelineAsyncUmma, state: pipeline.PipelineState, ring: cute.Tensor,
                      tile: cute.Tensor, scales: Optional[cute.Tensor], stage: Int32, r: Int32, row: Int32,
-                     tile_base: Int32, num_keys: Int32, kv_head: Int32):
-        """Ring ``stage`` -> the 16-bit ``tile`` once the MMA that read it last is done, then hand it over."""
+                     tile_base: Int32, num_keys: Int32, kv_head: Int32, width: cutlass.Constexpr[int]):
+        """Ring ``stage`` -> the 16-bit ``tile`` (``width`` columns) once the MMA that read it last is done, then hand
+        it over."""
         pipe.producer_acquire(state)
-        self.dequantize(ring, tile, stage, scales, r, row, tile_base, num_keys, kv_head)
+        self.dequantize(ring, tile, stage, scales, r, row, tile_base, num_keys, kv_head, width)
         cute.arch.fence_view_async_shared()  # the MMA reads the tile next
         pipe.producer_commit(state)
 
     @cute.jit
     def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
-                   r: Int32, row: Int32, tile_base: Int32, num_keys: Int32, kv_head: Int32):
-        """Row ``r`` of ``ring[stage]`` (fp8) -> the 16-bit ``tile``, 8 values at a time (this thread's share of the
-        row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64 bits: rows x H x G can pass
+                   r: Int32, row: Int32, tile_base: Int32, num_keys: Int32, kv_head: Int32,
+                   width: cutlass.Constexpr[int]):
+        """Row ``r`` of ``ring[stage]`` (fp8, ``width`` columns) -> the 16-bit ``tile``, 8 values at a time (this
+        thread's share of the row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64 bits: rows x H x G can pass
         2^31), rounded once. A row past the request's keys is written as zeros."""
         per_row = CONVERT_THREADS // self.bn
         raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         first = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) % per_row
-        for c in cutlass.range(first, self.head_dim // VEC, per_row, unroll=1):
+        for c in cutlass.range(first, width // VEC, per_row, unroll=1):
             vals.fill(0.0)
             if tile_base + r < num_keys:
                 cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
@@ -681,7 +688,7 @@ class PagedAttentionSm100:
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
         """Zero V rows ``[first_row, BN)`` of ``stage``: past the request's keys (P is 0 there, but 0 * NaN is not).
         The stage's TMA has landed: the S of the same tile, read before, was computed from it."""
-        chunks = self.head_dim // VEC
+        chunks = self.v_dim // VEC
         tidx, _, _ = cute.arch.thread_idx()
         zeros = cute.make_rmem_tensor((VEC,), self.dtype)
         zeros.fill(0.0)
@@ -705,7 +712,7 @@ class PagedAttentionSm100:
         load, _, src, _, shape = o_copies(t_o)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
-        for i in cutlass.range_constexpr(self.head_dim // O_CHUNK):
+        for i in cutlass.range_constexpr(self.v_dim // O_CHUNK):
             cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
             for e in cutlass.range_constexpr(0, cute.size(vals), 2):
                 vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (inv, inv))
@@ -737,7 +744,7 @@ class PagedAttentionSm100:
             window = tma_tiles.packed_ragged_window(g_out, q_start, seq_len)[None, None, None, kv_head]
             width, group = self.o_box_width, self.group
             with cute.arch.elect_one():  # one thread issues, commits and waits for its bulk group
-                for c in cutlass.range_constexpr(self.head_dim // width):
+                for c in cutlass.range_constexpr(self.v_dim // width):
                     src = tma_tiles.packed_box(cute.local_tile(s_o, (BM, width), (0, c)), group)
                     dst = cute.local_tile(window, (group, BM // group, width), (0, m0 // BM, c))
                     t_s, t_g = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(src, 0, 3),

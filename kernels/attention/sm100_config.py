@@ -2,8 +2,9 @@
 
 A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) and walks key tiles of ``BN``
 keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j), each tile's P (16-bit,
-the PV MMA's A operand) over the upper half of its S, and the O accumulator: ``2 * BN + D <= 512`` columns, so one CTA
-per SM. Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page
+the PV MMA's A operand) over the upper half of its S, and the O accumulator: ``2 * BN + D_v <= 512`` columns, so one
+CTA per SM. Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's decompressed heads: K of
+nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first ``D_v`` are read). Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page
 size: pages that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
 """
 
@@ -19,13 +20,14 @@ TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
 SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
 RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahead of the kernel's buffers
+VALUE_DIMS = {192: 128}  # head dim -> the narrower value dim it also takes (DeepSeek MLA prefill: 128 + 64 / 128)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm100Tiling:
     """Key tile ``bn``, K/V ring ``stages``, K/V by ``gather4``; bytes of the barriers and gather4 row arrays ahead
-    of the 1024-aligned tiles (``fixed``), of Q, one K+V stage as loaded, and the 16-bit K and V tiles the MMAs
-    read when an fp8 ring is dequantized (``mma_tiles``, 0 otherwise)."""
+    of the 1024-aligned tiles (``fixed``), of Q, one K+V stage as loaded, O's width ``v_dim`` (TMEM columns), and the
+    16-bit K and V tiles the MMAs read when an fp8 ring is dequantized (``mma_tiles``, 0 otherwise)."""
 
     bn: int
     stages: int
@@ -33,6 +35,7 @@ class Sm100Tiling:
     fixed: int
     q_bytes: int
     stage_bytes: int
+    v_dim: int
     mma_tiles: int = 0
 
     @property
@@ -41,13 +44,16 @@ class Sm100Tiling:
 
     @property
     def tmem_columns(self) -> int:
-        """Columns used: S tiles at ``[0, 2*bn)`` (P in the upper half of each), O at ``[2*bn, 2*bn + D)``."""
-        return 2 * self.bn + self.q_bytes // (2 * BM)
+        """Columns used: S tiles at ``[0, 2*bn)`` (P in the upper half of each), O at ``[2*bn, 2*bn + D_v)``."""
+        return 2 * self.bn + self.v_dim
 
 
-def key_tile(head_dim: int) -> int:
-    """128 keys per tile; 64 at head dim 256, where a 128-key K+V stage alone would take 128 KiB."""
-    return 64 if head_dim > 128 else 128
+def key_tile(head_dim: int, v_dim: Optional[int] = None) -> int:
+    """128 keys per tile where Q and two 128-key 16-bit K+V stages fit in shared memory (D_v = D up to 128: 160 KiB;
+    192 / 128: 208 KiB); else 64 (head dim 256, where one 128-key K+V stage alone would take 128 KiB)."""
+    v_dim = v_dim or head_dim
+    two_stages = BM * head_dim * 2 + 2 * 128 * (head_dim + v_dim) * 2 + fixed_bytes(128, 2, False)
+    return 128 if two_stages <= SMEM_PER_CTA else 64
 
 
 def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
@@ -57,14 +63,15 @@ def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
     return -(-used // 1024) * 1024
 
 
-def tiling(head_dim: int, page_size: int, kv_fp8: bool = False) -> Sm100Tiling:
+def tiling(head_dim: int, page_size: int, kv_fp8: bool = False, v_dim: Optional[int] = None) -> Sm100Tiling:
     """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q (and, for fp8, one 16-bit K and V tile)."""
-    bn = key_tile(head_dim)
+    v_dim = v_dim or head_dim
+    bn = key_tile(head_dim, v_dim)
     gather4 = uses_gather4(page_size, bn)
-    q_bytes, stage_bytes = BM * head_dim * 2, 2 * bn * head_dim * (1 if kv_fp8 else 2)
-    mma_tiles = 2 * bn * head_dim * 2 if kv_fp8 else 0
+    q_bytes, stage_bytes = BM * head_dim * 2, bn * (head_dim + v_dim) * (1 if kv_fp8 else 2)
+    mma_tiles = bn * (head_dim + v_dim) * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
-        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, stage_bytes,
+        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, stage_bytes, v_dim,
                            mma_tiles)
         if plan.smem <= SMEM_PER_CTA:
             assert plan.tmem_columns <= TMEM_COLUMNS
@@ -80,12 +87,20 @@ def uses_gather4(page_size: int, bn: int) -> bool:
 
 
 def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Optional[int],
-              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None) -> Optional[str]:
+              kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
+              v_dim: Optional[int] = None) -> Optional[str]:
     """Why the SM100 kernel cannot take the problem, or None."""
     if kv_dtype_name not in (FP8, *DTYPE_NAMES):
         return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
     if page_size is None:
         return "the SM100 kernel reads paged caches"
+    if v_dim is not None and v_dim != head_dim:
+        if VALUE_DIMS.get(head_dim) != v_dim:
+            return (f"v_dim ({v_dim}) must equal head_dim ({head_dim}) or be one of the (head_dim, v_dim) pairs "
+                    f"{sorted(VALUE_DIMS.items())}")
+        if kv_dtype_name == FP8:
+            return f"a v_dim narrower than head_dim needs a 16-bit cache, got {FP8}"
+        head_dim = v_dim  # the pair is checked: what else head_problem checks (heads, no granules) is as for D_v
     problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
     if problem:
         return problem
