@@ -3,7 +3,7 @@
 The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
 ``output``, ``out``, ``lse``) and return nothing, so torch.compile traces through them. They expect arguments already
 validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
-``cute_kv/ops/paged_attention.py``, ``cute_kv/ops/sparse_mla_attention.py``) and run the entry point's ``dispatch``
+``cute_kv/ops/paged_attention.py``, ``cute_kv/ops/sparse_mla_attention.py``, ``cute_kv/ops/mla_prefill.py``) and run the entry point's ``dispatch``
 (its kernel where one applies, else the reference). The entry points call these ops only while torch.compile
 traces; an eager call (CUDA-graph capture included) goes straight to ``dispatch``, without the dispatcher's host
 time.
@@ -17,6 +17,7 @@ import torch
 
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.ops import fused_qkv as fused_qkv_entry
+from cute_kv.ops import mla_prefill as mla_prefill_entry
 from cute_kv.ops import paged_attention as paged_attention_entry
 from cute_kv.ops import sparse_mla_attention as sparse_mla_attention_entry
 from cute_kv.ops import store_kv as store_kv_entry
@@ -93,9 +94,22 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, block
                                         scale, softcap, sinks, out, lse)
 
 
+@torch.library.custom_op("cute_kv::mla_prefill", mutates_args=("out",))
+def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: torch.Tensor, blocks: torch.Tensor,
+                cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor],
+                layer_idx: int, max_seq_length: int, max_cache_length: int, quantization_granularity: int,
+                rope_dim: Optional[int], w_uk: torch.Tensor, w_uv: torch.Tensor, scale: Optional[float],
+                causal: bool, out: torch.Tensor) -> None:
+    collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
+                             quantization_granularity, rope_dim)
+    mla_prefill_entry.dispatch(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal,
+                               out)
+
+
 @store_kv.register_fake
 @fused_qkv_matmul_kv_cache.register_fake
 @paged_attention.register_fake
 @sparse_mla_attention.register_fake
+@mla_prefill.register_fake
 def _writes_in_place_only(*args) -> None:
     """Nothing to describe to fake-tensor tracing: the ops only write into arguments (declared in mutates_args)."""

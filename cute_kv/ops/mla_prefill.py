@@ -1,0 +1,304 @@
+"""``cute_kv.mla_prefill``: MLA attention of a prefill step, by the decompressed or the absorbed path per step.
+
+Query head ``h`` has ``q_nope [nope_dim]`` and ``q_rope [rope_dim]``; the cache holds latent rows ``[c_kv
+(kv_lora_rank) | k_rope (rope_dim)]`` (``cute_kv/reference/mla_prefill.py`` has the two formulations and their
+FLOPs). Each step takes the path of fewer FLOPs (``plan``), summed over its requests with the causal mask's visible
+(query, key) pairs: ``T * S - T (T - 1) / 2`` for ``T`` new tokens over ``S`` keys.
+
+* decompressed (MAX's ``mla_prefill``): the latent rows of every request with new tokens are gathered (rope-aware
+  FP8 rows dequantized), up-projected by two cuBLAS matmuls (``c_kv W_UK^T``, ``c_kv W_UV^T``, every head at once)
+  into a temporary paged cache of pages of ``PAGE`` tokens, KVD = 2, one head per query head: K rows ``[k_nope |
+  k_rope | 0]`` and V rows ``[v | 0]`` of ``head_dim`` columns; then a dense causal attention over it with the
+  step's ``cache_lengths`` and ``input_row_offsets``. A request's pages are consecutive, so the temporary lookup
+  table is an iota per request.
+* absorbed (what decode runs): ``q_lat = W_UK^T q_nope`` by a batched matmul, ``paged_attention`` of ``[q_lat |
+  q_rope]`` over the latent cache (``mla_v_dim = kv_lora_rank``: the MLA decode kernels), ``W_UV`` on its output.
+
+Per (query, key) pair the absorbed path costs ``2H (2 r + rope)`` FLOPs, the decompressed one ``2H (qk + pv)``; the
+absorbed path projects every query (``2 H r (nope + v)`` each), the decompressed one every key. At DeepSeek-V3
+shapes (H = 128, r = 512, rope 64, nope = v = 128; per request, all pairs):
+
+* SM100: ``PagedAttentionSm100`` at head dim 192 with values of 128 (``qk + pv = 320``: 81,920 FLOPs a pair
+  against 278,528). Decompressed wins for ``1/T - 1/S < 196,608 / 33,554,432 = 1/170.7``: chunks of about 171 new
+  tokens or more (any fresh prompt: ``T = S``). 4k prefill: 1.51 TFLOP against 4.81 (3.2x fewer); 512 new over
+  4k keys: 0.31 against 0.60 (1.9x).
+* SM90: the SM90 kernel takes head dims 64/128/256 with values as wide as keys, so Q and K are zero-padded to 256
+  and V to 256 (output sliced): ``qk + pv = 512``, 131,072 FLOPs a pair. Still decompressed for ``1/T - 1/S <
+  147,456 / 33,554,432 = 1/227.6``: chunks of about 228 new tokens or more. 4k prefill: 2.34 TFLOP against 4.81
+  (2.1x fewer); 512 new over 4k keys: 0.41 against 0.60 (1.5x); 128 new over 4k keys: absorbed (0.15 against 0.21).
+* Other head dims: padded to the smallest kernel head dim that holds ``nope + rope`` and ``v`` (or unpadded, for
+  the reference). CPU tensors take the SM100 rule (``qk + pv = nope + rope + v``) and the reference attention.
+
+The counts leave out memory traffic: the decompressed path writes and reads its temporary K/V (``S * H * 2 *
+head_dim`` 16-bit values), which the FLOP margin of long chunks covers. The step's lengths are read on the host
+(one device-to-host copy) to size the temporary cache: this op is not for CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+
+from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
+from cute_kv.kernels.attention.sm100_config import VALUE_DIMS
+from cute_kv.ops import paths, units
+from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
+
+OP = "mla_prefill"
+KEY = "mla_prefill_sm100"
+DECOMPRESSED, ABSORBED = "decompressed", "absorbed"
+PAGE = 128  # tokens per page of the temporary cache: one key tile of the kernels at head dims 64-192
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A step's path (``DECOMPRESSED`` or ``ABSORBED``), both paths' FLOPs, the temporary cache's row width
+    ``head_dim`` (decompressed), and the kernel the decompressed path launches itself (SM100 at 192/128; None: it
+    runs ``paged_attention`` on the temporary cache, which plans its own kernel)."""
+
+    path: str
+    flops: dict
+    head_dim: int
+    kernel: Optional[paths.KernelPath] = None
+
+
+def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: torch.Tensor, collection,
+                layer_idx: int, w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: Optional[float] = None,
+                causal: bool = True, out: Optional[torch.Tensor] = None, validate: bool = True) -> torch.Tensor:
+    """MLA attention of ``q_nope [T, H, nope_dim]``, ``q_rope [T, H, rope_dim]`` over layer ``layer_idx`` of an MLA
+    cache (KVD = 1: bf16/fp16/fp32, fp8 with scales, or rope-aware FP8); returns ``[T, H, v_dim]`` in q's dtype (or
+    ``out``). ``w_uk [H, nope_dim, kv_lora_rank]``, ``w_uv [H, v_dim, kv_lora_rank]`` in q's dtype;
+    ``kv_lora_rank + rope_dim`` is the cache's ``latent_dim``. Query ``i`` of request ``b`` sees keys ``j <=
+    cache_lengths[b] + i`` (``causal``) of its request; this step's latent rows must be stored. ``scale`` defaults
+    to ``1/sqrt(nope_dim + rope_dim)``. The path (decompressed or absorbed) is chosen per step: see the module.
+    ``validate=False`` skips the checks of ``input_row_offsets`` that read device values."""
+    v_dim = _check(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out,
+                   validate)
+    input_row_offsets = uint32_bits(input_row_offsets)
+    if out is None:
+        out = torch.empty((*q_nope.shape[:2], v_dim), dtype=q_nope.dtype, device=q_nope.device)
+    c = collection
+    if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table,
+                                      c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
+                                      c.quantization_granularity, c.rope_dim, w_uk, w_uv, scale, causal, out)
+    else:
+        dispatch(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out)
+    return out
+
+
+def _check(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out,
+           validate) -> int:
+    """Every argument, before anything runs; returns ``v_dim``."""
+    c = collection
+    c.check_layer(layer_idx)
+    if not c.is_mla or c.num_heads != 1:
+        raise ValueError("mla_prefill reads an MLA cache (KVD=1, one latent head); this cache has "
+                         f"KVD={c.kv_dim}, {c.num_heads} heads")
+    check_activation("q_nope", q_nope, c, ndim=3)
+    t, h, nope = q_nope.shape
+    if h == 0 or nope == 0:
+        raise ValueError(f"q_nope must have heads and dims, got shape {list(q_nope.shape)}")
+    check_tensor("q_rope", q_rope, dtype=q_nope.dtype, ndim=3, device=c.device)
+    if q_rope.shape[:2] != q_nope.shape[:2] or q_rope.shape[2] == 0:
+        raise ValueError(f"q_rope must be [T={t}, H={h}, rope_dim > 0], got {list(q_rope.shape)}")
+    check_tensor("w_uk", w_uk, dtype=q_nope.dtype, ndim=3, device=c.device)
+    r = w_uk.shape[2]
+    if list(w_uk.shape[:2]) != [h, nope]:
+        raise ValueError(f"w_uk must be [H={h}, nope_dim={nope}, kv_lora_rank], got {list(w_uk.shape)}")
+    if r + q_rope.shape[2] != c.latent_dim:
+        raise ValueError(f"kv_lora_rank ({r}, w_uk.shape[2]) + rope_dim ({q_rope.shape[2]}) must equal the cache's "
+                         f"latent_dim ({c.latent_dim})")
+    check_tensor("w_uv", w_uv, dtype=q_nope.dtype, ndim=3, device=c.device)
+    if w_uv.shape[0] != h or w_uv.shape[2] != r or w_uv.shape[1] == 0:
+        raise ValueError(f"w_uv must be [H={h}, v_dim, kv_lora_rank={r}], got {list(w_uv.shape)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    v_dim = w_uv.shape[1]
+    if out is not None:
+        check_tensor("out", out, dtype=q_nope.dtype, shape=[t, h, v_dim], device=c.device)
+    check_step(c, input_row_offsets, t, data_checks=validate)
+    return v_dim
+
+
+def step_lengths(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> list[tuple[int, int]]:
+    """``(new tokens T, keys S)`` of every request, on the host (one copy from the device)."""
+    ro = input_row_offsets.to(torch.int64).tolist()
+    return [(ro[b + 1] - ro[b], cl + ro[b + 1] - ro[b]) for b, cl in enumerate(cache_lengths.to(torch.int64).tolist())]
+
+
+def path_flops(num_q: int, num_keys: int, causal: bool, *, num_heads: int, kv_lora_rank: int, rope_dim: int,
+               nope_dim: int, v_dim: int, qk_dim: int, pv_dim: int) -> dict[str, int]:
+    """Matmul FLOPs of one request's ``num_q`` queries over ``num_keys`` keys on each path, over the visible pairs
+    (``reference.mla_prefill.flops`` counts all pairs); the decompressed attention's dims ``qk_dim`` (``nope_dim +
+    rope_dim``, or padded) and ``pv_dim`` (``v_dim``, or padded)."""
+    if num_q == 0:
+        return {ABSORBED: 0, DECOMPRESSED: 0}  # no query: its keys are neither read nor decompressed
+    pairs = num_q * num_keys - (num_q * (num_q - 1) // 2 if causal else 0)
+    h, r = num_heads, kv_lora_rank
+    projection = 2 * h * r * (nope_dim + v_dim)
+    return {ABSORBED: pairs * 2 * h * (2 * r + rope_dim) + num_q * projection,
+            DECOMPRESSED: pairs * 2 * h * (qk_dim + pv_dim) + num_keys * projection}
+
+
+def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int,
+         v_dim: int, dtype: str, arch: Optional[str], causal: bool = True) -> Route:
+    """The step's path on ``arch`` (None: off CUDA) for ``lengths`` (``step_lengths``): the one of fewer FLOPs
+    (decompressed on a tie), with the decompressed attention's dims as the kernel of ``arch`` runs them."""
+    qk = nope_dim + rope_dim
+    native = arch is None or (arch == "sm_100a" and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
+    wide = max(qk, v_dim)
+    head_dim = wide if native else min((d for d in HEAD_DIMS if d >= wide), default=wide)
+    pv = v_dim if native else head_dim
+    total = {ABSORBED: 0, DECOMPRESSED: 0}
+    for num_q, num_keys in lengths:
+        for path, f in path_flops(num_q, num_keys, causal, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                                  rope_dim=rope_dim, nope_dim=nope_dim, v_dim=v_dim, qk_dim=head_dim,
+                                  pv_dim=pv).items():
+            total[path] += f
+    path = DECOMPRESSED if total[DECOMPRESSED] <= total[ABSORBED] else ABSORBED
+    kernel = None
+    if path == DECOMPRESSED and native and arch is not None:
+        key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim)
+        kernel = paths.kernel(OP, "PagedAttentionSm100", key, arch)
+    return Route(path, total, head_dim, kernel)
+
+
+def dispatch(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out) -> None:
+    """Checked arguments to the step's path, writing ``out``."""
+    if q_nope.shape[0] == 0:
+        return
+    c = collection
+    scale = 1.0 / math.sqrt(q_nope.shape[2] + q_rope.shape[2]) if scale is None else scale
+    lengths = step_lengths(input_row_offsets, c.cache_lengths)
+    route = plan(lengths, num_heads=q_nope.shape[1], kv_lora_rank=w_uk.shape[2], rope_dim=q_rope.shape[2],
+                 nope_dim=q_nope.shape[2], v_dim=w_uv.shape[1], dtype=dtype_name(q_nope.dtype),
+                 arch=paths.device_arch(c.device), causal=causal)
+    if route.path == ABSORBED:
+        absorbed(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out)
+        return
+    q, tmp = decompressed_operands(q_nope, q_rope, c, layer_idx, w_uk, w_uv, lengths, route.head_dim)
+    if route.kernel is not None:
+        _launcher(route.kernel.key, route.kernel.arch)(q, input_row_offsets, tmp, scale, causal, out)
+        return
+    from cute_kv.ops.paged_attention import paged_attention
+
+    o = paged_attention(q, input_row_offsets, tmp, 0, causal=causal, scale=scale, validate=False)
+    out.copy_(o[..., :out.shape[2]])
+
+
+def absorbed(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out) -> None:
+    """``W_UV (attention of [W_UK^T q_nope | q_rope] over the latent rows)``, the matmuls batched over heads."""
+    from cute_kv.ops.paged_attention import paged_attention
+
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, r]
+    q = torch.cat([q_lat.transpose(0, 1), q_rope], dim=2)
+    o_lat = paged_attention(q, input_row_offsets, collection, layer_idx, causal=causal, scale=scale,
+                            mla_v_dim=w_uk.shape[2], validate=False)
+    out.copy_(torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
+
+
+def decompressed_operands(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, lengths: list[tuple[int, int]],
+                          head_dim: int):
+    """``(q [T, H, head_dim], temporary cache)``: q is ``[q_nope | q_rope | 0]``; the cache (``PAGE``-token pages,
+    KVD = 2, L = 1, H heads of ``head_dim``) holds each request's keys (requests with new tokens) on consecutive
+    pages, K rows ``[W_UK c_kv | k_rope | 0]`` and V rows ``[W_UV c_kv | 0]``, and zero rows past the keys of a
+    request's last page; the step's ``cache_lengths`` and this layout's lookup table."""
+    from cute_kv.collection import PagedKVCacheCollection
+
+    c, dev, dt = collection, q_nope.device, q_nope.dtype
+    t, h, nope = q_nope.shape
+    r, rope, v_dim = w_uk.shape[2], q_rope.shape[2], w_uv.shape[1]
+    owner, first, keys = [], [], []  # each temporary page's request, index among its pages, request's keys
+    lut_cols = max(1, -(-c.max_cache_length // PAGE))
+    lut = torch.zeros((c.batch_size, lut_cols), dtype=torch.int64)
+    for b, (num_q, num_keys) in enumerate(lengths):
+        if num_q:
+            pages = -(-num_keys // PAGE)
+            lut[b, :pages] = torch.arange(len(owner), len(owner) + pages)
+            owner += [b] * pages
+            first += range(pages)
+            keys += [num_keys] * pages
+    owner_t, first_t, keys_t = torch.tensor([owner, first, keys], dtype=torch.int64).to(dev)
+    pos = first_t[:, None] * PAGE + torch.arange(PAGE, device=dev)
+    latent = _latent_rows(c, layer_idx, owner_t, pos, keys_t, dt)  # [pages * PAGE, r + rope]
+    blocks = torch.empty((len(owner), 2, 1, PAGE, h, head_dim), dtype=dt, device=dev)
+    k, v = blocks[:, 0, 0], blocks[:, 1, 0]  # [pages, PAGE, H, head_dim]
+    shape = (len(owner), PAGE, h, -1)
+    # c_kv [rows, r] times W^T [r, H*dim] (a transposed view: no copy of the weights): every head in one matmul.
+    k[..., :nope] = torch.matmul(latent[:, :r], w_uk.flatten(0, 1).T).view(shape)
+    k[..., nope:nope + rope] = latent[:, None, r:].view(len(owner), PAGE, 1, rope)
+    k[..., nope + rope:] = 0  # q's padding is 0 too: the products are exactly 0
+    v[..., :v_dim] = torch.matmul(latent[:, :r], w_uv.flatten(0, 1).T).view(shape)
+    v[..., v_dim:] = 0  # out's padding columns, sliced away
+    q = torch.cat([q_nope, q_rope, q_nope.new_zeros((t, h, head_dim - nope - rope))], dim=2)
+    tmp = PagedKVCacheCollection(blocks, c.cache_lengths, lut.to(device=dev, dtype=torch.int32), c.max_seq_length,
+                                 lut_cols * PAGE, validate=False)
+    return q, tmp
+
+
+def _latent_rows(collection, layer_idx: int, owner: torch.Tensor, pos: torch.Tensor, num_keys: torch.Tensor,
+                 dtype) -> torch.Tensor:
+    """Latent rows ``[pages * PAGE, latent_dim]`` in ``dtype`` at positions ``pos [pages, PAGE]`` of requests
+    ``owner [pages]`` of ``num_keys [pages]`` keys (dequantized, rope-aware FP8 rows decoded), 0 past the keys and
+    where the lookup entry names no page of the cache (a sentinel)."""
+    c = collection
+    cache = c.get_key_cache(layer_idx)
+    lut = c.lookup_table.to(torch.int64)
+    cols = torch.clamp(pos // c.page_size, max=lut.shape[1] - 1)
+    pages = lut[owner[:, None], cols]
+    valid = (pos < num_keys[:, None]) & (pages < c.num_pages)
+    rows = torch.where(valid, pages * cache.stride_rows + pos % c.page_size, 0).flatten()
+    latent = cache.read_rows(rows, dtype)[:, 0]
+    return latent.masked_fill_(~valid.flatten()[:, None], 0)
+
+
+def compile_units(key: tuple, arch: str) -> list[tuple]:
+    """``(compile key, build)`` of ``PagedAttentionSm100`` at ``key``'s head and value dims, and its split-KV combine
+    over the value columns."""
+    def kernel_class():
+        from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+        return PagedAttentionSm100
+
+    return units.with_combine(key, kernel_class, key[1], key[2], key[14], key[10])
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(key: tuple, arch: str) -> Callable:
+    """``run(q, input_row_offsets, tmp, scale, causal, out)`` for one compile-time key, built once: the SM100
+    kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
+    from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile
+    from cute_kv.kernels.compile_cache import compiled
+    from cute_kv.ops.paged_attention import launch_shape, partials, sm_count, unused_partials
+    from cute_kv.ops.paged_attention_sm100 import score_args
+    from cute_kv.ops.vectors import heads_packed, packed_heads
+
+    _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim = key
+    attention_unit, combine_unit = compile_units(key, arch)
+    bn = key_tile(d, v_dim)
+
+    def run(q, input_row_offsets, tmp, scale, causal, out):
+        t = q.shape[0]
+        m_blocks, splits = launch_shape(tmp, h, sm_count(q.device), BM, bn, causal)
+        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        o_part, lse_part = partials(splits, t, h, v_dim, q.device)
+        lse = unused_partials(q.device, h, v_dim)[1][0]
+        score_scale, cap_log2 = score_args(d, scale, None)
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse, tmp.blocks, tmp.blocks,
+                                        input_row_offsets.contiguous(), tmp.cache_lengths, tmp.lookup_table, None,
+                                        None, 0, m_blocks, splits, int(causal), 0, score_scale, cap_log2)
+        if splits > 1:
+            compiled(*combine_unit, arch)(dst, None, o_part, lse_part, splits)
+        if dst is not out:
+            out.copy_(dst)
+
+    return run

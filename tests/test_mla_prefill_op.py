@@ -1,0 +1,269 @@
+"""``cute_kv.mla_prefill``: the route each step takes (FLOP rule per arch), both routes on the CPU against the
+float64 reference, the decompressed path's temporary cache checked by hand, the SM100 192/128 kernel's PTX, and
+the GPU runs (``gpu``)."""
+
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+
+import cute_kv
+from cute_kv.ops import mla_prefill as op
+from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.mla_prefill import DEEPSEEK_V3, flops, mla_prefill as reference
+
+from numerics import rel_err
+
+CACHED = [0, 37, 5, 130, 9, 0]
+NEW = [5, 1, 0, 17, 1, 140]  # ragged, 0 and 1 new tokens, a fresh prompt over two temporary pages
+HEADS, NOPE, V = 4, 24, 20
+CACHES = {  # kv_lora_rank, rope_dim, cache arguments, tolerance against float64
+    "fp32": (32, 8, dict(head_size=40, dtype=torch.float32), 1e-5),
+    "bf16": (32, 8, dict(head_size=40, dtype=torch.bfloat16), 3e-2),
+    "rope-aware fp8": (64, 16, dict(head_size=96, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32,
+                                    rope_dim=16), 1e-5),
+}
+DS = dict(num_heads=DEEPSEEK_V3["num_heads"], kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128)
+
+
+def _inputs(rng, cache, cached=CACHED, new=NEW, page_size=16, heads=HEADS, nope=NOPE, v=V, device=None):
+    r, dr, kw, tol = CACHES[cache]
+    pb = random_paged_batch(cached, new, num_heads=1, page_size=page_size, generator=rng, is_mla=True,
+                            device=device, **kw)
+    q_dtype = torch.float32 if kw["dtype"] == torch.float8_e4m3fn else kw["dtype"]
+    t = pb.total_rows
+
+    def randn(*shape, div=1.0):
+        return (torch.randn(*shape, generator=rng) / div).to(device=device, dtype=q_dtype)
+
+    return (pb, randn(t, heads, nope), randn(t, heads, dr), randn(heads, nope, r, div=math.sqrt(r)),
+            randn(heads, v, r, div=math.sqrt(r)), tol)
+
+
+def _want(pb, layer, q_nope, q_rope, w_uk, w_uv, scale=None, causal=True):
+    return reference(*(x.cpu().double() for x in (q_nope, q_rope)), pb.input_row_offsets.cpu(),
+                     _cpu(pb.collection), layer, *(w.cpu().double() for w in (w_uk, w_uv)), scale=scale,
+                     causal=causal)
+
+
+def _cpu(c):
+    if c.device.type == "cpu":
+        return c
+    return cute_kv.PagedKVCacheCollection(c.blocks.cpu(), c.cache_lengths.cpu(), c.lookup_table.cpu(),
+                                          c.max_seq_length, c.max_cache_length,
+                                          None if c.scales is None else c.scales.cpu(),
+                                          quantization_granularity=c.quantization_granularity if c.scales is not None
+                                          else None, rope_dim=c.rope_dim)
+
+
+def _force(monkeypatch, path):
+    plan = op.plan
+    monkeypatch.setattr(op, "plan", lambda *a, **k: dataclasses.replace(plan(*a, **k), path=path))
+
+
+# -- the route: FLOP rule per arch -----------------------------------------------------------------------------------
+
+def test_path_flops_are_the_reference_counts_over_visible_pairs():
+    for t, s in [(1, 1), (7, 300), (171, 4096), (4096, 4096)]:
+        got = op.path_flops(t, s, False, qk_dim=192, pv_dim=128, **DS)
+        assert got == {op.ABSORBED: flops(t, s, **DS)["absorbed"], op.DECOMPRESSED: flops(t, s, **DS)["decompressed"]}
+        causal = op.path_flops(t, s, True, qk_dim=192, pv_dim=128, **DS)
+        masked = t * (t - 1) // 2  # query i of the chunk skips the chunk's later t - 1 - i keys
+        assert got[op.ABSORBED] - causal[op.ABSORBED] == masked * 2 * 128 * (2 * 512 + 64)
+        assert got[op.DECOMPRESSED] - causal[op.DECOMPRESSED] == masked * 2 * 128 * 320
+    assert op.path_flops(0, 500, True, qk_dim=192, pv_dim=128, **DS) == {op.ABSORBED: 0, op.DECOMPRESSED: 0}
+
+
+@pytest.mark.parametrize("arch,threshold", [("sm_100a", 171), ("sm_90a", 228), (None, 171)])
+def test_chunk_threshold(arch, threshold):
+    """Chunks over a long context (all pairs: ``causal=False``) go decompressed from the documented size on: 171
+    new tokens at 192/128 (SM100, and the CPU's rule), 228 with Q/K/V padded to 256 (SM90)."""
+    s = 1 << 20  # 1/T - 1/S ~ 1/T
+    route = lambda t: op.plan([(t, s)], dtype="bfloat16", arch=arch, causal=False, **DS)  # noqa: E731
+    assert route(threshold).path == op.DECOMPRESSED
+    assert route(threshold - 1).path == op.ABSORBED
+    assert route(threshold).head_dim == (256 if arch == "sm_90a" else 192)
+
+
+def test_documented_figures():
+    """The module docstring's per-request figures (all pairs)."""
+    def tflop(arch, t, s):
+        f = op.plan([(t, s)], dtype="bfloat16", arch=arch, causal=False, **DS).flops
+        return round(f[op.DECOMPRESSED] / 1e12, 2), round(f[op.ABSORBED] / 1e12, 2)
+
+    assert tflop("sm_100a", 4096, 4096) == (1.51, 4.81)
+    assert tflop("sm_100a", 512, 4096) == (0.31, 0.60)
+    assert tflop("sm_90a", 4096, 4096) == (2.34, 4.81)
+    assert tflop("sm_90a", 512, 4096) == (0.41, 0.60)
+    assert tflop("sm_90a", 128, 4096) == (0.21, 0.15)
+
+
+def test_route_per_step():
+    kw = dict(dtype="bfloat16", **DS)
+    prefill = op.plan([(4096, 4096), (0, 9000)], arch="sm_100a", **kw)
+    assert prefill.path == op.DECOMPRESSED and prefill.head_dim == 192
+    assert prefill.kernel.kernel == "PagedAttentionSm100" and prefill.kernel.key == (
+        op.KEY, "bfloat16", 128, 128, 192, op.PAGE, 2, True, False, False, False, "bfloat16", None, False, 128)
+    sm90 = op.plan([(4096, 4096)], arch="sm_90a", **kw)
+    assert (sm90.path, sm90.head_dim, sm90.kernel) == (op.DECOMPRESSED, 256, None)  # paged_attention plans it
+    decode = op.plan([(1, 4096)] * 64, arch="sm_100a", **kw)
+    assert decode.path == op.ABSORBED and decode.kernel is None
+    # A step decides as a whole: a 4k prompt saves 1.65 TFLOP decompressed (causal), a decode row beside it over 4k
+    # keys costs 0.14 more (its keys up-projected): 8 of them still go decompressed, 64 absorbed.
+    assert op.plan([(4096, 4096)] + [(1, 4096)] * 8, arch="sm_100a", **kw).path == op.DECOMPRESSED
+    assert op.plan([(4096, 4096)] + [(1, 4096)] * 64, arch="sm_100a", **kw).path == op.ABSORBED
+    # fp32 q or other dims: no native 192/128 kernel; padded to the smallest head dim holding them.
+    assert op.plan([(4096, 4096)], arch="sm_100a", **{**kw, "dtype": "float32"}).kernel is None
+    small = op.plan([(64, 64)], arch="sm_100a", dtype="bfloat16", num_heads=4, kv_lora_rank=32, rope_dim=8,
+                    nope_dim=24, v_dim=20)
+    # (K 24 + 8 and V 20 padded to 64: a pair costs 128 against the absorbed 2 * 32 + 8 = 72 per head.)
+    assert (small.path, small.head_dim, small.kernel) == (op.ABSORBED, 64, None)
+    assert op.plan([(64, 64)], arch=None, dtype="bfloat16", num_heads=4, kv_lora_rank=32, rope_dim=8, nope_dim=24,
+                   v_dim=20).path == op.DECOMPRESSED  # unpadded: 52 a pair
+
+
+# -- both routes on the CPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [op.DECOMPRESSED, op.ABSORBED])
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_op_cpu_matches_reference(rng, monkeypatch, cache, path):
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, cache)
+    pb.poison_unread(1)
+    _force(monkeypatch, path)
+    out = torch.full((pb.total_rows, HEADS, V), float("nan"), dtype=q_nope.dtype)
+    blocks = pb.collection.blocks.clone()
+    got = cute_kv.mla_prefill(q_nope, q_rope, pb.input_row_offsets, pb.collection, 1, w_uk, w_uv, scale=0.2,
+                              out=out)
+    assert got is out and not out.isnan().any()
+    assert rel_err(out, _want(pb, 1, q_nope, q_rope, w_uk, w_uv, 0.2)) < tol
+    assert torch.equal(pb.collection.blocks.view(torch.uint8), blocks.view(torch.uint8))  # the cache is read only
+
+
+def test_op_cpu_default_route_and_scale(rng):
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "fp32")
+    got = cute_kv.mla_prefill(q_nope, q_rope, pb.input_row_offsets, pb.collection, 0, w_uk, w_uv, causal=False)
+    assert got.shape == (pb.total_rows, HEADS, V) and got.dtype == torch.float32
+    assert rel_err(got, _want(pb, 0, q_nope, q_rope, w_uk, w_uv, causal=False)) < tol
+
+
+def test_op_under_torch_compile(rng):
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "fp32")
+    c = pb.collection
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(q_nope, q_rope):
+        return cute_kv.mla_prefill(q_nope, q_rope, pb.input_row_offsets, c, 1, w_uk, w_uv, validate=False)
+
+    assert rel_err(step(q_nope, q_rope), _want(pb, 1, q_nope, q_rope, w_uk, w_uv)) < tol
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 256])  # unpadded K (24 + 8) and V (20), a kernel head dim, SM90's
+def test_decompressed_operands(rng, head_dim):
+    """The temporary cache by hand: each request with new tokens on consecutive pages, K = [W_UK c_kv | k_rope | 0],
+    V = [W_UV c_kv | 0], zero rows past its keys; attention over it (the reference) is the MLA prefill."""
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "fp32")
+    c = pb.collection
+    lengths = op.step_lengths(pb.input_row_offsets, c.cache_lengths)
+    assert lengths == [(n, cl + n) for cl, n in zip(CACHED, NEW)]
+    q, tmp = op.decompressed_operands(q_nope, q_rope, c, 1, w_uk, w_uv, lengths, head_dim)
+    assert q.shape == (pb.total_rows, HEADS, head_dim) and not q[..., NOPE + 8:].any()
+    assert torch.equal(q[..., :NOPE], q_nope) and torch.equal(q[..., NOPE:NOPE + 8], q_rope)
+    assert tmp.page_size == op.PAGE and tmp.kv_dim == 2 and tmp.cache_lengths is c.cache_lengths
+    page = 0
+    for b, (num_q, num_keys) in enumerate(lengths):
+        if not num_q:
+            continue
+        pages = -(-num_keys // op.PAGE)
+        assert tmp.lookup_table[b, :pages].tolist() == list(range(page, page + pages))
+        page += pages
+        rows = pb.dense(0, 1, b, num_keys)[:, 0].float()  # [S, 40]
+        k = tmp.blocks[page - pages:page, 0, 0].flatten(0, 1)  # [pages * PAGE, H, head_dim]
+        v = tmp.blocks[page - pages:page, 1, 0].flatten(0, 1)
+        torch.testing.assert_close(k[:num_keys, :, :NOPE], torch.einsum("hnr,sr->shn", w_uk, rows[:, :32]))
+        assert torch.equal(k[:num_keys, :, NOPE:NOPE + 8], rows[:, None, 32:].expand(-1, HEADS, -1))
+        torch.testing.assert_close(v[:num_keys, :, :V], torch.einsum("hvr,sr->shv", w_uv, rows[:, :32]))
+        assert not k[:num_keys, :, NOPE + 8:].any() and not v[:num_keys, :, V:].any()
+        assert not k[num_keys:].any() and not v[num_keys:].any()
+    assert tmp.num_pages == page
+    o = cute_kv.paged_attention(q, pb.input_row_offsets, tmp, 0, scale=0.2)
+    assert rel_err(o[..., :V], _want(pb, 1, q_nope, q_rope, w_uk, w_uv, 0.2)) < tol
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(w_uk=torch.zeros(HEADS, NOPE + 1, 32)), "w_uk must be"),
+    (dict(w_uk=torch.zeros(HEADS, NOPE, 31)), "latent_dim"),
+    (dict(w_uv=torch.zeros(HEADS, V, 16)), "w_uv must be"),
+    (dict(q_rope=torch.zeros(3, HEADS, 8)), "q_rope must be"),
+    (dict(scale=-1.0), "scale must be"),
+    (dict(out=torch.zeros(1, HEADS, V)), "out"),
+    (dict(layer_idx=2), "layer"),
+])
+def test_bad_arguments(rng, bad, match):
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "fp32")
+    args = dict(q_nope=q_nope, q_rope=q_rope, input_row_offsets=pb.input_row_offsets, collection=pb.collection,
+                layer_idx=0, w_uk=w_uk, w_uv=w_uv)
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError, IndexError), match=match):
+        cute_kv.mla_prefill(**args)
+
+
+def test_needs_an_mla_cache(rng):
+    pb = random_paged_batch([3], [2], num_heads=2, head_size=40, page_size=16, generator=rng, dtype=torch.float32)
+    with pytest.raises(ValueError, match="MLA cache"):
+        cute_kv.mla_prefill(torch.zeros(2, 4, 24), torch.zeros(2, 4, 8), pb.input_row_offsets, pb.collection, 0,
+                            torch.zeros(4, 24, 32), torch.zeros(4, 20, 32))
+
+
+# -- compile: the SM100 kernel at 192/128 ----------------------------------------------------------------------------
+
+@pytest.mark.compile
+def test_sm100_192_128_ptx():
+    """DeepSeek's decompressed heads (128 of them, as a TP-1 prefill runs): K of 192, V of 128 in pages of 128."""
+    from cute_kv.kernels import compile_cache
+
+    (_, build), _ = op.compile_units(op.plan([(4096, 4096)], dtype="bfloat16", arch="sm_100a", **DS).kernel.key,
+                                     "sm_100a")
+    kernel, *_ = build()
+    assert (kernel.head_dim, kernel.v_dim, kernel.bn, kernel.stages, kernel.gather4) == (192, 128, 128, 2, False)
+    assert kernel.plan.tmem_columns == 384 and kernel.plan.smem == 214016
+    ptx = compile_cache.compile_ptx(build, "sm_100a")
+    mma = r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*"
+    assert len(re.findall(mma + r"%rd\d+,\s*%rd\d+,", ptx)) == 192 // 16  # QK over the 192 head dims
+    assert len(re.findall(mma + r"\[%r\d+\],\s*%rd\d+,", ptx)) == 128 // 16  # PV: K = the 128-key tile
+    # S read in 4 loads of 32 columns, O (128 columns) rescaled and read by the epilogue in 4 each; O leaves by two
+    # 64-column TMA stores.
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 4 + 2 * 4
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == 4
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == 2
+    # K and V of a tile: one TMA each (the page is the tile); the stage's transaction bytes are K's 192 and V's 128
+    # columns of 128 rows.
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)) == 2
+    assert re.search(r"mbarrier\.arrive\.expect_tx\S*\s+\S+,\s*\[[^\]]+\],\s*81920;", ptx)
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+
+
+# -- GPU --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", [op.DECOMPRESSED, op.ABSORBED])
+@pytest.mark.parametrize("cache", ["bf16", "rope-aware fp8"])
+def test_op_gpu(rng, monkeypatch, cache, path):
+    """DeepSeek head dims (nope 128 + rope 64, v 128; kv_lora_rank 512 through a 576-wide or 640-byte cache), 16
+    heads; the decompressed path runs the 192/128 kernel on SM100, the padded 256 one on SM90."""
+    r, dr = 512, 64
+    CACHES["gpu-" + cache] = (r, dr, dict(head_size=576, dtype=torch.bfloat16) if cache == "bf16" else dict(
+        head_size=640, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=dr), 2e-2)
+    try:
+        pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "gpu-" + cache, cached=[0, 300, 1, 0], new=[200, 129, 1, 0],
+                                                      page_size=64, heads=16, nope=128, v=128, device="cuda")
+    finally:
+        del CACHES["gpu-" + cache]
+    q_nope, q_rope, w_uk, w_uv = (x.to(torch.bfloat16) for x in (q_nope, q_rope, w_uk, w_uv))
+    _force(monkeypatch, path)
+    out = torch.full((pb.total_rows, 16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cute_kv.mla_prefill(q_nope, q_rope, pb.input_row_offsets, pb.collection, 1, w_uk, w_uv, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    assert rel_err(out, _want(pb, 1, q_nope, q_rope, w_uk, w_uv)) < tol
