@@ -116,6 +116,8 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 32),
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", 32),  # fp8 by gather4
+    # MLA prefill's decompressed heads (``cute_kv.mla_prefill``): K of 192, V of 128, 128 heads, 128-token pages.
+    ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
 ]
 MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
@@ -212,7 +214,8 @@ FAMILIES = [
     Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),
            # Warps in roles (softmax, MMA, load; fp8: converters); all of tensor memory and the DSL-sized rings:
            # one CTA per SM.
-           lambda k: Plan(k.threads, None, 1), head_dim=lambda k: k.head_dim,
+           # S blocks: QK over the head dim, PV over the value dim.
+           lambda k: Plan(k.threads, None, 1), head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
     Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
