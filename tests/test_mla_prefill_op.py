@@ -218,6 +218,23 @@ def test_needs_an_mla_cache(rng):
 
 # -- compile: the SM100 kernel at 192/128 ----------------------------------------------------------------------------
 
+def test_sm100_value_dims():
+    """K of 192 with V of 128: two 128-key stages (Q 48 KiB + 2 x 80 KiB), O in 128 TMEM columns; the other widths
+    and an fp8 cache are refused by name."""
+    from cute_kv.kernels.attention.sm100_config import SMEM_PER_CTA, TMEM_COLUMNS, key_tile, supported, tiling
+
+    plan = tiling(192, op.PAGE, False, 128)
+    assert (plan.bn, plan.stages, plan.gather4, plan.stage_bytes) == (128, 2, False, 128 * 320 * 2)
+    assert plan.smem == 1024 + 128 * 192 * 2 + 2 * 128 * 320 * 2 == 214016 <= SMEM_PER_CTA
+    assert plan.tmem_columns == 2 * 128 + 128 <= TMEM_COLUMNS
+    assert key_tile(192, 128) == 128 and key_tile(256) == 64 and key_tile(128) == 128
+    assert supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=128) is None
+    assert "v_dim (64)" in supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=64)
+    assert "v_dim (64)" in supported(8, 8, 128, op.PAGE, "bfloat16", v_dim=64)
+    assert "16-bit cache" in supported(8, 8, 192, op.PAGE, "float8_e4m3fn", v_dim=128)
+    assert "head_dim must be" in supported(8, 8, 192, op.PAGE, "bfloat16")  # 192 only with its narrower values
+
+
 @pytest.mark.compile
 def test_sm100_192_128_ptx():
     """DeepSeek's decompressed heads (128 of them, as a TP-1 prefill runs): K of 192, V of 128 in pages of 128."""
