@@ -29,7 +29,8 @@ DS = dict(num_heads=DEEPSEEK_V3["num_heads"], kv_lora_rank=512, rope_dim=64, nop
 
 
 def _inputs(rng, cache, cached=CACHED, new=NEW, page_size=16, heads=HEADS, nope=NOPE, v=V, device=None):
-    r, dr, kw, tol = CACHES[cache]
+    """``cache``: a ``CACHES`` name or such a tuple."""
+    r, dr, kw, tol = CACHES[cache] if isinstance(cache, str) else cache
     pb = random_paged_batch(cached, new, num_heads=1, page_size=page_size, generator=rng, is_mla=True,
                             device=device, **kw)
     q_dtype = torch.float32 if kw["dtype"] == torch.float8_e4m3fn else kw["dtype"]
@@ -109,7 +110,7 @@ def test_route_per_step():
     sm90 = op.plan([(4096, 4096)], arch="sm_90a", **kw)
     assert (sm90.path, sm90.head_dim, sm90.kernel) == (op.DECOMPRESSED, 256, None)  # paged_attention plans it
     decode = op.plan([(1, 4096)] * 64, arch="sm_100a", **kw)
-    assert decode.path == op.ABSORBED and decode.kernel is None
+    assert decode.path == op.ABSORBED and decode.kernel == prefill.kernel  # (what a decompressed run would launch)
     # A step decides as a whole: a 4k prompt saves 1.65 TFLOP decompressed (causal), a decode row beside it over 4k
     # keys costs 0.14 more (its keys up-projected): 8 of them still go decompressed, 64 absorbed.
     assert op.plan([(4096, 4096)] + [(1, 4096)] * 8, arch="sm_100a", **kw).path == op.DECOMPRESSED
@@ -162,7 +163,8 @@ def test_op_under_torch_compile(rng):
 @pytest.mark.parametrize("head_dim", [32, 64, 256])  # unpadded K (24 + 8) and V (20), a kernel head dim, SM90's
 def test_decompressed_operands(rng, head_dim):
     """The temporary cache by hand: each request with new tokens on consecutive pages, K = [W_UK c_kv | k_rope | 0],
-    V = [W_UV c_kv | 0], zero rows past its keys; attention over it (the reference) is the MLA prefill."""
+    V = [W_UV c_kv | unwritten], zero rows past its keys; attention over it (the reference) is the MLA prefill, with
+    NaN in V's unwritten columns."""
     pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "fp32")
     c = pb.collection
     lengths = op.step_lengths(pb.input_row_offsets, c.cache_lengths)
@@ -184,9 +186,10 @@ def test_decompressed_operands(rng, head_dim):
         torch.testing.assert_close(k[:num_keys, :, :NOPE], torch.einsum("hnr,sr->shn", w_uk, rows[:, :32]))
         assert torch.equal(k[:num_keys, :, NOPE:NOPE + 8], rows[:, None, 32:].expand(-1, HEADS, -1))
         torch.testing.assert_close(v[:num_keys, :, :V], torch.einsum("hvr,sr->shv", w_uv, rows[:, :32]))
-        assert not k[:num_keys, :, NOPE + 8:].any() and not v[:num_keys, :, V:].any()
-        assert not k[num_keys:].any() and not v[num_keys:].any()
+        assert not k[:num_keys, :, NOPE + 8:].any()
+        assert not k[num_keys:].any() and not v[num_keys:, :, :V].any()
     assert tmp.num_pages == page
+    tmp.blocks[:, 1, ..., V:] = float("nan")
     o = cute_kv.paged_attention(q, pb.input_row_offsets, tmp, 0, scale=0.2)
     assert rel_err(o[..., :V], _want(pb, 1, q_nope, q_rope, w_uk, w_uv, 0.2)) < tol
 
@@ -264,23 +267,27 @@ def test_sm100_192_128_ptx():
 # -- GPU --------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [([0, 300, 1, 0], [200, 129, 1, 0]), ([1000], [100])],
+                         ids=["ragged", "split-kv"])  # one 100-token block over 9 key tiles: the kernel splits
 @pytest.mark.parametrize("path", [op.DECOMPRESSED, op.ABSORBED])
 @pytest.mark.parametrize("cache", ["bf16", "rope-aware fp8"])
-def test_op_gpu(rng, monkeypatch, cache, path):
+def test_op_gpu(rng, monkeypatch, cache, path, lengths):
     """DeepSeek head dims (nope 128 + rope 64, v 128; kv_lora_rank 512 through a 576-wide or 640-byte cache), 16
-    heads; the decompressed path runs the 192/128 kernel on SM100, the padded 256 one on SM90."""
-    r, dr = 512, 64
-    CACHES["gpu-" + cache] = (r, dr, dict(head_size=576, dtype=torch.bfloat16) if cache == "bf16" else dict(
-        head_size=640, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=dr), 2e-2)
-    try:
-        pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, "gpu-" + cache, cached=[0, 300, 1, 0], new=[200, 129, 1, 0],
-                                                      page_size=64, heads=16, nope=128, v=128, device="cuda")
-    finally:
-        del CACHES["gpu-" + cache]
+    heads; the decompressed path runs the 192/128 kernel on SM100, the padded 256 one on SM90 (strict: no reference
+    fallback; the absorbed path over rope-aware FP8 caches has no kernel yet)."""
+    kw = dict(head_size=576, dtype=torch.bfloat16) if cache == "bf16" else dict(
+        head_size=640, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=64)
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, (512, 64, kw, 2e-2), *lengths, page_size=64, heads=16,
+                                                  nope=128, v=128, device="cuda")
     q_nope, q_rope, w_uk, w_uv = (x.to(torch.bfloat16) for x in (q_nope, q_rope, w_uk, w_uv))
+    pb.poison_unread(1)
     _force(monkeypatch, path)
+    if path == op.DECOMPRESSED or cache == "bf16":
+        monkeypatch.setenv("CUTE_KV_STRICT", "1")
     out = torch.full((pb.total_rows, 16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    blocks = pb.collection.blocks.clone()
     cute_kv.mla_prefill(q_nope, q_rope, pb.input_row_offsets, pb.collection, 1, w_uk, w_uv, out=out)
     torch.cuda.synchronize()
     assert not out.isnan().any()
     assert rel_err(out, _want(pb, 1, q_nope, q_rope, w_uk, w_uv)) < tol
+    assert torch.equal(pb.collection.blocks.view(torch.uint8), blocks.view(torch.uint8))

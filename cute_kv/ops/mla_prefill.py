@@ -8,7 +8,7 @@ FLOPs). Each step takes the path of fewer FLOPs (``plan``), summed over its requ
 * decompressed (MAX's ``mla_prefill``): the latent rows of every request with new tokens are gathered (rope-aware
   FP8 rows dequantized), up-projected by two cuBLAS matmuls (``c_kv W_UK^T``, ``c_kv W_UV^T``, every head at once)
   into a temporary paged cache of pages of ``PAGE`` tokens, KVD = 2, one head per query head: K rows ``[k_nope |
-  k_rope | 0]`` and V rows ``[v | 0]`` of ``head_dim`` columns; then a dense causal attention over it with the
+  k_rope | 0]`` and V rows ``[v | unused]`` of ``head_dim`` columns; then a dense causal attention over it with the
   step's ``cache_lengths`` and ``input_row_offsets``. A request's pages are consecutive, so the temporary lookup
   table is an iota per request.
 * absorbed (what decode runs): ``q_lat = W_UK^T q_nope`` by a batched matmul, ``paged_attention`` of ``[q_lat |
@@ -57,9 +57,9 @@ PAGE = 128  # tokens per page of the temporary cache: one key tile of the kernel
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """A step's path (``DECOMPRESSED`` or ``ABSORBED``), both paths' FLOPs, the temporary cache's row width
-    ``head_dim`` (decompressed), and the kernel the decompressed path launches itself (SM100 at 192/128; None: it
-    runs ``paged_attention`` on the temporary cache, which plans its own kernel)."""
+    """A step's path (``DECOMPRESSED`` or ``ABSORBED``), both paths' FLOPs, and how the decompressed path runs:
+    the temporary cache's row width ``head_dim`` and the kernel it launches itself (SM100 at 192/128; None: it runs
+    ``paged_attention`` on the temporary cache, which plans its own kernel)."""
 
     path: str
     flops: dict
@@ -166,7 +166,7 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
             total[path] += f
     path = DECOMPRESSED if total[DECOMPRESSED] <= total[ABSORBED] else ABSORBED
     kernel = None
-    if path == DECOMPRESSED and native and arch is not None:
+    if native and arch is not None:
         key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim)
         kernel = paths.kernel(OP, "PagedAttentionSm100", key, arch)
     return Route(path, total, head_dim, kernel)
@@ -210,16 +210,18 @@ def decompressed_operands(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, len
                           head_dim: int):
     """``(q [T, H, head_dim], temporary cache)``: q is ``[q_nope | q_rope | 0]``; the cache (``PAGE``-token pages,
     KVD = 2, L = 1, H heads of ``head_dim``) holds each request's keys (requests with new tokens) on consecutive
-    pages, K rows ``[W_UK c_kv | k_rope | 0]`` and V rows ``[W_UV c_kv | 0]``, and zero rows past the keys of a
-    request's last page; the step's ``cache_lengths`` and this layout's lookup table."""
+    pages, K rows ``[W_UK c_kv | k_rope | 0]`` and V rows ``[W_UV c_kv | unwritten]``, and zero rows past the keys
+    of a request's last page; the step's ``cache_lengths`` and this layout's lookup table."""
     from cute_kv.collection import PagedKVCacheCollection
 
     c, dev, dt = collection, q_nope.device, q_nope.dtype
     t, h, nope = q_nope.shape
     r, rope, v_dim = w_uk.shape[2], q_rope.shape[2], w_uv.shape[1]
     owner, first, keys = [], [], []  # each temporary page's request, index among its pages, request's keys
-    lut_cols = max(1, -(-c.max_cache_length // PAGE))
-    lut = torch.zeros((c.batch_size, lut_cols), dtype=torch.int64)
+    # Sized by the step's own lengths (the grid too), not the collection's maxima: they only bound them.
+    max_seq_length = max(num_q for num_q, _ in lengths)
+    max_cache_length = max(num_keys for num_q, num_keys in lengths if num_q)
+    lut = torch.zeros((c.batch_size, -(-max_cache_length // PAGE)), dtype=torch.int64)
     for b, (num_q, num_keys) in enumerate(lengths):
         if num_q:
             pages = -(-num_keys // PAGE)
@@ -237,11 +239,12 @@ def decompressed_operands(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, len
     k[..., :nope] = torch.matmul(latent[:, :r], w_uk.flatten(0, 1).T).view(shape)
     k[..., nope:nope + rope] = latent[:, None, r:].view(len(owner), PAGE, 1, rope)
     k[..., nope + rope:] = 0  # q's padding is 0 too: the products are exactly 0
+    # V's padding columns stay unwritten: an output column reads only its own V column, and out's padding columns
+    # are sliced away (the SM100 kernel does not load them).
     v[..., :v_dim] = torch.matmul(latent[:, :r], w_uv.flatten(0, 1).T).view(shape)
-    v[..., v_dim:] = 0  # out's padding columns, sliced away
     q = torch.cat([q_nope, q_rope, q_nope.new_zeros((t, h, head_dim - nope - rope))], dim=2)
-    tmp = PagedKVCacheCollection(blocks, c.cache_lengths, lut.to(device=dev, dtype=torch.int32), c.max_seq_length,
-                                 lut_cols * PAGE, validate=False)
+    tmp = PagedKVCacheCollection(blocks, c.cache_lengths, lut.to(device=dev, dtype=torch.int32), max_seq_length,
+                                 max_cache_length, validate=False)
     return q, tmp
 
 
