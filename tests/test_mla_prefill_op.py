@@ -221,6 +221,47 @@ def test_needs_an_mla_cache(rng):
 
 # -- compile: the SM100 kernel at 192/128 ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("force_splits", [None, 3])
+def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
+    """The 192/128 kernel's grid over the op's temporary cache, replayed per CTA (``test_attention_sm100.model_cta``:
+    128-key tiles, masks, online softmax, P in 16 bits; O over V's 192-wide rows, of which the kernel keeps the first
+    128), then the split merge: the MLA prefill of the float64 reference."""
+    from plan_replay import merge_splits_zero_empty, poisoned_partials
+    from test_attention_sm100 import B200_SMS, model_cta
+
+    from cute_kv.kernels.attention.sm100_config import BM, key_tile
+    from cute_kv.ops.paged_attention import launch_shape
+    from cute_kv.ops.paged_attention_sm100 import score_args
+
+    spec = (64, 64, dict(head_size=128, dtype=torch.bfloat16), 2e-2)  # kv_lora_rank 64 + rope 64; K 128 + 64, V 128
+    pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, spec, cached=[0, 300, 2], new=[130, 1, 40], nope=128, v=128)
+    c = pb.collection
+    lengths = op.step_lengths(pb.input_row_offsets, c.cache_lengths)
+    route = op.plan(lengths, num_heads=HEADS, kv_lora_rank=64, rope_dim=64, nope_dim=128, v_dim=128,
+                    dtype="bfloat16", arch="sm_100a")
+    assert route.kernel is not None and route.head_dim == 192
+    q, tmp = op.decompressed_operands(q_nope, q_rope, c, 1, w_uk, w_uv, lengths, route.head_dim)
+    bn = key_tile(192, 128)
+    m_blocks, splits = launch_shape(tmp, HEADS, B200_SMS, BM, bn, True)
+    splits = force_splits or splits
+    score_scale, cap_log2 = score_args(192, 0.1, None)
+    o_part, lse_part = poisoned_partials(splits, pb.total_rows, HEADS, 192)
+    offsets = pb.input_row_offsets.tolist()
+    for b, (n, num_keys) in enumerate(lengths):
+        pages = tmp.lookup_table[b, :-(-num_keys // op.PAGE)].long()
+        k, v = (tmp.blocks[pages, kv, 0].flatten(0, 1)[:num_keys] for kv in (0, 1))  # the kernel's TMA rows
+        for m_block in range(m_blocks):
+            for head in range(HEADS if m_block * BM < n else 0):
+                for split in range(splits):
+                    toks, heads, live, o, lse = model_cta(q, k, v, offsets[b], n, num_keys - n, m_block, head, split,
+                                                          splits, 1, True, 0, score_scale, cap_log2, False, None, bn)
+                    o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
+                    lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
+    got = merge_splits_zero_empty(o_part, lse_part)[0][..., :128]  # (V's other columns are unwritten: any value)
+    assert not got.isnan().any()
+    assert rel_err(got, _want(pb, 1, q_nope, q_rope, w_uk, w_uv, 0.1)) < tol
+
+
 def test_sm100_value_dims():
     """K of 192 with V of 128: two 128-key stages (Q 48 KiB + 2 x 80 KiB), O in 128 TMEM columns; the other widths
     and an fp8 cache are refused by name."""
