@@ -3,10 +3,10 @@
 The ops take a collection as its tensors and sizes, declare the tensors they write (``blocks``, ``scales``,
 ``output``, ``out``, ``lse``) and return nothing, so torch.compile traces through them. They expect arguments already
 validated by the entry points (``cute_kv/ops/store_kv.py``, ``cute_kv/ops/fused_qkv.py``,
-``cute_kv/ops/paged_attention.py``, ``cute_kv/ops/sparse_mla_attention.py``, ``cute_kv/ops/mla_prefill.py``) and run the entry point's ``dispatch``
-(its kernel where one applies, else the reference). The entry points call these ops only while torch.compile
-traces; an eager call (CUDA-graph capture included) goes straight to ``dispatch``, without the dispatcher's host
-time.
+``cute_kv/ops/paged_attention.py``, ``cute_kv/ops/sparse_mla_attention.py``, ``cute_kv/ops/mla_prefill.py``) and run
+the entry point's ``dispatch`` (its kernel where one applies, else the reference). The entry points call these ops
+only while torch.compile traces; an eager call (CUDA-graph capture included) goes straight to ``dispatch``, without
+the dispatcher's host time.
 """
 
 from __future__ import annotations

@@ -254,7 +254,8 @@ class PagedAttentionSm100:
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor,
+               g_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, tma_o: Optional[cute.CopyAtom],
+               g_out: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor,
                o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], sinks: Optional[cute.Tensor],

@@ -4,8 +4,9 @@ A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) 
 keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j), each tile's P (16-bit,
 the PV MMA's A operand) over the upper half of its S, and the O accumulator: ``2 * BN + D_v <= 512`` columns, so one
 CTA per SM. Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's decompressed heads: K of
-nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first ``D_v`` are read). Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page
-size: pages that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
+nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first ``D_v`` are read).
+Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page size: pages
+that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
 """
 
 from __future__ import annotations
