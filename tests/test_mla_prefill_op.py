@@ -5,6 +5,7 @@ the GPU runs (``gpu``)."""
 import dataclasses
 import math
 import re
+import subprocess
 
 import pytest
 import torch
@@ -303,6 +304,29 @@ def test_sm100_192_128_ptx():
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile", ptx)) == 3 + 2
     assert re.search(r"mov\.b32\s+%r\d+,\s*81920;\s*mbarrier\.arrive\.expect_tx", ptx)
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,flags", [(4, {}), (32, {"softcap": True, "sinks": True, "return_lse": True})],
+                         ids=["gather4", "page-slots-flags"])
+def test_sm100_192_128_other_pages(page_size, flags, tmp_path):
+    """The 192/128 kernel beyond the op's 128-token pages: pages of 4 by gather4 (4 rows of one 64-column box per
+    instruction: 32 groups x (3 K + 2 V boxes)), pages of 32 by one TMA per page slot (4 x (3 + 2)), with the flags;
+    no spills."""
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+    kernel = PagedAttentionSm100("bfloat16", 32, 8, 192, page_size, 2, page_size > 4, v_dim=128, **flags)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    assert ptx.count("tcgen05.mma") == 192 // 16 + 128 // 16
+    gather4 = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4", ptx))
+    tiles = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.", ptx))
+    assert (gather4, tiles) == ((32 * 5, 0) if kernel.gather4 else (0, 4 * 5))
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == 128 // 32  # O's rescale: 128 columns
+    (tmp_path / "k.ptx").write_text(ptx)
+    info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(tmp_path / "k.ptx"), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
 
 
 # -- GPU --------------------------------------------------------------------------------------------------------------
