@@ -4,7 +4,11 @@ A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) 
 keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j), each tile's P (16-bit,
 the PV MMA's A operand) over the upper half of its S, and the O accumulator: ``2 * BN + D_v <= 512`` columns, so one
 CTA per SM. Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's decompressed heads: K of
-nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first ``D_v`` are read).
+nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first ``D_v`` are read). At
+192 / 128 one 48 KiB Q tile leaves room for two 128-key K+V stages (2 x 80 KiB; 209 KiB in all) and O takes 128 of
+the 512 columns (384 used). FA4's forward at this pair instead keeps two Q tiles (96 KiB, two softmax warpgroups:
+each K/V tile serves 256 rows) and O twice (all 512 columns), so its K and V share a ring of three tile slots,
+alternating 48 and 32 KiB ones; one Q tile here keeps this kernel's single softmax warpgroup and its 128-row grid.
 Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page size: pages
 that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
 """
