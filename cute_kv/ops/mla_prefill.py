@@ -29,9 +29,9 @@ shapes (H = 128, r = 512, rope 64, nope = v = 128; per request, all pairs):
 * Other head dims: padded to the smallest kernel head dim that holds ``nope + rope`` and ``v`` (or unpadded, for
   the reference). CPU tensors take the SM100 rule (``qk + pv = nope + rope + v``) and the reference attention.
 
-The counts leave out memory traffic: the decompressed path writes and reads its temporary K/V (``S * H * 2 *
-head_dim`` 16-bit values), which the FLOP margin of long chunks covers. The step's lengths are read on the host
-(one device-to-host copy) to size the temporary cache: this op is not for CUDA-graph capture.
+The counts leave out memory traffic: the decompressed path also writes and reads its temporary K/V (``S * H * 2 *
+head_dim`` 16-bit values); the thresholds are FLOP counts, not timings. The step's lengths are read on the host (one
+device-to-host copy) to size the temporary cache: this op is not for CUDA-graph capture.
 """
 
 from __future__ import annotations
