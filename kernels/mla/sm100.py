@@ -156,19 +156,18 @@ class MlaDecodeSm100:
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, O_COLS))
-        rows = tma_tiles.kv_row_view(blocks, 0, layer_idx)
+        rows, rope_rows, scale_rows = self.row_views(blocks, scales, layer_idx)
         # The index tensor only shapes the descriptor; the kernel points it at its shared-memory rows.
         index_src = indices.iterator if cutlass.const_expr(self.sparse) else cute.recast_ptr(lookup_table.iterator,
                                                                                              dtype=Int32)
         index = cute.make_tensor(index_src, cute.make_layout((bn,)))
-        tma_r = g_r = scale_rows = None
+        tma_r = g_r = None
         if cutlass.const_expr(self.fp8):
             # content: boxes from byte 0 of the fp8 rows; rope: the bf16 view from byte padded_depth (same rows)
             tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, bn,
                                                               CONTENT_BOX, SWIZZLE)
             tma_r, g_r, _ = tma_tiles.create_rope_gather4_tma_tile(blocks, 0, layer_idx, self.content_dim,
                                                                    self.rope_dim, index, bn)
-            scale_rows = tma_tiles.kv_row_view(scales, 0, layer_idx)  # [rows, 1, 1]: the scale index is the row
         else:
             tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, bn,
                                                               GATHER_WIDTH, SWIZZLE)
@@ -179,6 +178,17 @@ class MlaDecodeSm100:
                     input_row_offsets, cache_lengths, lookup_table, indices, topk_lengths, sinks, rows_per_page,
                     rows.shape[0], num_slots, num_splits, causal, score_scale, cap_log2).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    def row_views(self, blocks: cute.Tensor, scales: Optional[cute.Tensor], layer_idx):
+        """The layer's row views the kernel loads from: rows ``[num_kv_rows, 1, row width]`` of the cache's type
+        (gather4 reads content boxes from byte 0), and for a rope-aware cache the bf16 rope view of the same rows
+        (``[num_kv_rows, 1, rope_dim]`` from byte ``padded_depth``, what ``create_rope_gather4_tma_tile`` reads) and
+        the scales ``[num_kv_rows, 1, 1]`` (the scale index is the row); None for 16-bit caches."""
+        rows = tma_tiles.kv_row_view(blocks, 0, layer_idx)
+        if cutlass.const_expr(not self.fp8):
+            return rows, None, None
+        return (rows, tma_tiles.rope_row_view(blocks, 0, layer_idx, self.content_dim, self.rope_dim),
+                tma_tiles.kv_row_view(scales, 0, layer_idx))
 
     # -- device ----------------------------------------------------------------------------------
 
