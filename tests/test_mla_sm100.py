@@ -728,6 +728,12 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     assert ptx.count("tcgen05.fence::before_thread_sync") == 4
     assert ptx.count("tcgen05.fence::after_thread_sync") == 7
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(FP8_THREADS)
+    # Landing stages: full = the load warp's expect-tx + each lane's arrival after its scale store (33), empty = one
+    # lane of each converter warp (4); converted tiles: full = the 128 converter threads, empty = the MMA's commit.
+    inits = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+((?:mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;\s+)+)", ptx)
+    counts = [(int(n), block.count("mbarrier.init")) for _, n, block in inits]
+    stages = kernel.stages
+    assert (33, stages) in counts and (4, stages) in counts and (128, 2) in counts, counts
     # Two descriptors (content, rope). gather4: 4 per 128-byte content box (4 boxes: bytes [0, 512) of the rows),
     # then 4 for the rope box; every destination distinct and 512 B apart (4 rows x 128 B), the content boxes back
     # to back in their stage (16 x 128 B each), the rope tile in its own stage.

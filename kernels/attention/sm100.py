@@ -304,7 +304,7 @@ class PagedAttentionSm100:
             if cutlass.const_expr(self.kv_fp8):  # ring -> converter warpgroup -> 16-bit K, V tiles -> MMA
                 kv_pipe = pipeline.PipelineTmaAsync.create(
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
-                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS // 32),  # a lane a warp
                     tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
                 k_pipe, v_pipe = [pipeline.PipelineAsyncUmma.create(
                     barrier_storage=bars, num_stages=1,

@@ -261,11 +261,12 @@ class MlaDecodeSm100:
             one_cta = cute.make_layout((1, 1, 1, 1))
             thread = pipeline.Agent.Thread
             if cutlass.const_expr(self.fp8):  # landing ring -> converter warpgroup -> 16-bit key tiles -> MMA
-                # The full barrier also takes each load lane's arrival after its scale store (33 arrivals).
+                # The full barrier also takes each load lane's arrival after its scale store (33 arrivals); a
+                # stage is released by one lane of each converter warp (PipelineTmaAsync's signalling lane).
                 kv_pipe = pipeline.PipelineTmaAsync.create(
                     barrier_storage=kv_bars, num_stages=stages,
                     producer_group=pipeline.CooperativeGroup(thread, 1 + ROW_LANES),
-                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS // 32),
                     tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
                 mma_pipe = pipeline.PipelineAsyncUmma.create(
                     barrier_storage=mma_bars, num_stages=FP8_MMA_STAGES,
@@ -417,6 +418,7 @@ class MlaDecodeSm100:
             cute.arch.fence_view_async_shared()  # the MMAs read the tile next
             mma_pipe.producer_commit(write)
             write.advance()
+            cute.arch.sync_warp()  # every lane's reads of the stage before its warp's one release
             kv_pipe.consumer_release(read)
             read.advance()
         mma_pipe.producer_tail(write)  # the MMA's last releases landed: no commit arrives after the CTA exits
