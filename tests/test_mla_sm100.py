@@ -174,7 +174,7 @@ def test_sm100_mla_tiling_fits_one_cta_per_sm():
     # x (512 e4m3 + 64 bf16) bytes; row and scale arrays in the fixed kilobyte.
     f = tiling(LATENT, ROPE)
     assert (f.bn, f.stages, f.q_bytes, f.p_bytes, f.stage_bytes, f.mma_tiles) == (16, 4, 147456, 4096, 10240, 36864)
-    assert f.smem == 230400 <= SMEM_PER_CTA
+    assert f.fixed == 2048 and f.smem == 231424 <= SMEM_PER_CTA
     assert f.tmem_columns == 2 * FP8_BN + O_COLS == 288 <= TMEM_COLUMNS
 
 

@@ -54,8 +54,8 @@ from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_afte
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
                                                       rescale_o, row_reduce, row_normalizer, scale_scores,
                                                       softmax_pipelines, write_lse)
-from cute_kv.kernels.mla.sm100_config import (BM, FP8, FP8_MMA_STAGES, GATHER_WIDTH, O_COLS, TMEM_COLUMNS, V_SPLIT,
-                                              supported, tiling)
+from cute_kv.kernels.mla.sm100_config import (BM, FP8, FP8_MMA_STAGES, GATHER_WIDTH, O_COLS, ROW_LANES, TMEM_COLUMNS,
+                                              V_SPLIT, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 
@@ -67,7 +67,6 @@ THREADS = 32 * (LOAD_WARP + 1)
 CONVERT_WARPS = (6, 7, 8, 9)
 CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 FP8_THREADS = 32 * (CONVERT_WARPS[-1] + 1)
-ROW_LANES = 32  # a stage's row (and scale) array: one entry per load-warp lane
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles (and of the fp8 content landing stages)

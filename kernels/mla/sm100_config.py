@@ -24,7 +24,7 @@ accumulators and a per-column scale in the softmax, and V = ``c_j s_j`` (or ``P[
 the same e4m3 bytes to 16 bits anyway (``kind::f16`` takes no e4m3 B beside a bf16 A), so the fold would only move
 one multiply per element out of the converter. Two converted tiles (QK of tile j + 1 while P V of tile j waits on
 the softmax) of 32 keys would not fit next to Q, so the fp8 kernel tiles ``FP8_BN`` = 16 keys: Q 144 KiB, P 4 KiB,
-two 18 KiB converted tiles and ``stages`` 10 KiB landing stages (4: 225 KiB in all). 36 QK MMAs (N = 16) and one
+two 18 KiB converted tiles and ``stages`` 10 KiB landing stages (4: 226 KiB in all). 36 QK MMAs (N = 16) and one
 PV MMA (K = 16) per tile.
 """
 
@@ -51,6 +51,7 @@ FP8 = "float8_e4m3fn"
 FP8_BN = 16
 FP8_MMA_STAGES = 2  # converted 16-bit tiles
 MAX_STAGES = 4
+ROW_LANES = 32  # a stage's row (and scale) array: one entry per load-warp lane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +89,9 @@ def tiling(latent_dim: int, rope_dim: Optional[int] = None) -> MlaTiling:
         return plan
     bn, content = FP8_BN, latent_dim - rope_dim
     for stages in range(MAX_STAGES, 1, -1):
-        # barriers: landing full/empty, S, P/O, converted full/empty; per stage a row and a scale array
-        used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2 + 2 * FP8_MMA_STAGES) + 2 * 4 * bn * stages
+        # barriers: landing full/empty, S, P/O, converted full/empty; per stage a row and a scale array of a
+        # load-warp lane each
+        used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2 + 2 * FP8_MMA_STAGES) + 2 * 4 * ROW_LANES * stages
         plan = MlaTiling(latent_dim, bn, stages, -(-used // 1024) * 1024, BM * latent_dim * 2, BM * bn * 2,
                          bn * (content + 2 * rope_dim), FP8_MMA_STAGES * bn * latent_dim * 2)
         if plan.smem <= SMEM_PER_CTA:
