@@ -25,6 +25,19 @@ a 128 x 512 float32 O beside S) is in ``sm100_config``. A CTA is (row block, val
   The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
   gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
 
+Rope-aware FP8 caches (MAX's rows ``[padded_depth e4m3 | rope_dim bf16]``, one float32 scale per token; why this
+way and the shared-memory budget: ``sm100_config``) take 16-key tiles and 320 threads:
+
+* warp 5 gathers a tile's content (``padded_depth / 128`` boxes of 128 e4m3 bytes from byte 0 of the rows) into a
+  landing stage in the 128-byte swizzle and its rope (``create_rope_gather4_tma_tile``: the bf16 view of the same
+  rows from byte ``padded_depth``) into a row-major bf16 landing stage, then each lane loads its row's scale
+  (``ld.global``, indexed by the row; 0 for no row, whose bytes TMA zero-fills) into the stage's scale array and
+  arrives on the stage's full barrier (the expect-tx arrival and the 32 lanes').
+* warps 6-9, converter: a tile row per 8 threads writes ``content * scale`` (float32, rounded once to q's dtype)
+  and the rope into one of two 16-bit ``16 x latent_dim`` key tiles, which the MMAs read as the 16-bit path reads
+  its landing stages (K for QK, its first ``v_dim`` columns as V); a landing stage is free once converted, a key
+  tile once the P V MMA that read it completed.
+
 TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
 (``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait): the allocation,
 S (QK commit -> softmax loads; softmax loads -> the next QK into the buffer), P/O (softmax rescale -> PV MMA), O
@@ -396,10 +409,10 @@ class MlaDecodeSm100:
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, mma_pipe: pipeline.PipelineAsyncUmma, ring: cute.Tensor,
                 ring_r: cute.Tensor, s_kv: cute.Tensor, s_scales: cute.Tensor, n_tiles: Int32):
         """Converter warpgroup (rope-aware fp8): each landing stage -> one of the two 16-bit key tiles, once the
-        P V MMA that read it last completed: ``bf16(content * scale)`` (float32 product, rounded once; q's dtype)
-        in columns ``[0, padded_depth)``, the rope converted to q's dtype (bf16: unchanged) after it. A row of the
-        tile is ``CONVERT_THREADS / bn`` threads' (8), each a strided eighth of its 16-byte chunks; the stage is
-        released once converted."""
+        P V MMA that read it last completed: ``content * scale`` (float32 product, rounded once to q's dtype) in
+        columns ``[0, padded_depth)``, the rope in q's dtype after it (bf16 q: copied unchanged; fp16 q: rounded
+        to fp16, values beyond its range overflow). A row of the tile is ``CONVERT_THREADS / bn`` threads' (8),
+        each a strided eighth of its 16-byte chunks; the stage is released once converted."""
         per_row = CONVERT_THREADS // self.bn
         t = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
         r, part = t // per_row, t % per_row
