@@ -29,8 +29,8 @@ Rope-aware FP8 caches (MAX's rows ``[padded_depth e4m3 | rope_dim bf16]``, one f
 way and the shared-memory budget: ``sm100_config``) take 16-key tiles and 320 threads:
 
 * warp 5 gathers a tile's content (``padded_depth / 128`` boxes of 128 e4m3 bytes from byte 0 of the rows) into a
-  landing stage in the 128-byte swizzle and its rope (``create_rope_gather4_tma_tile``: the bf16 view of the same
-  rows from byte ``padded_depth``) into a row-major bf16 landing stage, then each lane loads its row's scale
+  landing stage in the 128-byte swizzle and its rope (as MAX's ``create_rope_gather4_tma_tile``: the bf16 view of
+  the same rows from byte ``padded_depth``) into a row-major bf16 landing stage, then each lane loads its row's scale
   (``ld.global``, indexed by the row; 0 for no row, whose bytes TMA zero-fills) into the stage's scale array and
   arrives on the stage's full barrier (the expect-tx arrival and the 32 lanes').
 * warps 6-9, converter: a tile row per 8 threads writes ``content * scale`` (float32, rounded once to q's dtype)
@@ -146,8 +146,7 @@ class MlaDecodeSm100:
             lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
         return (q, out, o_part, lse_part, lse, blocks, scales, offsets, lengths, lut, indices, topk_lengths, sinks,
-                Int32(0),
-                Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(1.0),
+                Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(1.0),
                 make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
@@ -155,8 +154,9 @@ class MlaDecodeSm100:
                  lse: cute.Tensor, blocks: cute.Tensor, scales: Optional[cute.Tensor],
                  input_row_offsets: Optional[cute.Tensor], cache_lengths: Optional[cute.Tensor],
                  lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
-                 topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32, batch: Int32, causal: Int32,
-                 score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
+                 topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor], layer_idx: Int32,
+                 m_blocks: Int32, num_splits: Int32, batch: Int32, causal: Int32, score_scale: Float32,
+                 cap_log2: Float32, stream: cuda.CUstream):
         """Dense: ``input_row_offsets``, ``cache_lengths``, ``lookup_table`` name each request's keys; ``batch``
         requests. Sparse: ``indices [T, topk]`` (and ``topk_lengths [T]``) name each token's keys; ``batch`` = T.
         ``m_blocks``: row blocks per request (dense ``ceil(max_seq_len * Hq / BM)``, sparse ``ceil(Hq / BM)``).
@@ -175,11 +175,12 @@ class MlaDecodeSm100:
         index = cute.make_tensor(index_src, cute.make_layout((bn,)))
         tma_r = g_r = None
         if cutlass.const_expr(self.fp8):
-            # content: boxes from byte 0 of the fp8 rows; rope: the bf16 view from byte padded_depth (same rows)
+            # content: boxes from byte 0 of the fp8 rows; rope: the bf16 view from byte padded_depth of the same
+            # rows, one box of rope_dim (MAX's create_rope_gather4_tma_tile, over the view ``row_views`` gives)
             tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, bn,
                                                               CONTENT_BOX, SWIZZLE)
-            tma_r, g_r, _ = tma_tiles.create_rope_gather4_tma_tile(blocks, 0, layer_idx, self.content_dim,
-                                                                   self.rope_dim, index, bn)
+            tma_r, g_r, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rope_rows), index, bn,
+                                                              self.rope_dim)
         else:
             tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, bn,
                                                               GATHER_WIDTH, SWIZZLE)
@@ -194,7 +195,7 @@ class MlaDecodeSm100:
     def row_views(self, blocks: cute.Tensor, scales: Optional[cute.Tensor], layer_idx):
         """The layer's row views the kernel loads from: rows ``[num_kv_rows, 1, row width]`` of the cache's type
         (gather4 reads content boxes from byte 0), and for a rope-aware cache the bf16 rope view of the same rows
-        (``[num_kv_rows, 1, rope_dim]`` from byte ``padded_depth``, what ``create_rope_gather4_tma_tile`` reads) and
+        (``[num_kv_rows, 1, rope_dim]`` from byte ``padded_depth``, ``tma_tiles.rope_row_view``) and
         the scales ``[num_kv_rows, 1, 1]`` (the scale index is the row); None for 16-bit caches."""
         rows = tma_tiles.kv_row_view(blocks, 0, layer_idx)
         if cutlass.const_expr(not self.fp8):
@@ -207,12 +208,12 @@ class MlaDecodeSm100:
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
                g_k: cute.Tensor, tma_r: Optional[cute.CopyAtom], g_r: Optional[cute.Tensor],
-               scale_rows: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
-               lse: cute.Tensor, input_row_offsets: Optional[cute.Tensor], cache_lengths: Optional[cute.Tensor],
-               lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
-               topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor], rows_per_page: Int32,
-               oob_row: Int32, num_slots: Int32, num_splits: Int32, causal: Int32, score_scale: Float32,
-               cap_log2: Float32):
+               scale_rows: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor,
+               lse_part: cute.Tensor, lse: cute.Tensor, input_row_offsets: Optional[cute.Tensor],
+               cache_lengths: Optional[cute.Tensor], lookup_table: Optional[cute.Tensor],
+               indices: Optional[cute.Tensor], topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
+               rows_per_page: Int32, oob_row: Int32, num_slots: Int32, num_splits: Int32, causal: Int32,
+               score_scale: Float32, cap_log2: Float32):
         dt, d, group, bn, stages = self.dtype, self.latent_dim, self.group, self.bn, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, half_split, b = cute.arch.block_idx()
