@@ -124,11 +124,15 @@ MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads,
     ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
 ]
-MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths)
+MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths, rope_dim)
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads
     ("float16", 16, 576, 512, 1),  # 16 heads (TP 8), pages of one row
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, True),  # V3.2 sparse top-k
     ("bfloat16", 64, 576, 512, 3, True, True, True, True),  # sparse with soft-cap, sinks, lse
+    # rope-aware FP8 rows (512 e4m3 + 64 bf16, a float32 scale per token): dense, V3.2 sparse, every flag
+    ("bfloat16", 128, 576, 512, 64, False, False, False, False, False, 64),
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, True, 64),
+    ("float16", 64, 576, 512, 3, True, True, True, True, False, 64),
 ]
 COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256), ("bfloat16", 128, 512)]
 
@@ -221,8 +225,8 @@ FAMILIES = [
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
            head_dim=lambda k: (k.latent_dim + k.v_dim) // 2),
     Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), ("sm_100a",),
-           # Warps in roles (softmax, MMA, load), Q and two 32 x 576 key stages: one CTA per SM.
-           lambda k: Plan(mla_sm100.THREADS, k.plan.smem, 1), head_dim=lambda k: k.latent_dim),
+           # Warps in roles (softmax, MMA, load; converter for rope-aware fp8), Q and the key stages: one CTA per SM.
+           lambda k: Plan(k.threads, k.plan.smem, 1), head_dim=lambda k: k.latent_dim),
     Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
 ]
 

@@ -380,6 +380,11 @@ def test_sm100_ptx(case, tmp_path):
         converter = ptx[ptx.index(f"setmaxnreg.dec.sync.aligned.u32 \t{FP8_REGS['convert']}"):
                         ptx.index("setmaxnreg.inc")]
         assert converter.count("mbarrier.try_wait") == 5
+        # A ring stage is released by one lane of each converter warp (PipelineTmaAsync's signalling lane): its
+        # empty barriers count 4 arrivals (128 would never complete once the ring wraps).
+        inits = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+((?:mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;\s+)+)",
+                           ptx)
+        assert (4, kernel.stages) in [(int(n), block.count("mbarrier.init")) for _, n, block in inits]
     if kernel.gather4:  # 4 rows x one swizzle row (128 B; 64 B for fp8 rows of 64) per instruction, for K and for V
         g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
         row_bytes = kernel.ring_swizzle

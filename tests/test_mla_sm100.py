@@ -2,12 +2,15 @@
 sm_100a (PTX and ptxas), and the kernel against float64 oracles on a B200 (``gpu``, skipped elsewhere).
 
 The plan replay walks the grid the host launches (``launch_shape`` / ``launch_shape_sparse``: 128 packed (token,
-head) rows, two value halves, 32-key tiles, splits) and does per CTA what ``kernels/mla/sm100.py`` does: the split's
+head) rows, two value halves, 32-key tiles (16 over rope-aware FP8 rows), splits) and does per CTA what
+``kernels/mla/sm100.py`` does: the split's
 tile range, each key's row in the layer's row view (dense: the lookup table; sparse: ``get_tma_row`` of the encoded
 entry, the one-past-the-end sentinel for -1, entries past ``topk_lengths`` and entries outside ``[0, N*P)``, read as
 TMA's zero fill from the cache flattened to rows), per-row masks, soft-cap, the base-2 online softmax with the
 kernel's guards, P rounded to 16 bits, the O half rescaled before each ``P V``, the sink in split 0's denominator,
-and the split merge. The oracles index the 6-D cache directly.
+and the split merge. Rope-aware FP8 rows are read as the converter writes them: ``content * scale`` (the float32
+product) and the bf16 rope, each rounded to q's dtype. The oracles index the 6-D cache directly and decode rope-aware
+rows by hand from their bytes (e4m3 and bf16 bit fields), in float64.
 """
 
 import math
@@ -26,25 +29,40 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.mla.sm100_config import BM, BN, O_COLS, SMEM_PER_CTA, STAGES, TMEM_COLUMNS, V_SPLIT, tiling
+from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, O_COLS, SMEM_PER_CTA, TMEM_COLUMNS, V_SPLIT, tiling
 from cute_kv.ops import mla_decode_sm100
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.paged_attention_sm100 import score_args
+from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
 from plan_replay import merge_splits_zero_empty, poisoned_partials
+from test_mla_rope_aware import decode_by_hand
 
 NEG_INF = float("-inf")
 LN2 = math.log(2.0)
 B200_SMS = 148
 LATENT, V_DIM = 576, 512
+ROPE, ROW_BYTES = 64, 640  # DeepSeek's rope-aware FP8 rows: 512 e4m3 content bytes, 64 bf16 rope values
+FP8 = torch.float8_e4m3fn
 
 
-def _mla_batch(cache_lengths, new_lengths, page_size, seed=0, num_layers=2, spare_pages=3, dtype=torch.bfloat16):
-    return random_paged_batch(cache_lengths, new_lengths, num_heads=1, head_size=LATENT, page_size=page_size,
-                              is_mla=True, num_layers=num_layers, spare_pages=spare_pages, dtype=dtype,
-                              generator=torch.Generator().manual_seed(seed))
+def _mla_batch(cache_lengths, new_lengths, page_size, seed=0, num_layers=2, spare_pages=3, dtype=torch.bfloat16,
+               rope_aware=False, device="cpu"):
+    """A 16-bit latent cache, or (``rope_aware``) DeepSeek's rope-aware FP8 one with fresh scales: random, not the
+    powers of two the store's amax gives small values, so ``content * scale`` rounds when made 16-bit."""
+    g = torch.Generator().manual_seed(seed)
+    if not rope_aware:
+        return random_paged_batch(cache_lengths, new_lengths, num_heads=1, head_size=LATENT, page_size=page_size,
+                                  is_mla=True, num_layers=num_layers, spare_pages=spare_pages, dtype=dtype,
+                                  generator=g, device=device)
+    pb = random_paged_batch(cache_lengths, new_lengths, num_heads=1, head_size=ROW_BYTES, page_size=page_size,
+                            is_mla=True, num_layers=num_layers, spare_pages=spare_pages, dtype=FP8,
+                            scale_dtype=torch.float32, rope_dim=ROPE, generator=g, device=device)
+    scales = pb.collection.scales
+    scales.copy_((torch.rand(scales.shape, generator=g) * 0.02 + 0.001).to(device))
+    return pb
 
 
 # -- host: what the kernel serves ------------------------------------------------------------------------------------
@@ -56,7 +74,7 @@ def test_sm100_mla_serves_16_bit_latent_caches():
         path = plan(pb.collection, q, "sm_100a", None, 5.0, torch.zeros(16), True, V_DIM, None)
         assert path.path == "kernel" and path.kernel == "MlaDecodeSm100"
         assert path.key == ("mla_decode_sm100", str(dtype).split(".")[-1], 16, LATENT, V_DIM, page_size, False, True,
-                            True, True, False)
+                            True, True, False, None)
 
 
 @pytest.mark.parametrize("case", [
@@ -89,12 +107,31 @@ def test_sm100_mla_dispatch_reaches_the_kernel_plan():
     assert path.path == "reference" and "sliding window" in path.reason
 
 
-def test_sm100_mla_rope_aware_fp8_cache_is_left_to_the_reference():
-    pb = _mla_batch([7], [2], 16)
-    pb.collection.rope_dim = 64  # what the rope-aware cache's collection exposes
-    q = torch.zeros(pb.total_rows, 16, LATENT, dtype=torch.bfloat16)
-    path = plan(pb.collection, q, "sm_100a", None, None, None, False, V_DIM, None)
-    assert path.path == "reference" and "rope-aware" in path.reason
+def test_sm100_mla_serves_rope_aware_fp8_caches():
+    for page_size, dtype in ((1, torch.bfloat16), (64, torch.float16), (3, torch.bfloat16)):
+        pb = _mla_batch([5, 40], [3, 1], page_size, rope_aware=True)
+        q = torch.zeros(pb.total_rows, 16, LATENT, dtype=dtype)
+        path = plan(pb.collection, q, "sm_100a", None, None, None, False, V_DIM, None)
+        assert path.path == "kernel" and path.kernel == "MlaDecodeSm100", path.reason
+        assert path.key == ("mla_decode_sm100", str(dtype).split(".")[-1], 16, LATENT, V_DIM, page_size, False,
+                            False, False, False, False, ROPE)
+    indices = torch.zeros(1, 64, dtype=torch.int32)
+    path = mla_decode_sm100.plan_sparse(pb.collection, q[:1], indices, "sm_100a", mla_v_dim=V_DIM)
+    assert path.key[6] and path.key[-1] == ROPE
+    assert mla_decode_sm100.launch_shape_sparse(1, 16, 64, B200_SMS, ROPE)[1] <= 64 // FP8_BN
+
+
+@pytest.mark.parametrize("case", [
+    (dict(head_size=96, rope_dim=16), "rope_dim (64,)"),  # 64 content bytes + 16 rope: latent 80
+    (dict(head_size=384, rope_dim=64), "latent dims"),  # 256 + 64: latent 320
+])
+def test_sm100_mla_rope_aware_geometries_left_to_the_reference(case):
+    geometry, reason = case
+    pb = random_paged_batch([5], [2], num_heads=1, page_size=16, is_mla=True, dtype=FP8, scale_dtype=torch.float32,
+                            generator=torch.Generator().manual_seed(1), **geometry)
+    q = torch.zeros(pb.total_rows, 8, pb.collection.latent_dim, dtype=torch.bfloat16)
+    path = plan(pb.collection, q, "sm_100a", None, None, None, False, 64, None)
+    assert path.path == "reference" and reason in path.reason, path.reason
 
 
 def test_sm100_mla_sparse_plan():
@@ -103,7 +140,7 @@ def test_sm100_mla_sparse_plan():
     indices = torch.zeros(2, 2048, dtype=torch.int32)
     path = mla_decode_sm100.plan_sparse(pb.collection, q, indices, "sm_100a", mla_v_dim=V_DIM,
                                         topk_lengths=torch.ones(2, dtype=torch.int32))
-    assert path.key == ("mla_decode_sm100", "bfloat16", 128, LATENT, V_DIM, 64, True, False, False, False, True)
+    assert path.key == ("mla_decode_sm100", "bfloat16", 128, LATENT, V_DIM, 64, True, False, False, False, True, None)
     no = mla_decode_sm100.plan_sparse(pb.collection, q, indices.long(), "sm_100a", mla_v_dim=V_DIM)
     assert no.path == "reference" and "int32" in no.reason
 
@@ -112,7 +149,7 @@ def test_sm100_mla_sparse_launch_rejects_mismatched_indices():
     pb = _mla_batch([5], [2], 64)
     q = torch.zeros(2, 16, LATENT, dtype=torch.bfloat16)
     out = torch.empty(2, 16, V_DIM, dtype=torch.bfloat16)
-    key = ("mla_decode_sm100", "bfloat16", 16, LATENT, V_DIM, 64, True, False, False, False, True)
+    key = ("mla_decode_sm100", "bfloat16", 16, LATENT, V_DIM, 64, True, False, False, False, True, None)
     run = mla_decode_sm100.launch_sparse(key, "sm_100a")  # nothing compiles before the checks pass
     good = torch.zeros(2, 8, dtype=torch.int32)
     lengths = torch.ones(2, dtype=torch.int32)
@@ -133,6 +170,12 @@ def test_sm100_mla_tiling_fits_one_cta_per_sm():
     assert t.smem == 230400 <= SMEM_PER_CTA
     assert t.tmem_columns == 2 * BN + O_COLS == 320 <= TMEM_COLUMNS
     assert V_SPLIT * O_COLS == V_DIM
+    # Rope-aware FP8: 16-key tiles; P 128 x 16, two converted 16 x 576 16-bit tiles, four landing stages of 16 rows
+    # x (512 e4m3 + 64 bf16) bytes; row and scale arrays in the fixed kilobyte.
+    f = tiling(LATENT, ROPE)
+    assert (f.bn, f.stages, f.q_bytes, f.p_bytes, f.stage_bytes, f.mma_tiles) == (16, 4, 147456, 4096, 10240, 36864)
+    assert f.fixed == 2048 and f.smem == 231424 <= SMEM_PER_CTA
+    assert f.tmem_columns == 2 * FP8_BN + O_COLS == 288 <= TMEM_COLUMNS
 
 
 def test_sm100_mla_splits_fill_the_gpu():
@@ -147,23 +190,34 @@ def test_sm100_mla_splits_fill_the_gpu():
 
 # -- plan replay -----------------------------------------------------------------------------------------------------
 
-def _split_tiles(m0, seq_len, cache_len, num_keys, causal, split, splits, group):
+def _split_tiles(m0, seq_len, cache_len, num_keys, causal, split, splits, group, bn):
     tok_last = (min(m0 + BM, seq_len * group) - 1) // group
     k_end = cache_len + tok_last + 1 if causal else num_keys
-    tiles = -(-k_end // BN)
+    tiles = -(-k_end // bn)
     per_split = -(-tiles // splits)
     return split * per_split, max(min(per_split, tiles - split * per_split), 0)
 
 
-def _row_view(blocks, layer):
-    """The kernel's gather4 source: the cache flattened to ``[rows, 576]`` from the layer's plane, ``oob_row`` rows."""
-    n, kvd, nl, p = blocks.shape[:4]
-    flat = blocks.reshape(-1, blocks.shape[-1])[layer * p:]
+def _row_view(c, layer, dtype):
+    """The kernel's gather4 source: the cache flattened to ``[rows, 576]`` from the layer's plane, ``oob_row`` rows.
+    Rope-aware FP8 rows as the converter writes them into the 16-bit key tile: ``content * scale`` (float32, the
+    scale of the same row of the flattened scales) then the bf16 rope, rounded to q's ``dtype``."""
+    n, kvd, nl, p = c.blocks.shape[:4]
+    flat = c.blocks.reshape(-1, c.blocks.shape[-1])[layer * p:]
+    if c.rope_dim is not None:
+        scales = c.scales.reshape(-1)[layer * p:]
+        content = flat[:, :c.padded_depth].float() * scales[:, None]
+        rope = _raw(flat)[:, c.padded_depth:].contiguous().view(torch.bfloat16).float()
+        flat = torch.cat([content.to(dtype), rope.to(dtype)], dim=1)
     return flat, (n - 1) * kvd * nl * p + p, kvd * nl * p
 
 
+def _key_tile(c):
+    return mla_decode_sm100.key_tile(c.rope_dim)
+
+
 def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half, score_scale, cap_log2, softcap,
-              dtype, sparse=False):
+              dtype, bn, sparse=False):
     """One CTA over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max, row_sum)`` (base 2).
     Keys are masked past ``row_end``, and (sparse) where the entry names no row; a dense key inside ``row_end``
     is not masked even when its row is the zero-filled one (a page column past the lookup row)."""
@@ -171,15 +225,15 @@ def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half
     row_sum = torch.zeros(BM, dtype=torch.float64)
     acc = torch.zeros(BM, O_COLS, dtype=torch.float64)
     for t in range(first_tile, first_tile + n_tiles):
-        key_rows = [keys_rows(t * BN + i) for i in range(BN)]
-        kt = torch.zeros(BN, qr.shape[1], dtype=torch.float64)
+        key_rows = [keys_rows(t * bn + i) for i in range(bn)]
+        kt = torch.zeros(bn, qr.shape[1], dtype=torch.float64)
         for i, r in enumerate(key_rows):
             if 0 <= r < oob_row:  # TMA: rows outside the view are zero-filled
                 kt[i] = rows[r].double()
         s = (qr @ kt.T) * score_scale
         if softcap:
             s = cap_log2 * torch.tanh(s)
-        keys = torch.arange(t * BN, (t + 1) * BN)
+        keys = torch.arange(t * bn, (t + 1) * bn)
         invalid = torch.tensor([sparse and r == oob_row for r in key_rows])
         s = s.masked_fill((keys[None, :] >= row_end[:, None]) | invalid[None, :], NEG_INF)
         new_max = torch.maximum(row_max, s.max(dim=1).values)
@@ -214,7 +268,8 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
     m_blocks, splits = mla_decode_sm100.launch_shape(c, hq, slots, causal)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
-    rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
+    rows, oob_row, rows_per_page = _row_view(c, layer, q.dtype)
+    bn = _key_tile(c)
     lut = c.lookup_table.long()
     p = c.page_size
     offsets = pb.input_row_offsets.tolist()
@@ -238,10 +293,10 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
             row_end = torch.clamp(cache_len + toks + 1, max=num_keys) if causal else torch.full((BM,), num_keys)
             row_end = torch.where(live, row_end, 0)
             for split in range(splits):
-                first, count = _split_tiles(m0, n, cache_len, num_keys, causal, split, splits, hq)
+                first, count = _split_tiles(m0, n, cache_len, num_keys, causal, split, splits, hq, bn)
                 for v_half in range(V_SPLIT):
                     acc, mx, sm = model_cta(qr, key_row, rows, oob_row, row_end, first, count, v_half, score_scale,
-                                            cap_log2, bool(softcap), q.dtype)
+                                            cap_log2, bool(softcap), q.dtype, bn)
                     o, lse = _epilogue(acc, mx, sm, sinks, heads, split)
                     o_part[split, offsets[b] + toks[live], heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = \
                         o[live]
@@ -255,10 +310,11 @@ def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap
     t, hq, d = q.shape
     topk = indices.shape[1]
     score_scale, cap_log2 = score_args(d, scale, softcap)
-    m_blocks, splits = mla_decode_sm100.launch_shape_sparse(t, hq, topk, slots)
+    m_blocks, splits = mla_decode_sm100.launch_shape_sparse(t, hq, topk, slots, c.rope_dim)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
-    rows, oob_row, rows_per_page = _row_view(c.blocks, layer)
+    rows, oob_row, rows_per_page = _row_view(c, layer, q.dtype)
+    bn = _key_tile(c)
     p, num_slots = c.page_size, c.blocks.shape[0] * c.page_size
     for tok in range(t):
         num_keys = topk if topk_lengths is None else max(min(int(topk_lengths[tok]), topk), 0)
@@ -277,10 +333,10 @@ def model_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softcap
             qr[live] = q[tok, heads[live]].double()
             row_end = torch.where(live, num_keys, 0)
             for split in range(splits):
-                first, count = _split_tiles(m0, 1, 0, num_keys, False, split, splits, hq)
+                first, count = _split_tiles(m0, 1, 0, num_keys, False, split, splits, hq, bn)
                 for v_half in range(V_SPLIT):
                     acc, mx, sm = model_cta(qr, key_row, rows, oob_row, row_end, first, count, v_half, score_scale,
-                                            cap_log2, bool(softcap), q.dtype, sparse=True)
+                                            cap_log2, bool(softcap), q.dtype, bn, sparse=True)
                     o, lse = _epilogue(acc, mx, sm, sinks, heads, split)
                     o_part[split, tok, heads[live], v_half * O_COLS:(v_half + 1) * O_COLS] = o[live]
                     lse_part[split, tok, heads[live]] = lse[live]
@@ -300,6 +356,13 @@ def _attend(qv, keys, scale, softcap, sink):
     return (torch.exp(s - m) @ keys[:, :V_DIM]) / denom, float(m + torch.log(denom))
 
 
+def _oracle_key(c, layer, page, slot):
+    """float64 logical row of (page, slot): the 16-bit row, or a rope-aware FP8 row decoded by hand."""
+    if c.rope_dim is None:
+        return c.blocks[page, 0, layer, slot, 0].double()
+    return decode_by_hand(_raw(c.blocks)[page, 0, layer, slot, 0], c.scales[page, 0, layer, slot, 0], c.padded_depth)
+
+
 def oracle_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=None):
     c = pb.collection
     t, hq, d = q.shape
@@ -309,8 +372,8 @@ def oracle_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=N
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         pages = c.lookup_table[b].long()
-        keys = torch.stack([c.blocks[pages[k // c.page_size], 0, layer, k % c.page_size, 0]
-                            for k in range(cache_len + n)]).double() if cache_len + n else \
+        keys = torch.stack([_oracle_key(c, layer, pages[k // c.page_size], k % c.page_size)
+                            for k in range(cache_len + n)]) if cache_len + n else \
             torch.zeros(0, d, dtype=torch.float64)
         for i in range(n):
             visible = cache_len + i + 1 if causal else cache_len + n
@@ -331,7 +394,7 @@ def oracle_sparse(q, c, layer, indices, *, topk_lengths=None, scale=None, softca
         if topk_lengths is not None:
             ents = ents[:max(int(topk_lengths[tok]), 0)]
         ents = [e for e in ents if 0 <= e < n * p]
-        keys = torch.stack([c.blocks[e // p, 0, layer, e % p, 0] for e in ents]).double() if ents else \
+        keys = torch.stack([_oracle_key(c, layer, e // p, e % p) for e in ents]) if ents else \
             torch.zeros(0, d, dtype=torch.float64)
         for h in range(hq):
             out[tok, h], lse[tok, h] = _attend(q[tok, h].double(), keys, scale, softcap,
@@ -424,6 +487,70 @@ def test_sm100_mla_sparse_plan_all_entries_invalid():
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == NEG_INF).all())
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 3)), min_size=1, max_size=2),
+    page_size=st.sampled_from([1, 3, 16, 64]),
+    heads=st.sampled_from([16, 128]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    causal=st.booleans(),
+    splits=st.one_of(st.none(), st.integers(2, 3)),
+    softcap=st.one_of(st.none(), st.just(20.0)),
+    sinks=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sm100_mla_rope_aware_dense_plan_matches_the_oracle(lengths, page_size, heads, dtype, causal, splits,
+                                                            softcap, sinks, seed):
+    """Rope-aware FP8 rows, 16-key tiles: the replay (the converter's ``content * scale`` rounded to q's dtype)
+    against float64 attention over the rows decoded by hand, and against the op's reference."""
+    pb = _mla_batch([a for a, _ in lengths], [b for _, b in lengths], page_size, seed=seed % 1000, rope_aware=True)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(pb.total_rows, heads, LATENT, generator=g).to(dtype)
+    sink = torch.randn(heads, generator=g) if sinks else None
+    got = model_dense(q, pb, 1, causal=causal, softcap=softcap, sinks=sink, force_splits=splits)
+    _check(got, oracle_dense(q, pb, 1, causal=causal, softcap=softcap, sinks=sink))
+    if sink is None and not softcap and q.shape[0]:
+        want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, causal=causal, mla_v_dim=V_DIM)
+        assert rel_err(got[0], want.double()) < 2e-2
+
+
+def test_sm100_mla_rope_aware_rows_are_dequantized_per_token():
+    """One key per request: the output is that key's value row, ``content * its own scale`` (decoded by hand), so a
+    scale taken from another row (or not at all) shows; rows past the keys (zero-filled, scale 0) add nothing."""
+    pb = _mla_batch([0, 0, 0], [1, 1, 1], 16, seed=5, rope_aware=True)
+    c = pb.collection
+    q = torch.randn(pb.total_rows, 16, LATENT, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out, _ = model_dense(q, pb, 0)
+    for b in range(3):
+        page = int(c.lookup_table[b, 0])
+        want = decode_by_hand(_raw(c.blocks)[page, 0, 0, 0, 0], c.scales[page, 0, 0, 0, 0], c.padded_depth)[:V_DIM]
+        assert rel_err(out[b], want.expand(16, V_DIM)) < 4e-3  # the bf16 rounding of content * scale
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    t=st.integers(1, 3),
+    topk=st.sampled_from([0, 1, 15, 16, 17, 40]),
+    page_size=st.sampled_from([1, 4, 64]),
+    heads=st.sampled_from([16, 128]),
+    lengths=st.booleans(),
+    splits=st.one_of(st.none(), st.integers(2, 3)),
+    softcap=st.one_of(st.none(), st.just(20.0)),
+    sinks=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sm100_mla_rope_aware_sparse_plan_matches_the_oracle(t, topk, page_size, heads, lengths, splits, softcap,
+                                                             sinks, seed):
+    c = _mla_batch([50], [1], page_size, seed=seed % 1000, spare_pages=4, rope_aware=True).collection
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, heads, LATENT, generator=g).to(torch.bfloat16)
+    indices = _sparse_indices(c, t, topk, g)
+    topk_lengths = torch.randint(-2, topk + 3, (t,), generator=g, dtype=torch.int32) if lengths else None
+    sink = torch.randn(heads, generator=g) if sinks else None
+    got = model_sparse(q, c, 1, indices, topk_lengths=topk_lengths, softcap=softcap, sinks=sink, force_splits=splits)
+    _check(got, oracle_sparse(q, c, 1, indices, topk_lengths=topk_lengths, softcap=softcap, sinks=sink))
+
+
 # -- key rows, evaluated on the host ---------------------------------------------------------------------------------
 
 @cute.jit
@@ -467,6 +594,49 @@ def test_sm100_mla_sparse_entries_outside_the_cache_name_no_row():
     want = [(e // p) * rpp + e % p if 0 <= e < n * p else oob for e in ents[:-1]] + [oob]
     assert got.tolist() == want
     assert all(0 <= r < oob for r, e in zip(got.tolist(), ents[:-1]) if 0 <= e < n * p)
+
+
+@cute.jit
+def _host_row_views(kernel: cutlass.Constexpr, blocks: cute.Tensor, scales: cute.Tensor, layer: Int32,
+                    rows: cute.Tensor, content: cute.Tensor, rope: cute.Tensor, scale: cute.Tensor):
+    """For each row ``rows[i]`` of the layer's row view: its bytes through the content view (the e4m3 bytes the
+    content gather4 boxes start at), its rope values through the bf16 rope view and its scale, as
+    ``MlaDecodeSm100.row_views`` builds them for the kernel (CPU tensors)."""
+    content_rows, rope_rows, scale_rows = kernel.row_views(blocks, scales, layer)
+    for i in cutlass.range(cute.size(rows), unroll=1):
+        r = rows[i]
+        for j in cutlass.range(cute.size(content, mode=[1]), unroll=1):
+            content[i, j] = content_rows[r, 0, j]
+        for j in cutlass.range(cute.size(rope, mode=[1]), unroll=1):
+            rope[i, j] = rope_rows[r, 0, j].to(cutlass.Float32)
+        scale[i] = scale_rows[r, 0, 0]
+
+
+@pytest.mark.compile
+def test_sm100_mla_rope_aware_row_views_address_the_row_bytes():
+    """The kernel's views of a rope-aware plane: the content boxes start at byte 0 of a row, the rope view at byte
+    ``padded_depth`` (values decoded by hand from the bytes), the scale of row ``r`` is ``scales`` flattened at
+    ``r``: rows of both layers and of the last page."""
+    from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+    c = _mla_batch([20, 7], [1, 1], 4, seed=2, rope_aware=True).collection
+    n, _, nl, p = c.blocks.shape[:4]
+    raw = _raw(c.blocks)
+    kernel = MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, p, rope_dim=ROPE)
+    for layer in range(nl):
+        slots = [(0, 0), (1, 3), (n - 1, p - 1), (n // 2, 1)]
+        rows = torch.tensor([page * nl * p + slot for page, slot in slots], dtype=torch.int32)
+        content = torch.zeros(len(slots), ROW_BYTES, dtype=torch.uint8)
+        rope = torch.zeros(len(slots), ROPE, dtype=torch.float32)
+        scale = torch.zeros(len(slots), dtype=torch.float32)
+        _host_row_views(kernel, from_dlpack(raw), from_dlpack(c.scales), layer, from_dlpack(rows),
+                        from_dlpack(content), from_dlpack(rope), from_dlpack(scale))
+        for i, (page, slot) in enumerate(slots):
+            row = raw[page, 0, layer, slot, 0]
+            assert torch.equal(content[i], row)
+            hand = decode_by_hand(row, torch.ones(1), c.padded_depth)[c.padded_depth:]
+            assert torch.equal(rope[i].double(), hand)
+            assert scale[i] == c.scales[page, 0, layer, slot, 0, 0]
 
 
 # -- compile (sm_100a, no GPU) ---------------------------------------------------------------------------------------
@@ -530,6 +700,70 @@ def test_sm100_mla_ptx(case, tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in info
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     assert regs <= 168  # measured 96 (dense) to 154 (sparse with every flag); 192 threads, one CTA per SM
+
+
+ROPE_AWARE_CASES = [  # (dtype, Hq, page[, flags]) over DeepSeek's rope-aware FP8 rows
+    ("bfloat16", 128, 64),
+    ("float16", 16, 1, {"sparse": True, "topk_lengths": True}),
+    ("bfloat16", 64, 3, {"sparse": True, "softcap": True, "sinks": True, "return_lse": True}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", ROPE_AWARE_CASES, ids=lambda c: "-".join(map(str, c[:3])) + (
+    "-" + "-".join(c[3]) if c[3:] else ""))
+def test_sm100_mla_rope_aware_ptx(case, tmp_path):
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.mla.sm100 import FP8_THREADS, MlaDecodeSm100
+
+    flags = case[3] if case[3:] else {}
+    kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], rope_dim=ROPE, **flags)
+    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    # Per 16-key tile: QK over the 576 columns of the converted tile (36 MMAs, N=16), one P V MMA (K=16, N=256).
+    assert len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)) == LATENT // 16 + FP8_BN // 16
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 1  # S: one 16-column load
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 2 * O_COLS // 32
+    # S full, P consumed, converted tile free: the only tcgen05.commit arrivals (the converter arrives itself).
+    assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == 3
+    assert ptx.count("tcgen05.fence::before_thread_sync") == 4
+    assert ptx.count("tcgen05.fence::after_thread_sync") == 7
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(FP8_THREADS)
+    # Landing stages: full = the load warp's expect-tx + each lane's arrival after its scale store (33), empty = one
+    # lane of each converter warp (4); converted tiles: full = the 128 converter threads, empty = the MMA's commit.
+    inits = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+((?:mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;\s+)+)", ptx)
+    counts = [(int(n), block.count("mbarrier.init")) for _, n, block in inits]
+    stages = kernel.stages
+    assert (33, stages) in counts and (4, stages) in counts and (128, 2) in counts, counts
+    # Two descriptors (content, rope). gather4: 4 per 128-byte content box (4 boxes: bytes [0, 512) of the rows),
+    # then 4 for the rope box; every destination distinct and 512 B apart (4 rows x 128 B), the content boxes back
+    # to back in their stage (16 x 128 B each), the rope tile in its own stage.
+    assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", ptx)) == 2
+    g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\],\s*"
+                    r"\[(%rd\d+),", ptx)
+    assert len(g4) == (FP8_BN // 4) * (512 // 128 + 1)
+    assert len({d for d, _ in g4}) == len(g4)
+    descs = [t for _, t in g4]
+    assert len(set(descs[:16])) == 1 and len(set(descs[16:])) == 1 and descs[0] != descs[16]
+    offsets = [int(re.search(r"\+(\d+)$", d).group(1)) for d, _ in g4]
+    assert all(b - a == 512 for a, b in zip(offsets[:16], offsets[1:16]))
+    assert all(b - a == 512 for a, b in zip(offsets[16:], offsets[17:]))
+    # The scale of each lane's row: a 4-byte global load at row * 4, stored to the stage's scale array, then the
+    # lane's arrival on the stage's full barrier.
+    tail = ptx[ptx.rindex("tile::gather4"):]
+    assert re.search(r"mul\.wide\.s32\s+(%rd\d+), %r\d+, 4;\s+add\.s64\s+(%rd\d+), %rd\d+, \1;\s+"
+                     r"ld\.global\.b32\s+%r\d+, \[\2\];", tail)
+    assert re.search(r"st\.shared\.b32[^\n]*\n\s*mov\.b32[^\n]*\n\s*mbarrier\.arrive\.shared\.b64", tail)
+    # Converter: e4m3 pairs to half2 by cvt (8 values a chunk), scaled in float32, the rope read as bf16.
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4
+    assert "cp.async.bulk.tensor.3d" not in ptx and not re.search(r"wgmma|mma\.sync", ptx)
+    assert ptx.count("vote.sync.ballot.b32") == (1 if flags.get("sparse") else 0)
+    assert ptx.count("tanh.approx.f32") == (FP8_BN if flags.get("softcap") else 0)
+    ptx_file = tmp_path / "k.ptx"
+    ptx_file.write_text(ptx)
+    info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(ptx_file), "-o", "/dev/null"], capture_output=True,
+                          text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
+    assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 200  # 320 threads, one CTA per SM
 
 
 # -- GPU (B200) ------------------------------------------------------------------------------------------------------
@@ -603,3 +837,68 @@ def test_sm100_mla_sparse_kernel_matches_the_oracle(page_size, topk, lengths):
     assert not out.isnan().any()
     assert rel_err(out.cpu().double(), want[0]) < 2e-2
     assert torch.equal(bits(dev.blocks), before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs an SM100 GPU")
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("flags", [{}, {"softcap": 20.0, "sinks": True, "return_lse": True}])
+def test_sm100_mla_rope_aware_dense_kernel_matches_the_oracle(page_size, dtype, flags):
+    import cute_kv
+    from cute_kv.ops import paths
+    from numerics import bits
+
+    cached, new = [0, 1, 300, 2000], [1, 1, 4, 1]
+    cpu = _mla_batch(cached, new, page_size, seed=page_size, rope_aware=True)
+    pb = _mla_batch(cached, new, page_size, seed=page_size, rope_aware=True, device="cuda")
+    heads = 128
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(pb.total_rows, heads, LATENT, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g) if flags.get("sinks") else None
+    want = oracle_dense(q, cpu, 1, softcap=flags.get("softcap"), sinks=sinks)
+    before = (bits(pb.collection.blocks), bits(pb.collection.scales))
+    out = torch.full((q.shape[0], heads, V_DIM), float("nan"), dtype=dtype, device="cuda")
+    paths.set_strict(True)  # a reference fallback raises
+    try:
+        res = cute_kv.paged_attention(q.cuda(), pb.input_row_offsets.cuda(), pb.collection, 1, mla_v_dim=V_DIM,
+                                      out=out, softcap=flags.get("softcap"),
+                                      sinks=None if sinks is None else sinks.cuda(),
+                                      return_lse=bool(flags.get("return_lse")))
+    finally:
+        paths.set_strict(False)
+    got = res[0] if flags.get("return_lse") else res
+    assert not got.isnan().any()
+    assert rel_err(got.cpu().double(), want[0]) < 2e-2
+    if flags.get("return_lse"):
+        assert torch.allclose(res[1].cpu().double(), want[1], atol=2e-2)
+    assert torch.equal(bits(pb.collection.blocks), before[0]) and torch.equal(bits(pb.collection.scales), before[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm100(), reason="needs an SM100 GPU")
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("topk", [1, 100, 2048])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_sm100_mla_rope_aware_sparse_kernel_matches_the_oracle(page_size, topk, lengths):
+    from numerics import bits
+
+    cpu = _mla_batch([3000], [1], page_size, seed=topk, spare_pages=8, rope_aware=True).collection
+    dev = _mla_batch([3000], [1], page_size, seed=topk, spare_pages=8, rope_aware=True, device="cuda").collection
+    g = torch.Generator().manual_seed(page_size)
+    t, heads = 5, 128
+    q = torch.randn(t, heads, LATENT, generator=g).to(torch.bfloat16)
+    indices = _sparse_indices(cpu, t, topk, g)
+    topk_lengths = torch.randint(0, topk + 1, (t,), generator=g, dtype=torch.int32) if lengths else None
+    want = oracle_sparse(q, cpu, 0, indices, topk_lengths=topk_lengths)
+    path = mla_decode_sm100.plan_sparse(dev, q.cuda(), indices.cuda(), "sm_100a", mla_v_dim=V_DIM,
+                                        topk_lengths=topk_lengths)
+    assert path.path == "kernel" and path.key[-1] == ROPE, path.reason
+    before = (bits(dev.blocks), bits(dev.scales))
+    out = torch.full((t, heads, V_DIM), float("nan"), dtype=q.dtype, device="cuda")
+    mla_decode_sm100.launch_sparse(path.key, path.arch)(
+        q.cuda(), dev, 0, indices.cuda(), topk_lengths=None if topk_lengths is None else topk_lengths.cuda(),
+        out=out)
+    assert not out.isnan().any()
+    assert rel_err(out.cpu().double(), want[0]) < 2e-2
+    assert torch.equal(bits(dev.blocks), before[0]) and torch.equal(bits(dev.scales), before[1])

@@ -237,7 +237,7 @@ def test_plan_picks_the_sm100_kernel_or_names_why_not(rng):
     path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=512, topk_lengths=lengths,
                            return_lse=True, arch="sm_100a")
     assert (path.path, path.kernel) == ("kernel", "MlaDecodeSm100"), path
-    assert path.key == ("mla_decode_sm100", "bfloat16", 128, 576, 512, 64, True, False, False, True, True)
+    assert path.key == ("mla_decode_sm100", "bfloat16", 128, 576, 512, 64, True, False, False, True, True, None)
     path = cute_kv.explain(cute_kv.sparse_mla_attention, *args, mla_v_dim=256, arch="sm_100a")
     assert path.path == "reference", path  # the kernel's value width is 512
 

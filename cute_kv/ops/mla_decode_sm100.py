@@ -3,7 +3,8 @@
 Dense (``paged_attention`` over an MLA cache, through ``mla_decode.plan``): ``plan`` / ``launcher``. Sparse
 (``sparse_mla_attention``, DeepSeek-V3.2 top-k): ``plan_sparse`` / ``launch_sparse``, for that op's plan hook.
 Both launch the kernel on ``2 * splits`` CTAs per row block (two value halves, ``kernels/mla/sm100_config``) and
-merge split partials with the attention combine (512-wide rows).
+merge split partials with the attention combine (512-wide rows). Caches: 16-bit of q's dtype, or MAX's rope-aware
+FP8 rows (``rope_dim`` set: the kernel dequantizes them with their per-token scales, in 16-key tiles).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.mla.sm100_config import BM, BN, V_SPLIT, supported
+from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, V_SPLIT, supported
 from cute_kv.ops import paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 
@@ -41,6 +42,8 @@ def _problem(collection, q, scale, softcap, mla_v_dim) -> Optional[str]:
         return f"an MLA cache has one latent head, got {c.num_heads}"
     if c.blocks.data_ptr() % 16:
         return "blocks is not 16-byte aligned"
+    if c.rope_dim is not None and c.scales.data_ptr() % 4:
+        return "scales is not 4-byte aligned"
     return index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
 
 
@@ -56,7 +59,7 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     if problem:
         return paths.reference(op, problem, arch)
     key = (KEY, dtype_name(q.dtype), q.shape[1], q.shape[2], mla_v_dim, collection.page_size, False, bool(softcap),
-           sinks is not None, return_lse, False)
+           sinks is not None, return_lse, False, collection.rope_dim)
     return paths.kernel(op, "MlaDecodeSm100", key, arch)
 
 
@@ -72,7 +75,7 @@ def plan_sparse(collection, q, indices: torch.Tensor, arch: str, *, mla_v_dim: i
     if problem:
         return paths.reference(SPARSE_OP, problem, arch)
     key = (KEY, dtype_name(q.dtype), q.shape[1], q.shape[2], mla_v_dim, collection.page_size, True, bool(softcap),
-           sinks is not None, return_lse, topk_lengths is not None)
+           sinks is not None, return_lse, topk_lengths is not None, collection.rope_dim)
     return paths.kernel(SPARSE_OP, "MlaDecodeSm100", key, arch)
 
 
@@ -86,25 +89,33 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
     return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[9])
 
 
+def key_tile(rope_dim: Optional[int]) -> int:
+    """Keys per tile: 32, or 16 for a rope-aware FP8 cache (``sm100_config``)."""
+    return BN if rope_dim is None else FP8_BN
+
+
 def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True) -> tuple[int, int]:
-    """Dense ``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 128-row blocks and 32-key tiles, each
-    block taking two CTAs (the value halves), so half the ``slots`` per block."""
+    """Dense ``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 128-row blocks and the cache's key tiles,
+    each block taking two CTAs (the value halves), so half the ``slots`` per block."""
     from cute_kv.ops.paged_attention import launch_shape as mha_launch_shape
 
-    return mha_launch_shape(collection, num_q_heads, max(slots // V_SPLIT, 1), BM, BN, causal, None)
+    return mha_launch_shape(collection, num_q_heads, max(slots // V_SPLIT, 1), BM, key_tile(collection.rope_dim),
+                            causal, None)
 
 
-def launch_shape_sparse(num_tokens: int, num_q_heads: int, topk: int, slots: int) -> tuple[int, int]:
+def launch_shape_sparse(num_tokens: int, num_q_heads: int, topk: int, slots: int,
+                        rope_dim: Optional[int] = None) -> tuple[int, int]:
     """Sparse ``(m_blocks, splits)``: a token's heads in ``ceil(Hq / 128)`` blocks, its ``topk`` entries split so
     the ``2 * T * m_blocks * splits`` CTAs fill the GPU (``paged_attention.num_splits``)."""
     from cute_kv.ops.paged_attention import num_splits
 
     m_blocks = -(-num_q_heads // BM)
-    return m_blocks, num_splits(num_tokens * m_blocks, -(-topk // BN), max(slots // V_SPLIT, 1))
+    return m_blocks, num_splits(num_tokens * m_blocks, -(-topk // key_tile(rope_dim)), max(slots // V_SPLIT, 1))
 
 
 def _run(unit, combine_unit, arch, q, out, lse, splits, launch_args, return_lse) -> None:
-    """Launch the kernel (``launch_args`` after ``q, out, o_part, lse_part, lse``) and, with splits, the combine."""
+    """Launch the kernel (``launch_args`` after ``q, out, o_part, lse_part, lse``: ``blocks, scales, ...``) and,
+    with splits, the combine."""
     from cute_kv.kernels.compile_cache import compiled
     from cute_kv.ops.paged_attention import partials, unused_partials
 
@@ -126,7 +137,7 @@ def launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.ops.paged_attention import sm_count
     from cute_kv.ops.paged_attention_sm100 import score_args
 
-    _, _, hq, d, _, _, _, has_softcap, has_sinks, _, _ = key
+    _, _, hq, d, _, _, _, has_softcap, has_sinks, _, _, rope_dim = key
     unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
@@ -137,9 +148,9 @@ def launcher(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         _run(unit, combine_unit, arch, q, out, lse, splits, (
-            c.blocks, input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, None, None,
-            sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, c.batch_size, int(causal),
-            score_scale, cap_log2), return_lse)
+            c.blocks, c.scales if rope_dim else None, input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+            None, None, sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, c.batch_size,
+            int(causal), score_scale, cap_log2), return_lse)
         return (out, lse) if return_lse else out
 
     return run
@@ -153,7 +164,7 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
     from cute_kv.ops.paged_attention import sm_count
     from cute_kv.ops.paged_attention_sm100 import score_args
 
-    _, _, hq, d, _, _, _, has_softcap, has_sinks, return_lse, has_lengths = key
+    _, _, hq, d, _, _, _, has_softcap, has_sinks, return_lse, has_lengths, rope_dim = key
     unit, combine_unit = compile_units(key, arch)
 
     def run(q, collection, layer_idx, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None,
@@ -162,13 +173,13 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
         t = q.shape[0]
         if t == 0:
             return out
-        m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device))
+        m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device), rope_dim)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         indices = indices if indices.stride(-1) == 1 else indices.contiguous()
         _run(unit, combine_unit, arch, q, out, lse, splits, (
-            collection.blocks, None, None, None, indices, topk_lengths.contiguous() if has_lengths else None,
-            sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, t, 0, score_scale, cap_log2),
-            return_lse)
+            collection.blocks, collection.scales if rope_dim else None, None, None, None, indices,
+            topk_lengths.contiguous() if has_lengths else None, sinks.contiguous() if has_sinks else None, layer_idx,
+            m_blocks, splits, t, 0, score_scale, cap_log2), return_lse)
         return out
 
     return run

@@ -79,8 +79,9 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
-from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_add,
-                                                      row_normalizer, scale_scores, softmax_pipelines, write_lse)
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
+                                                      rescale_o, row_add, row_normalizer, scale_scores,
+                                                      softmax_pipelines, write_lse)
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -308,7 +309,7 @@ class PagedAttentionSm100:
             if cutlass.const_expr(self.kv_fp8):  # ring -> converter warpgroup -> 16-bit K, V tiles -> MMA
                 kv_pipe = pipeline.PipelineTmaAsync.create(
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
-                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS // 32),  # a lane a warp
                     tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
                 k_pipe, v_pipe = [pipeline.PipelineAsyncUmma.create(
                     barrier_storage=bars, num_stages=1,
@@ -668,22 +669,17 @@ class PagedAttentionSm100:
     def dequantize(self, ring: cute.Tensor, tile: cute.Tensor, stage: Int32, scales: Optional[cute.Tensor],
                    r: Int32, row: Int32, tile_base: Int32, num_keys: Int32, kv_head: Int32,
                    width: cutlass.Constexpr[int]):
-        """Row ``r`` of ``ring[stage]`` (fp8, ``width`` columns) -> the 16-bit ``tile``, 8 values at a time (this
-        thread's share of the row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64 bits: rows x H x G can pass
-        2^31), rounded once. A row past the request's keys is written as zeros."""
+        """Row ``r`` of ``ring[stage]`` (fp8, its first ``width`` columns) -> the 16-bit ``tile``, 8 values at a time
+        (this thread's share of the row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64
+        bits: rows x H x G can pass 2^31), rounded once. A row past the request's keys is written as zeros."""
         per_row = CONVERT_THREADS // self.bn
-        raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
-        vals = cute.make_rmem_tensor((VEC,), self.dtype)
         first = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) % per_row
-        for c in cutlass.range(first, width // VEC, per_row, unroll=1):
-            vals.fill(0.0)
-            if tile_base + r < num_keys:
-                cute.autovec_copy(cute.local_tile(ring[r, None, stage], (VEC,), (c,)), raw)
-                x = raw.load().to(Float32)
-                if cutlass.const_expr(scales is not None):
-                    x = x * granule_scale(scales, row, kv_head, c * VEC // self.granularity, self.e8m0_scales)
-                vals.store(x.to(self.dtype))
-            cute.autovec_copy(vals, cute.local_tile(tile[r, None, 0], (VEC,), (c,)))
+        scale_of = None
+        if cutlass.const_expr(scales is not None):
+            scale_of = lambda c: granule_scale(scales, row, kv_head, c * VEC // self.granularity,  # noqa: E731
+                                               self.e8m0_scales)
+        dequantize_row(cute.local_tile(ring[r, None, stage], (width,), (0,)), tile[r, None, 0], first, per_row,
+                       tile_base + r < num_keys, scale_of, self.dtype)
 
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):

@@ -1,7 +1,7 @@
 """Softmax-warpgroup device helpers shared by the SM100 attention kernels (``sm100.PagedAttentionSm100`` and the
 MLA kernel ``mla/sm100.MlaDecodeSm100``): thread ``t`` of the softmax warpgroup owns row ``t`` of O in tensor
 memory (TMEM lane ``t``). The kernels differ in how many O columns a CTA holds (the MHA head dim; MLA's value
-half), which the callers pass."""
+half), which the callers pass. Also the fp8 converter's row dequantization (``dequantize_row``), which both use."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32
 from cutlass.cute.nvgpu import tcgen05
 
-from cute_kv.kernels.attention.config import BM
+from cute_kv.kernels.attention.config import BM, VEC
 
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
@@ -145,3 +145,22 @@ def softmax_pipelines(s_bars, p_bars, one_cta: cute.Layout, softmax_threads: int
         producer_group=pipeline.CooperativeGroup(thread, softmax_threads),
         consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
     return s_pipe, p_pipe
+
+
+@cute.jit
+def dequantize_row(src: cute.Tensor, dst: cute.Tensor, first, step: cutlass.Constexpr[int], valid, scale_of,
+                   dtype: cutlass.Constexpr):
+    """Chunks ``first, first + step, ...`` of ``VEC`` values of the row ``src`` (fp8, or 16-bit) -> the 16-bit row
+    ``dst``: ``x * scale_of(c)`` in float32 (``scale_of`` None: ``x``), rounded to ``dtype`` once; zeros where
+    ``valid`` is false. A converter thread's share of a row of a tile the MMAs read."""
+    raw = cute.make_rmem_tensor((VEC,), src.element_type)
+    vals = cute.make_rmem_tensor((VEC,), dtype)
+    for c in cutlass.range(first, cute.size(src) // VEC, step, unroll=1):
+        vals.fill(0.0)
+        if valid:
+            cute.autovec_copy(cute.local_tile(src, (VEC,), (c,)), raw)
+            x = raw.load().to(Float32)
+            if cutlass.const_expr(scale_of is not None):
+                x = x * scale_of(c)
+            vals.store(x.to(dtype))
+        cute.autovec_copy(vals, cute.local_tile(dst, (VEC,), (c,)))

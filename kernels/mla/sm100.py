@@ -25,6 +25,19 @@ a 128 x 512 float32 O beside S) is in ``sm100_config``. A CTA is (row block, val
   The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
   gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
 
+Rope-aware FP8 caches (MAX's rows ``[padded_depth e4m3 | rope_dim bf16]``, one float32 scale per token; why this
+way and the shared-memory budget: ``sm100_config``) take 16-key tiles and 320 threads:
+
+* warp 5 gathers a tile's content (``padded_depth / 128`` boxes of 128 e4m3 bytes from byte 0 of the rows) into a
+  landing stage in the 128-byte swizzle and its rope (as MAX's ``create_rope_gather4_tma_tile``: the bf16 view of
+  the same rows from byte ``padded_depth``) into a row-major bf16 landing stage, then each lane loads its row's scale
+  (``ld.global``, indexed by the row; 0 for no row, whose bytes TMA zero-fills) into the stage's scale array and
+  arrives on the stage's full barrier (the expect-tx arrival and the 32 lanes').
+* warps 6-9, converter: a tile row per 8 threads writes ``content * scale`` (float32, rounded once to q's dtype)
+  and the rope into one of two 16-bit ``16 x latent_dim`` key tiles, which the MMAs read as the 16-bit path reads
+  its landing stages (K for QK, its first ``v_dim`` columns as V); a landing stage is free once converted, a key
+  tile once the P V MMA that read it completed.
+
 TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
 (``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait): the allocation,
 S (QK commit -> softmax loads; softmax loads -> the next QK into the buffer), P/O (softmax rescale -> PV MMA), O
@@ -51,10 +64,11 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import VEC
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_after_sync, tmem_fence_before_sync
-from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, exp_scores, o_copies, rescale_o, row_reduce,
-                                                      row_normalizer, scale_scores, softmax_pipelines, write_lse)
-from cute_kv.kernels.mla.sm100_config import (BM, BN, GATHER_WIDTH, O_COLS, STAGES, TMEM_COLUMNS, V_SPLIT,
-                                              supported, tiling)
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
+                                                      rescale_o, row_reduce, row_normalizer, scale_scores,
+                                                      softmax_pipelines, write_lse)
+from cute_kv.kernels.mla.sm100_config import (BM, FP8, FP8_MMA_STAGES, GATHER_WIDTH, O_COLS, ROW_LANES, TMEM_COLUMNS,
+                                              V_SPLIT, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 
@@ -62,23 +76,27 @@ SOFTMAX_THREADS = 128  # warps 0-3
 MMA_WARP = 4
 LOAD_WARP = 5
 THREADS = 32 * (LOAD_WARP + 1)
+# Rope-aware fp8 caches add warps 6-9, the converter warpgroup (no setmaxnreg: 320 threads leave 200 registers each).
+CONVERT_WARPS = (6, 7, 8, 9)
+CONVERT_THREADS = 32 * len(CONVERT_WARPS)
+FP8_THREADS = 32 * (CONVERT_WARPS[-1] + 1)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles
-P_SWIZZLE = 64  # a 32-key row of P is 64 bytes
-S_COLS = BN  # TMEM columns of one S tile
-O_COL = 2 * BN  # first TMEM column of the O half
+SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles (and of the fp8 content landing stages)
+CONTENT_BOX = 128  # e4m3 columns per content gather4: one 128-byte swizzle row
 
 
 class MlaDecodeSm100:
     """Compile-time key: dtype (of Q, O, the cache and the MMAs), query heads, ``latent_dim``, ``v_dim``,
-    ``page_size``, ``sparse``, the flags ``softcap``, ``sinks``, ``return_lse`` and (sparse) whether
-    ``topk_lengths`` is given."""
+    ``page_size``, ``sparse``, the flags ``softcap``, ``sinks``, ``return_lse``, (sparse) whether
+    ``topk_lengths`` is given, and ``rope_dim`` for a rope-aware FP8 cache (rows ``[latent_dim - rope_dim e4m3 |
+    rope_dim bf16]`` with one float32 scale per token; None: a cache of ``dtype``)."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, latent_dim: int, v_dim: int, page_size: int,
                  sparse: bool = False, softcap: bool = False, sinks: bool = False, return_lse: bool = False,
-                 topk_lengths: bool = False):
-        problem = supported(dtype_name, dtype_name, latent_dim, v_dim, page_size)
+                 topk_lengths: bool = False, rope_dim: Optional[int] = None):
+        problem = supported(dtype_name, dtype_name if rope_dim is None else FP8, latent_dim, v_dim, page_size,
+                            rope_dim)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -86,7 +104,12 @@ class MlaDecodeSm100:
         self.group = num_q_heads  # packed rows per token: one latent KV head
         self.sparse, self.softcap, self.sinks, self.return_lse = sparse, softcap, sinks, return_lse
         self.has_topk_lengths = sparse and topk_lengths
-        self.plan = tiling(latent_dim)
+        self.rope_dim, self.fp8 = rope_dim, rope_dim is not None
+        self.content_dim = latent_dim - rope_dim if self.fp8 else latent_dim  # padded_depth: e4m3 bytes a row
+        self.plan = tiling(latent_dim, rope_dim)
+        self.bn, self.stages = self.plan.bn, self.plan.stages
+        self.mma_stages = FP8_MMA_STAGES if self.fp8 else self.stages  # key tiles the MMAs read
+        self.threads = FP8_THREADS if self.fp8 else THREADS
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -102,9 +125,15 @@ class MlaDecodeSm100:
                                             stride_order=(2, 1, 0), assumed_align=4)
         lse = make_fake_compact_tensor(Float32, (cute.sym_int32(), hq), stride_order=(1, 0), assumed_align=4)
         p = self.page_size
-        blocks = make_fake_tensor(dt, (cute.sym_int32(), 1, cute.sym_int32(), p, 1, d), stride=(
-            cute.sym_int64(divisibility=p * d), cute.sym_int64(divisibility=p * d), p * d, d, d, 1),
+        w = self.content_dim + 2 * self.rope_dim if self.fp8 else d  # cache elements a row (fp8: bytes)
+        blocks = make_fake_tensor(cutlass.Float8E4M3FN if self.fp8 else dt, (
+            cute.sym_int32(), 1, cute.sym_int32(), p, 1, w), stride=(
+            cute.sym_int64(divisibility=p * w), cute.sym_int64(divisibility=p * w), p * w, w, w, 1),
             assumed_align=16)
+        scales = None
+        if self.fp8:
+            scales = make_fake_tensor(Float32, (cute.sym_int32(), 1, cute.sym_int32(), p, 1, 1), stride=(
+                cute.sym_int64(divisibility=p), cute.sym_int64(divisibility=p), p, 1, 1, 1), assumed_align=4)
         b = cute.sym_int32()
         offsets = lengths = lut = indices = topk_lengths = None
         if self.sparse:
@@ -116,52 +145,76 @@ class MlaDecodeSm100:
             offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
             lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
-        return (q, out, o_part, lse_part, lse, blocks, offsets, lengths, lut, indices, topk_lengths, sinks, Int32(0),
-                Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(1.0),
+        return (q, out, o_part, lse_part, lse, blocks, scales, offsets, lengths, lut, indices, topk_lengths, sinks,
+                Int32(0), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(1.0),
                 make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
-                 lse: cute.Tensor, blocks: cute.Tensor, input_row_offsets: Optional[cute.Tensor],
-                 cache_lengths: Optional[cute.Tensor], lookup_table: Optional[cute.Tensor],
-                 indices: Optional[cute.Tensor], topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
-                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, batch: Int32, causal: Int32,
-                 score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
+                 lse: cute.Tensor, blocks: cute.Tensor, scales: Optional[cute.Tensor],
+                 input_row_offsets: Optional[cute.Tensor], cache_lengths: Optional[cute.Tensor],
+                 lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
+                 topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor], layer_idx: Int32,
+                 m_blocks: Int32, num_splits: Int32, batch: Int32, causal: Int32, score_scale: Float32,
+                 cap_log2: Float32, stream: cuda.CUstream):
         """Dense: ``input_row_offsets``, ``cache_lengths``, ``lookup_table`` name each request's keys; ``batch``
         requests. Sparse: ``indices [T, topk]`` (and ``topk_lengths [T]``) name each token's keys; ``batch`` = T.
         ``m_blocks``: row blocks per request (dense ``ceil(max_seq_len * Hq / BM)``, sparse ``ceil(Hq / BM)``).
-        Logits in base 2 are ``score_scale * q.k``, or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``."""
-        dt = self.dtype
+        Logits in base 2 are ``score_scale * q.k``, or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``.
+        Rope-aware fp8: ``blocks`` e4m3 ``[N, 1, L, P, 1, padded_depth + 2 rope_dim]``, ``scales`` float32
+        ``[N, 1, L, P, 1, 1]``; keys are ``concat(content * scale, rope)``."""
+        dt, bn = self.dtype, self.bn
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                          tcgen05.CtaGroup.ONE, (BM, BN))
+                                                          tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, O_COLS))
-        rows = tma_tiles.kv_row_view(blocks, 0, layer_idx)
+        rows, rope_rows, scale_rows = self.row_views(blocks, scales, layer_idx)
         # The index tensor only shapes the descriptor; the kernel points it at its shared-memory rows.
         index_src = indices.iterator if cutlass.const_expr(self.sparse) else cute.recast_ptr(lookup_table.iterator,
                                                                                              dtype=Int32)
-        index = cute.make_tensor(index_src, cute.make_layout((BN,)))
-        tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, BN, GATHER_WIDTH,
-                                                          SWIZZLE)
+        index = cute.make_tensor(index_src, cute.make_layout((bn,)))
+        tma_r = g_r = None
+        if cutlass.const_expr(self.fp8):
+            # content: boxes from byte 0 of the fp8 rows; rope: the bf16 view from byte padded_depth of the same
+            # rows, one box of rope_dim (MAX's create_rope_gather4_tma_tile, over the view ``row_views`` gives)
+            tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, bn,
+                                                              CONTENT_BOX, SWIZZLE)
+            tma_r, g_r, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rope_rows), index, bn,
+                                                              self.rope_dim)
+        else:
+            tma_k, g_k, _ = tma_tiles.create_gather4_tma_tile(PagedAttentionSm100.rows_2d(rows), index, bn,
+                                                              GATHER_WIDTH, SWIZZLE)
         rows_per_page = blocks.shape[1] * blocks.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
         num_slots = blocks.shape[0] * self.page_size  # encoded sparse entries in [0, N*P) name a row
         grid = (m_blocks, V_SPLIT * num_splits, batch)
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, q, out, o_part, lse_part, lse, input_row_offsets,
-                    cache_lengths, lookup_table, indices, topk_lengths, sinks, rows_per_page, rows.shape[0],
-                    num_slots, num_splits, causal, score_scale, cap_log2).launch(
-            grid=grid, block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_r, g_r, scale_rows, q, out, o_part, lse_part, lse,
+                    input_row_offsets, cache_lengths, lookup_table, indices, topk_lengths, sinks, rows_per_page,
+                    rows.shape[0], num_slots, num_splits, causal, score_scale, cap_log2).launch(
+            grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    def row_views(self, blocks: cute.Tensor, scales: Optional[cute.Tensor], layer_idx):
+        """The layer's row views the kernel loads from: rows ``[num_kv_rows, 1, row width]`` of the cache's type
+        (gather4 reads content boxes from byte 0), and for a rope-aware cache the bf16 rope view of the same rows
+        (``[num_kv_rows, 1, rope_dim]`` from byte ``padded_depth``, ``tma_tiles.rope_row_view``) and
+        the scales ``[num_kv_rows, 1, 1]`` (the scale index is the row); None for 16-bit caches."""
+        rows = tma_tiles.kv_row_view(blocks, 0, layer_idx)
+        if cutlass.const_expr(not self.fp8):
+            return rows, None, None
+        return (rows, tma_tiles.rope_row_view(blocks, 0, layer_idx, self.content_dim, self.rope_dim),
+                tma_tiles.kv_row_view(scales, 0, layer_idx))
 
     # -- device ----------------------------------------------------------------------------------
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
-               lse: cute.Tensor, input_row_offsets: Optional[cute.Tensor], cache_lengths: Optional[cute.Tensor],
-               lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor],
-               topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor], rows_per_page: Int32,
-               oob_row: Int32, num_slots: Int32, num_splits: Int32, causal: Int32, score_scale: Float32,
-               cap_log2: Float32):
-        dt, d, group = self.dtype, self.latent_dim, self.group
+               g_k: cute.Tensor, tma_r: Optional[cute.CopyAtom], g_r: Optional[cute.Tensor],
+               scale_rows: Optional[cute.Tensor], q: cute.Tensor, out: cute.Tensor, o_part: cute.Tensor,
+               lse_part: cute.Tensor, lse: cute.Tensor, input_row_offsets: Optional[cute.Tensor],
+               cache_lengths: Optional[cute.Tensor], lookup_table: Optional[cute.Tensor],
+               indices: Optional[cute.Tensor], topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
+               rows_per_page: Int32, oob_row: Int32, num_slots: Int32, num_splits: Int32, causal: Int32,
+               score_scale: Float32, cap_log2: Float32):
+        dt, d, group, bn, stages = self.dtype, self.latent_dim, self.group, self.bn, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, half_split, b = cute.arch.block_idx()
         v_half = half_split % V_SPLIT
@@ -182,34 +235,66 @@ class MlaDecodeSm100:
             if cutlass.const_expr(self.sparse):
                 causal = Int32(0)  # the indices decide which keys a token sees
             first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, Int32(0), split,
-                                              num_splits, BM, BN, group)
+                                              num_splits, BM, bn, group)
 
             smem = SmemAllocator()
-            kv_bars = smem.allocate_array(cutlass.Int64, 2 * STAGES)
+            kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
             s_bars = smem.allocate_array(cutlass.Int64, 4)
             p_bars = smem.allocate_array(cutlass.Int64, 2)
-            s_rows = smem.allocate_tensor(Int32, cute.make_layout((BN, STAGES)), byte_alignment=16)
+            s_rows = smem.allocate_tensor(Int32, cute.make_layout((ROW_LANES, stages)), byte_alignment=16)
+            mma_bars = s_scales = ring_r = None
+            if cutlass.const_expr(self.fp8):
+                mma_bars = smem.allocate_array(cutlass.Int64, 2 * FP8_MMA_STAGES)
+                s_scales = smem.allocate_tensor(Float32, cute.make_layout((ROW_LANES, stages)), byte_alignment=16)
             sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
-            sp_layout = tma_tiles.smem_tile_layout(dt, BM, BN, P_SWIZZLE)
-            ring_layout = tma_tiles.smem_tile_layout(dt, BN, d, SWIZZLE, stages=STAGES)
+            sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn, 2 * bn)  # a row of P: bn 16-bit values
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
-            ring = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
-            # V as the PV MMA's B operand: this CTA's value half of the key tile, (O_COLS, BN) with the value dim
-            # contiguous (MN-major), the same bytes (a stage is BN x latent_dim).
-            s_vt = cute.composition(cute.domain_offset((0, v_half * O_COLS, 0), ring),
-                                    cute.make_layout((O_COLS, BN, STAGES), stride=(BN, 1, BN * d)))
+            kv_layout = tma_tiles.smem_tile_layout(dt, bn, d, SWIZZLE, stages=self.mma_stages)
+            if cutlass.const_expr(self.fp8):
+                # Landing stages (content e4m3 in the MMA's swizzle, rope bf16 row-major as its gather4 writes
+                # it); the converter turns each into one of two 16-bit key tiles ``s_kv``.
+                ring_layout = tma_tiles.smem_tile_layout(cutlass.Float8E4M3FN, bn, self.content_dim, SWIZZLE,
+                                                         stages=stages)
+                ring = smem.allocate_tensor(cutlass.Float8E4M3FN, ring_layout.outer, byte_alignment=1024,
+                                            swizzle=ring_layout.inner)
+                r = self.rope_dim
+                ring_r = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((bn, r, stages),
+                                                                                 stride=(r, 1, bn * r)),
+                                              byte_alignment=1024)
+                s_kv = smem.allocate_tensor(dt, kv_layout.outer, byte_alignment=1024, swizzle=kv_layout.inner)
+            else:
+                ring = smem.allocate_tensor(dt, kv_layout.outer, byte_alignment=1024, swizzle=kv_layout.inner)
+                s_kv = ring  # what the MMAs read: the landing stages themselves
+            # V as the PV MMA's B operand: this CTA's value half of the key tile, (O_COLS, bn) with the value dim
+            # contiguous (MN-major), the same bytes (a key tile is bn x latent_dim).
+            s_vt = cute.composition(cute.domain_offset((0, v_half * O_COLS, 0), s_kv),
+                                    cute.make_layout((O_COLS, bn, self.mma_stages), stride=(bn, 1, bn * d)))
 
             one_cta = cute.make_layout((1, 1, 1, 1))
             thread = pipeline.Agent.Thread
-            kv_pipe = pipeline.PipelineTmaUmma.create(
-                barrier_storage=kv_bars, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(thread),
-                consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
-                cta_layout_vmnk=one_cta, defer_sync=True)
+            if cutlass.const_expr(self.fp8):  # landing ring -> converter warpgroup -> 16-bit key tiles -> MMA
+                # The full barrier also takes each load lane's arrival after its scale store (33 arrivals); a
+                # stage is released by one lane of each converter warp (PipelineTmaAsync's signalling lane).
+                kv_pipe = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=kv_bars, num_stages=stages,
+                    producer_group=pipeline.CooperativeGroup(thread, 1 + ROW_LANES),
+                    consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS // 32),
+                    tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
+                mma_pipe = pipeline.PipelineAsyncUmma.create(
+                    barrier_storage=mma_bars, num_stages=FP8_MMA_STAGES,
+                    producer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
+            else:
+                kv_pipe = pipeline.PipelineTmaUmma.create(
+                    barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
+                    consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
+                    cta_layout_vmnk=one_cta, defer_sync=True)
+                mma_pipe = kv_pipe
             s_pipe, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS)
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
-                                                                            num_threads=THREADS),
+                                                                            num_threads=self.threads),
                                  allocator_warp_id=MMA_WARP)
             tmem.allocate(TMEM_COLUMNS)
             self.load_q(s_q, q, q_start, seq_len, m0)
@@ -222,23 +307,29 @@ class MlaDecodeSm100:
 
             thr_qk = tiled_mma_qk.get_slice(0)
             thr_pv = tiled_mma_pv.get_slice(0)
-            # TMEM: S tiles at columns [0, BN) and [BN, 2 BN), the O half at [2 BN, 2 BN + O_COLS).
-            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, BN)), 2))
+            # TMEM: S tiles at columns [0, bn) and [bn, 2 bn), the O half at [2 bn, 2 bn + O_COLS).
+            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, bn)), 2))
             t_s = cute.make_tensor(tmem_ptr, t_s.layout)
             t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, O_COLS)))
-            t_o = cute.make_tensor(tmem_ptr + O_COL, t_o.layout)
+            t_o = cute.make_tensor(tmem_ptr + 2 * bn, t_o.layout)
 
             if warp_idx == LOAD_WARP:
                 cpasync.prefetch_descriptor(tma_k)
-                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+                if cutlass.const_expr(self.fp8):
+                    cpasync.prefetch_descriptor(tma_r)
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for _ in cutlass.range(n_tiles, unroll=1):
-                    self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring, s_rows, lookup_table,
-                                     indices, b, num_keys, rows_per_page, oob_row, num_slots)
+                    self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring, tma_r, g_r, ring_r,
+                                     s_rows, s_scales, scale_rows, lookup_table, indices, b, num_keys, rows_per_page,
+                                     oob_row, num_slots)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, ring, s_p, s_vt, t_s, t_o, kv_pipe, s_pipe,
-                         p_pipe, n_tiles)
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_kv, s_p, s_vt, t_s, t_o, mma_pipe,
+                         s_pipe, p_pipe, n_tiles)
+            if cutlass.const_expr(self.fp8):
+                if warp_idx >= CONVERT_WARPS[0]:
+                    self.convert(kv_pipe, mma_pipe, ring, ring_r, s_kv, s_scales, n_tiles)
             if warp_idx < SOFTMAX_THREADS // 32:
                 row_max, row_sum = self.softmax(t_s, t_o, s_p, s_pipe, p_pipe, indices, b, first_tile, n_tiles, m0,
                                                 seq_len, cache_len, num_keys, causal, rows_per_page, oob_row,
@@ -268,42 +359,97 @@ class MlaDecodeSm100:
         return row
 
     @cute.jit
-    def gather_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
-                    tma_k: cute.CopyAtom, g_k: cute.Tensor, ring: cute.Tensor, s_rows: cute.Tensor,
-                    lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor], b: Int32, num_keys: Int32,
-                    rows_per_page: Int32, oob_row: Int32, num_slots: Int32):
+    def gather_tile(self, pipe, prod: pipeline.PipelineState, tile: Int32, tma_k: cute.CopyAtom, g_k: cute.Tensor,
+                    ring: cute.Tensor, tma_r: Optional[cute.CopyAtom], g_r: Optional[cute.Tensor],
+                    ring_r: Optional[cute.Tensor], s_rows: cute.Tensor, s_scales: Optional[cute.Tensor],
+                    scale_rows: Optional[cute.Tensor], lookup_table: Optional[cute.Tensor],
+                    indices: Optional[cute.Tensor], b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
+                    num_slots: Int32):
         """Load warp: key tile ``tile`` into stage ``prod.index``: a lane per key row into the stage's row array,
-        then gather4, 4 rows x one 128-byte swizzle row per instruction, ``latent_dim / 64`` column blocks."""
+        then gather4, 4 rows x one 128-byte swizzle row per instruction: ``latent_dim / 64`` column blocks of a
+        16-bit cache; of a rope-aware fp8 cache ``padded_depth / 128`` e4m3 blocks and the bf16 rope (one
+        ``rope_dim``-wide box from byte ``padded_depth``), then each lane's row scale (``ld.global``; 0 for no
+        row) into the stage's scale array, which every lane's arrival on the full barrier publishes."""
+        bn = self.bn
         lane = cute.arch.lane_idx()
         pipe.producer_acquire(prod)
         cute.arch.sync_warp()  # the stage's previous gathers were issued before any lane rewrites its rows
-        s_rows[lane, prod.index] = self.key_row(lookup_table, indices, b, tile * BN + lane, num_keys, rows_per_page,
-                                                oob_row, num_slots)
+        row = self.key_row(lookup_table, indices, b, tile * bn + lane, num_keys, rows_per_page, oob_row, num_slots)
+        s_rows[lane, prod.index] = row
         cute.arch.sync_warp()
         bar = pipe.producer_get_barrier(prod)
-        index = cute.zipped_divide(cute.make_tensor(s_rows[None, prod.index].iterator,
-                                                    cute.make_layout((BN, GATHER_WIDTH), stride=(1, 0))),
-                                   (BN, GATHER_WIDTH))
-        for c in cutlass.range_constexpr(self.latent_dim // GATHER_WIDTH):
-            src = cute.zipped_divide(cute.domain_offset((0, c * GATHER_WIDTH), g_k), (BN, GATHER_WIDTH))
-            dst = cute.local_tile(ring[None, None, prod.index], (BN, GATHER_WIDTH), (0, c))
-            t_s, t_g, t_i = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+        rows = s_rows[None, prod.index].iterator
+        if cutlass.const_expr(self.fp8):
+            self.gather(tma_k, g_k, ring[None, None, prod.index], rows, CONTENT_BOX, self.content_dim, bar)
+            self.gather(tma_r, g_r, ring_r[None, None, prod.index], rows, self.rope_dim, self.rope_dim, bar)
+            scale = Float32(0.0)  # a key with no row: TMA zero-fills its bytes, the scale keeps them 0
+            if lane < bn:
+                if row != oob_row:
+                    scale = Float32(scale_rows[row, 0, 0])
+            s_scales[lane, prod.index] = scale
+            cute.arch.mbarrier_arrive(bar)
+        else:
+            self.gather(tma_k, g_k, ring[None, None, prod.index], rows, GATHER_WIDTH, self.latent_dim, bar)
+
+    @cute.jit
+    def gather(self, atom: cute.CopyAtom, g_rows: cute.Tensor, dst: cute.Tensor, rows: cute.Pointer,
+               width: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], bar):
+        """The stage's ``bn`` rows (``rows``: their indices in shared memory) x ``depth`` columns of ``g_rows`` into
+        the ``(bn, depth)`` tile ``dst``, one gather4 copy per ``width`` columns (``bn / 4`` instructions each)."""
+        bn = self.bn
+        index = cute.zipped_divide(cute.make_tensor(rows, cute.make_layout((bn, width), stride=(1, 0))),
+                                   (bn, width))
+        for c in cutlass.range_constexpr(depth // width):
+            src = cute.zipped_divide(cute.domain_offset((0, c * width), g_rows), (bn, width))
+            t_s, t_g, t_i = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                  cute.group_modes(cute.local_tile(dst, (bn, width), (0, c)), 0, 2),
                                                   [src, index])
-            cute.copy(tma_k, [t_g[None, (0, 0)], t_i[None, (0, 0)]], t_s, tma_bar_ptr=bar)
+            cute.copy(atom, [t_g[None, (0, 0)], t_i[None, (0, 0)]], t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def convert(self, kv_pipe: pipeline.PipelineTmaAsync, mma_pipe: pipeline.PipelineAsyncUmma, ring: cute.Tensor,
+                ring_r: cute.Tensor, s_kv: cute.Tensor, s_scales: cute.Tensor, n_tiles: Int32):
+        """Converter warpgroup (rope-aware fp8): each landing stage -> one of the two 16-bit key tiles, once the
+        P V MMA that read it last completed: ``content * scale`` (float32 product, rounded once to q's dtype) in
+        columns ``[0, padded_depth)``, the rope in q's dtype after it (bf16 q: copied unchanged; fp16 q: rounded
+        to fp16, values beyond its range overflow). A row of the tile is ``CONVERT_THREADS / bn`` threads' (8),
+        each a strided eighth of its 16-byte chunks; the stage is released once converted."""
+        per_row = CONVERT_THREADS // self.bn
+        t = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
+        r, part = t // per_row, t % per_row
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, FP8_MMA_STAGES)
+        for _ in cutlass.range(n_tiles, unroll=1):
+            kv_pipe.consumer_wait(read)
+            mma_pipe.producer_acquire(write)
+            scale = s_scales[r, read.index]
+            dst = s_kv[r, None, write.index]
+            dequantize_row(ring[r, None, read.index], dst, part, per_row, True, lambda c: scale, self.dtype)
+            dequantize_row(ring_r[r, None, read.index],
+                           cute.local_tile(dst, (self.rope_dim,), (self.content_dim // self.rope_dim,)), part,
+                           per_row, True, None, self.dtype)
+            cute.arch.fence_view_async_shared()  # the MMAs read the tile next
+            mma_pipe.producer_commit(write)
+            write.advance()
+            cute.arch.sync_warp()  # every lane's reads of the stage before its warp's one release
+            kv_pipe.consumer_release(read)
+            read.advance()
+        mma_pipe.producer_tail(write)  # the MMA's last releases landed: no commit arrives after the CTA exits
 
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
-            thr_pv: cute.ThrMma, s_q: cute.Tensor, ring: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
-            t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
+            thr_pv: cute.ThrMma, s_q: cute.Tensor, s_kv: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
+            t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe, s_pipe: pipeline.PipelineUmmaAsync,
             p_pipe: pipeline.PipelineAsyncUmma, n_tiles: Int32):
         """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (V: the CTA's value half of the
-        same stage, released by the commit of that PV MMA)."""
+        same key tile, released by the commit of that PV MMA). ``kv_pipe``: the landing ring (16-bit caches) or the
+        converter's two tiles (fp8)."""
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
-        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(ring))
+        t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_kv))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
-        kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mma_stages)
+        kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mma_stages)
         s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         p_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for j in cutlass.range(n_tiles + 1, unroll=1):
@@ -348,10 +494,11 @@ class MlaDecodeSm100:
             row_end = Int32(0)  # a padding row: everything masked
 
         s_tile = t_s[(None, None), 0, 0, 0]
-        load_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(BN)),
+        bn = self.bn
+        load_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(bn)),
                                                             Float32), s_tile).get_slice(tidx)
         t_s_src = load_s.partition_S(s_tile)
-        cols = load_s.partition_D(cute.make_identity_tensor((BM, BN)))  # (row, key) of each S register
+        cols = load_s.partition_D(cute.make_identity_tensor((BM, bn)))  # (row, key) of each S register
         scores = cute.make_rmem_tensor(cols.shape, Float32)
         probs = cute.make_rmem_tensor(cols.shape, self.dtype)
         t_p_dst = load_s.partition_D(s_p)  # this thread's row of P, in the same register order
@@ -361,10 +508,10 @@ class MlaDecodeSm100:
         s_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         p_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for j in cutlass.range(n_tiles, unroll=1):
-            tile_base = (first_tile + j) * BN
+            tile_base = (first_tile + j) * bn
             s_pipe.consumer_wait(s_read)
             tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
-            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * S_COLS, t_s_src.layout), scores)
+            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + s_read.index * bn, t_s_src.layout), scores)
             cute.arch.fence_view_async_tmem_load()
             tmem_fence_before_sync()
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
@@ -372,14 +519,17 @@ class MlaDecodeSm100:
 
             scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # most tiles of a dense context are whole
-            if tile_base + BN > row_end:
+            if tile_base + bn > row_end:
                 masked = Int32(1)
             valid = Int32(-1)  # bit k: key k of the tile names a row
             if cutlass.const_expr(self.sparse):
-                # Lane k resolves key k as the load warp did (BN = 32 lanes), one ballot gives the warp the tile.
+                # Lane k resolves key k as the load warp did, one ballot gives the warp the tile (bits past bn:
+                # the next tile's keys, set).
                 row = self.key_row(None, indices, b, tile_base + cute.arch.lane_idx(), num_keys, rows_per_page,
                                    oob_row, num_slots)
                 valid = cute.arch.vote_ballot_sync(row != oob_row)
+                if cutlass.const_expr(bn < 32):
+                    valid = valid | Int32(-(1 << bn))
                 if valid != -1:
                     masked = Int32(1)
             if masked != 0:
@@ -452,6 +602,6 @@ class MlaDecodeSm100:
         chunks = self.latent_dim // VEC
         tidx, _, _ = cute.arch.thread_idx()
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, BM * chunks, THREADS, unroll=1):
+        for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):
             copy_q_chunk(q, s_q, vals, idx // chunks, idx % chunks, m0, q_start, seq_len, Int32(0), self.group)
         cute.arch.fence_view_async_shared()

@@ -13,6 +13,19 @@ alone fills tensor memory.
 Shared memory holds Q (128 x 576 16-bit: 144 KiB), P (16-bit, the PV MMA's A operand) and a ring of key tiles of
 ``BN`` rows x the full latent width; the first 512 columns of a key tile are its values (V = the same bytes read
 MN-major), so a tile is loaded once for both MMAs. 227 KiB leave room for two stages of 32 keys.
+
+Rope-aware FP8 caches (rows ``[512 e4m3 | 64 bf16]``, one float32 scale per token): the load warp brings each key
+tile's content by gather4 into an fp8 landing stage (4 x 128-byte boxes at byte 0 of the rows), its rope by the bf16
+rope gather4 (a box at byte ``padded_depth``) into a bf16 landing stage, and its scales (``ld.global`` by the lane
+resolving the row) into a float32 array; a converter warpgroup writes ``bf16(content * scale) | rope`` into a 16-bit
+``BN x 576`` tile the MMAs read (both: V is its first 512 columns). The per-token scale is applied there, not folded
+into S: ``S[:, j] = s_j (q_c . c_j) + q_r . r_j`` would need the content and rope products in separate TMEM
+accumulators and a per-column scale in the softmax, and V = ``c_j s_j`` (or ``P[:, j] s_j``) needs the conversion of
+the same e4m3 bytes to 16 bits anyway (``kind::f16`` takes no e4m3 B beside a bf16 A), so the fold would only move
+one multiply per element out of the converter. Two converted tiles (QK of tile j + 1 while P V of tile j waits on
+the softmax) of 32 keys would not fit next to Q, so the fp8 kernel tiles ``FP8_BN`` = 16 keys: Q 144 KiB, P 4 KiB,
+two 18 KiB converted tiles and ``stages`` 10 KiB landing stages (4: 226 KiB in all). 36 QK MMAs (N = 16) and one
+PV MMA (K = 16) per tile.
 """
 
 from __future__ import annotations
@@ -33,41 +46,69 @@ RESERVED_BYTES = 64
 GATHER_WIDTH = 64  # 16-bit columns per gather4: one 128-byte swizzle row
 LATENT_DIMS = (576,)  # kv_lora_rank + rope_dim of DeepSeek-V2/V3 (512 + 64)
 V_DIMS = (512,)
+ROPE_DIMS = (64,)  # rope-aware FP8 rows: bf16 rope values after padded_depth = latent_dim - rope_dim e4m3 bytes
+FP8 = "float8_e4m3fn"
+FP8_BN = 16
+FP8_MMA_STAGES = 2  # converted 16-bit tiles
+MAX_STAGES = 4
+ROW_LANES = 32  # a stage's row (and scale) array: one entry per load-warp lane
 
 
 @dataclasses.dataclass(frozen=True)
 class MlaTiling:
-    """Bytes of the barriers and gather4 row arrays ahead of the 1024-aligned tiles (``fixed``), of Q, P and one
-    key tile; TMEM columns used."""
+    """Key tile ``bn``, landing ``stages``; bytes of the barriers, row (and scale) arrays ahead of the 1024-aligned
+    tiles (``fixed``), of Q, P, one key stage as loaded and (rope-aware fp8) the converted 16-bit tiles the MMAs
+    read (``mma_tiles``); TMEM columns used."""
 
     latent_dim: int
+    bn: int
+    stages: int
     fixed: int
     q_bytes: int
     p_bytes: int
     stage_bytes: int
+    mma_tiles: int = 0
 
     @property
     def smem(self) -> int:
-        return self.fixed + self.q_bytes + self.p_bytes + STAGES * self.stage_bytes
+        return self.fixed + self.q_bytes + self.p_bytes + self.stages * self.stage_bytes + self.mma_tiles
 
     @property
     def tmem_columns(self) -> int:
-        return 2 * BN + O_COLS
+        return 2 * self.bn + O_COLS
 
 
-def tiling(latent_dim: int) -> MlaTiling:
-    used = RESERVED_BYTES + 8 * (2 * STAGES + 4 + 2) + 4 * BN * STAGES
-    plan = MlaTiling(latent_dim, -(-used // 1024) * 1024, BM * latent_dim * 2, BM * BN * 2, BN * latent_dim * 2)
-    assert plan.smem <= SMEM_PER_CTA and plan.tmem_columns <= TMEM_COLUMNS
-    return plan
+def tiling(latent_dim: int, rope_dim: Optional[int] = None) -> MlaTiling:
+    """16-bit caches: ``STAGES`` stages of ``BN`` keys x ``latent_dim``. Rope-aware fp8: ``FP8_BN`` keys, the
+    deepest landing ring (content + rope bytes a stage) that fits beside two converted tiles."""
+    if rope_dim is None:
+        used = RESERVED_BYTES + 8 * (2 * STAGES + 4 + 2) + 4 * BN * STAGES
+        plan = MlaTiling(latent_dim, BN, STAGES, -(-used // 1024) * 1024, BM * latent_dim * 2, BM * BN * 2,
+                         BN * latent_dim * 2)
+        assert plan.smem <= SMEM_PER_CTA and plan.tmem_columns <= TMEM_COLUMNS
+        return plan
+    bn, content = FP8_BN, latent_dim - rope_dim
+    for stages in range(MAX_STAGES, 1, -1):
+        # barriers: landing full/empty, S, P/O, converted full/empty; per stage a row and a scale array of a
+        # load-warp lane each
+        used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2 + 2 * FP8_MMA_STAGES) + 2 * 4 * ROW_LANES * stages
+        plan = MlaTiling(latent_dim, bn, stages, -(-used // 1024) * 1024, BM * latent_dim * 2, BM * bn * 2,
+                         bn * (content + 2 * rope_dim), FP8_MMA_STAGES * bn * latent_dim * 2)
+        if plan.smem <= SMEM_PER_CTA:
+            return plan
+    raise ValueError(f"latent_dim {latent_dim} does not fit two fp8 landing stages in shared memory")
 
 
 def supported(q_dtype_name: str, kv_dtype_name: str, latent_dim: int, v_dim: int,
               page_size: Optional[int], rope_dim: Optional[int] = None) -> Optional[str]:
     """Why the SM100 MLA kernel cannot take the problem, or None."""
     if rope_dim is not None:
-        return "the SM100 MLA kernel reads 16-bit caches; the rope-aware fp8 cache is not served yet"
-    if kv_dtype_name not in DTYPE_NAMES or kv_dtype_name != q_dtype_name:
+        if kv_dtype_name != FP8 or q_dtype_name not in DTYPE_NAMES:
+            return f"the SM100 MLA kernel reads rope-aware rows as {FP8} beside 16-bit q, got {q_dtype_name} and " \
+                   f"{kv_dtype_name}"
+        if rope_dim not in ROPE_DIMS:
+            return f"the SM100 MLA kernel takes rope-aware rows of rope_dim {ROPE_DIMS}, got {rope_dim}"
+    elif kv_dtype_name not in DTYPE_NAMES or kv_dtype_name != q_dtype_name:
         return f"the SM100 MLA kernel needs q and the cache in the same 16-bit dtype, got {q_dtype_name} and " \
                f"{kv_dtype_name}"
     if latent_dim not in LATENT_DIMS:
