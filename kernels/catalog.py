@@ -117,10 +117,12 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", 32),  # fp8 by gather4
 ]
-MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse])
+MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse, rope_dim])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
     ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # rope-aware FP8 rows (512 e4m3 | 64 bf16)
+    ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # rope-aware, four page slots, features
 ]
 MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths)
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads
@@ -187,7 +189,8 @@ def _attention_plan(k: attention_sm90.PagedAttention) -> Plan:
 
 
 def _mla_plan(k: mla_sm90.MLADecode) -> Plan:
-    # One CTA per SM: the Q tile, two 64 x latent key stages and the P tile take the shared memory (mla/config).
+    # One CTA per SM: the Q tile, two 64 x latent key stages and the P tile take the shared memory (mla/config);
+    # a rope-aware FP8 tile lands inside the stage it is dequantized into.
     return Plan(mla_sm90.THREADS, k.smem_bytes(), 1)
 
 
