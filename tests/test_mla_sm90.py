@@ -301,16 +301,22 @@ def test_ptxas_fits_without_spills(compiled, tmp_path):
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=torch.bfloat16, seed=0, **kw):
+def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=torch.bfloat16, seed=0, rope=False,
+             **kw):
+    """``rope``: a rope-aware FP8 cache (640-byte rows, q ``latent`` = 576 wide)."""
     from cute_kv.kernels.compile_cache import cache_info
 
-    batches = [_batch(cached, new, latent, page_size, dtype, seed, device=dev) for dev in ("cpu", "cuda")]
+    if rope:
+        batches = [_rope_batch(cached, new, page_size, seed, device=dev) for dev in ("cpu", "cuda")]
+    else:
+        batches = [_batch(cached, new, latent, page_size, dtype, seed, device=dev) for dev in ("cpu", "cuda")]
     for pb in batches:
         pb.poison_unread(1)  # NaN in every slot attention must not read
     cpu, gpu = batches
     q = torch.randn(sum(new), hq, latent, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, mla_v_dim=v_dim, **kw)
     blocks = bits(gpu.collection.blocks).clone()
+    scales = None if gpu.collection.scales is None else bits(gpu.collection.scales).clone()
     out = torch.full((q.shape[0], hq, v_dim), float("nan"), dtype=dtype, device="cuda")
     gpu_kw = {**kw, "sinks": kw["sinks"].cuda()} if kw.get("sinks") is not None else kw
     assert cute_kv.explain(cute_kv.paged_attention, q.cuda(), gpu.input_row_offsets, gpu.collection, 1,
@@ -326,6 +332,7 @@ def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=tor
     assert got is out and not out.isnan().any()  # every row written, no stale (NaN) key reached it
     assert rel_err(out.cpu(), want) < TOL[dtype]
     assert torch.equal(bits(gpu.collection.blocks), blocks)
+    assert scales is None or torch.equal(bits(gpu.collection.scales), scales)
     assert cache_info()["compiles"] - compiles <= 2  # the kernel (and the split combine)
 
 
@@ -362,3 +369,27 @@ def test_split_kv_decode_matches_one_split():
     pb = _batch([30000, 20000], [1, 1])
     assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
     _gpu_run([30000, 20000], [1, 1], seed=6, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 1024), (32, 4096), (128, 1024), (4, 32768)])
+def test_rope_aware_deepseek_decode(batch, ctx):
+    """Rope-aware FP8 rows (512 e4m3 | 64 bf16, a float32 scale a token): 128 heads, page 64, shuffled pages,
+    ragged lengths around ``ctx`` (one request of 0 cached keys), unread slots NaN."""
+    gen = torch.Generator().manual_seed(batch * 11 + ctx)
+    cached = [int(x) for x in torch.randint(ctx // 2, ctx + 1, (batch,), generator=gen)]
+    cached[0] = 0
+    _gpu_run(cached, [1] * batch, seed=batch, rope=True)
+
+
+@pytest.mark.gpu
+def test_rope_aware_ragged_splits_and_features():
+    """Chunked steps with contexts of 0 and 1 keys and an empty request, four page slots a tile; soft-cap, sinks
+    and lse; a split-KV decode."""
+    _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], seed=7, rope=True)
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(2)) * 3
+    _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], hq=16, page_size=16, seed=8, rope=True, softcap=30.0,
+             sinks=sinks, return_lse=True)
+    pb = _rope_batch([30000, 20000], [1, 1])
+    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    _gpu_run([30000, 20000], [1, 1], seed=9, rope=True, return_lse=True)
