@@ -296,6 +296,91 @@ def test_ptxas_fits_without_spills(compiled, tmp_path):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info
 
 
+# -- host: the dequantization of a rope-aware tile, run on CPU tensors ------------------------------------------------
+
+
+def _tma_image(values: torch.Tensor, buf: torch.Tensor):
+    """Write a ``(rows, depth)`` tile into ``buf`` as TMA does with the 128-byte swizzle: 128-byte boxes of columns
+    one after another, each row 128 bytes, its 16-byte chunk ``j`` at chunk ``j ^ (row % 8)``."""
+    rows, depth = values.shape
+    per_box, per_chunk = 128 // values.element_size(), 16 // values.element_size()
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(depth), indexing="ij")
+    chunk = (c % per_box // per_chunk) ^ (r % 8)
+    element = c // per_box * rows * per_box + r * per_box + chunk * per_chunk + c % per_chunk
+    buf[element.flatten()] = values.flatten()
+
+
+def _host_dequantize(kernel):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_kv.kernels.mla.sm90 import DEQUANT_CHUNK, DEQUANT_HELD, WG_THREADS
+    from cute_kv.kernels.paged import tma_tiles
+
+    @cute.jit
+    def store(raw: cute.Tensor, s_k: cute.Tensor, blk: cutlass.Constexpr[int], p: cutlass.Constexpr[int],
+              t: Int32):
+        """Each held row's 16 bytes as the bf16 of their unsigned values (exact), stored where the kernel stores
+        the dequantized values (the e4m3 conversion has no host lowering)."""
+        vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), kernel.dtype)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            vals.store(cute.recast_tensor(raw[None, h], cutlass.Uint8).load().to(cutlass.Float32).to(kernel.dtype))
+            kernel.dequant_store(s_k, vals, Int32(0), blk, p, h, t)
+
+    @cute.jit
+    def run(buf: cute.Tensor):
+        """``MLADecode.dequantize``'s reads and stores of stage 0 on the host, for all 128 threads in an order its
+        barriers allow: a pass that writes over landed bytes reads for every thread before any stores; other passes
+        read and store thread by thread, the last thread first (a store over bytes a later thread reads would
+        show)."""
+        ring = tma_tiles.smem_tile_layout(kernel.dtype, BN, kernel.latent_dim, stages=STAGES)
+        s_k = tma_tiles.swizzled_tile(buf.iterator, ring, kernel.dtype)
+        s_c = tma_tiles.swizzled_tile(buf.iterator + BN * kernel.padded_depth, kernel.landing_layout(),
+                                      cutlass.Float8E4M3FN)
+        raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD, WG_THREADS), cutlass.Float8E4M3FN)
+        for blk in cutlass.range_constexpr(kernel.padded_depth // 128):
+            for p in cutlass.range_constexpr(kernel.dequant_passes):
+                if cutlass.const_expr(kernel.writes_over_landed(blk)):
+                    for t in cutlass.range(WG_THREADS):
+                        kernel.dequant_read(s_c, raw[None, None, t], Int32(0), blk, p, t)
+                    for t in cutlass.range(WG_THREADS):
+                        store(raw[None, None, t], s_k, blk, p, t)
+                else:
+                    for t in cutlass.range(WG_THREADS - 1, -1, -1):
+                        kernel.dequant_read(s_c, raw[None, None, t], Int32(0), blk, p, t)
+                        store(raw[None, None, t], s_k, blk, p, t)
+
+    return run
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("latent,v_dim", [(576, 512), (448, 384), (320, 256)])
+def test_dequantization_in_place_on_the_host(latent, v_dim):
+    """The e4m3 tile TMA lands at byte ``BN * padded_depth`` of a stage and the kernel's own reads and stores
+    (``dequant_read`` / ``dequant_store``) move it into the stage's bf16 columns: every byte arrives at its
+    column, bit for bit, and no store lands on bytes not yet read (4, 3 and 2 landed blocks: the upper-half rule for
+    even and odd counts). The values stored here are the bytes themselves (``store``)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    import host_plans
+    from cute_kv.kernels.mla.sm90 import MLADecode
+
+    kernel = MLADecode("bfloat16", 16, latent, v_dim, 64, True, False, False, False, 64)
+    pd = kernel.padded_depth
+    gen = torch.Generator().manual_seed(latent)
+    content = torch.randint(0, 256, (BN, pd), generator=gen, dtype=torch.uint8)
+    stage_bytes = BN * latent * 2
+    raw = torch.zeros(STAGES * stage_bytes + 1024, dtype=torch.uint8)
+    buf = raw[-raw.data_ptr() % 1024:][:STAGES * stage_bytes]
+    buf.fill_(0xFF)  # bf16 NaN wherever nothing is written
+    _tma_image(content, buf[BN * pd:2 * BN * pd])
+    _host_dequantize(kernel)(from_dlpack(buf, assumed_align=1024))
+    got = torch.zeros(BN, pd, dtype=torch.bfloat16)
+    host_plans.read_swizzled_tile(from_dlpack(buf[:BN * pd * 2].view(torch.bfloat16)), from_dlpack(got), BN, pd)
+    assert torch.equal(got, content.to(torch.bfloat16))
+
+
 # -- GPU: against the reference ------------------------------------------------------------------------------------
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}

@@ -3,8 +3,9 @@ compile-time key and launcher.
 
 ``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands MLA
 caches here, rope-aware FP8 caches (``[padded_depth e4m3 | rope_dim bf16]`` rows, one float32 scale per token) among
-them: their q is ``latent_dim = padded_depth + rope_dim`` wide and the kernel dequantizes each key tile. The grid is (64-row blocks of packed (token, head) rows, key splits, requests); a split-KV launch merges
-its float32 partials with ``AttentionCombine`` over the ``v_dim`` value columns.
+them: their q is ``latent_dim = padded_depth + rope_dim`` wide and the kernel dequantizes each key tile. The grid is
+(64-row blocks of packed (token, head) rows, key splits, requests); a split-KV launch merges its float32 partials
+with ``AttentionCombine`` over the ``v_dim`` value columns.
 """
 
 from __future__ import annotations

@@ -81,6 +81,12 @@ PRODUCER_REGS = 32
 PRODUCER_REGS_FP8 = 40  # the dequantizing warpgroup: all that the launch's 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
+# Dequantizing a rope-aware tile: a thread reads 16 e4m3 bytes of a landed 128-byte row (two 16-byte bf16 writes);
+# 8 threads a row, the warpgroup 16 rows a pass, each thread the rows ``tidx // 8 + 16 j`` of every block.
+DEQUANT_CHUNK = 2 * VEC
+DEQUANT_PER_ROW = FP8_BLOCK // DEQUANT_CHUNK
+DEQUANT_STEP = WG_THREADS // DEQUANT_PER_ROW
+DEQUANT_HELD = 2  # rows a thread reads before the barrier of a pass that writes over landed bytes
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
@@ -144,15 +150,15 @@ class MLADecode:
                                assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
-        return (q, out, lse, o_part, lse_part, sinks, blocks, scales, offsets, lengths, lut, Int32(0), Int32(1), Int32(1),
-                Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+        return (q, out, lse, o_part, lse_part, sinks, blocks, scales, offsets, lengths, lut, Int32(0), Int32(1),
+                Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
                  lse_part: cute.Tensor, sinks: Optional[cute.Tensor], blocks: cute.Tensor,
                  scales: Optional[cute.Tensor], input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
-                 lookup_table: cute.Tensor, layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32,
-                 score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
+                 lookup_table: cute.Tensor, layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
+                 window: Int32, score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
         """``m_blocks``: ``ceil(max_seq_len * Hq / BM)``; ``window`` 0: none; ``score_scale`` and
         ``softmax_scale_log2`` as for ``PagedAttention`` (soft-cap folded in). ``blocks``: the MLA cache
         ``[N, 1, L, P, 1, latent_dim]``, or rope-aware e4m3 rows ``[N, 1, L, P, 1, padded_depth + 2 * rope_dim]``
@@ -295,7 +301,7 @@ class MLADecode:
         write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
-        scale = cute.make_rmem_tensor((BN * FP8_BLOCK // VEC // 2 // WG_THREADS,), Float32)
+        scale = cute.make_rmem_tensor((BN // DEQUANT_STEP,), Float32)
         for i in cutlass.range(n_tiles, unroll=1):
             tile_base = (last_tile - i) * BN
             self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
@@ -318,48 +324,71 @@ class MLADecode:
 
     @cute.jit
     def row_scales(self, scale: cute.Tensor, k_scales: cute.Tensor, rows: cute.Tensor, tidx: Int32):
-        """The scales of this thread's rows of the tile (``dequantize``'s rows ``tidx // 8 + 16 j``), by the tile's
-        ``populate`` rows (a row outside the cache scales by 0)."""
-        per_copy, step = self.k_op.rows_per_copy, WG_THREADS * 2 * VEC // FP8_BLOCK
+        """The scales of this thread's rows of the tile (``dequantize``'s), by the tile's ``populate`` rows (a row
+        outside the cache scales by 0)."""
+        per_copy = self.k_op.rows_per_copy
         for j in cutlass.range_constexpr(cute.size(scale)):
             # the pass's page slot is known here: no dynamic index into the rows registers
-            row = rows[j * step // per_copy] + j * step % per_copy + tidx * 2 * VEC // FP8_BLOCK
+            row = rows[j * DEQUANT_STEP // per_copy] + j * DEQUANT_STEP % per_copy + tidx // DEQUANT_PER_ROW
             scale[j] = granule_scale(k_scales, row, 0, 0, False)
 
     @cute.jit
     def dequantize(self, s_c: cute.Tensor, s_k: cute.Tensor, stage: Int32, scale: cute.Tensor, tile_base: Int32,
                    num_keys: Int32, tidx: Int32):
         """The landed e4m3 content of ``stage`` -> its bf16 columns ``[0, padded_depth)``, one 128-byte block of
-        columns (128 bf16 values a row) at a time, a thread taking 16 bytes of rows ``tidx // 8 + 16 j``. A block
-        whose output covers landed bytes (``2 * blk + 1 >= blocks``: the upper half) reads two rows a thread, then
-        the warpgroup meets before any writes them, so no thread overwrites bytes another has not read (those of
-        the blocks before it were all read before its first pass). Rows past the request's keys are written as zeros (P
-        is 0 there, but their bytes may be NaN)."""
-        chunk = 2 * VEC  # e4m3 values of a 16-byte read: two 16-byte bf16 writes
-        per_row = FP8_BLOCK // chunk
-        step = WG_THREADS // per_row
-        blocks = self.padded_depth // FP8_BLOCK
-        held = 2  # rows a thread reads before a pass's barrier
-        raw = cute.make_rmem_tensor((chunk, held), cutlass.Float8E4M3FN)
-        vals = cute.make_rmem_tensor((chunk,), self.dtype)
-        c = tidx % per_row
-        for blk in cutlass.range_constexpr(blocks):
-            for p in cutlass.range_constexpr(BN // step // held):
-                for h in cutlass.range_constexpr(held):
-                    r = (p * held + h) * step + tidx // per_row
-                    cute.autovec_copy(cute.local_tile(s_c[r, None, stage], (chunk,), (blk * per_row + c,)),
-                                      raw[None, h])
-                if cutlass.const_expr(2 * blk + 1 >= blocks):
+        columns (128 bf16 values a row) at a time, a thread taking 16 bytes of each of its rows (``DEQUANT_*``). The
+        bf16 block ``blk`` covers landed blocks ``2 blk - blocks`` and ``2 blk + 1 - blocks``, never a later one: a
+        block whose output covers landed bytes (``2 blk + 1 >= blocks``, the upper half) reads two rows a thread,
+        then the warpgroup meets before any writes them, so no thread overwrites bytes another has not read (rows of
+        earlier blocks were all read before the block's first pass). Rows past the request's keys are written as
+        zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 -> f16 -> f32
+        is exact)."""
+        raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
+        for blk in cutlass.range_constexpr(self.padded_depth // FP8_BLOCK):
+            for p in cutlass.range_constexpr(self.dequant_passes):
+                self.dequant_read(s_c, raw, stage, blk, p, tidx)
+                if cutlass.const_expr(self.writes_over_landed(blk)):
                     cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
-                for h in cutlass.range_constexpr(held):
-                    j = p * held + h
-                    r = j * step + tidx // per_row
-                    vals.fill(0.0)
-                    if tile_base + r < num_keys:
-                        vals.store((raw[None, h].load().to(Float32) * scale[j]).to(self.dtype))
-                    for half in cutlass.range_constexpr(2):
-                        cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)), cute.local_tile(
-                            s_k[r, None, stage], (VEC,), ((blk * per_row + c) * 2 + half,)))
+                self.dequant_write(s_k, raw, stage, blk, p, scale, tile_base, num_keys, tidx)
+
+    @property
+    def dequant_passes(self) -> int:
+        """Passes of ``DEQUANT_HELD`` rows a thread over one 128-byte block of a tile's rows."""
+        return BN // DEQUANT_STEP // DEQUANT_HELD
+
+    def writes_over_landed(self, blk: int) -> bool:
+        """Whether the bf16 output of landed block ``blk`` covers landed bytes (it covers landed blocks
+        ``2 blk - blocks`` and ``2 blk + 1 - blocks``)."""
+        return 2 * blk + 1 >= self.padded_depth // FP8_BLOCK
+
+    @cute.jit
+    def dequant_read(self, s_c: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                     p: cutlass.Constexpr[int], tidx: Int32):
+        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows."""
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            cute.autovec_copy(cute.local_tile(s_c[dequant_row(p, h, tidx), None, stage], (DEQUANT_CHUNK,),
+                                              (blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW,)), raw[None, h])
+
+    @cute.jit
+    def dequant_write(self, s_k: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32):
+        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (zeros past the keys)."""
+        vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            vals.fill(0.0)
+            if tile_base + dequant_row(p, h, tidx) < num_keys:
+                vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
+            self.dequant_store(s_k, vals, stage, blk, p, h, tidx)
+
+    @cute.jit
+    def dequant_store(self, s_k: cute.Tensor, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32):
+        """The 16 bf16 ``vals`` of this thread's row ``h`` of pass ``p`` into the stage's columns of the bytes read
+        (two 16-byte stores)."""
+        col = blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW  # 16-value column chunk of the row
+        for half in cutlass.range_constexpr(2):
+            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)), cute.local_tile(
+                s_k[dequant_row(p, h, tidx), None, stage], (VEC,), (col * 2 + half,)))
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe: pipeline.PipelineTmaAsync,
@@ -564,3 +593,10 @@ class MLADecode:
                             lse[q_start + tok, packed % group] = lse2[r] * Float32(math.log(2.0))
                     else:
                         lse_part[split, q_start + tok, packed % group] = lse2[r]
+
+
+@cute.jit
+def dequant_row(p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32) -> Int32:
+    """Row of a tile a dequantizing thread takes as its ``h``-th of pass ``p`` (the ``j``-th, ``j = p * HELD + h``,
+    of ``row_scales``)."""
+    return (p * DEQUANT_HELD + h) * DEQUANT_STEP + tidx // DEQUANT_PER_ROW
