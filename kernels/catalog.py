@@ -119,10 +119,12 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     # MLA prefill's decompressed heads (``cute_kv.mla_prefill``): K of 192, V of 128, 128 heads, 128-token pages.
     ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
 ]
-MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse])
+MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse, rope_dim])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
     ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # rope-aware FP8 rows (512 e4m3 | 64 bf16)
+    ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # rope-aware, four page slots, features
 ]
 MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths, rope_dim)
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads
@@ -193,7 +195,8 @@ def _attention_plan(k: attention_sm90.PagedAttention) -> Plan:
 
 
 def _mla_plan(k: mla_sm90.MLADecode) -> Plan:
-    # One CTA per SM: the Q tile, two 64 x latent key stages and the P tile take the shared memory (mla/config).
+    # One CTA per SM: the Q tile, two 64 x latent key stages and the P tile take the shared memory (mla/config);
+    # a rope-aware FP8 tile lands inside the stage it is dequantized into.
     return Plan(mla_sm90.THREADS, k.smem_bytes(), 1)
 
 

@@ -8,11 +8,15 @@ table in the same shuffled page order. Each shape has ``n_rot`` placements of it
 3x L2. Every output is checked against the float32 reference (``cute_kv.reference.paged_attention``) on placement
 0 before it is timed; a peer that is not installed is recorded ``absent`` with the reason.
 
+``--rope-aware``: cute-kv reads rope-aware FP8 rows instead (``[512 e4m3 | 64 bf16]``, 640 bytes and a float32
+scale a token: the same random rows quantized), FlashInfer the bf16 rows they decode to (its caches stay bf16).
+
 Records as in ``bench_paged_attention``: ``status``, ``rel_err``, ``median_us``, ``host_us``, ``gbps`` and
 ``roofline_fraction`` of the copy bandwidth (latent rows, q and the output), ``speedup_vs_<peer>``.
 
     python perf/run.py mla-decode --out perf/results/mla.json [-- --batches 1,128 --contexts 4096]
     python perf/bench_mla_decode.py --cpu-smoke   # tiny shapes on the CPU: outputs checked, nothing timed
+    python perf/run.py mla-decode -- --rope-aware   # cute-kv over rope-aware FP8 rows
 """
 
 from __future__ import annotations
@@ -31,20 +35,28 @@ import harness
 import report
 from cute_kv import PagedKVCacheCollection, reference
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths
+from cute_kv.rope_aware import RopeAwareRow
 
 Q_HEADS, LATENT, V_DIM = 128, 576, 512  # DeepSeek-V3: kv_lora_rank 512 + rope 64
+ROPE_AWARE = RopeAwareRow(V_DIM, LATENT - V_DIM)  # 640-byte rows
 TOL = 1e-2
 
 
 class Placements:
     """``n_rot`` disjoint, shuffled placements of one decode step's pages in one latent pool, in both layouts."""
 
-    def __init__(self, step: cases.Step, page_size: int, n_rot: int, device, generator: torch.Generator):
+    def __init__(self, step: cases.Step, page_size: int, n_rot: int, device, generator: torch.Generator,
+                 rope_aware: bool = False):
         need = [math.ceil((c + n) / page_size) for c, n in zip(step.cache_lengths, step.new_lengths)]
         n_pages = sum(need) * n_rot
         values = torch.Generator(device=device).manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
         rows = torch.randn((n_pages, page_size, LATENT), generator=values, device=device, dtype=torch.bfloat16)
-        self.blocks = rows[:, None, None, :, None, :]  # [N, KVD=1, L=1, P, H=1, 576]
+        self.blocks, self.scales, rope_dim = rows[:, None, None, :, None, :], None, None  # [N, 1, 1, P, 1, 576]
+        if rope_aware:  # [N, 1, 1, P, 1, 640] e4m3 | bf16 bytes, scales [N, 1, 1, P, 1, 1]; peers read their values
+            encoded, scales = ROPE_AWARE.encode(rows.float())
+            rows = ROPE_AWARE.decode(encoded, scales).to(torch.bfloat16)
+            self.blocks, self.scales = encoded[:, None, None, :, None, :], scales[:, None, None, :, None, :]
+            rope_dim = ROPE_AWARE.rope_dim
         self.ckv, self.kpe = rows[..., :V_DIM].contiguous(), rows[..., V_DIM:].contiguous()  # FlashInfer's caches
         self.offsets = input_row_offsets(step.new_lengths, device)
         self.offsets_i32 = self.offsets.to(torch.int32)
@@ -59,7 +71,7 @@ class Placements:
             pages = [perm[start + s:start + s + n] for s, n in zip(itertools.accumulate([0, *need]), need)]
             self.collections.append(PagedKVCacheCollection(
                 self.blocks, cache_lengths, make_lookup_table(pages, n_pages, device=device), max_seq, max_ctx,
-                validate=False))
+                self.scales, rope_dim=rope_dim, validate=False))
             indices, indptr, _ = cases.flashinfer_pages(pages, step, page_size, device)
             self.csr.append((indptr, indices))
 
@@ -78,11 +90,12 @@ def steps(args) -> list[tuple[int, int, cases.Step]]:
 def bench_step(args, batch: int, context: int, step: cases.Step, ceiling: dict, fi) -> list[dict]:
     dev = torch.device(args.device)
     page = args.page_size
-    kv_bytes = sum(c + n for c, n in zip(step.cache_lengths, step.new_lengths)) * LATENT * 2
+    row_bytes = ROPE_AWARE.row_bytes + 4 if args.rope_aware else LATENT * 2  # (a float32 scale a token)
+    kv_bytes = sum(c + n for c, n in zip(step.cache_lengths, step.new_lengths)) * row_bytes
     qo_bytes = step.rows * Q_HEADS * (LATENT + V_DIM) * 2
     n_rot = 1 if dev.type != "cuda" else harness.rotation_count(kv_bytes + qo_bytes, harness.l2_bytes(),
                                                                 max_sets=32)
-    pl = Placements(step, page, n_rot, dev, torch.Generator().manual_seed(page))
+    pl = Placements(step, page, n_rot, dev, torch.Generator().manual_seed(page), args.rope_aware)
     q = torch.randn((n_rot, step.rows, Q_HEADS, LATENT), generator=torch.Generator(device=dev).manual_seed(1),
                     device=dev, dtype=torch.bfloat16)
     scale = 1.0 / math.sqrt(LATENT)
@@ -100,7 +113,7 @@ def bench_step(args, batch: int, context: int, step: cases.Step, ceiling: dict, 
     for impl in impls:
         impl.check = check
     base = {"bench": "mla_decode", "shape": f"decode B={batch} ctx={context} P={page}", "batch": batch,
-            "context": context, "page_size": page, "kv_bytes": kv_bytes}
+            "context": context, "page_size": page, "kv_bytes": kv_bytes, "rope_aware": args.rope_aware}
     if dev.type != "cuda":  # the CPU smoke checks what each implementation computes; times would mean nothing
         return [{**base, "impl": i.name, "role": i.role, **cases.checked(i, tol=TOL)} for i in impls]
 
@@ -132,6 +145,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32,128", help="comma list")
     ap.add_argument("--contexts", default="1024,4096,32768", help="comma list")
+    ap.add_argument("--rope-aware", action="store_true", help="cute-kv over rope-aware FP8 rows (640 bytes)")
     cases.smoke_args(ap)
     args = ap.parse_args(argv)
     cases.set_device(args)

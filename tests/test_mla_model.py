@@ -7,7 +7,9 @@ see and this split's share, walk them from the last; per tile, each of the two c
 half of the keys (rows' key ranges; a tile every live row sees whole is not masked), the rows' maxima are the max of
 the two halves', P is rounded to 16 bits and each warpgroup accumulates its half of O's value columns from the whole
 P and the first ``v_dim`` columns of the same K tile (zeroed past the keys); the sums of the two halves meet in the
-epilogue with the sink (split 0); partials merge by ``AttentionCombine``'s formula.
+epilogue with the sink (split 0); partials merge by ``AttentionCombine``'s formula. Over a rope-aware FP8 cache the
+key tile is what the producer warpgroup writes into the bf16 stage: ``bf16(float32(e4m3) * scale)`` beside the stored
+bf16 rope, zeros past the keys.
 """
 
 import math
@@ -114,7 +116,7 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
     o_part, lse_part = poisoned_partials(splits, t, hq, v_dim)
     offsets = pb.input_row_offsets.tolist()
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
-        k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
+        k = kernel_keys(pb, layer, b, cache_len + n, q.dtype)
         for m_block in range(m_blocks):
             if m_block * BM >= n * hq:
                 continue  # the CTA has no rows
@@ -124,6 +126,18 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
                 o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
                 lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
     return merge_splits(o_part, lse_part)
+
+
+def kernel_keys(pb, layer, b, stop, dtype):
+    """Request ``b``'s keys ``[0, stop)`` as the kernel's stage holds them, ``[n, 1, latent_dim]``: 16-bit rows as
+    stored; rope-aware rows dequantized once (e4m3 to float32, times the token's float32 scale, rounded to bf16)
+    beside their bf16 rope."""
+    fmt = pb.collection.row_format
+    if fmt is None:
+        return pb.dense(0, layer, b, stop).to(dtype)
+    values, scales = pb.tokens(0, layer, b, 0, stop)
+    content = (fmt.content(values).to(torch.float32) * scales.to(torch.float32)).to(dtype)
+    return torch.cat([content, fmt.rope(values)], dim=-1)
 
 
 def _batch(cached, new, latent, page_size, gen, dtype=torch.bfloat16):
@@ -190,3 +204,24 @@ def test_plan_at_tile_and_block_boundaries(cached, new):
     for window, splits in ((None, None), (None, 3), (1, None), (70, 2)):
         want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=128, window=window)
         assert rel_err(model_mla(q, pb, 0, 128, window=window, force_splits=splits)[0], want.float()) < 1e-2
+
+
+@pytest.mark.parametrize("cached,new,page_size,hq,splits", [
+    ([0, 1, 130, 64, 5], [1, 1, 1, 1, 0], 64, 128, None),  # DeepSeek decode: contexts of 1 and 2 keys, an empty step
+    ([2000, 3], [1, 1], 64, 128, 5),  # a long context split five ways, merged
+    ([0, 37, 70], [3, 1, 17], 16, 16, 2),  # chunked steps over four page slots a tile, 16 heads (TP 8)
+])
+def test_rope_aware_plan_matches_hand_decoded_formula(cached, new, page_size, hq, splits):
+    """Rope-aware FP8 rows (512 e4m3 | 64 bf16, one float32 scale a token): the replayed kernel (tiles dequantized
+    as the producer does) against float64 causal attention over rows decoded by hand from their bytes."""
+    from test_mla_rope_aware import dense_mla
+
+    gen = torch.Generator().manual_seed(sum(cached) + hq)
+    pb = random_paged_batch(cached, new, num_heads=1, head_size=640, page_size=page_size, is_mla=True,
+                            dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=64, generator=gen)
+    pb.poison_unread(0)  # NaN bytes and scales in every slot the step must not read
+    assert supported(hq, 576, 512, page_size, "bfloat16", 64) is None
+    q = torch.randn(pb.total_rows, hq, 576, generator=gen).to(torch.bfloat16)
+    got, lse = model_mla(q, pb, 0, 512, force_splits=splits)
+    assert not got.isnan().any() and not lse.isnan().any()
+    assert rel_err(got, dense_mla(pb, q, 0, 512, 1 / math.sqrt(576))) < 1e-2

@@ -20,11 +20,17 @@ from cute_kv.reference.batch import random_paged_batch
 from numerics import bits, rel_err
 
 DEEPSEEK = ("bfloat16", 128, 576, 512, 64)  # (dtype, Hq, latent_dim, v_dim, page size)
+FP8 = torch.float8_e4m3fn
+ROPE = {"rope_dim": 64, "scale_dtype": torch.float32}  # with head_size 640: DeepSeek's rope-aware FP8 rows
 
 
 def _batch(cached, new, latent=576, page_size=64, dtype=torch.bfloat16, seed=0, device=None, **kw):
     return random_paged_batch(cached, new, num_heads=1, head_size=latent, page_size=page_size, is_mla=True,
                               dtype=dtype, generator=torch.Generator().manual_seed(seed), device=device, **kw)
+
+
+def _rope_batch(cached, new, page_size=64, seed=0, device=None):
+    return _batch(cached, new, 640, page_size, FP8, seed, device, **ROPE)
 
 
 # -- plan: which calls the kernel serves ---------------------------------------------------------------------------
@@ -35,14 +41,48 @@ def test_plan_serves_deepseek_decode_on_sm90():
     q = torch.randn(2, 128, 576).to(torch.bfloat16)
     path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
     assert path.path == "kernel" and path.kernel == "MLADecode"
-    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False)
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 0)
     sinks = torch.zeros(128)
     featured = plan(pb.collection, q, "sm_90a", softcap=30.0, sinks=sinks, return_lse=True, mla_v_dim=512)
-    assert featured.key[-3:] == (True, True, True)
+    assert featured.key[-4:] == (True, True, True, 0)
     # the key names what the launcher compiles: the kernel and the combine over the value columns
     units = mla_decode.compile_units(path.key, "sm_90a")
     assert [u[0] for u in units] == [path.key, ("attention_combine", "bfloat16", 128, 512, False)]
     assert [u[0] for u in paged_attention.compile_units(path.key, "sm_90a")] == [u[0] for u in units]  # prebuild
+
+
+def test_plan_serves_rope_aware_fp8_rows_on_sm90():
+    """A rope-aware FP8 cache (640-byte rows, q 576 wide): the key names the logical latent width and rope_dim; the
+    kernel compiles with them (its cache argument is the e4m3 rows, scales beside them)."""
+    pb = _rope_batch([100, 0, 1], [1, 1, 1])
+    q = torch.randn(3, 128, 576).to(torch.bfloat16)
+    path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
+    assert path.path == "kernel" and path.kernel == "MLADecode"
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 64)
+    assert cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=512,
+                           arch="sm_90a").kernel == "MLADecode"
+
+
+@pytest.mark.parametrize("what,expect", [
+    ("q fp16", "a rope-aware FP8 cache takes bfloat16 q"),
+    ("rope 32", "rope_dim 64 and a padded_depth that is a multiple of 128, got rope_dim 32"),
+    ("depth 448", "got rope_dim 64, padded_depth 448"),
+    ("v_dim", "mla_v_dim (512) must be at most the padded_depth (256)"),
+])
+def test_rope_aware_plan_falls_back_with_a_reason(what, expect):
+    head_size, rope_dim, q_dtype = 640, 64, torch.bfloat16
+    if what == "q fp16":
+        q_dtype = torch.float16
+    elif what == "rope 32":
+        head_size, rope_dim = 576, 32
+    elif what == "depth 448":
+        head_size = 576
+    elif what == "v_dim":
+        head_size = 384
+    pb = _batch([5], [1], head_size, 64, FP8, rope_dim=rope_dim, scale_dtype=torch.float32)
+    q = torch.randn(1, 16, pb.collection.latent_dim).to(q_dtype)
+    path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
+    assert path.path == "reference" and expect in path.reason, path.reason
 
 
 @pytest.mark.parametrize("what,expect", [
@@ -81,6 +121,9 @@ def test_supported_shapes():
     assert tiling(576).smem <= 227 * 1024  # Q + two key stages + P + barriers and exchange
     assert tiling(576).smem == 2 * STAGES * 8 + 2 * 2 * BM * 4 + 1024 + BM * 576 * 2 + STAGES * BN * 576 * 2 + \
         BM * BN * 2
+    # rope-aware FP8 rows land inside the 16-bit stages: one more barrier a stage, nothing else
+    assert supported(128, 576, 512, 64, "bfloat16", 64) is None
+    assert tiling(576, True).smem == tiling(576).smem + STAGES * 8 <= 227 * 1024
 
 
 def test_decode_splits_one_tokens_blocks():
@@ -101,19 +144,33 @@ COMPILE_CASES = [  # MLADecode args: (dtype, Hq, latent, v_dim, page[, lut vecto
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 32, 192, 128, 32),  # a narrower latent head
 ]
+ROPE_CASES = [  # rope-aware FP8 rows: (..., lut vector, soft-cap, sinks, lse, rope_dim)
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # DeepSeek: 512 e4m3 | 64 bf16, 640 bytes
+    ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # four page slots a tile, features
+]
 MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
 SS = re.compile(MMA + r"%rd\d+, %rd\d+")
 SITES = 4  # the first tile and the three loops (masked at the keys' end, whole, masked at the window's start)
 PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas") else None)
 
 
-@pytest.fixture(scope="module", params=COMPILE_CASES, ids=lambda c: "-".join(map(str, c)))
-def compiled(request):
+def _compile(case):
     from cute_kv.kernels import compile_cache
     from cute_kv.kernels.mla.sm90 import MLADecode
 
-    kernel = MLADecode(*request.param)
-    return kernel, compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    kernel = MLADecode(*case)
+    return kernel, compile_cache.compile_uncached(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+
+
+@pytest.fixture(scope="module", params=COMPILE_CASES + ROPE_CASES, ids=lambda c: "-".join(map(str, c)))
+def compiled_unit(request):
+    return _compile(request.param)
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_unit):
+    kernel, unit = compiled_unit
+    return kernel, unit.__ptx__
 
 
 @pytest.mark.compile
@@ -129,11 +186,12 @@ def test_mma_forms_and_counts(compiled):
 
 @pytest.mark.compile
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
-    """``bar.sync 0`` once (barrier init); the loop's exchanges are the two 256-thread named barriers."""
-    _, ptx = compiled
+    """``bar.sync 0`` once (barrier init); the loop's exchanges are the two 256-thread named barriers (and over
+    rope-aware rows the producer warpgroup's 128-thread dequantization barrier)."""
+    kernel, ptx = compiled
     assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
     named = set(re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx))
-    assert named == {("1", "256"), ("2", "256")}
+    assert named == {("1", "256"), ("2", "256")} | ({("3", "128")} if kernel.rope_dim else set())
 
 
 SYNC = re.compile(r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*);|bar\.sync\s+(\d+)\b|"
@@ -146,7 +204,7 @@ def test_p_tile_and_stage_reused_after_both_pvs(compiled):
     done: a warpgroup waits for all its wgmmas (``wait_group 0``) before each max-exchange barrier (the next P is
     written behind it, by both) and before it arrives on a stage's empty barrier, which counts the 8 warps of both
     consumer warpgroups."""
-    _, ptx = compiled
+    kernel, ptx = compiled
     last, checked = None, 0
     for m in SYNC.finditer(ptx):
         if m.group(1):
@@ -157,32 +215,72 @@ def test_p_tile_and_stage_reused_after_both_pvs(compiled):
     assert checked >= 2 * SITES
     counts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
     inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+\d+)?\], (%r\d+);", ptx)
-    assert sorted(int(counts[r]) for r in inits) == [1] * STAGES + [8] * STAGES  # full; empty: 8 consumer warps
+    if kernel.rope_dim:  # landed: the copies; full: the 128 dequantizing threads; empty: the 256 consumer threads
+        assert sorted(int(counts[r]) for r in inits) == [1] * STAGES + [128] * STAGES + [256] * STAGES
+    else:  # full: the copies; empty: 8 consumer warps
+        assert sorted(int(counts[r]) for r in inits) == [1] * STAGES + [8] * STAGES
 
 
 @pytest.mark.compile
 def test_one_tma_per_page_slot_and_no_v_load(compiled):
     """One site issues the tile's copies: a 128-byte box per 64 latent columns per page slot, K only (V is read
-    from the K stage)."""
+    from the K stage); over rope-aware rows a 128-byte box per 128 e4m3 content bytes and one rope box per slot."""
     kernel, ptx = compiled
     loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", ptx)
-    assert len(loads) == kernel.k_op.copies_per_tile * kernel.latent_dim // 64
+    boxes = kernel.padded_depth // 128 + 1 if kernel.rope_dim else kernel.latent_dim // 64
+    assert len(loads) == kernel.k_op.copies_per_tile * boxes
 
 
 @pytest.mark.compile
 def test_register_split(compiled):
-    _, ptx = compiled
-    assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", "32"), ("inc", "232")]
+    kernel, ptx = compiled
+    producer = "40" if kernel.rope_dim else "32"  # the dequantizing warpgroup takes what the consumers leave
+    assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("dec", producer), ("inc", "232")]
 
 
 @pytest.mark.compile
 def test_shared_memory_within_the_launch(compiled):
     """The last TMA destination (stage 0's last box, at an immediate offset) leaves room for stage 1 and P inside
-    ``smem_bytes()``."""
+    ``smem_bytes()`` (a rope-aware tile's boxes land inside stage 0)."""
     kernel, ptx = compiled
     dests = [int(x) for x in re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx)]
     box = kernel.k_op.rows_per_copy * 128
     assert dests and max(dests) + box + BN * kernel.latent_dim * 2 + BM * BN * 2 <= kernel.smem_bytes()
+
+
+@pytest.fixture(scope="module", params=ROPE_CASES, ids=lambda c: "-".join(map(str, c)))
+def compiled_rope(request):
+    return _compile(request.param)
+
+
+@pytest.mark.compile
+def test_rope_tile_reads_from_byte_padded_depth(compiled_rope):
+    """The host builds two descriptors over the same plane: the e4m3 content from its base, the BF16 rope tile from
+    ``padded_depth`` bytes into it (MAX's ``create_rope_tma_tile``)."""
+    kernel, unit = compiled_rope
+    host = str(unit.ir_module)
+    base = r"(%\d+) = llvm\.getelementptr %\d+\[%\d+\] : \(!llvm\.ptr<1>, i32\) -> !llvm\.ptr<1>, i8"
+    rope = re.findall(r"= llvm\.getelementptr (%\d+)\[(\d+)\] : \(!llvm\.ptr<1>\) -> !llvm\.ptr<1>, i8", host)
+    assert [int(off) for _, off in rope] == [kernel.padded_depth]
+    assert rope[0][0] in re.findall(base, host)  # the layer's plane: the content descriptor's address as well
+    assert re.search(rf"llvm\.ptrtoint {re.escape(rope[0][0])} : !llvm\.ptr<1> to i64", host)
+
+
+@pytest.mark.compile
+def test_rope_tile_lands_inside_its_bf16_stage(compiled_rope):
+    """Per page slot: the content's 128-byte boxes land from ``BN * padded_depth`` bytes into the stage (the bf16
+    columns dequantized last), the rope box at the stage's rope columns (``2 * BN * padded_depth``); every e4m3
+    value of a tile is converted once (two per ``cvt.rn.f16x2.e4m3x2``, 128 threads)."""
+    kernel, unit = compiled_rope
+    ptx = unit.__ptx__
+    dests = sorted(int(x) for x in re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx))
+    per_copy, pd = kernel.k_op.rows_per_copy, kernel.padded_depth
+    stage = dests[0] - BN * pd
+    slots = range(kernel.k_op.copies_per_tile)
+    content = [stage + BN * pd + blk * BN * 128 + p * per_copy * 128 for blk in range(pd // 128) for p in slots]
+    rope = [stage + 2 * BN * pd + p * per_copy * 128 for p in slots]
+    assert dests == sorted(content + rope)
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == BN * pd // 2 // 128
 
 
 @pytest.mark.compile
@@ -198,21 +296,112 @@ def test_ptxas_fits_without_spills(compiled, tmp_path):
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info
 
 
+# -- host: the dequantization of a rope-aware tile, run on CPU tensors ------------------------------------------------
+
+
+def _tma_image(values: torch.Tensor, buf: torch.Tensor):
+    """Write a ``(rows, depth)`` tile into ``buf`` as TMA does with the 128-byte swizzle: 128-byte boxes of columns
+    one after another, each row 128 bytes, its 16-byte chunk ``j`` at chunk ``j ^ (row % 8)``."""
+    rows, depth = values.shape
+    per_box, per_chunk = 128 // values.element_size(), 16 // values.element_size()
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(depth), indexing="ij")
+    chunk = (c % per_box // per_chunk) ^ (r % 8)
+    element = c // per_box * rows * per_box + r * per_box + chunk * per_chunk + c % per_chunk
+    buf[element.flatten()] = values.flatten()
+
+
+def _host_dequantize(kernel):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_kv.kernels.mla.sm90 import DEQUANT_CHUNK, DEQUANT_HELD, WG_THREADS
+    from cute_kv.kernels.paged import tma_tiles
+
+    @cute.jit
+    def store(raw: cute.Tensor, s_k: cute.Tensor, blk: cutlass.Constexpr[int], p: cutlass.Constexpr[int],
+              t: Int32):
+        """Each held row's 16 bytes as the bf16 of their unsigned values (exact), stored where the kernel stores
+        the dequantized values (the e4m3 conversion has no host lowering)."""
+        vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), kernel.dtype)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            vals.store(cute.recast_tensor(raw[None, h], cutlass.Uint8).load().to(cutlass.Float32).to(kernel.dtype))
+            kernel.dequant_store(s_k, vals, Int32(0), blk, p, h, t)
+
+    @cute.jit
+    def run(buf: cute.Tensor):
+        """``MLADecode.dequantize``'s reads and stores of stage 0 on the host, for all 128 threads in an order its
+        barriers allow: a pass that writes over landed bytes reads for every thread before any stores; other passes
+        read and store thread by thread, the last thread first (a store over bytes a later thread reads would
+        show)."""
+        ring = tma_tiles.smem_tile_layout(kernel.dtype, BN, kernel.latent_dim, stages=STAGES)
+        s_k = tma_tiles.swizzled_tile(buf.iterator, ring, kernel.dtype)
+        s_c = tma_tiles.swizzled_tile(buf.iterator + BN * kernel.padded_depth, kernel.landing_layout(),
+                                      cutlass.Float8E4M3FN)
+        raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD, WG_THREADS), cutlass.Float8E4M3FN)
+        for blk in cutlass.range_constexpr(kernel.padded_depth // 128):
+            for p in cutlass.range_constexpr(kernel.dequant_passes):
+                if cutlass.const_expr(kernel.writes_over_landed(blk)):
+                    for t in cutlass.range(WG_THREADS):
+                        kernel.dequant_read(s_c, raw[None, None, t], Int32(0), blk, p, t)
+                    for t in cutlass.range(WG_THREADS):
+                        store(raw[None, None, t], s_k, blk, p, t)
+                else:
+                    for t in cutlass.range(WG_THREADS - 1, -1, -1):
+                        kernel.dequant_read(s_c, raw[None, None, t], Int32(0), blk, p, t)
+                        store(raw[None, None, t], s_k, blk, p, t)
+
+    return run
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("latent,v_dim", [(576, 512), (448, 384), (320, 256)])
+def test_dequantization_in_place_on_the_host(latent, v_dim):
+    """The e4m3 tile TMA lands at byte ``BN * padded_depth`` of a stage and the kernel's own reads and stores
+    (``dequant_read`` / ``dequant_store``) move it into the stage's bf16 columns: every byte arrives at its
+    column, bit for bit, and no store lands on bytes not yet read (4, 3 and 2 landed blocks: the upper-half rule for
+    even and odd counts). The values stored here are the bytes themselves (``store``)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    import host_plans
+    from cute_kv.kernels.mla.sm90 import MLADecode
+
+    kernel = MLADecode("bfloat16", 16, latent, v_dim, 64, True, False, False, False, 64)
+    pd = kernel.padded_depth
+    gen = torch.Generator().manual_seed(latent)
+    content = torch.randint(0, 256, (BN, pd), generator=gen, dtype=torch.uint8)
+    stage_bytes = BN * latent * 2
+    raw = torch.zeros(STAGES * stage_bytes + 1024, dtype=torch.uint8)
+    buf = raw[-raw.data_ptr() % 1024:][:STAGES * stage_bytes]
+    buf.fill_(0xFF)  # bf16 NaN wherever nothing is written
+    _tma_image(content, buf[BN * pd:2 * BN * pd])
+    _host_dequantize(kernel)(from_dlpack(buf, assumed_align=1024))
+    got = torch.zeros(BN, pd, dtype=torch.bfloat16)
+    host_plans.read_swizzled_tile(from_dlpack(buf[:BN * pd * 2].view(torch.bfloat16)), from_dlpack(got), BN, pd)
+    assert torch.equal(got, content.to(torch.bfloat16))
+
+
 # -- GPU: against the reference ------------------------------------------------------------------------------------
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=torch.bfloat16, seed=0, **kw):
+def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=torch.bfloat16, seed=0, rope=False,
+             **kw):
+    """``rope``: a rope-aware FP8 cache (640-byte rows, q ``latent`` = 576 wide)."""
     from cute_kv.kernels.compile_cache import cache_info
 
-    batches = [_batch(cached, new, latent, page_size, dtype, seed, device=dev) for dev in ("cpu", "cuda")]
+    if rope:
+        batches = [_rope_batch(cached, new, page_size, seed, device=dev) for dev in ("cpu", "cuda")]
+    else:
+        batches = [_batch(cached, new, latent, page_size, dtype, seed, device=dev) for dev in ("cpu", "cuda")]
     for pb in batches:
         pb.poison_unread(1)  # NaN in every slot attention must not read
     cpu, gpu = batches
     q = torch.randn(sum(new), hq, latent, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     want = ref.paged_attention(q, cpu.input_row_offsets, cpu.collection, 1, mla_v_dim=v_dim, **kw)
     blocks = bits(gpu.collection.blocks).clone()
+    scales = None if gpu.collection.scales is None else bits(gpu.collection.scales).clone()
     out = torch.full((q.shape[0], hq, v_dim), float("nan"), dtype=dtype, device="cuda")
     gpu_kw = {**kw, "sinks": kw["sinks"].cuda()} if kw.get("sinks") is not None else kw
     assert cute_kv.explain(cute_kv.paged_attention, q.cuda(), gpu.input_row_offsets, gpu.collection, 1,
@@ -228,6 +417,7 @@ def _gpu_run(cached, new, hq=128, latent=576, v_dim=512, page_size=64, dtype=tor
     assert got is out and not out.isnan().any()  # every row written, no stale (NaN) key reached it
     assert rel_err(out.cpu(), want) < TOL[dtype]
     assert torch.equal(bits(gpu.collection.blocks), blocks)
+    assert scales is None or torch.equal(bits(gpu.collection.scales), scales)
     assert cache_info()["compiles"] - compiles <= 2  # the kernel (and the split combine)
 
 
@@ -264,3 +454,27 @@ def test_split_kv_decode_matches_one_split():
     pb = _batch([30000, 20000], [1, 1])
     assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
     _gpu_run([30000, 20000], [1, 1], seed=6, return_lse=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,ctx", [(1, 1024), (32, 4096), (128, 1024), (4, 32768)])
+def test_rope_aware_deepseek_decode(batch, ctx):
+    """Rope-aware FP8 rows (512 e4m3 | 64 bf16, a float32 scale a token): 128 heads, page 64, shuffled pages,
+    ragged lengths around ``ctx`` (one request of 0 cached keys), unread slots NaN."""
+    gen = torch.Generator().manual_seed(batch * 11 + ctx)
+    cached = [int(x) for x in torch.randint(ctx // 2, ctx + 1, (batch,), generator=gen)]
+    cached[0] = 0
+    _gpu_run(cached, [1] * batch, seed=batch, rope=True)
+
+
+@pytest.mark.gpu
+def test_rope_aware_ragged_splits_and_features():
+    """Chunked steps with contexts of 0 and 1 keys and an empty request, four page slots a tile; soft-cap, sinks
+    and lse; a split-KV decode."""
+    _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], seed=7, rope=True)
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(2)) * 3
+    _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], hq=16, page_size=16, seed=8, rope=True, softcap=30.0,
+             sinks=sinks, return_lse=True)
+    pb = _rope_batch([30000, 20000], [1, 1])
+    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    _gpu_run([30000, 20000], [1, 1], seed=9, rope=True, return_lse=True)

@@ -203,9 +203,10 @@ def test_mla_decode_cpu_smoke_and_flashinfer_rows():
     its split latent / rope caches hold exactly the rows the collection's lookup table names."""
     import bench_mla_decode as bench
 
-    records = bench.main(["--cpu-smoke"])
-    assert [(r["impl"], r["status"]) for r in records if r["impl"] == "cute_kv"] == [("cute_kv", "ok")]
-    assert not any(k.endswith("_us") or k.startswith("speedup") for r in records for k in r)
+    for extra in ([], ["--rope-aware"]):  # 576 bf16 rows; 640-byte rope-aware FP8 rows
+        records = bench.main(["--cpu-smoke", *extra])
+        assert [(r["impl"], r["status"]) for r in records if r["impl"] == "cute_kv"] == [("cute_kv", "ok")]
+        assert not any(k.endswith("_us") or k.startswith("speedup") for r in records for k in r)
     step = cases.Step((40, 0, 17), (1, 1, 1))
     pl = bench.Placements(step, 16, 2, "cpu", torch.Generator().manual_seed(0))
     for r, coll in enumerate(pl.collections):

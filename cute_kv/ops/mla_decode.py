@@ -2,8 +2,10 @@
 compile-time key and launcher.
 
 ``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands MLA
-caches here. The grid is (64-row blocks of packed (token, head) rows, key splits, requests); a split-KV launch merges
-its float32 partials with ``AttentionCombine`` over the ``v_dim`` value columns.
+caches here, rope-aware FP8 caches (``[padded_depth e4m3 | rope_dim bf16]`` rows, one float32 scale per token) among
+them: their q is ``latent_dim = padded_depth + rope_dim`` wide and the kernel dequantizes each key tile. The grid is
+(64-row blocks of packed (token, head) rows, key splits, requests); a split-KV launch merges its float32 partials
+with ``AttentionCombine`` over the ``v_dim`` value columns.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[f
          sinks: Optional[torch.Tensor], return_lse: bool, window: Optional[int] = None,
          scale: Optional[float] = None) -> paths.KernelPath:
     """``MLADecode``'s key for these arguments on ``arch`` (``sm_100a``: ``mla_decode_sm100.plan``), or why the
-    reference runs instead: fp8 caches, q in another dtype than the cache, latent and value widths or page sizes the
-    kernel cannot tile (``mla/config.supported``)."""
+    reference runs instead: fp8 caches other than rope-aware ones, q in another dtype than a 16-bit cache (bfloat16
+    for a rope-aware one), latent and value widths or page sizes the kernel cannot tile
+    (``mla/config.supported``)."""
     from cute_kv.ops.paged_attention import OP, lut_vector
 
     c = collection
@@ -42,18 +45,20 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[f
     if arch != "sm_90a":
         return fallback(f"no attention kernel for {arch} yet")
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
-    if c.dtype != q.dtype:
+    rope_dim = c.rope_dim or 0
+    if not rope_dim and c.dtype != q.dtype:
         return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernel reads 16-bit caches "
                         "of q's dtype (fp8 MLA caches take the reference for now)")
     if c.num_heads != 1:
         return fallback(f"{c.num_heads} KV heads; the kernel reads one latent head")
     if mla_v_dim is None:
         return fallback("no mla_v_dim")
-    hq, d, p = q.shape[1], c.head_size, c.page_size
-    problem = supported(hq, d, mla_v_dim, p, q_dtype_name)
+    hq, d, p = q.shape[1], c.latent_dim, c.page_size
+    problem = supported(hq, d, mla_v_dim, p, q_dtype_name, rope_dim)
     if problem:
         return fallback(problem)
-    key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), bool(softcap), sinks is not None, return_lse)
+    key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), bool(softcap), sinks is not None, return_lse,
+           rope_dim)
     return paths.kernel(OP, KERNEL, key, arch)
 
 
@@ -84,7 +89,7 @@ def launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.kernels.compile_cache import compiled
     from cute_kv.ops.paged_attention import partials, sm_count, softmax_args, window_arg
 
-    _, _, hq, d, v_dim, _, _, softcap_on, _, _ = key
+    _, _, hq, d, v_dim, _, _, softcap_on, _, _, rope_dim = key
     attention_unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
@@ -98,7 +103,8 @@ def launcher(key: tuple, arch: str) -> Callable:
         o_part, lse_part = partials(splits, t, hq, v_dim, q.device)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
-        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks,
+        scales = c.scales if rope_dim else None
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, scales,
                                         input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,
                                         m_blocks, splits, int(causal), window_arg(window), score_scale,
                                         softmax_scale_log2)

@@ -6,6 +6,11 @@ rows, so a key tile is read once per 64 heads. Key tiles are ``BN = 64`` rows of
 exchange row maxima and write their halves of P to shared memory, and each accumulates half of O's ``v_dim``
 columns (256 of 512: 128 float32 registers a thread) from the whole P and the first ``v_dim`` columns of the same
 K stage (V is never loaded on its own).
+
+A rope-aware FP8 cache (rows ``[padded_depth e4m3 | rope_dim bf16]``, one float32 scale per token) keeps this plan:
+its e4m3 content lands by TMA in the upper half of the content bytes of the 16-bit stage it is dequantized into
+(``BN * padded_depth`` bytes in, the columns the dequantization writes last), its rope by TMA straight into the
+stage's rope columns; the only addition is one "landed" barrier per stage (``sm90.py`` says why).
 """
 
 from __future__ import annotations
@@ -34,17 +39,32 @@ class Tiling:
     smem: int
 
 
-def tiling(latent_dim: int) -> Tiling:
+ROPE_DIM = ATOM  # bf16 rope values of a rope-aware row the kernel takes: one 128-byte swizzle row of the stage
+FP8_BLOCK = 128  # e4m3 content bytes of one 128-byte swizzle row of the landed tile
+
+
+def tiling(latent_dim: int, rope: bool = False) -> Tiling:
     q = BM * latent_dim * 2
     ring = STAGES * BN * latent_dim * 2
     p = BM * BN * 2
-    small = 2 * STAGES * 8 + 2 * (2 * BM * 4)  # (full, empty) barriers; row maxima and sums of both warpgroups
+    small = (3 if rope else 2) * STAGES * 8 + 2 * (2 * BM * 4)  # (full, empty[, landed]) barriers; row statistics
     return Tiling(q, ring, p, small + 1024 + q + ring + p)
 
 
-def supported(num_q_heads: int, latent_dim: int, v_dim: int, page_size: int, dtype_name: str) -> Optional[str]:
-    """Why the kernel cannot take the problem, or None."""
-    if dtype_name not in DTYPE_NAMES:
+def supported(num_q_heads: int, latent_dim: int, v_dim: int, page_size: int, dtype_name: str,
+              rope_dim: int = 0) -> Optional[str]:
+    """Why the kernel cannot take the problem, or None. ``rope_dim``: a rope-aware FP8 cache (q bf16), whose
+    ``latent_dim`` is ``padded_depth + rope_dim``."""
+    if rope_dim:
+        padded_depth = latent_dim - rope_dim
+        if dtype_name != "bfloat16":
+            return f"a rope-aware FP8 cache takes bfloat16 q (its rope part is bf16), got {dtype_name}"
+        if rope_dim != ROPE_DIM or padded_depth <= 0 or padded_depth % FP8_BLOCK:
+            return (f"the kernel reads rope-aware rows of rope_dim {ROPE_DIM} and a padded_depth that is a multiple "
+                    f"of {FP8_BLOCK}, got rope_dim {rope_dim}, padded_depth {padded_depth}")
+        if v_dim > padded_depth:
+            return f"mla_v_dim ({v_dim}) must be at most the padded_depth ({padded_depth}): values are content"
+    elif dtype_name not in DTYPE_NAMES:
         return f"the MLA kernel takes a {' or '.join(DTYPE_NAMES)} cache, got {dtype_name}"
     if num_q_heads <= 0:
         return f"q heads must be positive, got {num_q_heads}"

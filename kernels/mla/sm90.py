@@ -23,6 +23,32 @@ Tiles are walked from the last to the first as in ``PagedAttention``: the first 
 last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
 there, but 0 * NaN is not). Soft-cap, causal and window masks, sinks and split-KV follow ``PagedAttention``; the
 splits' float32 partials ``[splits, T, Hq, v_dim]`` go through the same ``AttentionCombine``.
+
+Rope-aware FP8 caches (``rope_dim``; rows ``[padded_depth e4m3 | rope_dim bf16]``, 640 bytes for DeepSeek, one
+float32 scale per token) keep the consumers and the shared-memory plan above and change the producer. The 227 KiB
+hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare, so a separate fp8 landing ring
+(40 KiB a tile: 32 KiB content, 8 KiB rope) does not fit beside them. The ways out, by the numbers:
+
+* one bf16 stage + a 2-deep landing ring (Q 72 + 72 + 2 x 40 + P 8 = 232 KiB, over by 5 KiB; with the rope straight
+  into the bf16 stage 224 KiB): one stage serializes each tile's dequantization behind both warpgroups' PV;
+* 32-key tiles (2 x 36 KiB bf16 + 2 x 20 KiB landing): halves the QK wgmma's N to 16, whose SS operand reads (2 KiB
+  of Q + 0.5 KiB of K per k-step, 20 cycles of shared-memory bandwidth for 8 of tensor work) cost about 1.4x the
+  64-key tile's MMA time per key, while the dequantization still moves 96 KiB of shared memory per 64 keys;
+* the scale folded into S and P (``S_j = s_j q_lat.c_j + q_rope.r_j``, ``O = sum_j p_j s_j c_j``): saves 2 of the 6
+  instructions per 2 values of the conversion but splits QK into two accumulators and puts 64 more multiplies a
+  tile on the consumers' critical path; e4m3 -> bf16 is exact either way, so the scale is applied at conversion;
+* chosen: the landing ring inside the bf16 ring. Each tile's e4m3 content lands by TMA (box at byte 0,
+  ``padded_depth`` wide) in the stage it is dequantized into, at byte ``BN * padded_depth``: the upper half of the
+  stage's content bytes, i.e. the bf16 columns ``[padded_depth / 2, padded_depth)`` written last; its rope lands by
+  the BF16 rope tile (byte offset ``padded_depth`` of each row) straight into the stage's rope columns. The whole
+  producer warpgroup dequantizes 128 content bytes (one landed swizzle row) at a time into 128 bf16 columns, ``x *
+  scale`` rounded once (scales per token read from global memory by the rows' ``populate`` entries); the 128-column
+  blocks whose bf16 output covers landed bytes (the upper half) read their rows into registers and meet on a
+  warpgroup barrier before writing, two rows a thread per pass. Rows past the request's keys are written as zeros.
+  Shared memory is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is
+  the latency: a stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for
+  its TMA and the dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may
+  read it.
 """
 
 from __future__ import annotations
@@ -44,15 +70,23 @@ from cutlass.memory import SmemAllocator
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
-from cute_kv.kernels.mla.config import BM, BN, STAGES, VEC, supported, tiling
+from cute_kv.kernels.mla.config import BM, BN, FP8_BLOCK, STAGES, VEC, supported, tiling
 from cute_kv.kernels.paged import tma_tiles
+from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.paged.ragged_rows import request_rows
 
 WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 PRODUCER_REGS = 32
+PRODUCER_REGS_FP8 = 40  # the dequantizing warpgroup: all that the launch's 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
+# Dequantizing a rope-aware tile: a thread reads 16 e4m3 bytes of a landed 128-byte row (two 16-byte bf16 writes);
+# 8 threads a row, the warpgroup 16 rows a pass, each thread the rows ``tidx // 8 + 16 j`` of every block.
+DEQUANT_CHUNK = 2 * VEC
+DEQUANT_PER_ROW = FP8_BLOCK // DEQUANT_CHUNK
+DEQUANT_STEP = WG_THREADS // DEQUANT_PER_ROW
+DEQUANT_HELD = 2  # rows a thread reads before the barrier of a pass that writes over landed bytes
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
@@ -61,24 +95,29 @@ class Barrier(enum.IntEnum):
 
     MAX = 1  # both consumer warpgroups: row maxima published (and each one's previous PV done)
     P = 2  # both consumer warpgroups: P halves written
+    DEQUANT = 3  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
 
 
 class MLADecode:
     """Compile-time key: dtype (q, the cache, O and the MMAs), query heads, the latent width, ``v_dim`` (the value
-    columns), the page size, whether the lookup table takes vector reads, and the optional features (soft-cap,
-    sinks, writing the natural-log ``lse``)."""
+    columns), the page size, whether the lookup table takes vector reads, the optional features (soft-cap,
+    sinks, writing the natural-log ``lse``) and ``rope_dim``: nonzero for a rope-aware FP8 cache (``latent_dim =
+    padded_depth + rope_dim``; rows of ``padded_depth + 2 * rope_dim`` bytes)."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, latent_dim: int, v_dim: int, page_size: int,
-                 lut_vector: bool = True, softcap: bool = False, sinks: bool = False, return_lse: bool = False):
-        problem = supported(num_q_heads, latent_dim, v_dim, page_size, dtype_name)
+                 lut_vector: bool = True, softcap: bool = False, sinks: bool = False, return_lse: bool = False,
+                 rope_dim: int = 0):
+        problem = supported(num_q_heads, latent_dim, v_dim, page_size, dtype_name, rope_dim)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.num_q_heads, self.latent_dim, self.v_dim, self.page_size = num_q_heads, latent_dim, v_dim, page_size
         self.group = num_q_heads  # one latent KV head: every query head packs with it
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.producer_regs, self.consumer_regs = PRODUCER_REGS, CONSUMER_REGS
-        self.plan = tiling(latent_dim)
+        self.rope_dim, self.padded_depth = rope_dim, latent_dim - rope_dim
+        self.row_bytes = self.padded_depth + 2 * rope_dim if rope_dim else latent_dim * self.dtype.width // 8
+        self.producer_regs, self.consumer_regs = PRODUCER_REGS_FP8 if rope_dim else PRODUCER_REGS, CONSUMER_REGS
+        self.plan = tiling(latent_dim, bool(rope_dim))
         self.k_op = KVCacheMHAOperand(0, page_size, BN, lut_vector)
 
     # -- host ------------------------------------------------------------------------------------
@@ -98,37 +137,51 @@ class MLADecode:
         lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
                                             stride_order=(2, 1, 0), assumed_align=4)
         sinks = make_fake_compact_tensor(Float32, (hq,), assumed_align=4) if self.sinks else None
-        blocks = make_fake_tensor(dt, (cute.sym_int32(), 1, cute.sym_int32(), p, 1, d), stride=(
-            cute.sym_int64(divisibility=p * d), cute.sym_int64(divisibility=p * d), p * d, d, d, 1),
+        row = d if not self.rope_dim else self.row_bytes  # (in cache elements: bytes of an fp8 row)
+        blocks = make_fake_tensor(cutlass.Float8E4M3FN if self.rope_dim else dt, (
+            cute.sym_int32(), 1, cute.sym_int32(), p, 1, row), stride=(
+            cute.sym_int64(divisibility=p * row), cute.sym_int64(divisibility=p * row), p * row, row, row, 1),
             assumed_align=16)
+        scales = make_fake_tensor(Float32, (cute.sym_int32(), 1, cute.sym_int32(), p, 1, 1), stride=(
+            cute.sym_int64(), cute.sym_int64(), p, 1, 1, 1), assumed_align=4) if self.rope_dim else None
         b = cute.sym_int32()
         width = self.k_op.lut_width
         lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                assumed_align=4 * width)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
-        return (q, out, lse, o_part, lse_part, sinks, blocks, offsets, lengths, lut, Int32(0), Int32(1), Int32(1),
-                Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+        return (q, out, lse, o_part, lse_part, sinks, blocks, scales, offsets, lengths, lut, Int32(0), Int32(1),
+                Int32(1), Int32(1), Int32(0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor,
                  lse_part: cute.Tensor, sinks: Optional[cute.Tensor], blocks: cute.Tensor,
-                 input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
-                 layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32, window: Int32,
-                 score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
+                 scales: Optional[cute.Tensor], input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor,
+                 lookup_table: cute.Tensor, layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
+                 window: Int32, score_scale: Float32, softmax_scale_log2: Float32, stream: cuda.CUstream):
         """``m_blocks``: ``ceil(max_seq_len * Hq / BM)``; ``window`` 0: none; ``score_scale`` and
         ``softmax_scale_log2`` as for ``PagedAttention`` (soft-cap folded in). ``blocks``: the MLA cache
-        ``[N, 1, L, P, 1, latent_dim]``."""
+        ``[N, 1, L, P, 1, latent_dim]``, or rope-aware e4m3 rows ``[N, 1, L, P, 1, padded_depth + 2 * rope_dim]``
+        with ``scales [N, 1, L, P, 1, 1]`` float32 (None for 16-bit caches)."""
         dt, d = self.dtype, self.latent_dim
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                          (1, 1, 1), (BM, BN // 2))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                          (1, 1, 1), (BM, self.v_dim // 2))
         k_rows = self.k_op.row_view(blocks, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d)
+        per_copy = self.k_op.rows_per_copy
+        tma_r = g_r = s_slot_r = k_scales = None
+        if cutlass.const_expr(self.rope_dim):  # e4m3 content (bytes [0, padded_depth)), bf16 rope behind it
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, per_copy, self.padded_depth)
+            tma_r, g_r, s_slot_r = tma_tiles.create_rope_tma_tile(blocks, 0, layer_idx, self.padded_depth,
+                                                                  self.rope_dim, per_copy)
+            k_scales = self.k_op.scale_view(scales, layer_idx)
+        else:
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, per_copy, d)
         grid = (m_blocks, num_splits, cache_lengths.shape[0])
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, s_slot, q, out, lse, o_part, lse_part, sinks,
-                    input_row_offsets, cache_lengths, lookup_table, self.k_op.rows_per_page(blocks), k_rows.shape[0],
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, s_slot, tma_r, g_r, s_slot_r, k_scales, q, out, lse,
+                    o_part, lse_part, sinks, input_row_offsets, cache_lengths, lookup_table,
+                    self.k_op.rows_per_page(blocks), k_rows.shape[0],
                     num_splits, causal, window, score_scale, softmax_scale_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -136,7 +189,9 @@ class MLADecode:
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_k: cute.CopyAtom,
-               g_k: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor, out: cute.Tensor,
+               g_k: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: Optional[cute.CopyAtom],
+               g_r: Optional[cute.Tensor], s_slot_r: Optional[cute.ComposedLayout], k_scales: Optional[cute.Tensor],
+               q: cute.Tensor, out: cute.Tensor,
                lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
                rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
@@ -149,6 +204,8 @@ class MLADecode:
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_k)
+                if cutlass.const_expr(self.rope_dim):
+                    cpasync.prefetch_descriptor(tma_r)
             cache_len = Int32(cache_lengths[b])
             num_keys = cache_len + seq_len
             first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
@@ -157,21 +214,43 @@ class MLADecode:
 
             smem = SmemAllocator()
             mbars = smem.allocate_array(cutlass.Int64, 2 * STAGES)
+            if cutlass.const_expr(self.rope_dim):
+                mbars_landed = smem.allocate_array(cutlass.Int64, STAGES)
             s_max = smem.allocate_tensor(Float32, cute.make_layout((BM, 2)), byte_alignment=16)
             s_sum = smem.allocate_tensor(Float32, cute.make_layout((BM, 2)), byte_alignment=16)
             q_layout = tma_tiles.smem_tile_layout(dt, BM, d)
             ring_layout = tma_tiles.smem_tile_layout(dt, BN, d, stages=STAGES)
             p_layout = tma_tiles.smem_tile_layout(dt, BM, BN)
             s_q = smem.allocate_tensor(dt, q_layout.outer, byte_alignment=1024, swizzle=q_layout.inner)
-            s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+            ring = smem.allocate(cute.cosize(ring_layout.outer) * dt.width // 8, byte_alignment=1024)
+            s_k = tma_tiles.swizzled_tile(ring, ring_layout, dt)
             s_p = smem.allocate_tensor(dt, p_layout.outer, byte_alignment=1024, swizzle=p_layout.inner)
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbars, num_stages=STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32),
-                tx_count=BN * d * dt.width // 8, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            if cutlass.const_expr(self.rope_dim):
+                # TMA -> each stage's upper content bytes (e4m3) and rope columns -> producer warpgroup -> the stage
+                if warp_idx == 0:
+                    with cute.arch.elect_one():
+                        for s in cutlass.range_constexpr(STAGES):
+                            cute.arch.mbarrier_init(mbars_landed + s, 1)
+                    cute.arch.mbarrier_init_fence()
+                s_c = tma_tiles.swizzled_tile(ring + BN * self.padded_depth, self.landing_layout(),
+                                              cutlass.Float8E4M3FN)
+                pipe = pipeline.PipelineAsync.create(
+                    barrier_storage=mbars, num_stages=STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS))
+            else:
+                pipe = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbars, num_stages=STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32),
+                    tx_count=BN * d * dt.width // 8, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
+                if cutlass.const_expr(self.rope_dim):
+                    self.produce_rope(pipe, mbars_landed, tma_k, g_k, s_c, s_slot, tma_r, g_r, s_slot_r, s_k,
+                                      k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile, n_tiles,
+                                      warp_idx)
+                elif warp_idx == 0:
                     self.produce(pipe, tma_k, g_k, s_k, s_slot, lookup_table, b, num_keys, rows_per_page, oob_row,
                                  last_tile, n_tiles)
             else:
@@ -198,6 +277,118 @@ class MLADecode:
             if i + 1 < n_tiles:
                 self.k_op.populate(rows, lookup_table, b, (last_tile - i - 1) * BN, num_keys, rows_per_page, oob_row)
             state.advance()
+
+    def landing_layout(self) -> cute.Layout:
+        """The e4m3 ``(BN, padded_depth, STAGES)`` tiles TMA lands, in the 128-byte swizzle, one per bf16 stage
+        (a stage's stride is the bf16 stage's bytes)."""
+        tile = tma_tiles.smem_tile_layout(cutlass.Float8E4M3FN, BN, self.padded_depth)
+        stages = cute.make_layout(STAGES, stride=BN * self.latent_dim * self.dtype.width // 8)
+        return cute.make_composed_layout(tile.inner, 0, cute.make_layout(
+            (*tile.outer.shape, STAGES), stride=(*tile.outer.stride, stages.stride)))
+
+    @cute.jit
+    def produce_rope(self, pipe: pipeline.PipelineAsync, mbars_landed: cute.Pointer, tma_k: cute.CopyAtom,
+                     g_k: cute.Tensor, s_c: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: cute.CopyAtom,
+                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, k_scales: cute.Tensor,
+                     lookup_table: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
+                     last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
+        """The producer warpgroup over a rope-aware FP8 cache, each tile last to first: once the consumers have
+        released its stage, warp 0 issues the tile's content and rope copies on the stage's landed barrier; every
+        thread reads the scales of its rows meanwhile, waits for the bytes, dequantizes its share into the stage and
+        arrives on the stage's full barrier."""
+        tidx = cute.arch.thread_idx()[0]
+        per_copy = self.k_op.rows_per_copy
+        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
+        scale = cute.make_rmem_tensor((BN // DEQUANT_STEP,), Float32)
+        for i in cutlass.range(n_tiles, unroll=1):
+            tile_base = (last_tile - i) * BN
+            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            pipe.producer_acquire(write)
+            bar = mbars_landed + write.index
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.row_bytes)
+                tma_tiles.copy_page_slots(tma_k, g_k, s_c[None, None, write.index], s_slot, rows, per_copy, 0, bar)
+                rope = cute.local_tile(s_k[None, None, write.index], (BN, self.rope_dim),
+                                       (0, self.padded_depth // self.rope_dim))
+                tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
+            self.row_scales(scale, k_scales, rows, tidx)
+            cute.arch.mbarrier_wait(bar, landed.phase)
+            self.dequantize(s_c, s_k, write.index, scale, tile_base, num_keys, tidx)
+            cute.arch.fence_view_async_shared()  # read by wgmma next
+            pipe.producer_commit(write)
+            write.advance()
+            landed.advance()
+
+    @cute.jit
+    def row_scales(self, scale: cute.Tensor, k_scales: cute.Tensor, rows: cute.Tensor, tidx: Int32):
+        """The scales of this thread's rows of the tile (``dequantize``'s), by the tile's ``populate`` rows (a row
+        outside the cache scales by 0)."""
+        per_copy = self.k_op.rows_per_copy
+        for j in cutlass.range_constexpr(cute.size(scale)):
+            # the pass's page slot is known here: no dynamic index into the rows registers
+            row = rows[j * DEQUANT_STEP // per_copy] + j * DEQUANT_STEP % per_copy + tidx // DEQUANT_PER_ROW
+            scale[j] = granule_scale(k_scales, row, 0, 0, False)
+
+    @cute.jit
+    def dequantize(self, s_c: cute.Tensor, s_k: cute.Tensor, stage: Int32, scale: cute.Tensor, tile_base: Int32,
+                   num_keys: Int32, tidx: Int32):
+        """The landed e4m3 content of ``stage`` -> its bf16 columns ``[0, padded_depth)``, one 128-byte block of
+        columns (128 bf16 values a row) at a time, a thread taking 16 bytes of each of its rows (``DEQUANT_*``). The
+        bf16 block ``blk`` covers landed blocks ``2 blk - blocks`` and ``2 blk + 1 - blocks``, never a later one: a
+        block whose output covers landed bytes (``2 blk + 1 >= blocks``, the upper half) reads two rows a thread,
+        then the warpgroup meets before any writes them, so no thread overwrites bytes another has not read (rows of
+        earlier blocks were all read before the block's first pass). Rows past the request's keys are written as
+        zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 -> f16 -> f32
+        is exact)."""
+        raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
+        for blk in cutlass.range_constexpr(self.padded_depth // FP8_BLOCK):
+            for p in cutlass.range_constexpr(self.dequant_passes):
+                self.dequant_read(s_c, raw, stage, blk, p, tidx)
+                if cutlass.const_expr(self.writes_over_landed(blk)):
+                    cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
+                self.dequant_write(s_k, raw, stage, blk, p, scale, tile_base, num_keys, tidx)
+
+    @property
+    def dequant_passes(self) -> int:
+        """Passes of ``DEQUANT_HELD`` rows a thread over one 128-byte block of a tile's rows."""
+        return BN // DEQUANT_STEP // DEQUANT_HELD
+
+    def writes_over_landed(self, blk: int) -> bool:
+        """Whether the bf16 output of landed block ``blk`` covers landed bytes (it covers landed blocks
+        ``2 blk - blocks`` and ``2 blk + 1 - blocks``)."""
+        return 2 * blk + 1 >= self.padded_depth // FP8_BLOCK
+
+    @cute.jit
+    def dequant_read(self, s_c: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                     p: cutlass.Constexpr[int], tidx: Int32):
+        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows."""
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            cute.autovec_copy(cute.local_tile(s_c[dequant_row(p, h, tidx), None, stage], (DEQUANT_CHUNK,),
+                                              (blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW,)), raw[None, h])
+
+    @cute.jit
+    def dequant_write(self, s_k: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32):
+        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (zeros past the keys)."""
+        vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            vals.fill(0.0)
+            if tile_base + dequant_row(p, h, tidx) < num_keys:
+                vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
+            self.dequant_store(s_k, vals, stage, blk, p, h, tidx)
+
+    @cute.jit
+    def dequant_store(self, s_k: cute.Tensor, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32):
+        """The 16 bf16 ``vals`` of this thread's row ``h`` of pass ``p`` into the stage's columns of the bytes read
+        (two 16-byte stores)."""
+        col = blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW  # 16-value column chunk of the row
+        for half in cutlass.range_constexpr(2):
+            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)), cute.local_tile(
+                s_k[dequant_row(p, h, tidx), None, stage], (VEC,), (col * 2 + half,)))
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe: pipeline.PipelineTmaAsync,
@@ -289,7 +480,8 @@ class MLADecode:
         for r in cutlass.range_constexpr(n_rows):
             new_max[r] = cute.arch.fmax(new_max[r], s_max[coords[r, 0][0], 1 - wg])
         softmax.exponentiate(acc_s, new_max, row_max, row_sum, row_scale, softmax_scale_log2, first)
-        if cutlass.const_expr(first):  # both QKs have read the stage: its V rows past the keys may be zeroed
+        # both QKs have read the stage: its V rows past the keys may be zeroed (a rope-aware tile's are written 0)
+        if cutlass.const_expr(first and not self.rope_dim):
             if tile_base + BN > num_keys:
                 self.zero_stale_rows(s_k, read.index, num_keys - tile_base, wg, tidx)
         p16 = cute.make_rmem_tensor(acc_s.shape, self.dtype)
@@ -401,3 +593,10 @@ class MLADecode:
                             lse[q_start + tok, packed % group] = lse2[r] * Float32(math.log(2.0))
                     else:
                         lse_part[split, q_start + tok, packed % group] = lse2[r]
+
+
+@cute.jit
+def dequant_row(p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32) -> Int32:
+    """Row of a tile a dequantizing thread takes as its ``h``-th of pass ``p`` (the ``j``-th, ``j = p * HELD + h``,
+    of ``row_scales``)."""
+    return (p * DEQUANT_HELD + h) * DEQUANT_STEP + tidx // DEQUANT_PER_ROW
