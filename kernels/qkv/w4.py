@@ -194,6 +194,8 @@ class QKVW4EpilogueArguments(NamedTuple):
     q_norm: Optional[cute.Tensor] = None
     k_norm: Optional[cute.Tensor] = None
     scales: Optional[cute.Tensor] = None
+    workspace: Optional[cute.Tensor] = None  # none: the plan keeps MLA's cross-tile latent off this kernel
+    counters: Optional[cute.Tensor] = None
     column_scales: Optional[cute.Tensor] = None  # [N padded to BN] float32
 
 
@@ -351,7 +353,7 @@ class FusedQKVGemmW4:
 
         blob, sf, col_scales = prepare_weight(weight)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, None, None, col_scales)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         extent = _row_extent(hidden.device, blob.shape[0] * 64).as_strided((blob.shape[0] * 64, hidden.shape[0]),
