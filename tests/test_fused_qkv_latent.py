@@ -330,3 +330,71 @@ def test_latent_ptx(case, arch, tmp_path):
     assert ptx.count("max.NaN.f32") == amax
     report = ptxas_report(ptx, arch, tmp_path)
     assert re.findall(r"(\d+) bytes spill stores", report) == ["0"] and "0 bytes stack frame" in report
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------------------
+
+GPU_CASES = {  # (q heads, Q head size, RoPE dims, bias, rope-aware, latent norm)
+    "mla-norm-straddles": (51, 32, 32, True, False, True),  # q_dim 1632: the latent starts mid-tile
+    "rope-aware-fp8": (8, 192, 64, False, True, False),
+    "rope-aware-fp8-norm": (8, 192, 64, True, True, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_latent_kernel_matches_reference(case):
+    """The kernel (three M tiles, ragged 0/1/odd requests, shuffled pages) against the reference on a CPU copy:
+    Q within bf16 tolerance, the step's cache rows decoded within their format's, every other byte unchanged; a
+    second launch (counters reset by the first) stores the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    qh, qd, r, with_bias, rope_aware, with_norm = GPU_CASES[case]
+    g = torch.Generator().manual_seed(11)
+    cached = [5, 0, 37, 130, 1, 64]
+    kw = dict(dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=64) if rope_aware else {}
+    batches = [random_paged_batch(cached, NEW, num_heads=1, head_size=640 if rope_aware else 576, page_size=64,
+                                  num_layers=2, is_mla=True, generator=torch.Generator().manual_seed(12), device=dev,
+                                  **kw) for dev in ("cpu", "cuda")]
+    for pb in batches:
+        _raw(pb.collection.blocks)[pb.step_mask(1)] = 0xFF  # NaN in e4m3 and bf16 byte pairs
+    t, k = sum(NEW), 512
+    hidden = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(qh * qd + 576, k, generator=g) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(weight.shape[0], generator=g).to(torch.bfloat16) if with_bias else None
+    freqs = RopeConfig.from_theta(r, 512, interleaved=True).freqs_cis
+    gamma = torch.rand(512, generator=g) + 0.5 if with_norm else None
+    cpu, gpu = batches
+    want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias,
+                                         rope=RopeConfig(freqs, True, qd),
+                                         qk_norm=cute_kv.QKNorm(k_weight=gamma) if with_norm else None)
+    cuda = lambda x: None if x is None else x.cuda()  # noqa: E731
+    rope = RopeConfig(freqs.cuda(), True, qd)
+    norm = cute_kv.QKNorm(k_weight=gamma.cuda()) if with_norm else None
+    assert plan(gpu.collection, cuda(hidden), cuda(weight), rope, _arch(), norm).path == "kernel"
+    runs = []
+    for _ in range(2):
+        out = torch.full((t, qh * qd), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cute_kv.fused_qkv_matmul_kv_cache(cuda(hidden), gpu.input_row_offsets, cuda(weight), gpu.collection, 1,
+                                          output=out, bias=cuda(bias), rope=rope, qk_norm=norm)
+        torch.cuda.synchronize()
+        runs.append((out.cpu(), _raw(gpu.collection.blocks).cpu().clone(),
+                     None if gpu.collection.scales is None else gpu.collection.scales.cpu().clone()))
+    out, blocks, scales = runs[0]
+    assert not out.isnan().any() and rel_err(out, want) < 1e-2
+    step = cpu.step_mask(1)
+    assert torch.equal(blocks[~step], _raw(cpu.collection.blocks)[~step])
+    got = torch.cat([gpu.dense(0, 1, b, cl + n)[cl:, 0].cpu() for b, (cl, n) in enumerate(zip(cached, NEW))])
+    ref_rows = torch.cat([cpu.dense(0, 1, b, cl + n)[cl:, 0] for b, (cl, n) in enumerate(zip(cached, NEW))])
+    assert not got.isnan().any()
+    assert rel_err(got[:, 512:], ref_rows[:, 512:]) < 1e-2
+    assert rel_err(got[:, :512], ref_rows[:, :512]) < (2.0**-4 if rope_aware else 1e-2)
+    if scales is not None:
+        assert torch.equal(bits(scales[~step]), bits(cpu.collection.scales[~step]))
+    assert torch.equal(runs[1][1], blocks)  # the second launch: the same bits
+
+
+def _arch():
+    from cute_kv.ops.paths import device_arch
+
+    return device_arch(torch.device("cuda"))

@@ -313,6 +313,8 @@ class FusedQKVGemmW4:
                              f"{spec.qkv.dtype_name}")
         if arch != ARCH:
             raise ValueError(f"FusedQKVGemmW4 targets {ARCH}, not {arch}")
+        if spec.qkv.cross_dims:
+            raise ValueError("FusedQKVGemmW4 does not finish MLA's cross-tile latent (its launch passes no workspace)")
         self.spec, self.arch = spec, arch
 
     @property
