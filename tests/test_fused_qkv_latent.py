@@ -21,7 +21,6 @@ from cute_kv import RopeConfig
 from cute_kv import reference as ref
 from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import latent_workspace, plan
-from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.ragged import positions
@@ -232,7 +231,6 @@ def test_replay_matches_the_reference(case):
     hidden, weight = torch.eye(t), c.T.contiguous()
     rope = RopeConfig(freqs, True, spec.q_head_dim)
     norm = cute_kv.QKNorm(k_weight=gamma) if spec.k_norm_dim else None
-    pb.collection.blocks.zero_()
     q = ref.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 0, rope=rope,
                                       qk_norm=norm, bias=bias)
     want = torch.cat([pb.dense(0, 0, b, cl + n)[cl:, 0] for b, (cl, n) in enumerate(zip(cached, NEW))])
@@ -357,7 +355,7 @@ def test_latent_kernel_matches_reference(case):
                                   num_layers=2, is_mla=True, generator=torch.Generator().manual_seed(12), device=dev,
                                   **kw) for dev in ("cpu", "cuda")]
     for pb in batches:
-        _raw(pb.collection.blocks)[pb.step_mask(1)] = 0xFF  # NaN in e4m3 and bf16 byte pairs
+        pb.collection.blocks.view(torch.uint8)[pb.step_mask(1)] = 0xFF  # NaN in e4m3 bytes and bf16 byte pairs
     t, k = sum(NEW), 512
     hidden = torch.randn(t, k, generator=g).to(torch.bfloat16)
     weight = (torch.randn(qh * qd + 576, k, generator=g) / k**0.5).to(torch.bfloat16)
@@ -378,12 +376,12 @@ def test_latent_kernel_matches_reference(case):
         cute_kv.fused_qkv_matmul_kv_cache(cuda(hidden), gpu.input_row_offsets, cuda(weight), gpu.collection, 1,
                                           output=out, bias=cuda(bias), rope=rope, qk_norm=norm)
         torch.cuda.synchronize()
-        runs.append((out.cpu(), _raw(gpu.collection.blocks).cpu().clone(),
+        runs.append((out.cpu(), gpu.collection.blocks.view(torch.uint8).cpu().clone(),
                      None if gpu.collection.scales is None else gpu.collection.scales.cpu().clone()))
     out, blocks, scales = runs[0]
     assert not out.isnan().any() and rel_err(out, want) < 1e-2
     step = cpu.step_mask(1)
-    assert torch.equal(blocks[~step], _raw(cpu.collection.blocks)[~step])
+    assert torch.equal(blocks[~step], cpu.collection.blocks.view(torch.uint8)[~step])
     got = torch.cat([gpu.dense(0, 1, b, cl + n)[cl:, 0].cpu() for b, (cl, n) in enumerate(zip(cached, NEW))])
     ref_rows = torch.cat([cpu.dense(0, 1, b, cl + n)[cl:, 0] for b, (cl, n) in enumerate(zip(cached, NEW))])
     assert not got.isnan().any()

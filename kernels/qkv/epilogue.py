@@ -383,13 +383,14 @@ def _to_workspace(spec: cutlass.Constexpr, vals: cute.Tensor, params, m: Int32, 
     row's lanes reduced in a fixed butterfly (the same bits whichever tile finishes the row)."""
     ws = params.workspace[m, None]
     if const_expr(spec.k_norm_dim):
-        ss = Float32(0.0)
-        if chunk.cross:
-            for e in cutlass.range_constexpr(VEC):
-                ss += vals[e] * vals[e]
-        ss = head_sum(ss, spec.row_lanes, spec.row_lanes)
-        if chunk.col == 0 and chunk.latent_tile >= 0 and chunk.latent_tile < spec.cross_tiles[1]:
-            ws[spec.cross_dims + chunk.latent_tile] = ss
+        if chunk.latent_tile >= 0 and chunk.latent_tile < spec.cross_tiles[1]:  # the same for the whole tile
+            ss = Float32(0.0)
+            if chunk.cross:
+                for e in cutlass.range_constexpr(VEC):
+                    ss += vals[e] * vals[e]
+            ss = head_sum(ss, spec.row_lanes, spec.row_lanes)
+            if chunk.col == 0:
+                ws[spec.cross_dims + chunk.latent_tile] = ss
     if chunk.cross:
         cute.autovec_copy(vals, cute.local_tile(ws, (VEC,), (chunk.dim // VEC,)))
 

@@ -27,9 +27,11 @@ another, so a persistent schedule cannot deadlock) resets the counter for the ne
 rstd from the partials added in tile order (the same bits whichever CTA is last), gamma, then one rounding (16-bit
 cache) or the per-token amax, scale and e4m3 content (rope-aware rows, whose roped bf16 tail at byte
 ``cross_dims`` its own tile stores directly). The latent may start anywhere in a tile (``q_dim`` a multiple of 8):
-a tile's Q chunks, latent chunks and tail chunks each take their own path. The mainloop is unchanged; the extra traffic is a write and a read of ``T x 512`` float32
-(34 MB at T = 8192: ~11 us at 3 TB/s, an estimate, against ~0.3 ms for DeepSeek-V3's 7168 -> 1536 + 576 GEMM on an
-H100). Rejected: a tile N covering the latent (512 columns exceed an MMA instruction's N of 256 and quack's one-BN
+a tile's Q chunks, latent chunks and tail chunks each take their own path. The mainloop is unchanged; the extra
+traffic is a write and a read of ``T x 512`` float32 (34 MB at T = 8192: ~11 us at 3 TB/s, an estimate, against
+~0.3 ms for DeepSeek-V3's 7168 -> 1536 + 576 GEMM on an H100). The workspace (whole M tiles of rows) and the
+counters (zeroed once; each last arriver resets its own) are the op's, cached per device, stream and row width
+(``ops/fused_qkv.latent_workspace``). Rejected: a tile N covering the latent (512 columns exceed an MMA instruction's N of 256 and quack's one-BN
 tiling; on SM100 it would take all 512 TMEM columns, losing the accumulator double buffer, and every Q tile would
 pay for it); a 4-CTA cluster along N exchanging partial sums in distributed shared memory (it changes the mainloop's
 multicast, needs the latent aligned to 512 columns and a cluster-wide barrier that quack's warp roles do not offer
