@@ -216,7 +216,7 @@ def _w4_records(problems) -> list[dict]:
         bare = {**figures(bare_ptx, "sm_90a"), "ab_stages": bare_stages,
                 "decode_per_weight": decode_per_weight(_sass(bare_ptx, "sm_90a")[1])}
         for name in problems:
-            if PROBLEMS[name].get("cross_dims"):  # the cross-tile latent is the 16-bit weights' kernel alone
+            if PROBLEMS[name].get("rope_tail"):  # one latent row per W4 format suffices
                 continue
             kernel = FusedQKVGemmW4(QKVW4Spec(QKVSpec(**PROBLEMS[name]), fmt))
             gemm, *fake = kernel.build()

@@ -280,7 +280,9 @@ def test_plan_serves_the_latent(rope_aware):
     assert (no_norm.cross_dims, no_norm.rope_tail) == ((512, 64) if rope_aware else (0, 0))
     int4 = cute_kv.Int4Weight(torch.zeros(weight.shape[0], 128, dtype=torch.uint8),
                               torch.ones(weight.shape[0], 2, dtype=torch.bfloat16), 128)
-    assert "cross-tile latent" in plan(c, hidden, int4, rope, "sm_90a", norm).reason
+    w4 = plan(c, hidden, int4, rope, "sm_90a", norm)  # the W4 mainloop with the same epilogue
+    assert w4.kernel == "FusedQKVGemmW4" and w4.key.qkv.cross_dims == 512
+    assert plan(c, hidden, int4, rope, "sm_100a", norm).path == "reference"
     neox = RopeConfig.from_theta(64, 64, q_head_dim=192)
     assert plan(c, hidden, weight, neox, "sm_90a", norm).path == "reference"
 

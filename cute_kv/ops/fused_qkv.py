@@ -202,9 +202,6 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     # MLA's latent norm and rope-aware rows reduce across column tiles: the last-arriver epilogue (kernels/qkv/gemm.py)
     cross_dims = c.padded_depth if c.rope_dim is not None else (k_norm_dim if c.is_mla else 0)
     if quantized:
-        if cross_dims:
-            return fallback(f"{type(weight).__name__} weights with MLA's cross-tile latent (norm or rope-aware rows): "
-                            f"the quantized-weight kernel has no last-arriver epilogue")
         weight_format, problem = _quantized_problem(weight, hidden, arch)
         if problem:
             return fallback(problem)
