@@ -12,6 +12,12 @@ Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_o
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
 written (``page = -1``): no input makes the kernel write outside ``output`` and ``blocks``.
 A RoPE position outside ``freqs_cis`` (unchecked metadata) reads no table row: the dims it would rotate become NaN.
+
+MLA's latent norm and rope-aware FP8 rows (``QKVSpec.cross_dims``) reduce over more columns than a tile holds: a
+chunk among the latent's first ``cross_dims`` dims goes to the float32 workspace instead of the cache (with the
+row's partial sum of squares), and ``latent_arrive`` counts the tile's arrival on its M tile; the last arriver
+finishes the rows (``_finish_latent``). Q chunks and the rest of the latent (a rope-aware row's bf16 tail) are
+stored by their own tile as above.
 """
 
 from __future__ import annotations
