@@ -82,17 +82,21 @@ STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float3
 STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
 STORE_ROPE_AWARE_CASES = [("bfloat16", 64, 512, 64), ("float32", 16, 256, 32)]  # (dtype, P, padded_depth, rope_dim)
 QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims
-    # [, fp8 scale granularity, e8m0 scales])
+    # [, fp8 scale granularity, e8m0 scales[, cross_dims, rope_tail]]); fp8 when scaled or rope-aware
     ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B
     ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
     ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent head straddling tiles
     ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0, 32, True),  # e4m3 cache, e8m0 scales
+    # DeepSeek-V3 MLA, finished by the last arriving tile: latent norm (bf16), rope-aware FP8 rows with the norm
+    ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 0),
+    ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 64),
 ]
 QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero points, group 32) and e4m3 weights
     ("int4", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B GPTQ g128
     ("int4awq", "bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3, zero points
     ("int4_g32", "bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent, group 32
     ("fp8", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # e4m3, per-channel scales
+    ("int4", "bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 0),  # MLA latent norm
 ]
 ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads, soft-cap,
     # sinks, lse[, fp8, granularity, e8m0]); the pipeline's PTX is
@@ -167,20 +171,27 @@ def _qkv(arch: str):
     """``FusedQKVGemm`` on ``arch`` from a ``QKV_CASES`` tuple (quack is imported only when one is built)."""
 
     def make(*case):
-        from cute_kv.kernels.qkv.gemm import FusedQKVGemm, QKVSpec
+        from cute_kv.kernels.qkv.gemm import FusedQKVGemm
 
-        fp8 = dict(fp8=True, granularity=case[11], e8m0=case[12]) if len(case) > 11 else {}
-        return FusedQKVGemm(QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10], **fp8), arch)
+        return FusedQKVGemm(_qkv_spec(case), arch)
 
     return make
 
 
+def _qkv_spec(case):
+    """The ``QKVSpec`` of a ``QKV_CASES`` tuple."""
+    from cute_kv.kernels.qkv.gemm import QKVSpec
+
+    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail"), case[11:]))
+    fp8 = bool(extra.get("granularity") or extra.get("rope_tail"))
+    return QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10], fp8=fp8, **extra)
+
+
 def _qkv_w4(fmt, *case):
     """``FusedQKVGemmW4`` (sm_90a) from a ``QKV_W4_CASES`` tuple."""
-    from cute_kv.kernels.qkv.gemm import QKVSpec
     from cute_kv.kernels.qkv.w4 import FusedQKVGemmW4, QKVW4Spec
 
-    return FusedQKVGemmW4(QKVW4Spec(QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10]), fmt))
+    return FusedQKVGemmW4(QKVW4Spec(_qkv_spec(case), fmt))
 
 
 # quack's persistent GEMMs: SM90 ping-pong is a producer and two MMA warpgroups; SM100 is 8 warps (MMA, TMA loads,

@@ -33,6 +33,13 @@ PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-
     "llama3-8b-fp8-e8m0-g32": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8,
                                    head_dim=128, q_head_dim=128, has_bias=False, rope=(128, False), fp8=True,
                                    granularity=32, e8m0=True),
+    # DeepSeek-V3's 7168 -> 1536 + 576: the latent norm (bf16 cache) and rope-aware FP8 rows, finished across tiles
+    "deepseek-v3-latent-norm": dict(dtype_name="bfloat16", q_dim=1536, kv_dim=1, page_size=64, num_heads=1,
+                                    head_dim=576, q_head_dim=192, has_bias=False, rope=(64, True), k_norm_dim=512,
+                                    cross_dims=512),
+    "deepseek-v3-rope-aware-fp8": dict(dtype_name="bfloat16", q_dim=1536, kv_dim=1, page_size=64, num_heads=1,
+                                       head_dim=576, q_head_dim=192, has_bias=False, rope=(64, True),
+                                       k_norm_dim=512, fp8=True, cross_dims=512, rope_tail=64),
 }
 MMA = {"sm_90a": r"\bHGMMA\.", "sm_100a": r"\bUTC\w*MMA\b"}
 VEC = 8
@@ -209,6 +216,8 @@ def _w4_records(problems) -> list[dict]:
         bare = {**figures(bare_ptx, "sm_90a"), "ab_stages": bare_stages,
                 "decode_per_weight": decode_per_weight(_sass(bare_ptx, "sm_90a")[1])}
         for name in problems:
+            if PROBLEMS[name].get("rope_tail"):  # one latent row per W4 format suffices
+                continue
             kernel = FusedQKVGemmW4(QKVW4Spec(QKVSpec(**PROBLEMS[name]), fmt))
             gemm, *fake = kernel.build()
             ptx = compile_ptx(lambda: (gemm, *fake), "sm_90a")  # noqa: B023 -- called at once

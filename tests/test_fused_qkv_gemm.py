@@ -205,12 +205,9 @@ def test_plan_leaves_to_the_reference(rng):
     assert _served(rng, weight=int4) is None  # float32 group scales: the W4 decode multiplies bf16 (test_fused_qkv_w4)
     assert _served(rng, dtype=torch.float32) is None
     assert _served(rng, head_size=256, q_dim=4096, rope=RopeConfig.from_theta(256, 64)) is None  # neox over 2 tiles
-    latent_norm = cute_kv.QKNorm(k_weight=torch.ones(512))
+    latent_norm = cute_kv.QKNorm(k_weight=torch.ones(256))  # MLA's latent norm: finished across tiles, served
     assert _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True, qk_norm=latent_norm,
-                   rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192)) is None
-    mla = dict(dtype_name="bfloat16", q_dim=1536, kv_dim=1, page_size=16, num_heads=1, head_dim=576, q_head_dim=192,
-               has_bias=False, rope=(64, True))
-    assert "latent RMSNorm over 512 dims spans 4 column tiles" in supported(QKVSpec(**mla, k_norm_dim=512))
+                   rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192)).cross_dims == 256
     assert _served(rng, qk_norm=cute_kv.QKNorm(k_weight=torch.ones(100))) is None  # 100 dims: not whole chunks
     unaligned = RopeConfig(torch.zeros(64, 130)[:, 1:129])  # rows not 16-byte aligned: no vector loads
     assert _served(rng, rope=unaligned) is None

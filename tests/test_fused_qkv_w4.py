@@ -247,15 +247,19 @@ COMPILE_CASES = {
     "int4zp-qwen3-bias-qknorm": ("int4awq", ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128)),
     "int4g32-fp8cache-g64": ("int4_g32", ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0, 64)),
     "fp8-gptj-partial": ("fp8", ("bfloat16", 512, 2, 128, 2, 64, 64, True, (32, True), 0, 0)),
+    # [, fp8 granularity, e8m0, cross_dims, rope_tail]: MLA's latent norm, finished by the last arriving tile
+    "int4-mla-latent-norm": ("int4", ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False,
+                                      512, 0)),
 }
 WGMMA_RS = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16"
 
 
 def _w4(case) -> FusedQKVGemmW4:
     fmt, c = COMPILE_CASES[case]
-    fp8 = len(c) > 11
-    return FusedQKVGemmW4(QKVW4Spec(QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], fp8=fp8,
-                                            granularity=c[11] if fp8 else 0), fmt))
+    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail"), c[11:]))
+    return FusedQKVGemmW4(QKVW4Spec(QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10],
+                                            fp8=bool(extra.get("granularity") or extra.get("rope_tail")), **extra),
+                                    fmt))
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,7 +285,11 @@ def test_fused_qkv_w4_ptx(case, tmp_path):
     stores = ["st.global.v4.b32", "st.global.v4.b32"]
     if kernel.spec.qkv.fp8:
         stores = ["st.global.v2.b32", "st.global.v4.b32", "st.global.b32"]
-    assert sorted(re.findall(r"st\.global\.\S+", ptx)) == sorted(stores)
+    if kernel.spec.qkv.cross_dims:  # the latent's arrival and finish (tests/test_fused_qkv_latent.py)
+        assert re.findall(r"atom\.\S+", ptx) == ["atom.global.acq_rel.add.u32", "atom.global.exch.b32"]
+        assert ptx.count("fence.acq_rel.gpu") == 2
+    else:
+        assert sorted(re.findall(r"st\.global\.\S+", ptx)) == sorted(stores)
     report = ptxas_report(ptx, "sm_90a", tmp_path)
     assert re.findall(r"(\d+) bytes spill stores", report) == ["0"]
     assert "0 bytes stack frame" in report
@@ -303,6 +311,9 @@ GPU_CASES = {  # name: (weight maker (rng, n, k), test_fused_qkv_kernel case, ca
                            {"dtype": torch.float8_e4m3fn, "scale_dtype": torch.float32,
                             "quantization_granularity": 64}),
     "fp8-gptj": (_fp8, (torch.bfloat16, 4, 4, 64, 16, 128, True, (64, True, None), False, None), {}),
+    "int4-g128-mla-latent-norm": (lambda rng, n, k: _int4(rng, n, k, 128),
+                                  (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, (0, 512, 0.0)),
+                                  {}),
 }
 
 
@@ -382,7 +393,7 @@ def test_launch_arguments_match_the_compiled_signature(rng, case):
     some = lambda on: torch.empty(1) if on else None  # noqa: E731 -- the operands the spec compiled in
     real = kernel.args(hidden, weight, torch.empty(t, s.q_dim, dtype=torch.bfloat16), torch.empty(1), torch.empty(1),
                        torch.empty(1), torch.empty(1, 1), 0, some(s.has_bias), some(s.rope), some(s.q_norm_dim),
-                       some(s.k_norm_dim), some(s.granularity), 132)
+                       some(s.k_norm_dim), some(s.granularity), 132, some(s.cross_dims), some(s.cross_dims))
     fake = kernel.fake_args()
     fake = fake[:7] + fake[8:]  # the stream: the current one at launch
     assert [x is None for x in real] == [x is None for x in fake]

@@ -209,8 +209,9 @@ def test_store_kv_rejects_bad_rope_aware_input(rng):
     assert torch.equal(_raw(c.blocks), before[0]) and torch.equal(c.scales, before[1])
 
 
-def test_store_and_fused_qkv_plans_route_rope_aware_to_reference(rng):
-    """64 content bytes: too narrow for the store kernel's warp per row; no fused-QKV epilogue for these rows."""
+def test_store_plan_routes_narrow_rope_aware_rows_to_reference(rng):
+    """64 content bytes: too narrow for the store kernel's warp per row; the fused-QKV kernel takes them (its
+    last-arriving tile quantizes the content, tests/test_fused_qkv_latent.py)."""
     pb = rope_batch(rng)
     c = pb.collection
     k = torch.randn(pb.total_rows, 1, 80, generator=rng).to(torch.bfloat16)
@@ -218,10 +219,10 @@ def test_store_and_fused_qkv_plans_route_rope_aware_to_reference(rng):
         path = cute_kv.explain(cute_kv.store_kv, k, None, pb.input_row_offsets, c, 0, arch=arch)
         assert path.path == "reference" and "rope-aware rows: padded_depth 64" in path.reason
         hidden = torch.randn(pb.total_rows, 32, generator=rng).to(torch.bfloat16)
-        weight = torch.randn(64 + 80, 32, generator=rng).to(torch.bfloat16)
+        weight = torch.randn(2 * 80 + 80, 32, generator=rng).to(torch.bfloat16)  # Q: two heads of 80
         path = cute_kv.explain(cute_kv.fused_qkv_matmul_kv_cache, hidden, pb.input_row_offsets, weight, c, 0,
                                arch=arch)
-        assert path.path == "reference" and "rope-aware" in path.reason
+        assert path.kernel == "FusedQKVGemm" and (path.key.cross_dims, path.key.rope_tail) == (64, 16)
 
 
 def test_fused_qkv_writes_rope_aware_rows(rng):

@@ -234,3 +234,35 @@ def test_fused_qkv_mla_latent_norm(rng):
     assert rel_err(q, rope64(c64[:, :48].unflatten(1, (2, 24)), pos, 8, True, 10000.0).flatten(1)) < 1e-2
     k64 = rope64(rms64(c64[:, 48:].unflatten(1, (1, 32)), gamma, 1e-6, 0.0), pos, 8, True, 10000.0)
     _check_cache(pb, before, 1, k64, None, 2.0**-4)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_fused_qkv_rope_aware_rows(rng, with_norm):
+    """Rope-aware FP8 MLA rows ([64 e4m3 content bytes | 16 bf16]): the float64 latent, latent-normed over its 64
+    content dims, GPT-J RoPE on the 16 tail dims; content quantized per token (amax / 448), tail rounded to bf16."""
+    pb, hidden, weight = _step(rng, heads=1, q_heads=0, head_size=96, is_mla=True, page_size=16,
+                               cache_dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=16)
+    weight = torch.cat([(torch.randn(40 + 80, HIDDEN, generator=rng) / HIDDEN**0.5).to(torch.bfloat16),
+                        weight[:0]])  # Q (2 heads of 20) and the 80-dim latent
+    gamma = torch.rand(64, generator=rng) + 0.5
+    rope = RopeConfig.from_theta(16, 160, interleaved=True, q_head_dim=20)
+    before = _snapshot(pb.collection)
+    norm = cute_kv.QKNorm(k_weight=gamma) if with_norm else None
+    ref.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 1, rope=rope, qk_norm=norm)
+    c64 = hidden.double() @ weight.double().T
+    k64 = c64[:, 40:].unflatten(1, (1, 80))
+    k64 = rope64(rms64(k64, gamma, 1e-6, 0.0) if with_norm else k64, _positions(pb), 16, True, 10000.0)
+    c = pb.collection
+    rows = torch.cat([pb.tokens(0, 1, b, cl, cl + n)[0] for b, (cl, n) in enumerate(zip(pb.cache_lengths,
+                                                                                           pb.new_lengths))])
+    scales = torch.cat([pb.tokens(0, 1, b, cl, cl + n)[1] for b, (cl, n) in enumerate(zip(pb.cache_lengths,
+                                                                                           pb.new_lengths))])
+    raw = rows.view(torch.uint8)[:, 0]
+    tail = raw[:, 64:].contiguous().view(torch.bfloat16).double()  # decoded by hand: bytes 64.. are bf16
+    assert rel_err(tail, k64[:, 0, 64:]) < 1e-2
+    want_scale = k64[:, 0, :64].abs().amax(-1) / 448
+    assert rel_err(scales.double().flatten(), want_scale) < 1e-6
+    content = raw[:, :64].view(torch.float8_e4m3fn).double() * scales.double().flatten()[:, None]
+    assert rel_err(content, k64[:, 0, :64]) < 2.0**-4
+    keep = ~pb.step_mask(1)
+    assert torch.equal(_raw(c.blocks)[keep], before[0][keep]) and torch.equal(_raw(c.scales)[keep], before[1][keep])

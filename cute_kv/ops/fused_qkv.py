@@ -196,10 +196,11 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
 
     dtype_name = dtypes.dtype_name(hidden.dtype)  # the cache's too, unless it is fp8
     c = collection
-    if c.rope_dim is not None:
-        return fallback("rope-aware MLA rows (fp8 content, bf16 rope) have no fused-QKV epilogue yet")
     quantized = not isinstance(weight, torch.Tensor)
     weight_format = None
+    k_norm_dim = _norm_key(qk_norm)[1] if qk_norm is not None else 0
+    # MLA's latent norm and rope-aware rows reduce across column tiles: the last-arriver epilogue (kernels/qkv/gemm.py)
+    cross_dims = c.padded_depth if c.rope_dim is not None else (k_norm_dim if c.is_mla else 0)
     if quantized:
         weight_format, problem = _quantized_problem(weight, hidden, arch)
         if problem:
@@ -218,10 +219,12 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     e8m0 = c.scales is not None and c.scales.dtype == torch.float8_e8m0fnu
     if fp8 and c.scales is not None and c.scales.dtype != torch.float32 and not e8m0:
         return fallback(f"{dtypes.dtype_name(c.scales.dtype)} scales: the kernel writes float32 or e8m0 scales")
-    spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, c.head_size,
-                   q_head_dim(rope, c.head_size), False, None if rope is None else (rope.rope_dim, rope.interleaved),
-                   *_norm_key(qk_norm), fp8=fp8, granularity=0 if c.scales is None else c.quantization_granularity,
-                   e8m0=e8m0)
+    granularity = 0 if c.scales is None or c.rope_dim is not None else c.quantization_granularity
+    d = c.latent_dim  # rope-aware rows: the logical width (their content and tail bytes are the epilogue's)
+    spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, d,
+                   q_head_dim(rope, d), False, None if rope is None else (rope.rope_dim, rope.interleaved),
+                   *_norm_key(qk_norm), fp8=fp8, granularity=granularity, e8m0=e8m0, cross_dims=cross_dims,
+                   rope_tail=c.rope_dim or 0)
     problem = supported(spec)
     if problem:
         return fallback(problem)
@@ -270,14 +273,39 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
         if t:  # a persistent grid over zero tiles still launches: skip it
             kernel = _gemm(_with_bias(spec, bias is not None), arch)
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
+            latent = latent_workspace(hidden.device, spec, t) if getattr(spec, "cross_dims", 0) else ()
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
                             collection.cache_lengths, collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
                             *norm_weights, scales,
-                            _max_active_clusters(collection.device, kernel.cluster_shape)))
+                            _max_active_clusters(collection.device, kernel.cluster_shape), *latent))
         return out if output is None or out is output else output.copy_(out)
 
     return run
+
+
+_LATENT_WORKSPACES: dict = {}
+
+
+def latent_workspace(device, spec, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(workspace, counters)`` for a ``cross_dims`` spec over ``num_rows`` tokens: float32
+    ``[rows, spec.workspace_cols]`` (the latent before its finish, then the tiles' partial sums of squares) with
+    ``rows`` whole M tiles, and one int32 arrival counter per M tile, zero between launches (the last arriver
+    resets its counter; they are zeroed once, here).
+
+    Cached per device, stream and row width, grown by powers of two. A launch sizes nothing else, so a CUDA graph
+    captures these pointers: a smaller buffer that a larger one replaces stays alive (the sum is under twice the
+    largest). Launches sharing a stream run in order; launches on different streams get different buffers."""
+    from cute_kv.kernels.qkv.gemm import CTA_ROWS
+
+    tiles = -(-num_rows // CTA_ROWS)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, spec.workspace_cols)
+    held = _LATENT_WORKSPACES.setdefault(key, [])
+    if not held or held[-1][1].numel() < tiles:
+        cap = 1 << (tiles - 1).bit_length()
+        held.append((torch.empty((cap * CTA_ROWS, spec.workspace_cols), dtype=torch.float32, device=device),
+                     torch.zeros(cap, dtype=torch.int32, device=device)))
+    return held[-1]
 
 
 def compile_unit(spec, arch: str) -> tuple:

@@ -12,6 +12,12 @@ Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_o
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
 written (``page = -1``): no input makes the kernel write outside ``output`` and ``blocks``.
 A RoPE position outside ``freqs_cis`` (unchecked metadata) reads no table row: the dims it would rotate become NaN.
+
+MLA's latent norm and rope-aware FP8 rows (``QKVSpec.cross_dims``) reduce over more columns than a tile holds: a
+chunk among the latent's first ``cross_dims`` dims goes to the float32 workspace instead of the cache (with the
+row's partial sum of squares), and ``latent_arrive`` counts the tile's arrival on its M tile; the last arriver
+finishes the rows (``_finish_latent``). Q chunks and the rest of the latent (a rope-aware row's bf16 tail) are
+stored by their own tile as above.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from quack.cute_dsl_utils import ParamsBase, mlir_namedtuple
 from quack.epilogue.ops import EpiSmemBytes
 
 from cute_kv.kernels.paged.ragged_rows import resolve_row
-from cute_kv.kernels.quant import quantize_e4m3
+from cute_kv.kernels.quant import lane_amax, lanes_scale, quantize_e4m3, to_e4m3
 
 VEC = 8  # 16-bit elements per 16-byte store (8 bytes for an fp8 cache)
 C_PAD = 4  # fp32 words of padding per staged row: consecutive rows start on different banks
@@ -47,6 +53,8 @@ class QKVEpilogueArguments(NamedTuple):
     q_norm: Optional[cute.Tensor] = None  # [C_q] float32
     k_norm: Optional[cute.Tensor] = None  # [C_k] float32
     scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32 (e8m0: uint8 bytes)
+    workspace: Optional[cute.Tensor] = None  # [rows, QKVSpec.workspace_cols] float32: the latent before its finish
+    counters: Optional[cute.Tensor] = None  # [M tiles] int32, zero between launches: latent tiles arrived
 
 
 @dataclass
@@ -62,6 +70,8 @@ class QKVEpilogueParams(ParamsBase):
     q_norm: Optional[cute.Tensor] = None
     k_norm: Optional[cute.Tensor] = None
     scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
+    workspace: Optional[cute.Tensor] = None
+    counters: Optional[cute.Tensor] = None
 
 
 class QKVEpilogueMixin:
@@ -85,16 +95,21 @@ class QKVEpilogueMixin:
                   "s_page": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
                   "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
                   "s_thread": cute.struct.Align[cute.struct.MemRange[Int32, EPI_THREADS], 16]}
+        if const_expr(self.qkv.cross_dims):  # the last arriver's flag (inside epi_smem_bytes' 64 spare bytes)
+            fields["s_last"] = cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
         # Built from a dict: this module's postponed annotations would reach cute.struct as strings.
         return cute.struct(type("QKVEpiStorage", (), {"__annotations__": fields}))
 
     def epi_get_smem_tensors(self, params, storage):
         bm, bn = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
         epi = storage.epi
-        return {"s_c": epi.s_c.get_tensor(cute.make_layout((bm, bn), stride=(bn + C_PAD, 1))),
-                "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
-                "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm)),
-                "s_thread": epi.s_thread.get_tensor(cute.make_layout(EPI_THREADS))}
+        tensors = {"s_c": epi.s_c.get_tensor(cute.make_layout((bm, bn), stride=(bn + C_PAD, 1))),
+                   "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
+                   "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm)),
+                   "s_thread": epi.s_thread.get_tensor(cute.make_layout(EPI_THREADS))}
+        if const_expr(self.qkv.cross_dims):
+            tensors["s_last"] = epi.s_last.get_tensor(cute.make_layout(4))
+        return tensors
 
     @cute.jit
     def epi_begin(self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
@@ -111,7 +126,8 @@ class QKVEpilogueMixin:
             s_pos[r] = pos
         # Read back after the staging barrier (epi_end): see there.
         epi_smem_tensors["s_thread"][tidx] = tidx
-        return (epi_smem_tensors["s_c"], s_page, s_pos, epi_smem_tensors["s_thread"])
+        return (epi_smem_tensors["s_c"], s_page, s_pos, epi_smem_tensors["s_thread"],
+                epi_smem_tensors.get("s_last"))
 
     @cute.jit
     def epi_end_loop(self, params, epi_tensors, epi_coord, tRS_rD, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
@@ -130,7 +146,7 @@ class QKVEpilogueMixin:
     @cute.jit
     def epi_end(self, params, epi_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
                 varlen_manager, tidx):
-        s_c, s_page, s_pos, s_thread = epi_tensors
+        s_c, s_page, s_pos, s_thread, s_last = epi_tensors
         self.epilogue_barrier.arrive_and_wait()  # the whole tile is staged
         # The thread's index as a shared-memory value read after the barrier: what the row passes derive from it
         # (columns, partner chunk, first row, norm and RoPE constants) is computed here, per tile, instead of being
@@ -140,6 +156,10 @@ class QKVEpilogueMixin:
         qkv_store_tile(self.qkv, s_c, s_page, s_pos, params, tile_coord_mnkl[0] * self.cta_tile_shape_mnk[0],
                        tile_coord_mnkl[1] * self.cta_tile_shape_mnk[1], tidx,
                        self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
+        if const_expr(self.qkv.cross_dims):
+            latent_arrive(self.qkv, s_page, s_pos, s_last, params, tile_coord_mnkl[0], tile_coord_mnkl[1],
+                          self.cta_tile_shape_mnk[0], tidx, self.num_epi_warps * cute.arch.WARP_SIZE,
+                          self.epilogue_barrier)
         self.epilogue_barrier.arrive_and_wait()  # staging is read before the next tile overwrites it
 
 
@@ -169,6 +189,8 @@ class _Chunk(NamedTuple):
     dim0: Int32  # first dim within its (Q or K/V) head
     head_size: Int32
     rotated: cutlass.Boolean  # Q or K (V is neither normalized nor rotated)
+    cross: cutlass.Boolean  # one of the latent's first cross_dims dims: to the workspace, finished by the last arriver
+    latent_tile: Int32  # the tile's index among the latent's column tiles (cross_dims only)
 
 
 @cute.jit
@@ -195,10 +217,14 @@ def qkv_store_tile(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tenso
         head_size = Int32(spec.q_head_dim)
         dim0 = n % spec.q_head_dim
     in_range = n < spec.n_total
-    chunk = _Chunk(col, n, in_range, is_q, kv, (kk // d) % h, dim, dim0, head_size, in_range and (is_q or kv == 0))
+    cross = cutlass.Boolean(False)
+    if const_expr(spec.cross_dims):
+        cross = in_range and not is_q and dim < spec.cross_dims
+    chunk = _Chunk(col, n, in_range, is_q, kv, (kk // d) % h, dim, dim0, head_size, in_range and (is_q or kv == 0),
+                   cross, n0 // bn - spec.cross_tiles[0])
     first_row = tidx // chunks
     rows_per_pass = threads // chunks
-    prepare = const_expr(spec.has_bias or spec.has_norm)
+    prepare = const_expr(spec.has_bias or spec.tile_norm)
     if const_expr(spec.rope is None):
         _bias_norm_rows(spec, s_c, s_page, s_pos, params, m0, first_row, rows_per_pass, chunk, True)
     else:
@@ -225,10 +251,10 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
     inv_width = Float32(spec.inv_norm_width[1])  # 1 / (dims a head's norm spans): K, or Q below
     # Norm weights cover whole chunks (``supported``): one flag per chunk, not a mask per element in registers.
     normed = cutlass.Boolean(False)
-    if const_expr(spec.has_norm):
+    if const_expr(spec.tile_norm):
+        k_norm = None if const_expr(spec.cross_dims) else params.k_norm  # the latent's: finished by the last arriver
         normed = (_norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, spec.norm_offset)
-                  or _norm_weights(params.k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma,
-                                   spec.norm_offset))
+                  or _norm_weights(k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma, spec.norm_offset))
         if chunk.is_q:
             inv_width = Float32(spec.inv_norm_width[0])
     vals = cute.make_rmem_tensor((VEC,), Float32)
@@ -237,7 +263,7 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
         cute.autovec_copy(staged, vals)  # 2 x 16 B
         for e in cutlass.range_constexpr(VEC):
             vals[e] = vals[e] + bias_v[e]
-        if const_expr(spec.has_norm):
+        if const_expr(spec.tile_norm):
             # Every lane takes part in the shuffles (rows past the step hold zeros from TMA's fill).
             ss = Float32(0.0)
             for e in cutlass.range_constexpr(VEC):
@@ -318,24 +344,151 @@ def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, 
                m0: Int32, r: Int32, chunk: _Chunk):
     """Round once and store: Q (16 bytes) to ``output``, K/V into the row's page (skipped without a page); an fp8
     cache takes e4m3 values (8 bytes) and, with scales, the granule's scale (float32 or e8m0 byte) from its first
-    lane."""
+    lane. The latent's first ``cross_dims`` dims go to the workspace instead (``latent_arrive`` finishes them)."""
     out = cute.make_rmem_tensor((VEC,), spec.dtype)
     out.store(vals.load().to(spec.dtype))
     kv_out, scale = out, Float32(0.0)
-    if const_expr(spec.fp8):
+    if const_expr(spec.fp8 and not spec.rope_tail):
         kv_out, scale = quantize_e4m3(vals, spec.granularity, spec.e8m0)  # every lane joins the shuffles
     m = m0 + r
+    if const_expr(spec.cross_dims):
+        _to_workspace(spec, vals, params, m, chunk)  # every lane joins the partial sum's shuffles
     if m < params.output.shape[0] and chunk.in_range:
         if chunk.is_q:
             cute.autovec_copy(out, cute.local_tile(params.output[m, None], (VEC,), (chunk.n // VEC,)))
         elif s_page[r] >= 0:
             slot = s_pos[r] % spec.page_size
             dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head, None]
-            cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
-            if const_expr(spec.granularity > 0):
-                if chunk.dim % spec.granularity == 0:
-                    params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
-                                  chunk.dim // spec.granularity] = scale.to(params.scales.element_type)
+            if const_expr(spec.rope_tail):
+                if not chunk.cross:  # the bf16 tail, from byte cross_dims of the row
+                    _store_bf16(vals, dst, 2 * chunk.dim - spec.cross_dims)
+            elif const_expr(spec.cross_dims):
+                if not chunk.cross:
+                    cute.autovec_copy(out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+            else:
+                cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+                if const_expr(spec.granularity > 0):
+                    if chunk.dim % spec.granularity == 0:
+                        params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
+                                      chunk.dim // spec.granularity] = scale.to(params.scales.element_type)
+
+
+@cute.jit
+def _store_bf16(vals: cute.Tensor, row: cute.Tensor, byte: Int32):
+    """8 values as bf16: 16 bytes at byte ``byte`` (a multiple of 16) of the e4m3 row ``row``."""
+    bf16 = cute.make_rmem_tensor((VEC,), cutlass.BFloat16)
+    bf16.store(vals.load().to(cutlass.BFloat16))
+    cute.autovec_copy(cute.recast_tensor(bf16, cutlass.Float8E4M3FN),
+                      cute.local_tile(row, (2 * VEC,), (byte // (2 * VEC),)))
+
+
+@cute.jit
+def _to_workspace(spec: cutlass.Constexpr, vals: cute.Tensor, params, m: Int32, chunk: _Chunk):
+    """A latent chunk's float32 values into row ``m`` of the workspace (every row of the tile: the workspace has
+    whole M tiles); with the latent norm, the first lane of the row stores the tile's partial sum of squares, the
+    row's lanes reduced in a fixed butterfly (the same bits whichever tile finishes the row)."""
+    ws = params.workspace[m, None]
+    if const_expr(spec.k_norm_dim):
+        if chunk.latent_tile >= 0 and chunk.latent_tile < spec.cross_tiles[1]:  # the same for the whole tile
+            ss = Float32(0.0)
+            if chunk.cross:
+                for e in cutlass.range_constexpr(VEC):
+                    ss += vals[e] * vals[e]
+            ss = head_sum(ss, spec.row_lanes, spec.row_lanes)
+            if chunk.col == 0:
+                ws[spec.cross_dims + chunk.latent_tile] = ss
+    if chunk.cross:
+        cute.autovec_copy(vals, cute.local_tile(ws, (VEC,), (chunk.dim // VEC,)))
+
+
+@cute.jit
+def latent_arrive(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, s_last: cute.Tensor, params,
+                  m_tile: Int32, n_tile: Int32, bm: cutlass.Constexpr[int], tidx: Int32,
+                  threads: cutlass.Constexpr[int], barrier):
+    """A tile holding latent columns counts its arrival on its M tile; the last of the ``cross_tiles`` to arrive
+    finishes the rows (``_finish_latent``) and resets the counter for the next launch. No tile waits for
+    another, so any persistent schedule completes.
+
+    Ordering: every thread's workspace stores, then its fence (release) and the CTA barrier, happen before thread
+    0's acq_rel atomic; the last arriver's atomic reads the others' releases, and its threads fence (acquire)
+    after the barrier that publishes the verdict, before reading the workspace."""
+    first, count = spec.cross_tiles
+    if n_tile >= first and n_tile < first + count:
+        cute.arch.fence_acq_rel_gpu()
+        barrier.arrive_and_wait()
+        if tidx == 0:
+            arrived = cute.arch.atomic_add((params.counters.iterator + m_tile).llvm_ptr, Int32(1), sem="acq_rel",
+                                           scope="gpu")
+            last = Int32(0)
+            if arrived == count - 1:
+                last = Int32(1)
+                # every tile of this M tile has arrived: none touches the counter again in this launch
+                cute.arch.atomic_exch((params.counters.iterator + m_tile).llvm_ptr, Int32(0), sem="relaxed",
+                                      scope="gpu")
+            s_last[0] = last
+        barrier.arrive_and_wait()
+        if s_last[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            _finish_latent(spec, s_page, s_pos, params, m_tile * bm, bm, tidx, threads)
+
+
+@cute.jit
+def _finish_latent(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, params, m0: Int32,
+                   bm: cutlass.Constexpr[int], tidx: Int32, threads: cutlass.Constexpr[int]):
+    """The ``cross_dims`` latent dims of the M tile's rows from the workspace: times ``rstd * gamma`` (latent
+    norm: ``rstd`` from the tiles' partial sums, added in tile order), then rounded once into the cache (16-bit)
+    or, for rope-aware rows, quantized with the token's scale (the amax over all of them: a first pass) and the
+    float32 scale stored. Lanes ``l`` of a row take chunks ``l, l + 16, ...``: the row's 16 lanes reduce the
+    amax."""
+    lanes = spec.row_lanes
+    chunks = spec.cross_dims // VEC
+    per_lane = -(-chunks // lanes)
+    lane = tidx % lanes
+    vals = cute.make_rmem_tensor((VEC,), Float32)
+    for r in cutlass.range(tidx // lanes, bm, threads // lanes, unroll=1):
+        m = m0 + r
+        ws = params.workspace[m, None]
+        rstd = Float32(1.0)
+        if const_expr(spec.k_norm_dim):
+            ss = Float32(0.0)
+            for j in cutlass.range_constexpr(spec.cross_tiles[1]):
+                ss += ws[spec.cross_dims + j]
+            rstd = cute.math.rsqrt(ss * Float32(1.0 / spec.k_norm_dim) + Float32(spec.norm_epsilon),
+                                   fastmath=False)
+        scale = Float32(1.0)
+        if const_expr(spec.rope_tail):
+            amax = Float32(0.0)
+            for j in cutlass.range_constexpr(per_lane):
+                if lane + j * lanes < chunks:
+                    _latent_chunk(spec, ws, params, lane + j * lanes, rstd, vals)
+                    amax = cute.arch.fmax(amax, lane_amax(vals), abs=True, nan=True)
+            scale = lanes_scale(amax, lanes)
+        page = s_page[r]
+        if m < params.output.shape[0] and page >= 0:
+            slot = s_pos[r] % spec.page_size
+            dst = params.blocks[page, 0, params.layer_idx, slot, 0, None]
+            for j in cutlass.range_constexpr(per_lane):
+                c = lane + j * lanes
+                if c < chunks:
+                    _latent_chunk(spec, ws, params, c, rstd, vals)
+                    if const_expr(spec.rope_tail):
+                        cute.autovec_copy(to_e4m3(vals, scale), cute.local_tile(dst, (VEC,), (c,)))
+                    else:
+                        out = cute.make_rmem_tensor((VEC,), spec.dtype)
+                        out.store(vals.load().to(spec.dtype))
+                        cute.autovec_copy(out, cute.local_tile(dst, (VEC,), (c,)))
+            if const_expr(spec.rope_tail):
+                if lane == 0:
+                    params.scales[page, 0, params.layer_idx, slot, 0, 0] = scale
+
+
+@cute.jit
+def _latent_chunk(spec: cutlass.Constexpr, ws: cute.Tensor, params, c: Int32, rstd: Float32, vals: cute.Tensor):
+    """Chunk ``c`` of a workspace row into ``vals``, normalized (latent norm)."""
+    cute.autovec_copy(cute.local_tile(ws, (VEC,), (c,)), vals)
+    if const_expr(spec.k_norm_dim):
+        for e in cutlass.range_constexpr(VEC):
+            vals[e] = vals[e] * rstd * (Float32(params.k_norm[c * VEC + e]) + Float32(spec.norm_offset))
 
 
 @cute.jit

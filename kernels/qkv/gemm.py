@@ -13,20 +13,25 @@ sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 
 (Llama, Qwen, Gemma) and keeps the float32 staging tile at 66 KB. ``supported`` says why a shape is refused (the
 entry then runs the reference).
 
-What still takes the reference (the entry's dispatch): norms over more than one tile (MLA's 512-dim latent
-norm) and e5m2 caches. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
+What still takes the reference (the entry's dispatch): e5m2 caches, and quantized weights with MLA's cross-tile
+latent. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
 scales) run ``FusedQKVGemmW4`` (``w4.py``: quack's SM90 W4 mainloop with this epilogue staged transposed) on
 sm_90a; on sm_100a they take the reference until a transform-warp mainloop exists (``w4.py`` says why).
 
 MLA's latent RMSNorm (``kv_lora_rank = 512`` dims, four 128-column tiles) needs a reduction across tiles; so do
-rope-aware FP8 MLA rows, whose per-token scale is the amax of all 512 content dims (after the norm). The design
-chosen, not yet built: a two-phase "last arriver" epilogue. Each CTA holding a latent tile writes its float32 block
-and per-row partial sums of squares to a workspace, fences, and bumps a per-M-tile counter; the CTA that arrives
-last (no CTA waits for another, so a persistent schedule cannot deadlock) finalizes the 512-dim rows: rstd, gamma,
-then one rounding (bf16) or the per-token amax, scale and e4m3 content (rope-aware rows, whose roped bf16 tail its
-own tile stores directly). The mainloop is unchanged; the extra traffic is a write and a read of ``T x 512`` float32
-(34 MB at T = 8192: ~11 us at 3 TB/s, an estimate, against ~0.3 ms for DeepSeek-V3's 7168 -> 1536 + 576 GEMM on an
-H100). Rejected: a tile N covering the latent (512 columns exceed an MMA instruction's N of 256 and quack's one-BN
+rope-aware FP8 MLA rows, whose per-token scale is the amax of all 512 content dims (after the norm). Built as a
+two-phase "last arriver" epilogue (``QKVSpec.cross_dims``, ``epilogue.latent_arrive``): each CTA holding latent
+columns writes their float32 values and per-row partial sums of squares to a workspace (``cross_dims`` columns,
+then one partial per tile), fences, and bumps its M tile's counter; the CTA that arrives last (no CTA waits for
+another, so a persistent schedule cannot deadlock) resets the counter for the next launch and finalizes the rows:
+rstd from the partials added in tile order (the same bits whichever CTA is last), gamma, then one rounding (16-bit
+cache) or the per-token amax, scale and e4m3 content (rope-aware rows, whose roped bf16 tail at byte
+``cross_dims`` its own tile stores directly). The latent may start anywhere in a tile (``q_dim`` a multiple of 8):
+a tile's Q chunks, latent chunks and tail chunks each take their own path. The mainloop is unchanged; the extra
+traffic is a write and a read of ``T x 512`` float32 (34 MB at T = 8192: ~11 us at 3 TB/s, an estimate, against
+~0.3 ms for DeepSeek-V3's 7168 -> 1536 + 576 GEMM on an H100). The workspace (whole M tiles of rows) and the
+counters (zeroed once; each last arriver resets its own) are the op's, cached per device, stream and row width
+(``ops/fused_qkv.latent_workspace``). Rejected: a tile N covering the latent (512 columns exceed an MMA instruction's N of 256 and quack's one-BN
 tiling; on SM100 it would take all 512 TMEM columns, losing the accumulator double buffer, and every Q tile would
 pay for it); a 4-CTA cluster along N exchanging partial sums in distributed shared memory (it changes the mainloop's
 multicast, needs the latent aligned to 512 columns and a cluster-wide barrier that quack's warp roles do not offer
@@ -55,6 +60,7 @@ BN = 128
 # (tile M per MMA warpgroup / per 2-CTA pair, cluster): quack's SM90 ping-pong and SM100 2-CTA configurations.
 TILES = {"sm_90a": ((128, BN), (2, 1, 1)), "sm_100a": ((256, BN), (2, 1, 1))}
 MAX_SWIZZLE = 8
+CTA_ROWS = 128  # token rows of one CTA's tile on both cores (SM100's 256-row tile spans a CTA pair): an M tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +88,10 @@ class QKVSpec:
     fp8: bool = False  # e4m3 cache
     granularity: int = 0  # head dims per scale of an fp8 cache (0: unscaled)
     e8m0: bool = False  # scales are float8_e8m0fnu (powers of two, rounded up), else float32
+    # MLA: the latent head's first ``cross_dims`` dims, reduced across column tiles and finished by the tile that
+    # arrives last (the latent RMSNorm's ``kv_lora_rank``, or a rope-aware row's e4m3 content); 0: none.
+    cross_dims: int = 0
+    rope_tail: int = 0  # rope-aware FP8 rows: bf16 dims after the ``cross_dims`` content bytes (``head_dim`` = sum)
 
     @property
     def dtype(self):
@@ -96,9 +106,41 @@ class QKVSpec:
         return bool(self.q_norm_dim or self.k_norm_dim)
 
     @property
+    def tile_norm(self) -> bool:
+        """A norm reduced inside a column tile (QK-norm; the latent norm is the last arriver's)."""
+        return bool(self.q_norm_dim or (self.k_norm_dim and not self.cross_dims))
+
+    @property
     def max_head_lanes(self) -> int:
-        """Lanes (8-column chunks) of the widest head: the butterfly width of the norm's reduction."""
-        return max(self.q_head_dim, self.head_dim) // VEC
+        """Lanes (8-column chunks) of the widest head a tile normalizes: the butterfly width of the norm's
+        reduction."""
+        return max(self.q_head_dim, 0 if self.cross_dims else self.head_dim) // VEC
+
+    @property
+    def cross_tiles(self) -> tuple[int, int]:
+        """``(first column tile, tiles)`` holding the ``cross_dims`` latent columns: the arrivals an M tile
+        counts."""
+        first = self.q_dim // BN
+        return first, (self.q_dim + self.cross_dims - 1) // BN - first + 1
+
+    @property
+    def row_lanes(self) -> int:
+        """Lanes holding a row of a column tile (one 8-column chunk each)."""
+        return BN // VEC
+
+    @property
+    def workspace_cols(self) -> int:
+        """float32 words of a workspace row: the latent's ``cross_dims`` values, then one partial sum of squares
+        per tile (latent norm), padded to 16 bytes."""
+        partials = self.cross_tiles[1] if self.k_norm_dim else 0
+        return self.cross_dims + -(-partials // 4) * 4
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of a cache row's head (rope-aware: e4m3 content, then the bf16 tail)."""
+        if self.rope_tail:
+            return self.cross_dims + 2 * self.rope_tail
+        return self.head_dim * (1 if self.fp8 else 2)
 
     @property
     def inv_norm_width(self) -> tuple[float, float]:
@@ -119,17 +161,21 @@ def supported(spec: QKVSpec) -> Optional[str]:
     if spec.q_norm_dim % VEC or spec.k_norm_dim % VEC:
         return (f"QK-norm weights of {spec.q_norm_dim} (Q) and {spec.k_norm_dim} (K) dims must be multiples of {VEC}: "
                 f"a 16-byte chunk is normalized whole or kept whole")
-    if spec.kv_dim == 1 and spec.k_norm_dim > BN:
-        return (f"MLA's latent RMSNorm over {spec.k_norm_dim} dims spans {-(-spec.k_norm_dim // BN)} column tiles: "
-                f"the cross-tile reduction is not built (module docstring)")
-    whole_heads = spec.has_norm or (spec.rope is not None and not spec.rope[1])
+    if spec.cross_dims or spec.rope_tail:
+        problem = _cross_problem(spec)
+        if problem:
+            return problem
+    elif spec.kv_dim == 1 and spec.k_norm_dim:
+        return (f"MLA's latent RMSNorm over {spec.k_norm_dim} dims is finished across column tiles: set "
+                f"cross_dims = {spec.k_norm_dim}")
+    whole_heads = spec.tile_norm or (spec.rope is not None and not spec.rope[1])
     if whole_heads:
-        for name, size in (("Q", qh), ("K", d)):
+        for name, size in (("Q", qh), ("K", d))[: 1 if spec.cross_dims else 2]:
             lanes = size // VEC
             if BN % size or lanes & (lanes - 1):
                 return (f"a normalized or neox-rotated {name} head of {size} dims must tile the {BN}-column tile "
                         f"(a power-of-two number of 16-byte chunks dividing {BN})")
-        if spec.q_dim % d:
+        if spec.q_dim % d and not spec.cross_dims:
             return f"K heads of {d} dims start at q_dim = {spec.q_dim}, not a multiple of {d}: they straddle tiles"
     g = spec.granularity
     if spec.e8m0 and not g:
@@ -137,6 +183,27 @@ def supported(spec: QKVSpec) -> Optional[str]:
     if g and (not spec.fp8 or g & (g - 1) or not VEC <= g <= BN or d % g or spec.q_dim % g):
         return (f"fp8 scale granularity {g} must be a power of two in [{VEC}, {BN}] dividing the head size ({d}) "
                 f"and q_dim ({spec.q_dim}): a granule's lanes reduce its amax in one aligned group")
+    return None
+
+
+def _cross_problem(spec: QKVSpec) -> Optional[str]:
+    """Why the last-arriver latent path cannot take ``spec`` (an MLA latent norm or rope-aware rows), or None."""
+    w, tail = spec.cross_dims, spec.rope_tail
+    if spec.kv_dim != 1 or spec.num_heads != 1:
+        return "a latent finished across tiles needs an MLA cache (one K head, no V)"
+    if w <= 0 or w % (2 * VEC) or w > spec.head_dim:
+        return (f"cross_dims ({w}) must be a positive multiple of {2 * VEC} within the latent head "
+                f"({spec.head_dim}): whole 16-byte chunks, and a rope tail at a 16-byte offset")
+    if spec.k_norm_dim not in (0, w):
+        return f"the latent norm's {spec.k_norm_dim} dims must be the {w} dims finished across tiles"
+    if tail and (not spec.fp8 or spec.granularity or spec.e8m0 or w + tail != spec.head_dim):
+        return (f"rope-aware rows are e4m3 content ({w}) and a bf16 tail ({tail}) summing to the latent head "
+                f"({spec.head_dim}), one float32 scale per token")
+    if not tail and (spec.fp8 or not spec.k_norm_dim):
+        return "cross_dims without a rope tail is MLA's latent norm over a 16-bit cache"
+    if spec.rope is not None and (not spec.rope[1] or spec.rope[0] > spec.head_dim - w):
+        return (f"RoPE over the latent must be GPT-J pairs within its last {spec.head_dim - w} dims (the tail "
+                f"its own tile rotates), got rope_dim {spec.rope[0]} ({'GPT-J' if spec.rope[1] else 'neox'})")
     return None
 
 
@@ -203,8 +270,11 @@ class FusedQKVGemm:
                 p * h * depth, h * depth, depth, 1),
                 assumed_align=16 if depth * dtype.width % 128 == 0 else dtype.width // 8)
 
-        blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
-        scales = cache(cutlass.Uint8 if s.e8m0 else Float32, d // s.granularity) if s.granularity else None
+        if s.rope_tail:  # rope-aware rows: e4m3 content and bf16 tail bytes, one float32 scale per token
+            blocks, scales = cache(cutlass.Float8E4M3FN, s.row_bytes), cache(Float32, 1)
+        else:
+            blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
+            scales = cache(cutlass.Uint8 if s.e8m0 else Float32, d // s.granularity) if s.granularity else None
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
@@ -216,19 +286,25 @@ class FusedQKVGemm:
                                      assumed_align=16)
         q_norm = make_fake_compact_tensor(Float32, (s.q_norm_dim,), assumed_align=4) if s.q_norm_dim else None
         k_norm = make_fake_compact_tensor(Float32, (s.k_norm_dim,), assumed_align=4) if s.k_norm_dim else None
+        workspace = counters = None
+        if s.cross_dims:
+            workspace = make_fake_tensor(Float32, (cute.sym_int32(), s.workspace_cols), stride=(s.workspace_cols, 1),
+                                         assumed_align=16)
+            counters = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
         epi = QKVEpilogueArguments(output, blocks, offsets, lengths, lut, Int32(0), bias, freqs, q_norm, k_norm,
-                                   scales)
+                                   scales, workspace, counters)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(1), max_swizzle_size=Int32(MAX_SWIZZLE))
         return (hidden, weight, None, None, epi, scheduler, None, make_fake_stream(use_tvm_ffi_env_stream=True),
                 None, None)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int) -> tuple:
-        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one."""
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
+        ``workspace``/``counters``: ``latent_workspace``'s, for a spec with ``cross_dims``."""
         from quack.tile_scheduler import TileSchedulerOptions
 
         epi = QKVEpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                   bias, freqs_cis, q_norm, k_norm, scales)
+                                   bias, freqs_cis, q_norm, k_norm, scales, workspace, counters)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         return hidden, weight, None, None, epi, scheduler, None, None, None

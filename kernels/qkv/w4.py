@@ -58,9 +58,9 @@ from cutlass import Float32, Int32
 from quack.cute_dsl_utils import mlir_namedtuple
 
 from cute_kv.kernels.qkv.epilogue import C_PAD, VEC, QKVEpilogueMixin, QKVEpilogueParams
-from cute_kv.kernels.qkv.gemm import BN, MAX_SWIZZLE, FusedQKVGemm, QKVSpec, supported
+from cute_kv.kernels.qkv.gemm import BN, CTA_ROWS, MAX_SWIZZLE, FusedQKVGemm, QKVSpec, supported
 
-TILE_TOKENS = 128
+TILE_TOKENS = CTA_ROWS  # token rows of a tile: also the cross-tile latent's M tile (its workspace and counters)
 K_TILE = 64  # the decode formats' k-tile: K must be a multiple
 ARCH = "sm_90a"
 # (weight_dtype, group_size, has_zp) -> quack's decode format.
@@ -194,6 +194,8 @@ class QKVW4EpilogueArguments(NamedTuple):
     q_norm: Optional[cute.Tensor] = None
     k_norm: Optional[cute.Tensor] = None
     scales: Optional[cute.Tensor] = None
+    workspace: Optional[cute.Tensor] = None
+    counters: Optional[cute.Tensor] = None
     column_scales: Optional[cute.Tensor] = None  # [N padded to BN] float32
 
 
@@ -344,14 +346,15 @@ class FusedQKVGemmW4:
         return (mA, hidden, d, None, epi, scheduler, None, stream, None, None)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int) -> tuple:
-        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one."""
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
+        ``workspace``/``counters``: the cross-tile latent's (``FusedQKVGemm.args``)."""
         from quack.operand_transform.host import w4_operand_views
         from quack.tile_scheduler import TileSchedulerOptions
 
         blob, sf, col_scales = prepare_weight(weight)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, col_scales)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         extent = _row_extent(hidden.device, blob.shape[0] * 64).as_strided((blob.shape[0] * 64, hidden.shape[0]),
