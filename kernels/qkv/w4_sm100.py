@@ -356,7 +356,8 @@ class FusedQKVGemmW4Sm100:
     ``compile_cache.compiled`` and ``args()`` the launch arguments (the same as ``FusedQKVGemmW4.args``)."""
 
     compile_name = "fused_qkv_gemm_w4_sm100"
-    cluster_shape = (1, 1, 1)
+    cluster_shape = (1, 1, 1)  # one CTA's grid slot: the launcher sizes the persistent grid in clusters
+    threads = THREADS
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
         problem = supported(spec.qkv)
