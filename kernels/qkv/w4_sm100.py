@@ -80,6 +80,13 @@ def stages(weight_format: str, epi_bytes: int) -> int:
     return min(MAX_STAGES, (SMEM_BYTES - epi_bytes - 2048) // per_stage)
 
 
+def stage_coord(t, m, b, j):
+    """``(row, k)`` in the A stage of the first value of the bf16 pair that transform thread ``t`` decodes into
+    register ``j`` of k16 block ``b`` of 64-row block ``m``: the SM90 wgmma A-fragment position the repack orders
+    the bytes for (plain integers or DSL values)."""
+    return 64 * m + 16 * (t // 32) + (t % 32) // 4 + 8 * (j % 2), 16 * b + 8 * (j // 2) + 2 * (t % 4)
+
+
 def _words(fmt) -> int:
     """32-bit words thread ``t`` reads per 64-row block and k-tile (16 bytes of int4, 32 of e4m3)."""
     return (8 if fmt.w8 else 4) * (fmt.tile_k // 64)
@@ -257,8 +264,6 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         if cutlass.const_expr(s_sf is not None):
             s_sf32 = cute.recast_tensor(s_sf, Int32)
         pair_slot = (t // 32) * 8 + (t % 32) // 4  # the strip word of the thread's row pair (repack order)
-        row0 = 16 * (t // 32) + (t % 32) // 4
-        col0 = 2 * (t % 4)
         consts = self.fmt.make_consts()
         xw = cute.make_rmem_tensor((nw, M64), Int32)
         sfw = cute.make_rmem_tensor((2, M64), Int32)
@@ -282,9 +287,8 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
                         regs = self.fmt.decode_k16(xw[None, m], sfw[None, m], b, consts)
                         for j in cutlass.range_constexpr(4):
                             pair[0] = regs[j]
-                            row = 64 * m + row0 + 8 * (j % 2)
-                            dst = cute.local_tile(tile_a[row, None], (2,), ((16 * b + 8 * (j // 2) + col0) // 2,))
-                            cute.autovec_copy(pair16, dst)
+                            row, k = stage_coord(t, m, b, j)
+                            cute.autovec_copy(pair16, cute.local_tile(tile_a[row, None], (2,), (k // 2,)))
                 cute.arch.fence_view_async_shared()  # the generic-proxy stores before the MMA reads the stage
                 a_pipe.producer_commit(a_write)
                 a_write.advance()
