@@ -23,9 +23,9 @@ compiles quack's W4 GEMM with the same decode and its own epilogue beside ours):
   it adds a shared-memory write and read of every weight per tile (16 KB per 64-deep k-tile at BN = 128), a
   fourth warpgroup's registers, and the full bf16 stage back in the ring; quack 0.6.5's mainloops have no seam
   for a B-stage producer, so it also means carrying a fork of their ~1000-line kernel.
-* SM100 keeps the reference (``cute_kv/ops/fused_qkv.py`` ``plan`` says so): quack 0.6.5 has no SM100 W4
-  mainloop, and ``tcgen05.mma`` reads A from shared or tensor memory, never registers, so (a) does not carry over;
-  the SM100 route is (b)'s transform warps writing the bf16 stage.
+* SM100 takes ``FusedQKVGemmW4Sm100`` (``w4_sm100.py``): quack 0.6.5 has no SM100 W4 mainloop, and
+  ``tcgen05.mma`` reads A from shared or tensor memory, never registers, so (a) does not carry over; the SM100
+  route is (b)'s transform warps writing the bf16 stage, from this module's repack and decode.
 
 Costs of the route: the accumulator is ``C^T``, so staging writes it transposed (lane ``4r + c`` to words
 ``2c * 132 + r``: no bank conflicts); quack's W4 GEMM takes its weight-row extent from a ``D`` it would store, so
