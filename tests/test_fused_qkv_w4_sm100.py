@@ -10,7 +10,9 @@ with the MMAs, TMEM allocation and the decode in its loops and no spills. The GP
 """
 
 import functools
+import os
 import re
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,11 @@ from cute_kv.kernels.qkv.gemm import QKVSpec  # noqa: E402
 from cute_kv.kernels.qkv.w4 import BN, K_TILE, QKVW4Spec, prepare_weight  # noqa: E402
 from cute_kv.kernels.qkv.w4_sm100 import (M64, THREADS, TRANSFORM_THREADS, FusedQKVGemmW4Sm100,  # noqa: E402
                                           stage_coord, stages)
+
+PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
+sys.path.insert(0, PERF)
+import static  # noqa: E402
+from static_fused_qkv import _sass, transform_loop  # noqa: E402
 
 from test_fused_qkv_w4 import COMPILE_CASES, N_TOT, REPLAY_CASES, _fp8, _fragment_coords, _int4, _plan, _replay  # noqa: E402,E501
 
@@ -145,6 +152,20 @@ def test_fused_qkv_w4_sm100_ptx(case, tmp_path):
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 65536 // THREADS // 8 * 8
 
 
+@pytest.mark.compile
+@pytest.mark.sass
+@pytest.mark.skipif(static.tools_available() is not None, reason=str(static.tools_available()))
+@pytest.mark.parametrize("case", ["int4-llama-neox", "fp8-gptj-partial"])
+def test_fused_qkv_w4_sm100_sass_loops(case):
+    """In the SASS: the MMA warp's k-loop issues 4 UTC*MMA per k-tile, the transform warps' k-loop loads its words
+    (2 LDS.128 per block pair, the strip words) and decodes 64 weights a thread with about 2 instructions each (SM90's
+    decode: HMUL2/HADD2/LOP3/SHF for int4, F2FP/HADD2 for e4m3), then 32 stage stores."""
+    loop = transform_loop(_sass(_ptx(case), "sm_100a")[1], BN * K_TILE // TRANSFORM_THREADS)
+    assert loop["utcmma_per_k_tile"] == K_TILE // 16
+    assert loop["stage_stores_per_k_tile"] == 32 and loop["stage_loads_per_k_tile"] <= 4
+    assert 1.5 <= loop["decode_per_weight"] <= 2.2, loop
+
+
 @pytest.mark.parametrize("case", COMPILE_CASES)
 def test_sm100_launch_arguments_match_the_compiled_signature(rng, case):
     kernel = _w4(case)
@@ -169,3 +190,41 @@ def test_sm100_launch_arguments_match_the_compiled_signature(rng, case):
                 assert got == want, (r.shape, r.stride(), f.shape, f.stride)
     assert [x is None for x in real[3]] == [x is None for x in fake[3]]  # the epilogue's optional operands
     assert (real[3].column_scales is None) == (fmt != "fp8")
+
+
+# -- on a GPU --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4awq", "fp8"])
+def test_fused_qkv_w4_sm100_persistent_rings(monkeypatch, fmt):
+    """Three CTAs for 36 tiles of 10 k-tiles each: every ring wraps many times within a tile and both TMEM
+    accumulators alternate across a CTA's tiles; against the reference, cache untouched outside the step."""
+    import cute_kv
+    from cute_kv import reference as ref
+    from cute_kv.ops import fused_qkv
+    from cute_kv.ops.paths import device_arch
+
+    from numerics import rel_err
+    from test_fused_qkv_kernel import _inputs
+    from test_fused_qkv_w4 import _cuda_weight
+
+    if device_arch(torch.device("cuda")) != "sm_100a":
+        pytest.skip("FusedQKVGemmW4Sm100 is sm_100a's")
+    monkeypatch.setattr(fused_qkv, "_max_active_clusters", lambda *_: 3)
+    kcase = (torch.bfloat16, 2, 8, 128, 16, 640, True, (128, False, None), False, None)
+    (cpu, gpu), hidden, dense, bias, rope, q_dim, _ = _inputs(kcase, [0, 37, 5, 130], [130, 0, 200, 1], seed=9)
+    g = torch.Generator().manual_seed(10)
+    weight = (_fp8(g, *dense.shape) if fmt == "fp8" else _int4(g, *dense.shape, 128, has_zp=True))
+    want = ref.fused_qkv_matmul_kv_cache(hidden, cpu.input_row_offsets, weight, cpu.collection, 1, bias=bias, rope=rope)
+    w = _cuda_weight(weight)
+    rope_gpu = cute_kv.RopeConfig(rope.freqs_cis.cuda(), rope.interleaved, rope.q_head_dim)
+    assert fused_qkv.plan(gpu.collection, hidden.cuda(), w, rope_gpu, "sm_100a").kernel == "FusedQKVGemmW4Sm100"
+    out = torch.full((hidden.shape[0], q_dim), float("nan"), dtype=hidden.dtype, device="cuda")
+    cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, w, gpu.collection, 1, output=out,
+                                      bias=bias.cuda(), rope=rope_gpu)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and rel_err(out.cpu(), want) < 1e-2
+    step = cpu.step_mask(1)
+    blocks, want_blocks = gpu.collection.blocks.cpu(), cpu.collection.blocks
+    assert not blocks[step].isnan().any() and rel_err(blocks[step], want_blocks[step]) < 1e-2
+    assert torch.equal(blocks[~step].view(torch.int16), want_blocks[~step].view(torch.int16))

@@ -18,17 +18,18 @@ round-robin over the tiles):
   transposed (fp8 weights: times the row's float32 per-channel scale) into the float32 tile of
   ``kernels/qkv/epilogue.py``, and run that epilogue's hooks (``TransposedQKVEpilogueMixin``, shared with SM90).
 
-Why the decoded operand goes to shared memory, not TMEM (CUTLASS's SM100 mixed-input mainloop can put A in TMEM):
-TMEM holds the two 128-column float32 accumulators the epilogue overlap needs; an A stage in TMEM is 32 columns
-per 64-deep k-tile (two bf16 per column), so a 4-deep A ring would take 128 more columns and the tcgen05 A-from-TMEM
-form (``kind::f16`` ``.ts``) limits the MMA to A in TMEM, B in shared memory, exactly this shape but with
-``tcgen05.st`` 32x32b stores whose lane mapping forces each warp to own 32 weight rows: the SM90 repack's fragment
-order (thread ``t`` holds rows ``16 * (t // 32) + (t % 32) // 4 (+8)``) would need a shuffle or a new repack. The
-shared-memory stage keeps the repack and the decode byte for byte, costs 16 KB per stage (the kernel fits 3-4
-stages beside the 66 KB epilogue tile) and conflict-free 4-byte stores. quack 0.6.5's ``GemmSm100`` (the bf16
-route) has no seam for a producer of the A stage other than TMA or its cp.async gather (tied to varlen index
-tensors), hence a kernel of its own, built from the same pieces (quack's decode formats, the project's epilogue,
-CuTe's pipelines).
+Why the decoded operand goes to shared memory, not TMEM (CUTLASS's SM100 mixed-input mainloop offers both; A
+from TMEM is ``tcgen05.mma``'s ``.ts`` form): TMEM would have room (two 128-column accumulators leave 256 columns,
+eight 64-deep bf16 A stages of 32 columns), but ``tcgen05.st`` lets warp ``w`` write only TMEM lanes
+``32 * (w % 4)`` onward, one lane per weight row, so each warp would have to own 32 whole rows, while the repack's
+fragment order gives a warp 16 rows of each 64-row block (rows ``16 w + (t % 32) // 4 (+ 8)``): a TMEM route needs
+a second repack (and its replay tests) or a shuffle per register. The shared-memory stage keeps the repack and the
+decode byte for byte with the SM90 kernel, costs 16 KB per stage (4 stages fit beside the 66 KB epilogue tile, 3
+with e4m3's larger packed stage) and one conflict-free 4-byte store per decoded pair (the MMA reads the A and B
+stages from shared memory in any case). quack 0.6.5's ``GemmSm100`` (the bf16 route) has no seam for a producer
+of the A stage other than TMA or its cp.async gather (tied to varlen index tensors), hence a kernel of its own,
+built from shared pieces (quack's decode formats through ``w4.decode_format``, the project's epilogue and TMEM
+helpers, CuTe's pipelines).
 
 Not yet: 2-CTA (256-row) MMA and multicast clusters, which the bf16 SM100 route has; the weight tile is not shared
 across CTAs, each CTA streams its own.
@@ -337,7 +338,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             coord = (tile % w_tiles, tile // w_tiles, None, 0)
             tensors = self.epi_begin(params, epi_smem, None, None, None, coord, None, None, tidx)
             s_c = tensors[0]
-            scale = Float32(1.0)
+            scale = None  # e4m3 weights: C[:, n] * s[n], the reference's order
             if cutlass.const_expr(params.column_scales is not None):
                 scale = params.column_scales[coord[0] * BN + tidx]
             acc_pipe.consumer_wait(acc_read)
@@ -347,7 +348,9 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             for i in cutlass.range_constexpr(TILE_TOKENS // O_CHUNK):
                 cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
                 for j in cutlass.range_constexpr(O_CHUNK):
-                    s_c[i * O_CHUNK + j, tidx] = vals[j] * scale
+                    if cutlass.const_expr(scale is not None):
+                        vals[j] = vals[j] * scale
+                    s_c[i * O_CHUNK + j, tidx] = vals[j]
             cute.arch.fence_view_async_tmem_load()
             tmem_fence_before_sync()
             acc_pipe.consumer_release(acc_read)
