@@ -377,6 +377,7 @@ class FusedQKVGemmW4Sm100:
                              f"{spec.qkv.dtype_name}")
         if arch != ARCH:
             raise ValueError(f"FusedQKVGemmW4Sm100 targets {ARCH}, not {arch}")
+        assert decode_format(spec.weight_format).tile_k == K_TILE, "a stage is one 64-deep k-tile of every format"
         self.spec, self.arch = spec, arch
 
     @property
