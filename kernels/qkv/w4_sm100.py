@@ -2,37 +2,45 @@
 
 The SM90 route (``w4.py``) decodes the weight straight into ``wgmma``'s register A operand; ``tcgen05.mma`` reads A
 from shared or tensor memory only, so on SM100 dedicated transform warps write the decoded bf16 operand where the
-MMA reads it. A persistent, warp-specialized kernel (320 threads, one 128 x 128 tile of ``C^T`` at a time, static
-round-robin over the tiles):
+MMA reads it. A persistent, warp-specialized kernel (320 threads, one 128 x 256 tile of ``C^T``, weight rows x
+tokens, at a time, static round-robin over the tiles):
 
 * warp 5 (load) TMAs each k-tile's packed weight bytes and scale strip (the ``w4.prepare_weight`` repack, unchanged:
-  the same blob and strip the SM90 kernel reads) and the hidden-state tile (bf16, 128-byte swizzle) into stages;
+  the same blob and strip the SM90 kernel reads) and the 256-token hidden tile (bf16, 128-byte swizzle) into a
+  3-stage ring;
 * warps 6-9 (transform, 128 threads) wait for a stage, read thread ``t``'s words and strip words from shared memory
-  exactly as an SM90 warpgroup thread does, decode them with the SM90 decode (``w4.decode_format``: the same
-  ``decode_k16``, so the same bits: int4 ``bf16((q - z) * s)`` rounded once, e4m3 exact), and store each bf16 pair
-  at its (weight row, k) in a 128-byte-swizzled K-major A stage (no bank conflicts: the 8 rows a quad set touches
-  land in 8 distinct 16-byte chunks), then fence the async proxy and hand the stage to the MMA;
-* warp 4 (MMA) issues ``tcgen05.mma`` 128 x 128 x 16 (A: the decoded weights, B: the hidden tile, both from shared
-  memory) into one of two TMEM accumulators, so the epilogue drains one tile while the next accumulates;
-* warps 0-3 (epilogue) read the accumulator row of their TMEM lane (a weight row) 32 tokens at a time, stage it
-  transposed (fp8 weights: times the row's float32 per-channel scale) into the float32 tile of
-  ``kernels/qkv/epilogue.py``, and run that epilogue's hooks (``TransposedQKVEpilogueMixin``, shared with SM90).
+  exactly as an SM90 warpgroup thread does, give the stage back, decode with the SM90 decode
+  (``w4.decode_format``: the same ``decode_k16``, so the same bits: int4 ``bf16((q - z) * s)`` rounded once, e4m3
+  exact) and store each bf16 pair at its (weight row, k) in a 128-byte-swizzled K-major A stage (2 stages; no bank
+  conflicts: a warp's 8 rows land in 8 distinct 16-byte chunks), then fence the async proxy and hand it to the MMA;
+* warp 4 (MMA) issues ``tcgen05.mma`` 128 x 256 x 16 (A: the decoded weights, B: the hidden tile, both from shared
+  memory) into one of two 256-column TMEM accumulators (all 512 columns), so the epilogue drains one tile while
+  the next accumulates;
+* warps 0-3 (epilogue) take the tile as two 128-token epilogue tiles (one when the step has no tokens past the
+  first 128: decode steps): each thread reads the accumulator row of its TMEM lane (a weight row) 32 tokens at a
+  time, stages it transposed (fp8 weights: times the row's float32 per-channel scale) into the float32 tile of
+  ``kernels/qkv/epilogue.py`` and runs that epilogue's hooks (``TransposedQKVEpilogueMixin``, shared with SM90).
+
+Why 256 tokens per tile: the transform warps issue ~2 instructions per weight (~220 per thread and k-tile, one warp
+per SM sub-partition), while a 128 x 128 x 64 MMA k-tile takes ~256 cycles on a B200 SM (static estimate from the
+tensor-core rate, not measured): at 128 tokens the decode alone would fill nearly every issue slot of its
+sub-partition. At 256 tokens a decoded k-tile serves twice the MMA work, the decode taking under half the MMA time.
 
 Why the decoded operand goes to shared memory, not TMEM (CUTLASS's SM100 mixed-input mainloop offers both; A
-from TMEM is ``tcgen05.mma``'s ``.ts`` form): TMEM would have room (two 128-column accumulators leave 256 columns,
-eight 64-deep bf16 A stages of 32 columns), but ``tcgen05.st`` lets warp ``w`` write only TMEM lanes
-``32 * (w % 4)`` onward, one lane per weight row, so each warp would have to own 32 whole rows, while the repack's
-fragment order gives a warp 16 rows of each 64-row block (rows ``16 w + (t % 32) // 4 (+ 8)``): a TMEM route needs
-a second repack (and its replay tests) or a shuffle per register. The shared-memory stage keeps the repack and the
-decode byte for byte with the SM90 kernel, costs 16 KB per stage (4 stages fit beside the 66 KB epilogue tile, 3
-with e4m3's larger packed stage) and one conflict-free 4-byte store per decoded pair (the MMA reads the A and B
-stages from shared memory in any case). quack 0.6.5's ``GemmSm100`` (the bf16 route) has no seam for a producer
-of the A stage other than TMA or its cp.async gather (tied to varlen index tensors), hence a kernel of its own,
-built from shared pieces (quack's decode formats through ``w4.decode_format``, the project's epilogue and TMEM
-helpers, CuTe's pipelines).
+from TMEM is ``tcgen05.mma``'s ``.ts`` form): TMEM is taken by the two 256-column accumulators, and ``tcgen05.st``
+lets warp ``w`` write only TMEM lanes ``32 * (w % 4)`` onward, one lane per weight row, so each warp would have to
+own 32 whole rows, while the repack's fragment order gives a warp 16 rows of each 64-row block (rows
+``16 w + (t % 32) // 4 (+ 8)``): a TMEM route needs a second repack (and its replay tests) or a shuffle per
+register. The shared-memory stage keeps the repack and the decode byte for byte with the SM90 kernel, costs 16 KB
+per decoded stage and one conflict-free 4-byte store per decoded pair (the MMA reads the B stage from shared
+memory in any case). quack 0.6.5's ``GemmSm100`` (the bf16 route) has no seam for a producer of the A stage other
+than TMA or its cp.async gather (tied to varlen index tensors), hence a kernel of its own, built from shared
+pieces (quack's decode formats through ``w4.decode_format``, the project's epilogue and TMEM helpers, CuTe's
+pipelines).
 
-Not yet: 2-CTA (256-row) MMA and multicast clusters, which the bf16 SM100 route has; the weight tile is not shared
-across CTAs, each CTA streams its own.
+Not yet: 2-CTA (256-row) MMA and multicast clusters, which the bf16 SM100 route has (a weight tile is not shared
+across CTAs: each CTA streams its own); split-K for decode steps, whose grid is the number of 128-row weight
+tiles (48 for Llama-3-8B's 6144 rows, fewer than a B200's 148 SMs). GPU correctness and speed are unmeasured.
 """
 
 from __future__ import annotations
@@ -64,8 +72,10 @@ LOAD_WARP = 5
 TRANSFORM_WARPS = (6, 7, 8, 9)
 TRANSFORM_THREADS = 32 * len(TRANSFORM_WARPS)
 THREADS = 32 * (max(TRANSFORM_WARPS) + 1)
+TOKENS = 2 * TILE_TOKENS  # the MMA's N: a decoded weight k-tile serves 256 tokens (the epilogue takes 128 at a time)
+A_STAGES = 2  # decoded bf16 A stages between the transform warps and the MMA
 ACC_STAGES = 2  # TMEM accumulators: the epilogue drains one while the MMA fills the other
-TMEM_COLUMNS = ACC_STAGES * TILE_TOKENS
+TMEM_COLUMNS = ACC_STAGES * TOKENS
 TMEM_BARRIER_ID = 1  # every thread: barriers initialized, TMEM address published
 EPI_BARRIER_ID = 2  # the epilogue warps (the staging tile's barriers)
 SMEM_BYTES = 227 * 1024
@@ -74,11 +84,13 @@ M64 = BN // 64  # 64-row weight blocks per tile: the repack's unit (one SM90 war
 
 
 def stages(weight_format: str, epi_bytes: int) -> int:
-    """Ring depth: one stage is the hidden tile, the packed weights and strip, and the decoded bf16 A tile."""
+    """Load ring depth: a stage is the hidden tile and the packed weights and strip; the shared memory the epilogue
+    tile and the ``A_STAGES`` decoded tiles leave (1 KB for alignment)."""
     fmt = decode_format(weight_format)
     packed = M64 * 128 * 4 * _words(fmt)
-    per_stage = 2 * TILE_TOKENS * K_TILE * 2 + packed + M64 * (fmt.sf_bytes if fmt.sf_words else 0) + 4 * 8
-    return min(MAX_STAGES, (SMEM_BYTES - epi_bytes - 2048) // per_stage)
+    per_stage = TOKENS * K_TILE * 2 + packed + M64 * (fmt.sf_bytes if fmt.sf_words else 0) + 4 * 8
+    decoded = A_STAGES * (BN * K_TILE * 2 + 2 * 8)
+    return min(MAX_STAGES, (SMEM_BYTES - epi_bytes - decoded - 1024) // per_stage)
 
 
 def stage_coord(t, m, b, j):
@@ -115,7 +127,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         repack's views (``w4._fake_operand``); ``hidden`` ``[T, K]`` bf16."""
         tiled_mma = sm100_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K,
                                                        OperandMajorMode.K, Float32, tcgen05.CtaGroup.ONE,
-                                                       (BN, TILE_TOKENS))
+                                                       (BN, TOKENS))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         packed_box = (256, 2 * self.words, M64)
         tma_w, g_w = cpasync.make_tiled_tma_atom(g2s, blob[None, None, None, None, None, 0],
@@ -125,10 +137,10 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             sf_box = (self.sf_bytes, M64)
             tma_sf, g_sf = cpasync.make_tiled_tma_atom(g2s, sf[None, None, None, None, 0],
                                                        cute.make_ordered_layout(sf_box, order=(0, 1)), sf_box)
-        x_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, TILE_TOKENS, K_TILE)
-        tma_x, g_x = cpasync.make_tiled_tma_atom(g2s, hidden, x_layout, (TILE_TOKENS, K_TILE))
+        x_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, TOKENS, K_TILE)
+        tma_x, g_x = cpasync.make_tiled_tma_atom(g2s, hidden, x_layout, (TOKENS, K_TILE))
         w_tiles = blob.shape[3]
-        tiles = w_tiles * cute.ceil_div(hidden.shape[0], TILE_TOKENS)
+        tiles = w_tiles * cute.ceil_div(hidden.shape[0], TOKENS)
         grid = cutlass.min(tiles, max_ctas)
         self.kernel(tiled_mma, tma_w, g_w, tma_sf, g_sf, tma_x, g_x, epi, w_tiles, tiles).launch(
             grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
@@ -151,7 +163,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         epi_smem = self.epi_get_smem_tensors(params, storage)
         load_bars = smem.allocate_array(cutlass.Int64, 2 * n_stages)
         x_bars = smem.allocate_array(cutlass.Int64, 2 * n_stages)
-        a_bars = smem.allocate_array(cutlass.Int64, 2 * n_stages)
+        a_bars = smem.allocate_array(cutlass.Int64, 2 * A_STAGES)
         acc_bars = smem.allocate_array(cutlass.Int64, 2 * ACC_STAGES)
         s_w = smem.allocate_tensor(cutlass.Uint8, cute.make_ordered_layout((256, 2 * self.words, M64, n_stages),
                                                                            order=(0, 1, 2, 3)), byte_alignment=128)
@@ -159,9 +171,9 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         if cutlass.const_expr(tma_sf is not None):
             s_sf = smem.allocate_tensor(cutlass.Uint8, cute.make_ordered_layout((self.sf_bytes, M64, n_stages),
                                                                                 order=(0, 1, 2)), byte_alignment=128)
-        x_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, TILE_TOKENS, K_TILE, stages=n_stages)
+        x_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, TOKENS, K_TILE, stages=n_stages)
         s_x = smem.allocate_tensor(cutlass.BFloat16, x_layout.outer, byte_alignment=1024, swizzle=x_layout.inner)
-        a_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, BN, K_TILE, stages=n_stages)
+        a_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, BN, K_TILE, stages=A_STAGES)
         s_a = smem.allocate_tensor(cutlass.BFloat16, a_layout.outer, byte_alignment=1024, swizzle=a_layout.inner)
 
         one_cta = cute.make_layout((1, 1, 1, 1))
@@ -173,10 +185,10 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             cta_layout_vmnk=one_cta, defer_sync=True)
         x_pipe = pipeline.PipelineTmaUmma.create(  # hidden tile -> MMA
             barrier_storage=x_bars, num_stages=n_stages, producer_group=pipeline.CooperativeGroup(thread),
-            consumer_group=pipeline.CooperativeGroup(thread), tx_count=TILE_TOKENS * K_TILE * 2,
+            consumer_group=pipeline.CooperativeGroup(thread), tx_count=TOKENS * K_TILE * 2,
             cta_layout_vmnk=one_cta, defer_sync=True)
         a_pipe = pipeline.PipelineAsyncUmma.create(  # decoded bf16 weights -> MMA
-            barrier_storage=a_bars, num_stages=n_stages,
+            barrier_storage=a_bars, num_stages=A_STAGES,
             producer_group=pipeline.CooperativeGroup(thread, TRANSFORM_THREADS),
             consumer_group=pipeline.CooperativeGroup(thread), cta_layout_vmnk=one_cta, defer_sync=True)
         acc_pipe = pipeline.PipelineUmmaAsync.create(  # TMEM accumulator -> epilogue warps
@@ -195,7 +207,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         tmem.relinquish_alloc_permit()
         tmem_ptr = tmem.retrieve_ptr(Float32)
         thr_mma = tiled_mma.get_slice(0)
-        t_acc = thr_mma.make_fragment_C(cute.append(thr_mma.partition_shape_C((BN, TILE_TOKENS)), ACC_STAGES))
+        t_acc = thr_mma.make_fragment_C(cute.append(thr_mma.partition_shape_C((BN, TOKENS)), ACC_STAGES))
         t_acc = cute.make_tensor(tmem_ptr, t_acc.layout)
 
         if warp_idx == LOAD_WARP:
@@ -232,7 +244,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             if cutlass.const_expr(tma_sf is not None):
                 t_ssf, t_gsf = cpasync.tma_partition(tma_sf, 0, one, cute.group_modes(s_sf, 0, 2),
                                                      cute.group_modes(g_sf[None, None, w_tile, None], 0, 2))
-            g_tile = cute.local_tile(g_x, (TILE_TOKENS, K_TILE), (x_tile, None))
+            g_tile = cute.local_tile(g_x, (TOKENS, K_TILE), (x_tile, None))
             t_sx, t_gx = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
                                                cute.group_modes(g_tile, 0, 2))
             for kt in cutlass.range(k_tiles, unroll=1):
@@ -271,7 +283,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         pair16 = cute.make_rmem_tensor((2,), cutlass.BFloat16)
         pair = cute.recast_tensor(pair16, Int32)
         w_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        a_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        a_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, A_STAGES)
         for _tile in cutlass.range(first_tile, tiles, step, unroll=1):
             for _kt in cutlass.range(k_tiles, unroll=1):
                 load_pipe.consumer_wait(w_read)
@@ -303,7 +315,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         by the commit of the MMAs that read it, the accumulator by the commit after the tile's last."""
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
         t_rx = tiled_mma.make_fragment_B(thr_mma.partition_B(s_x))
-        a_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        a_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, A_STAGES)
         x_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         acc_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACC_STAGES)
         for _tile in cutlass.range(first_tile, tiles, step, unroll=1):
@@ -329,33 +341,48 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
     def epilogue(self, params: QKVW4EpilogueParams, epi_smem: dict, t_acc: cute.Tensor,
                  acc_pipe: pipeline.PipelineUmmaAsync, first_tile: Int32, step: Int32, tiles: Int32,
                  w_tiles: Int32):
-        """Epilogue warps: thread ``r`` holds TMEM lane ``r``, weight row ``r`` of the tile; its accumulator row is
-        staged as column ``r`` of the float32 tile (consecutive lanes, consecutive words), then the bf16 kernel's
-        bias / norm / RoPE / store passes run on it."""
+        """Epilogue warps: thread ``r`` holds TMEM lane ``r``, weight row ``r`` of the tile. A tile's 256 tokens
+        leave as two 128-token epilogue tiles (the second only when it holds rows of the step: not in a decode step);
+        the accumulator is released after its last TMEM read, before the last epilogue tile's stores."""
         tidx = cute.arch.thread_idx()[0]
         acc_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
         for tile in cutlass.range(first_tile, tiles, step, unroll=1):
-            coord = (tile % w_tiles, tile // w_tiles, None, 0)
-            tensors = self.epi_begin(params, epi_smem, None, None, None, coord, None, None, tidx)
-            s_c = tensors[0]
+            w_tile, x_tile = tile % w_tiles, tile // w_tiles
             scale = None  # e4m3 weights: C[:, n] * s[n], the reference's order
             if cutlass.const_expr(params.column_scales is not None):
-                scale = params.column_scales[coord[0] * BN + tidx]
+                scale = params.column_scales[w_tile * BN + tidx]
+            halves = cutlass.min(2, cute.ceil_div(params.output.shape[0] - 2 * x_tile * TILE_TOKENS, TILE_TOKENS))
             acc_pipe.consumer_wait(acc_read)
             tmem_fence_after_sync()
-            load, _, src, _, shape = o_copies(t_acc[None, None, None, acc_read.index])
-            vals = cute.make_rmem_tensor(shape, Float32)
-            for i in cutlass.range_constexpr(TILE_TOKENS // O_CHUNK):
-                cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-                for j in cutlass.range_constexpr(O_CHUNK):
-                    if cutlass.const_expr(scale is not None):
-                        vals[j] = vals[j] * scale
-                    s_c[i * O_CHUNK + j, tidx] = vals[j]
+            acc = t_acc[None, None, None, acc_read.index]
+            for half in cutlass.range(halves, unroll=1):
+                self.drain(params, epi_smem, acc, scale, w_tile, 2 * x_tile + half, half * TILE_TOKENS,
+                           half == halves - 1, acc_pipe, acc_read, tidx)
+            acc_read.advance()
+
+    @cute.jit
+    def drain(self, params: QKVW4EpilogueParams, epi_smem: dict, acc: cute.Tensor, scale: Optional[Float32],
+              w_tile: Int32, epi_tile: Int32, col0: Int32, last, acc_pipe: pipeline.PipelineUmmaAsync,
+              acc_read: pipeline.PipelineState, tidx: Int32):
+        """Tokens ``[col0, col0 + 128)`` of the accumulator (128-token epilogue tile ``epi_tile``): this thread's row
+        staged as column ``tidx`` of the float32 tile (consecutive lanes, consecutive words), then the bf16 kernel's
+        bias / norm / RoPE / store passes (``epi_begin``, ``epi_end``)."""
+        coord = (w_tile, epi_tile, None, 0)
+        tensors = self.epi_begin(params, epi_smem, None, None, None, coord, None, None, tidx)
+        s_c = tensors[0]
+        load, _, src, _, shape = o_copies(acc)
+        vals = cute.make_rmem_tensor(shape, Float32)
+        for i in cutlass.range_constexpr(TILE_TOKENS // O_CHUNK):
+            cute.copy(load, cute.make_tensor(src.iterator + col0 + i * O_CHUNK, src.layout), vals)
+            for j in cutlass.range_constexpr(O_CHUNK):
+                if cutlass.const_expr(scale is not None):
+                    vals[j] = vals[j] * scale
+                s_c[i * O_CHUNK + j, tidx] = vals[j]
+        if last:  # the tile's last TMEM read: the MMA may refill the accumulator
             cute.arch.fence_view_async_tmem_load()
             tmem_fence_before_sync()
             acc_pipe.consumer_release(acc_read)
-            acc_read.advance()
-            self.epi_end(params, tensors, None, None, None, coord, None, tidx)
+        self.epi_end(params, tensors, None, None, None, coord, None, tidx)
 
 
 class FusedQKVGemmW4Sm100:
