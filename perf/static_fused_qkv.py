@@ -235,7 +235,7 @@ def _w4_sm100_records(problems) -> list[dict]:
     from cute_kv.kernels.compile_cache import compile_ptx
     from cute_kv.kernels.qkv.gemm import BN, FusedQKVGemm, QKVSpec
     from cute_kv.kernels.qkv.w4 import FORMATS, K_TILE, TILE_TOKENS, QKVW4Spec
-    from cute_kv.kernels.qkv.w4_sm100 import THREADS, TRANSFORM_THREADS, FusedQKVGemmW4Sm100
+    from cute_kv.kernels.qkv.w4_sm100 import A_STAGES, THREADS, TOKENS, TRANSFORM_THREADS, FusedQKVGemmW4Sm100
 
     records = []
     for name in problems:
@@ -249,8 +249,9 @@ def _w4_sm100_records(problems) -> list[dict]:
             loop = transform_loop(_sass(ptx, "sm_100a")[1], BN * K_TILE // TRANSFORM_THREADS)
             built = kernel.build()[0]
             rec = {"bench": "fused-qkv-static", "arch": "sm_100a", "problem": f"{name}-{fmt}", "weight_format": fmt,
-                   "tile": [BN, TILE_TOKENS, K_TILE], "cluster": list(kernel.cluster_shape), "threads": THREADS,
-                   **{f"ours_{k}": v for k, v in ours.items()}, "ours_ab_stages": built.stages, **loop,
+                   "tile": [BN, TOKENS, K_TILE], "cluster": list(kernel.cluster_shape), "threads": THREADS,
+                   **{f"ours_{k}": v for k, v in ours.items()}, "ours_ab_stages": built.stages,
+                   "decoded_stages": A_STAGES, **loop,
                    "bf16_kernel_registers": bf16_registers,
                    "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
                    "staging_bytes": TILE_TOKENS * (BN + 4) * 4}

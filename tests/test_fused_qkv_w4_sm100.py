@@ -197,9 +197,9 @@ def test_sm100_launch_arguments_match_the_compiled_signature(rng, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4awq", "fp8"])
 def test_fused_qkv_w4_sm100_persistent_rings(monkeypatch, fmt):
-    """Three CTAs for 24 tiles of 10 k-tiles each (331 tokens: one 256-token tile with both epilogue halves, one with
-    one): every ring wraps several times within a tile and both TMEM
-    accumulators alternate across a CTA's tiles; against the reference, cache untouched outside the step."""
+    """Three CTAs for 24 tiles of 10 k-tiles each (331 tokens: a 256-token tile drained as two epilogue tiles, one
+    as one): every ring wraps several times within a tile and both TMEM accumulators alternate across a CTA's
+    tiles; against the reference, cache untouched outside the step."""
     import cute_kv
     from cute_kv import reference as ref
     from cute_kv.ops import fused_qkv
