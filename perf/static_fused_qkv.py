@@ -9,7 +9,8 @@ and the epilogue's instructions per output element: the SASS instructions of the
 staged row chunk and store it to global memory or back to the tile), divided by the 8 elements an iteration
 handles. Quantized weights: sm_90a's ``FusedQKVGemmW4`` against quack's W4 GEMM (decode instructions per weight in
 the HGMMA k-loop); sm_100a's ``FusedQKVGemmW4Sm100`` beside the bf16 SM100 kernel (registers), with UTC*MMA per
-k-tile and the transform warps' decode instructions per weight, stage stores and loads per k-tile. Needs ``ptxas`` and ``cuobjdump`` (``pip install nvidia-cuda-cuobjdump``) on PATH or in the environment.
+k-tile and the transform warps' decode instructions per weight, stage stores and loads per k-tile. Needs ``ptxas``
+and ``cuobjdump`` (``pip install nvidia-cuda-cuobjdump``) on PATH or in the environment.
 """
 
 from __future__ import annotations
