@@ -152,7 +152,6 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         params = QKVW4EpilogueParams(*epi)
         n_stages = self.stages
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
         first_tile, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
         k_tiles = cute.size(g_x, mode=[1]) // K_TILE
