@@ -7,7 +7,10 @@ Per arch (sm_90a, sm_100a) and problem: registers and spills (ptxas -v), tensor-
 (quack sizes the ring from the shared memory our float32 staging tile leaves), total SASS instructions,
 and the epilogue's instructions per output element: the SASS instructions of the row loops (loops that read a
 staged row chunk and store it to global memory or back to the tile), divided by the 8 elements an iteration
-handles. Needs ``ptxas`` and ``cuobjdump`` (``pip install nvidia-cuda-cuobjdump``) on PATH or in the environment.
+handles. Quantized weights: sm_90a's ``FusedQKVGemmW4`` against quack's W4 GEMM (decode instructions per weight in
+the HGMMA k-loop); sm_100a's ``FusedQKVGemmW4Sm100`` beside the bf16 SM100 kernel (registers), with UTC*MMA per
+k-tile and the transform warps' decode instructions per weight, stage stores and loads per k-tile. Needs ``ptxas``
+and ``cuobjdump`` (``pip install nvidia-cuda-cuobjdump``) on PATH or in the environment.
 """
 
 from __future__ import annotations
@@ -120,6 +123,34 @@ def decode_per_weight(sass: str) -> float:
     return round(decode / (8 * sum(op.startswith("HGMMA") for op in ops)), 2)
 
 
+def _innermost_loops(sass: str) -> list[list[str]]:
+    """Opcode lists of the innermost loops (backward branches with no other loop inside)."""
+    ins = _instructions(sass)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    spans = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            spans.append((index[int(m.group(1), 16)], i))
+    inner = [(a, b) for a, b in spans if not any(a <= s and e <= b and (s, e) != (a, b) for s, e in spans)]
+    return [[t.split()[1] if t.startswith("@") else t.split()[0] for _, t in ins[a:b + 1]] for a, b in inner]
+
+
+def transform_loop(sass: str, weights_per_thread: int) -> dict:
+    """The SM100 W4 kernel's transform k-loop (the innermost loop that decodes and stores to shared memory, no
+    MMA): decode instructions per weight, stage stores and shared loads per k-tile; and the MMA warp's k-loop's
+    UTC*MMA count."""
+    loops = _innermost_loops(sass)
+    body = min((ops for ops in loops if any(o.startswith("STS") for o in ops)
+                and any(o.split(".")[0] in ("HMUL2", "F2FP") for o in ops)
+                and not any("MMA" in o for o in ops)), key=len)
+    mma = min((ops for ops in loops if any(re.match(r"UTC\w*MMA", o) for o in ops)), key=len)
+    return {"decode_per_weight": round(sum(o.split(".")[0] in DECODE_OPS for o in body) / weights_per_thread, 2),
+            "transform_loop_instructions": len(body), "stage_stores_per_k_tile": sum(o.startswith("STS") for o in body),
+            "stage_loads_per_k_tile": sum(o.startswith("LDS") for o in body),
+            "utcmma_per_k_tile": sum(bool(re.match(r"UTC\w*MMA", o)) for o in mma)}
+
+
 def figures(ptx: str, arch: str) -> dict:
     report, sass = _sass(ptx, arch)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
@@ -201,6 +232,39 @@ def main(argv=None) -> list[dict]:
             records.append(rec)
         if arch == "sm_90a":
             records += _w4_records(args.problem or list(PROBLEMS))
+        else:
+            records += _w4_sm100_records(args.problem or list(PROBLEMS))
+    return records
+
+
+def _w4_sm100_records(problems) -> list[dict]:
+    """``FusedQKVGemmW4Sm100`` per decode format beside the bf16 SM100 kernel (quack's 2-CTA ``GemmSm100`` with the
+    same epilogue) on the same problem: registers, the MMA count per k-tile and what the transform warps issue."""
+    from cute_kv.kernels.compile_cache import compile_ptx
+    from cute_kv.kernels.qkv.gemm import BN, FusedQKVGemm, QKVSpec
+    from cute_kv.kernels.qkv.w4 import FORMATS, K_TILE, TILE_TOKENS, QKVW4Spec
+    from cute_kv.kernels.qkv.w4_sm100 import A_STAGES, THREADS, TOKENS, TRANSFORM_THREADS, FusedQKVGemmW4Sm100
+
+    records = []
+    for name in problems:
+        spec = QKVSpec(**PROBLEMS[name])
+        gemm, *fake = FusedQKVGemm(spec, "sm_100a").build()
+        bf16_registers = figures(compile_ptx(lambda: (gemm, *fake), "sm_100a"), "sm_100a")["registers"]  # noqa: B023
+        for fmt in FORMATS.values():
+            kernel = FusedQKVGemmW4Sm100(QKVW4Spec(spec, fmt))
+            ptx = compile_ptx(kernel.build, "sm_100a")
+            ours = figures(ptx, "sm_100a")
+            loop = transform_loop(_sass(ptx, "sm_100a")[1], BN * K_TILE // TRANSFORM_THREADS)
+            built = kernel.build()[0]
+            rec = {"bench": "fused-qkv-static", "arch": "sm_100a", "problem": f"{name}-{fmt}", "weight_format": fmt,
+                   "tile": [BN, TOKENS, K_TILE], "cluster": list(kernel.cluster_shape), "threads": THREADS,
+                   **{f"ours_{k}": v for k, v in ours.items()}, "ours_ab_stages": built.stages,
+                   "decoded_stages": A_STAGES, **loop,
+                   "bf16_kernel_registers": bf16_registers,
+                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   "staging_bytes": TILE_TOKENS * (BN + 4) * 4}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
     return records
 
 

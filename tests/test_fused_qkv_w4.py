@@ -4,7 +4,7 @@ On the CPU: a replay of the kernel's decode from the repacked bytes (which threa
 it is which weight, which strip word holds its group scale and zero point) reproduces the reference's dequantized
 bf16 weight bit for bit; ``plan`` routes each format to its compile key or names why not; the kernel compiles for
 sm_90a with quack's W4 mainloop unchanged and our epilogue, no spills. On a GPU (``gpu`` marker): the op against
-the reference on a random ragged step.
+the reference on a random ragged step (sm_90a, or sm_100a's ``FusedQKVGemmW4Sm100``: ``test_fused_qkv_w4_sm100.py``).
 """
 
 import functools
@@ -207,8 +207,7 @@ def test_plan_routes_quantized_weights(rng):
 
 
 @pytest.mark.parametrize("weight, kw, words", [
-    (lambda rng: _int4(rng, N_TOT, 256, 128), {"arch": "sm_100a"}, "sm_100a"),
-    (lambda rng: _fp8(rng, N_TOT, 256), {"arch": "sm_100a"}, "tcgen05"),
+    (lambda rng: _int4(rng, N_TOT, 256, 128), {"arch": "sm_80"}, "sm_90a's and sm_100a's"),
     (lambda rng: _int4(rng, N_TOT, 256, 128), {"dtype": torch.float16}, "hidden is float16"),
     (lambda rng: _int4(rng, N_TOT, 256, 128, scale_dtype=torch.float32), {}, "bf16 scales"),
     (lambda rng: _int4(rng, N_TOT, 256, 64, has_zp=True), {}, "groups [128]"),
@@ -332,8 +331,10 @@ def test_fused_qkv_w4_matches_reference(case):
     from cute_kv.kernels.compile_cache import cache_info
     from cute_kv.ops.paths import device_arch
 
-    if device_arch(torch.device("cuda")) != "sm_90a":
-        pytest.skip("the W4 mainloop is SM90's")
+    arch = device_arch(torch.device("cuda"))
+    kernels = {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}
+    if arch not in kernels:
+        pytest.skip("the W4 mainloops are SM90's and SM100's")
     make, kcase, cache_kw = GPU_CASES[case]
     for seed in (3, 4):  # same geometry twice: compiled once
         (cpu, gpu), hidden, dense, bias, rope, q_dim, qk_norm = _inputs(kcase, CACHED, NEW, seed, **cache_kw)
@@ -345,8 +346,8 @@ def test_fused_qkv_w4_matches_reference(case):
                                                            qk_norm.epsilon, qk_norm.weight_offset)
         rope = None if rope is None else RopeConfig(rope.freqs_cis.cuda(), rope.interleaved, rope.q_head_dim)
         w = _cuda_weight(weight)
-        path = plan(gpu.collection, hidden.cuda(), w, rope, "sm_90a", norm)
-        assert path.kernel == "FusedQKVGemmW4", path
+        path = plan(gpu.collection, hidden.cuda(), w, rope, arch, norm)
+        assert path.kernel == kernels[arch], path
         out = torch.full((hidden.shape[0], q_dim), float("nan"), dtype=hidden.dtype, device="cuda")
         compiles = cache_info()["compiles"]
         got = cute_kv.fused_qkv_matmul_kv_cache(hidden.cuda(), gpu.input_row_offsets, w, gpu.collection, 1,

@@ -231,7 +231,11 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     if quantized:
         from cute_kv.kernels.qkv.w4 import QKVW4Spec
 
-        return paths.kernel(OP, "FusedQKVGemmW4", QKVW4Spec(spec, weight_format), arch)
+        if cross_dims and arch == "sm_100a":
+            return fallback("quantized weights with MLA's cross-tile latent (norm or rope-aware rows) on sm_100a: "
+                            "FusedQKVGemmW4Sm100's epilogue has no last-arriver finish yet")
+        name = "FusedQKVGemmW4Sm100" if arch == "sm_100a" else "FusedQKVGemmW4"
+        return paths.kernel(OP, name, QKVW4Spec(spec, weight_format), arch)
     return paths.kernel(OP, "FusedQKVGemm", spec, arch)
 
 
@@ -241,9 +245,8 @@ def _quantized_problem(weight, hidden, arch: str) -> tuple[Optional[str], str]:
     from cute_kv.kernels.qkv import w4
 
     name = type(weight).__name__
-    if arch != w4.ARCH:
-        return None, (f"{name} weights on {arch}: no quantized-weight mainloop there yet (the {w4.ARCH} one decodes "
-                      f"into wgmma's register A operand, which tcgen05.mma does not have)")
+    if arch not in (w4.ARCH, "sm_100a"):
+        return None, f"{name} weights on {arch}: the quantized-weight mainloops are sm_90a's and sm_100a's"
     if hidden.dtype != torch.bfloat16:
         return None, f"{name} weights decode to bfloat16; hidden is {dtypes.dtype_name(hidden.dtype)}"
     fmt, problem = w4.weight_format(weight)
@@ -330,6 +333,10 @@ def _gemm(spec, arch: str):
     from cute_kv.kernels.qkv.gemm import FusedQKVGemm
     from cute_kv.kernels.qkv.w4 import FusedQKVGemmW4, QKVW4Spec
 
+    if isinstance(spec, QKVW4Spec) and arch == "sm_100a":
+        from cute_kv.kernels.qkv.w4_sm100 import FusedQKVGemmW4Sm100
+
+        return FusedQKVGemmW4Sm100(spec, arch)
     return (FusedQKVGemmW4 if isinstance(spec, QKVW4Spec) else FusedQKVGemm)(spec, arch)
 
 

@@ -16,7 +16,8 @@ entry then runs the reference).
 What still takes the reference (the entry's dispatch): e5m2 caches, and quantized weights with MLA's cross-tile
 latent. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
 scales) run ``FusedQKVGemmW4`` (``w4.py``: quack's SM90 W4 mainloop with this epilogue staged transposed) on
-sm_90a; on sm_100a they take the reference until a transform-warp mainloop exists (``w4.py`` says why).
+sm_90a and ``FusedQKVGemmW4Sm100`` (``w4_sm100.py``: transform warps decoding into the ``tcgen05.mma`` A stage,
+the same epilogue) on sm_100a.
 
 MLA's latent RMSNorm (``kv_lora_rank = 512`` dims, four 128-column tiles) needs a reduction across tiles; so do
 rope-aware FP8 MLA rows, whose per-token scale is the amax of all 512 content dims (after the norm). Built as a

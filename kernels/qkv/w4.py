@@ -23,9 +23,9 @@ compiles quack's W4 GEMM with the same decode and its own epilogue beside ours):
   it adds a shared-memory write and read of every weight per tile (16 KB per 64-deep k-tile at BN = 128), a
   fourth warpgroup's registers, and the full bf16 stage back in the ring; quack 0.6.5's mainloops have no seam
   for a B-stage producer, so it also means carrying a fork of their ~1000-line kernel.
-* SM100 keeps the reference (``cute_kv/ops/fused_qkv.py`` ``plan`` says so): quack 0.6.5 has no SM100 W4
-  mainloop, and ``tcgen05.mma`` reads A from shared or tensor memory, never registers, so (a) does not carry over;
-  the SM100 route is (b)'s transform warps writing the bf16 stage.
+* SM100 takes ``FusedQKVGemmW4Sm100`` (``w4_sm100.py``): quack 0.6.5 has no SM100 W4 mainloop, and
+  ``tcgen05.mma`` reads A from shared or tensor memory, never registers, so (a) does not carry over; the SM100
+  route is (b)'s transform warps writing the bf16 stage, from this module's repack and decode.
 
 Costs of the route: the accumulator is ``C^T``, so staging writes it transposed (lane ``4r + c`` to words
 ``2c * 132 + r``: no bank conflicts); quack's W4 GEMM takes its weight-row extent from a ``D`` it would store, so
@@ -150,11 +150,23 @@ def _repack(weight) -> tuple:
 def decode_format(name: str):
     """quack's decode format ``name``; the symmetric int4 ones pinned to the SM90 (magic-number) decode and word
     order, which ``_repack`` writes: quack picks between it and Blackwell's converter by the compile target it
-    first sees in the process (a cached global), not by the kernel being built."""
+    first sees in the process (a cached global), not by the kernel being built. e4m3 is pinned to the f16 convert
+    (the SM90 one), so both architectures' kernels decode the same bytes with the same instructions."""
     from quack.blockscaled import nvfp4_utils as U
-    from quack.operand_transform.formats import Int4, decode_format as quack_format
+    from quack.operand_transform.formats import Fp8, Int4, decode_format as quack_format
 
     fmt = quack_format(name)
+    if type(fmt) is Fp8:
+        class Fp8F16Route(Fp8):
+            @cute.jit
+            def decode_k16(self, xw, sfw, b, consts):
+                """Block ``b``'s 8 e4m3 bytes (words ``2b``, ``2b + 1``), two per register, through the f16
+                convert on every target (quack picks Blackwell's direct bf16x2 convert on sm_100a, which needs a
+                newer PTX ISA than the toolkit's assembler takes); exact either way."""
+                return (_e4m3x2_to_bf16x2(xw[2 * b], False), _e4m3x2_to_bf16x2(xw[2 * b], True),
+                        _e4m3x2_to_bf16x2(xw[2 * b + 1], False), _e4m3x2_to_bf16x2(xw[2 * b + 1], True))
+
+        return Fp8F16Route()
     if type(fmt) is not Int4:
         return fmt
 
@@ -177,6 +189,19 @@ def decode_format(name: str):
                     U.mul_bf16x2_bcast(U.add_bf16x2(t3, bias), h, True))
 
     return Int4Sm90(fmt.group)
+
+
+@cute.jit
+def _e4m3x2_to_bf16x2(pair: Int32, hi: cutlass.Constexpr[bool]) -> Int32:
+    """Two e4m3 bytes (the word's low or high half) -> bf16x2: e4m3 -> f16x2 -> f32 -> bf16x2, each step exact."""
+    from quack.blockscaled.nvfp4_utils import asm_i32
+
+    sel = "{_, p}" if hi else "{p, _}"
+    return Int32(asm_i32([Int32(pair).ir_value()],
+                         "{.reg .b16 lo, hi, p; .reg .b32 h2; .reg .f32 f0, f1; "
+                         f"mov.b32 {sel}, $1; cvt.rn.f16x2.e4m3x2 h2, p; "
+                         "mov.b32 {lo, hi}, h2; cvt.f32.f16 f0, lo; cvt.f32.f16 f1, hi; "
+                         "cvt.rn.bf16x2.f32 $0, f1, f0;}", "=r,r"))
 
 
 @mlir_namedtuple
