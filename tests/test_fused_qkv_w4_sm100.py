@@ -34,6 +34,10 @@ from static_fused_qkv import _sass, transform_loop  # noqa: E402
 from test_fused_qkv_w4 import COMPILE_CASES, N_TOT, REPLAY_CASES, _fp8, _fragment_coords, _int4, _plan, _replay  # noqa: E402,E501
 
 
+# the SM90 cases without MLA's cross-tile latent (which takes the reference with quantized weights on sm_100a)
+SM100_CASES = {name: case for name, case in COMPILE_CASES.items() if len(case[1]) <= 12}
+
+
 def _stage_coords():
     """``(row, k)`` of every value transform thread ``t`` stores for (block ``m``, k16 block ``b``, register ``j``,
     half ``e``), from the kernel's own ``stage_coord``."""
@@ -108,7 +112,7 @@ def test_stages_fill_shared_memory():
 # -- compiled for sm_100a --------------------------------------------------------------------------------------------
 
 def _w4(case) -> FusedQKVGemmW4Sm100:
-    fmt, c = COMPILE_CASES[case]
+    fmt, c = SM100_CASES[case]
     fp8 = len(c) > 11
     return FusedQKVGemmW4Sm100(QKVW4Spec(QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], fp8=fp8,
                                                  granularity=c[11] if fp8 else 0), fmt))
@@ -123,7 +127,7 @@ UTCMMA = r"tcgen05\.mma\.cta_group::1\.kind::f16"
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("case", COMPILE_CASES)
+@pytest.mark.parametrize("case", SM100_CASES)
 def test_fused_qkv_w4_sm100_ptx(case, tmp_path):
     from test_fused_qkv_gemm import ptxas_report
 
@@ -166,7 +170,7 @@ def test_fused_qkv_w4_sm100_sass_loops(case):
     assert 1.5 <= loop["decode_per_weight"] <= 2.2, loop
 
 
-@pytest.mark.parametrize("case", COMPILE_CASES)
+@pytest.mark.parametrize("case", SM100_CASES)
 def test_sm100_launch_arguments_match_the_compiled_signature(rng, case):
     kernel = _w4(case)
     s = kernel.spec.qkv
