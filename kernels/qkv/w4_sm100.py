@@ -431,5 +431,5 @@ class FusedQKVGemmW4Sm100:
         blob, sf, col_scales = prepare_weight(weight)
         operand = w4_operand_views(self.fmt, blob, sf, BN)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, column_scales=col_scales)
         return operand.blob, operand.sf, hidden, epi, Int32(max_active_clusters)
