@@ -83,6 +83,20 @@ def test_q_descriptors_advance_in_32_bits(compiled):
         assert "add.s64" not in ptx[group[0]:group[-1]]
 
 
+def test_v_descriptors_advance_from_the_stage(compiled):
+    """Each PV's V descriptors are the stage's descriptor (its first k block's) plus the k block's constant offset,
+    one 64-bit add each (ptxas: one ``UIADD3.64`` per wgmma), not a low-word add per k block re-paired with the
+    high word (an add and a move per wgmma)."""
+    kernel, ptx, _ = compiled
+    per_tile = kernel.bn // 16
+    descs = [(m.start(), m.group(2)) for m in re.finditer(MMA + r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, (%rd\d+)", ptx)]
+    assert len(descs) == (LOOPS + 1) * per_tile
+    for site in range(LOOPS + 1):
+        (_, base), *rest = descs[site * per_tile:(site + 1) * per_tile]
+        for k, (pos, reg) in enumerate(rest, 1):
+            assert re.search(rf"add\.s64\s+{reg}, {base}, {k * 128};", ptx[:pos]), (site, k, reg)
+
+
 def _definition(ptx: str, reg: str, before: int) -> tuple[str, list[str]]:
     """Opcode and operands of the last instruction before ``before`` that writes ``reg``."""
     found = list(re.finditer(rf"^\s*([a-z][\w.]*)\s+{re.escape(reg)},\s*([^;]*);", ptx[:before], re.M))

@@ -541,12 +541,15 @@ class PagedAttention:
     @cute.jit
     def gemm_pv(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rp: cute.Tensor, t_rv: cute.Tensor,
                 stage: Int32):
-        """Issue ``O += P V`` with P from registers (no wait)."""
+        """Issue ``O += P V`` with P from registers (no wait). The stage is sliced first: each k block's descriptor is
+        then the stage's plus a constant, one 64-bit add per wgmma (indexed together, ptxas re-pairs a low-word add
+        with the high word at every k block)."""
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, True)
+        v_stage = t_rv[None, None, None, stage]
         for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
-            cute.gemm(atom, acc, t_rp[None, None, kb], t_rv[None, None, kb, stage], acc)
+            cute.gemm(atom, acc, t_rp[None, None, kb], v_stage[None, None, kb], acc)
         warpgroup.commit_group()
 
     @cute.jit
