@@ -234,6 +234,17 @@ def test_request_rows_bounded_by_q(compiled):
     assert re.search(rf"ld\.param\.b32\s+%r\d+, \[\w+_param_{param}\+8\];", ptx)
 
 
+def test_split_without_keys_exits_at_once(compiled):
+    """A CTA whose split holds no key tile stores its rows' lse (-inf: the bits -8388608) and returns, before any
+    barrier is initialized, any TMA is issued or any O is written: the kernel's first global store, then a branch
+    to the ``ret``."""
+    _, ptx, _ = compiled
+    first = re.search(r"st\.global\.\w+\s+\[%rd\d+\], (-?\w+);\s*bra\.uni\s+(\$L__BB\d+_\d+);", ptx)
+    assert first and first[1] == "-8388608"
+    assert first.start() == ptx.index("st.global") < ptx.index("mbarrier.init") < ptx.index("cp.async.bulk")
+    assert re.search(rf"^{re.escape(first[2])}:\s*ret;", ptx, re.M)
+
+
 def test_shared_memory_within_the_launch(compiled):
     """The barriers come first (the one alignment slack ``tiling`` counts) and the last ring ends within
     ``smem_bytes()``, what the launch requests: the TMA copies of stage 0 write at immediate offsets from the
