@@ -288,12 +288,11 @@ class PagedAttention:
                         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
                         tx_count=2 * bn * d, cta_layout_vmnk=one, defer_sync=True)
                     dequantizers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
-                    readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS)
                     pipe_k = pipeline.PipelineAsync.create(barrier_storage=mbars_k, num_stages=stages,
-                                                           producer_group=dequantizers, consumer_group=readers,
+                                                           producer_group=dequantizers, consumer_group=consumers,
                                                            defer_sync=True)
                     pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
-                                                           producer_group=dequantizers, consumer_group=readers)
+                                                           producer_group=dequantizers, consumer_group=consumers)
                 else:
                     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
                     pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
@@ -499,7 +498,7 @@ class PagedAttention:
             pipe_k.consumer_wait(read)
             self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(read)
+            self.release(pipe_k, read)
             softmax.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, self.softcap, True)
             softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
             softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
@@ -526,7 +525,7 @@ class PagedAttention:
             pipe_v.consumer_wait(read)
             self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
             warpgroup.wait_group(0)
-            pipe_v.consumer_release(read)
+            self.release(pipe_v, read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, softmax_scale_log2, coords, s_q_wg, out, lse, o_part,
                       lse_part, sinks, q_start, seq_len, rows0, kv_head, split, num_splits, tidx, wg)
 
@@ -549,14 +548,24 @@ class PagedAttention:
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
         self.sched_release(wg)
         warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
-        pipe_k.consumer_release(read)
+        self.release(pipe_k, read)
         softmax.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, self.softcap, masked)
         softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(prev)
+        self.release(pipe_v, prev)
         softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
         softmax.rescale_rows_if_moved(acc_o, row_scale)
         return read
+
+    @cute.jit
+    def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
+        """A consumer warp is done with a K or V stage: one elected lane arrives for it (the stage's empty barrier
+        counts the 8 consumer warps), over an fp8 cache's dequantized rings as over the TMA ones."""
+        if cutlass.const_expr(self.kv_fp8):
+            with cute.arch.elect_one():
+                pipe.consumer_release(state)
+        else:
+            pipe.consumer_release(state)
 
     @cute.jit
     def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
