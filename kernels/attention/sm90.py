@@ -542,11 +542,11 @@ class PagedAttention:
         prev = read.clone()
         read.advance()
         pipe_k.consumer_wait(read)
-        self.sched_wait(wg)
+        self.sched_wait()
         self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
         pipe_v.consumer_wait(prev)
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
-        self.sched_release(wg)
+        self.sched_release()
         warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
         self.release(pipe_k, read)
         softmax.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, self.softcap, masked)
@@ -597,12 +597,18 @@ class PagedAttention:
         warpgroup.commit_group()
 
     @cute.jit
-    def sched_wait(self, wg: Int32):
-        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + wg, number_of_threads=2 * WG_THREADS)
+    def sched_wait(self):
+        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + self.thread_wg(), number_of_threads=2 * WG_THREADS)
 
     @cute.jit
-    def sched_release(self, wg: Int32):
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - wg, number_of_threads=2 * WG_THREADS)
+    def sched_release(self):
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - self.thread_wg(),
+                                 number_of_threads=2 * WG_THREADS)
+
+    def thread_wg(self) -> Int32:
+        """The consumer warpgroup (0, 1) from the thread index: a barrier id taken from the warp-uniform ``wg``
+        lives in a uniform register, which ptxas moves into a vector one at every barrier of the loop."""
+        return cute.arch.thread_idx()[0] // WG_THREADS - 1
 
     @cute.jit
     def load_q_tma(self, tma_q: cute.CopyAtom, g_q: cute.Tensor, s_q: cute.Tensor, mbars_q: cute.Pointer,
