@@ -83,6 +83,16 @@ def test_q_descriptors_advance_in_32_bits(compiled):
         assert "add.s64" not in ptx[group[0]:group[-1]]
 
 
+def test_descriptors_built_once(compiled):
+    """The Q, K and V wgmma descriptors are built from their shared-memory addresses once each (the layout bits
+    or'ed onto the address field), in the consumers' prologue: between their setmaxnreg and the first wgmma, not
+    at each wgmma site of the loops."""
+    _, ptx, _ = compiled
+    builds = [m.start() for m in re.finditer(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx) if int(m[1]) >> 62]
+    assert len(builds) == 3
+    assert all(ptx.index("setmaxnreg.inc") < pos < ptx.index("wgmma.mma_async") for pos in builds)
+
+
 def test_v_descriptors_advance_from_the_stage(compiled):
     """Each PV's V descriptors are the stage's descriptor (its first k block's) plus the k block's constant offset,
     one 64-bit add each (ptxas: one ``UIADD3.64`` per wgmma), not a low-word add per k block re-paired with the
