@@ -45,15 +45,16 @@ def join_sink(row_sum, top, sink):
 
 
 def merge_splits(o_part, lse_part):
-    """The combine as the SM90 models state it: splits weighted by their base-2 lse; one split passes through.
-    Returns ``(O, natural-log lse)``."""
+    """The combine as the SM90 models state it: splits weighted by their base-2 lse, a split's O read only where its
+    lse is finite (a skipped split writes none); one split passes through. Returns ``(O, natural-log lse)``."""
     if o_part.shape[0] == 1:
         return o_part[0], lse_part[0] * LN2
     top = lse_part.max(dim=0).values
-    w = torch.where(lse_part == NEG_INF, 0.0, torch.exp2(lse_part - top))
+    seen = lse_part != NEG_INF
+    w = torch.where(seen, torch.exp2(lse_part - top), 0.0)
     total = w.sum(0)
     lse = torch.where(total > 0, (top + torch.log2(total)) * LN2, NEG_INF)
-    return (w[..., None] * o_part).sum(0) / total[..., None], lse
+    return torch.where(seen[..., None], w[..., None] * o_part, 0.0).sum(0) / total[..., None], lse
 
 
 def merge_splits_zero_empty(o_part, lse_part):

@@ -32,7 +32,8 @@ LOG2E = math.log2(math.e)
 
 def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale,
               softcap, sinks):
-    """One CTA: ``(rows [(token, head)], live, O/l [rows, D], lse (log2) [rows])`` for its packed rows."""
+    """One CTA: ``(rows [(token, head)], live, O/l [rows, D], lse (log2) [rows])`` for its packed rows; O is None
+    for a split with no key tile, which writes its lse (-inf) alone."""
     bm, bn = BM, key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
     m0 = m_block * bm
@@ -42,6 +43,9 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     rows = [(m0 + r) // group for r in range(bm)], [kv_head * group + (m0 + r) % group for r in range(bm)]
     toks = torch.tensor(rows[0])
     live = toks < seq_len
+    if n_tiles == 0 and splits > 1:  # skip_split
+        assert split > 0  # split 0 holds a tile of every live block: the sink is never skipped
+        return rows, live, None, torch.full((bm,), NEG_INF, dtype=torch.float64)
     qr = torch.zeros(bm, q.shape[-1], dtype=torch.float64)
     # Q by TMA (the group divides a warpgroup's rows): rows past the request hold the next requests' tokens, zeros
     # past q's end; the thread copy writes zeros. Either way only masked S entries may come of them.
@@ -104,7 +108,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
     win = window_arg(window)
-    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal, window)
+    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal, window, t)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
@@ -120,7 +124,8 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
                                                             split, splits, group, causal, win, scale, softcap, sinks)
                     for r in range(BM):
                         if live[r]:
-                            o_part[split, offsets[b] + toks[r], heads[r]] = o[r]
+                            if o is not None:
+                                o_part[split, offsets[b] + toks[r], heads[r]] = o[r]
                             lse_part[split, offsets[b] + toks[r], heads[r]] = lse[r]
     return merge_splits(o_part, lse_part)
 
@@ -210,3 +215,40 @@ def test_plan_over_fp8_caches():
         q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
         want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0)
         assert rel_err(model_attention(q, pb, 0)[0], want.float()) < 1e-2
+
+
+def test_causal_ragged_step_skips_empty_splits():
+    """A causal step mixing a long decode with short prefills, requests of 0 and 1 tokens and an empty cache: the
+    plan splits it (one 128-row block, the long cache), so the short requests' later splits hold no key tile. Those
+    CTAs write their rows' lse (-inf) and no O (left NaN here): the combine reads no O of theirs, and every output
+    row still equals the reference."""
+    gen = torch.Generator().manual_seed(6)
+    cached, new = [4000, 0, 5, 0, 130, 1], [1, 0, 20, 1, 3, 1]
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=64, page_size=64, dtype=torch.bfloat16,
+                            generator=gen)
+    q = torch.randn(pb.total_rows, 8, 64, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(8, generator=gen)
+    m_blocks, splits = launch_shape(pb.collection, 8, 132, BM, key_tile(64), True, None, pb.total_rows)
+    assert m_blocks == 1 and splits > 2
+    skipped = [b for b, (c, n) in enumerate(zip(cached, new))
+               if n and cta_tiles(0, BM, 4, n, c, True, 0, key_tile(64), splits - 1, splits)[3] == 0]
+    assert skipped == [2, 3, 4, 5]  # all but the long decode (request 1 has no token, so no CTA rows)
+    for kw in ({}, {"sinks": sinks}, {"window": 50}, {"softcap": 30.0}):
+        want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, return_lse=True, **kw)
+        got, lse = model_attention(q, pb, 0, **kw)
+        assert not got.isnan().any() and rel_err(got, want.float()) < 1e-2
+        assert (lse - want_lse.double()).abs().max() < 1e-3
+
+
+def test_wave_model_counts_blocks_with_rows():
+    """The split count's CTAs are the query blocks that hold rows: a batch of one long decode beside many requests
+    with no new token splits as that decode alone does, not as if every request filled a block."""
+    gen = torch.Generator().manual_seed(7)
+    alone = random_paged_batch([8192], [1], num_heads=8, head_size=128, page_size=64, dtype=torch.bfloat16,
+                               generator=gen)
+    crowd = random_paged_batch([8192] + [0] * 63, [1] + [0] * 63, num_heads=8, head_size=128, page_size=64,
+                               dtype=torch.bfloat16, generator=gen)
+    want = launch_shape(alone.collection, 32, 132, BM, 128, True, None, 1)
+    assert want[1] > 1
+    assert launch_shape(crowd.collection, 32, 132, BM, 128, True, None, 1) == want
+    assert launch_shape(crowd.collection, 32, 132, BM, 128, True, None)[1] < want[1]  # without T: 64 blocks counted

@@ -83,6 +83,30 @@ def test_q_descriptors_advance_in_32_bits(compiled):
         assert "add.s64" not in ptx[group[0]:group[-1]]
 
 
+def test_descriptors_built_once(compiled):
+    """The Q, K and V wgmma descriptors are built from their shared-memory addresses once each (the layout bits
+    or'ed onto the address field), in the consumers' prologue: between their setmaxnreg and the first wgmma, not
+    at each wgmma site of the loops."""
+    _, ptx, _ = compiled
+    builds = [m.start() for m in re.finditer(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx) if int(m[1]) >> 62]
+    assert len(builds) == 3
+    assert all(ptx.index("setmaxnreg.inc") < pos < ptx.index("wgmma.mma_async") for pos in builds)
+
+
+def test_v_descriptors_advance_from_the_stage(compiled):
+    """Each PV's V descriptors are the stage's descriptor (its first k block's) plus the k block's constant offset,
+    one 64-bit add each (ptxas: one ``UIADD3.64`` per wgmma), not a low-word add per k block re-paired with the
+    high word (an add and a move per wgmma)."""
+    kernel, ptx, _ = compiled
+    per_tile = kernel.bn // 16
+    descs = [(m.start(), m.group(2)) for m in re.finditer(MMA + r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, (%rd\d+)", ptx)]
+    assert len(descs) == (LOOPS + 1) * per_tile
+    for site in range(LOOPS + 1):
+        (_, base), *rest = descs[site * per_tile:(site + 1) * per_tile]
+        for k, (pos, reg) in enumerate(rest, 1):
+            assert re.search(rf"add\.s64\s+{reg}, {base}, {k * 128};", ptx[:pos]), (site, k, reg)
+
+
 def _definition(ptx: str, reg: str, before: int) -> tuple[str, list[str]]:
     """Opcode and operands of the last instruction before ``before`` that writes ``reg``."""
     found = list(re.finditer(rf"^\s*([a-z][\w.]*)\s+{re.escape(reg)},\s*([^;]*);", ptx[:before], re.M))
@@ -220,6 +244,17 @@ def test_request_rows_bounded_by_q(compiled):
     assert re.search(rf"ld\.param\.b32\s+%r\d+, \[\w+_param_{param}\+8\];", ptx)
 
 
+def test_split_without_keys_exits_at_once(compiled):
+    """A CTA whose split holds no key tile stores its rows' lse (-inf: the bits -8388608) and returns, before any
+    barrier is initialized, any TMA is issued or any O is written: the kernel's first global store, then a branch
+    to the ``ret``."""
+    _, ptx, _ = compiled
+    first = re.search(r"st\.global\.\w+\s+\[%rd\d+\], (-?\w+);\s*bra\.uni\s+(\$L__BB\d+_\d+);", ptx)
+    assert first and first[1] == "-8388608"
+    assert first.start() == ptx.index("st.global") < ptx.index("mbarrier.init") < ptx.index("cp.async.bulk")
+    assert re.search(rf"^{re.escape(first[2])}:\s*ret;", ptx, re.M)
+
+
 def test_shared_memory_within_the_launch(compiled):
     """The barriers come first (the one alignment slack ``tiling`` counts) and the last ring ends within
     ``smem_bytes()``, what the launch requests: the TMA copies of stage 0 write at immediate offsets from the
@@ -284,11 +319,10 @@ def test_o_rescale_skipped_when_no_max_moved(steady_loop):
 
 def test_exp2_before_the_pv_wait(steady_loop):
     """The PV of the previous tile is waited for (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) only after the softmax's
-    first exp2s have issued: the PV's wgmmas are still in flight under them. Over an fp8 cache ptxas hoists that
-    wait above the first exp2 of the same consumer code (an open finding), so only 16-bit caches are held to it."""
+    first exp2s have issued: the PV's wgmmas are still in flight under them. Over an fp8 cache too: its dequantized
+    rings are released by one elected lane a warp, as the TMA rings are (with every thread arriving, ptxas hoisted
+    the wait and the release above the first exp2)."""
     kernel, lp, code = steady_loop
-    if kernel.kv_fp8:
-        pytest.skip("fp8: ptxas places the PV wait before the first exp2")
     ops = [(i.opcode, i.text.strip()) for i in sorted(code, key=lambda i: i.address)]
     wait0 = next(k for k, (op, text) in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR") and text.endswith("0x0"))
     assert sum(op.startswith("MUFU.EX2") for op, _ in ops[:wait0]) > 0

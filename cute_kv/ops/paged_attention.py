@@ -251,7 +251,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window, t)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
@@ -293,20 +293,27 @@ def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0:
 
 
 def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True,
-                 window: Optional[int] = None) -> tuple[int, int]:
+                 window: Optional[int] = None, num_tokens: Optional[int] = None) -> tuple[int, int]:
     """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
     run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
     query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest
     leaves the shortest with empty splits. A sliding window bounds the keys a block sees (the window and its tokens)
-    whatever the context, so the splits are fit to those tiles."""
+    whatever the context, so the splits are fit to those tiles. The CTAs the wave model counts are the (query block,
+    KV head) pairs that hold rows: with ``num_tokens`` (the step's ``T``), at most ``T * group // bm`` blocks plus
+    one per request with tokens, so requests with no new token and the short requests' empty blocks (which exit at
+    once) are not counted."""
     c = collection
-    m_blocks = -(-c.max_seq_length * (num_q_heads // c.num_heads) // bm)
+    group = num_q_heads // c.num_heads
+    m_blocks = -(-c.max_seq_length * group // bm)
     if causal and m_blocks > 1:
         return m_blocks, 1
     key_tiles = -(-c.max_cache_length // bn)
     if window is not None:  # window + tokens - 1 keys, one tile more where they start inside one
         key_tiles = min(key_tiles, -(-(window + c.max_seq_length - 1) // bn) + 1)
-    return m_blocks, num_splits(c.batch_size * c.num_heads * m_blocks, key_tiles, slots)
+    blocks = c.batch_size * m_blocks
+    if num_tokens is not None:  # sum_b ceil(n_b g / bm) <= T g / bm + (requests with n_b > 0)
+        blocks = min(blocks, num_tokens * group // bm + min(c.batch_size, num_tokens))
+    return m_blocks, num_splits(max(blocks, 1) * c.num_heads, key_tiles, slots)
 
 
 def num_splits(ctas: int, key_tiles: int, slots: int) -> int:

@@ -1,8 +1,9 @@
 """``AttentionCombine``: merge the split-KV partials of ``PagedAttention`` into the output.
 
 For each (token, query head): ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``
-(``o_s`` already divided by its split's sum, ``lse_s`` its log2-sum-exp; an empty split has ``lse = -inf`` and
-weight 0). ``D / 4`` threads share a row, 16 bytes of float32 each; a 128-thread CTA takes ``512 / D`` rows.
+(``o_s`` already divided by its split's sum, ``lse_s`` its log2-sum-exp; an empty split has ``lse = -inf``, weight
+0, and its ``o_s`` is never read: it may be unwritten). ``D / 4`` threads share a row, 16 bytes of float32 each; a
+128-thread CTA takes ``512 / D`` rows.
 With ``return_lse`` the merged natural-log ``lse = (M + log2 sum_s 2^(lse_s - M)) * ln 2`` (-inf for a row no split
 saw) is written too.
 """

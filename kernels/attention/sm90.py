@@ -23,9 +23,10 @@ first; its V rows past the keys are zeroed in shared memory once (P is exactly 0
 tile is dequantized with those rows as zeros). Three loops follow, none with a branch: masked tiles at the keys'
 end, tiles every live row sees whole (no mask), masked tiles at the window's start. Soft-cap (``c * tanh(s / c)``)
 is applied to S before masking; sinks join the denominator once, in split 0. Split-KV: each split writes ``O/l`` and
-its base-2 ``lse`` in float32 and ``AttentionCombine`` merges them; one split writes the output (through its
-warpgroup's Q tile, 16-byte stores: a packed row is a (token, head) pair one TMA box cannot address for every group
-size) and the natural-log ``lse`` when asked.
+its base-2 ``lse`` in float32 and ``AttentionCombine`` merges them (a split left without a key tile, a short request's
+beside a long one, writes ``lse = -inf`` alone and exits before any setup; the combine reads no O of it); one split
+writes the output (through its warpgroup's Q tile, 16-byte stores: a packed row is a (token, head) pair one TMA box
+cannot address for every group size) and the natural-log ``lse`` when asked.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.quant import granule_scale
@@ -61,6 +64,21 @@ CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 assert set(DTYPES) == set(DTYPE_NAMES)
+
+
+@dsl_user_op
+def _opaque_b64(x: Int64, *, loc=None, ip=None) -> Int64:
+    return Int64(llvm.inline_asm(T.i64(), [Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def pinned_descriptors(frag: cute.Tensor) -> cute.Tensor:
+    """A wgmma operand's shared-memory descriptor fragment, its 64-bit descriptor built once here (outside the key
+    loops) and then opaque: each wgmma's descriptor is that base plus the k block's (and stage's) offset. Left to
+    the compiler, the descriptor is re-derived from the shared-memory address (shift, mask, or) at every wgmma in
+    the loop, and each k block re-pairs a low-word add with a high-word move: ~2x the uniform instructions."""
+    desc = _opaque_b64(tcgen05.smem_descriptor_to_int(frag.iterator))
+    return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), frag.layout)
 
 
 class Barrier(enum.IntEnum):
@@ -218,88 +236,103 @@ class PagedAttention:
         q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
         m0 = m_block * BM
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            if warp_idx == 0:
-                if cutlass.const_expr(self.q_tma):
-                    cpasync.prefetch_descriptor(tma_q)
-                cpasync.prefetch_descriptor(tma_k)
-                cpasync.prefetch_descriptor(tma_v)
             cache_len = Int32(cache_lengths[b])
             num_keys = cache_len + seq_len
             first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
                                               BM, bn, group)
             last_tile = first_tile + n_tiles - 1  # walked from here down to first_tile
-
-            smem = SmemAllocator()
-            mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
-            mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
-            if cutlass.const_expr(self.kv_fp8):  # every barrier before the tiles: one alignment slack (``tiling``)
-                mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
-            mbars_q = None
-            if cutlass.const_expr(self.q_tma):  # one per warpgroup's Q tile (within ``tiling``'s barrier bytes)
-                mbars_q = smem.allocate_array(cutlass.Int64, 2)
+            if n_tiles == 0 and num_splits > 1:
+                # a split past the keys its rows see (never split 0): its lse says so, and the combine reads no O
+                self.skip_split(lse_part, q_start, seq_len, m0, kv_head, split)
+            else:
+                warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
                 if warp_idx == 0:
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_init(mbars_q, 1)
-                        cute.arch.mbarrier_init(mbars_q + 1, 1)
-                    cute.arch.mbarrier_init_fence()
-            sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
-            ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
-            s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-            s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
-            s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+                    if cutlass.const_expr(self.q_tma):
+                        cpasync.prefetch_descriptor(tma_q)
+                    cpasync.prefetch_descriptor(tma_k)
+                    cpasync.prefetch_descriptor(tma_v)
 
-            stage_bytes = bn * d * dt.width // 8
-            one = cute.make_layout((1, 1, 1, 1))
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
-            if cutlass.const_expr(self.kv_fp8):
-                # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
-                ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
-                                                          stages=self.fp8_stages)
-                ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
-                                               swizzle=ring8_layout.inner)
-                ring8_v = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
-                                               swizzle=ring8_layout.inner)
-                pipe_8 = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=mbars_8, num_stages=self.fp8_stages,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
-                    tx_count=2 * bn * d, cta_layout_vmnk=one, defer_sync=True)
-                dequantizers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
-                readers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS)
-                pipe_k = pipeline.PipelineAsync.create(barrier_storage=mbars_k, num_stages=stages,
-                                                       producer_group=dequantizers, consumer_group=readers,
-                                                       defer_sync=True)
-                pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
-                                                       producer_group=dequantizers, consumer_group=readers)
-            else:
-                producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-                pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
-                                                          producer_group=producer, consumer_group=consumers,
-                                                          tx_count=stage_bytes, cta_layout_vmnk=one, defer_sync=True)
-                pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
-                                                          producer_group=producer, consumer_group=consumers,
-                                                          tx_count=stage_bytes, cta_layout_vmnk=one)
-                # (the last create's sync publishes every barrier's init)
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if cutlass.const_expr(self.q_tma):
-                    if warp_idx == 0:  # Q ahead of the first K tile, which the first QK waits for as well
-                        self.load_q_tma(tma_q, g_q, s_q, mbars_q, q_start, m0, kv_head)
-                if cutlass.const_expr(self.kv_fp8):
-                    self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
-                                     s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
-                                     oob_row, last_tile, n_tiles, warp_idx)
-                else:
+                smem = SmemAllocator()
+                mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
+                mbars_v = smem.allocate_array(cutlass.Int64, 2 * stages)
+                if cutlass.const_expr(self.kv_fp8):  # every barrier before the tiles: one alignment slack (``tiling``)
+                    mbars_8 = smem.allocate_array(cutlass.Int64, 2 * self.fp8_stages)
+                mbars_q = None
+                if cutlass.const_expr(self.q_tma):  # one per warpgroup's Q tile (within ``tiling``'s barrier bytes)
+                    mbars_q = smem.allocate_array(cutlass.Int64, 2)
                     if warp_idx == 0:
-                        self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
-                                     kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
-            else:
-                cute.arch.setmaxregister_increase(self.consumer_regs)
-                wg = warp_idx // 4 - 1
-                self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, mbars_q, s_q, s_k, s_v, q, out, lse, o_part,
-                             lse_part, sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split, num_splits,
-                             causal, window, first_tile, last_tile, n_tiles, score_scale, softmax_scale_log2)
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_init(mbars_q, 1)
+                            cute.arch.mbarrier_init(mbars_q + 1, 1)
+                        cute.arch.mbarrier_init_fence()
+                sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
+                ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
+                s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
+                s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+                s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+
+                stage_bytes = bn * d * dt.width // 8
+                one = cute.make_layout((1, 1, 1, 1))
+                consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
+                if cutlass.const_expr(self.kv_fp8):
+                    # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
+                    ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
+                                                              stages=self.fp8_stages)
+                    ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
+                                                   swizzle=ring8_layout.inner)
+                    ring8_v = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
+                                                   swizzle=ring8_layout.inner)
+                    pipe_8 = pipeline.PipelineTmaAsync.create(
+                        barrier_storage=mbars_8, num_stages=self.fp8_stages,
+                        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
+                        tx_count=2 * bn * d, cta_layout_vmnk=one, defer_sync=True)
+                    dequantizers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+                    pipe_k = pipeline.PipelineAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                           producer_group=dequantizers, consumer_group=consumers,
+                                                           defer_sync=True)
+                    pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                           producer_group=dequantizers, consumer_group=consumers)
+                else:
+                    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+                    pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                              producer_group=producer, consumer_group=consumers,
+                                                              tx_count=stage_bytes, cta_layout_vmnk=one,
+                                                              defer_sync=True)
+                    pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                              producer_group=producer, consumer_group=consumers,
+                                                              tx_count=stage_bytes, cta_layout_vmnk=one)
+                    # (the last create's sync publishes every barrier's init)
+                if warp_idx < 4:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if cutlass.const_expr(self.q_tma):
+                        if warp_idx == 0:  # Q ahead of the first K tile, which the first QK waits for as well
+                            self.load_q_tma(tma_q, g_q, s_q, mbars_q, q_start, m0, kv_head)
+                    if cutlass.const_expr(self.kv_fp8):
+                        self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
+                                         s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
+                                         oob_row, last_tile, n_tiles, warp_idx)
+                    else:
+                        if warp_idx == 0:
+                            self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
+                                         kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+                else:
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
+                    wg = warp_idx // 4 - 1
+                    self.consume(tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, mbars_q, s_q, s_k, s_v, q, out, lse,
+                                 o_part, lse_part, sinks, wg, q_start, seq_len, cache_len, num_keys, m0, kv_head, split,
+                                 num_splits, causal, window, first_tile, last_tile, n_tiles, score_scale,
+                                 softmax_scale_log2)
+
+    @cute.jit
+    def skip_split(self, lse_part: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32,
+                   split: Int32):
+        """A CTA whose split holds no key tile: ``lse = -inf`` for its live rows, one a thread, and nothing else (no
+        pipeline, no Q, no O partial: ``AttentionCombine`` reads a split's O only where its lse is finite)."""
+        tidx = cute.arch.thread_idx()[0]
+        tok = (m0 + tidx) // self.group
+        if tidx < BM and tok < seq_len:
+            lse_part[split, q_start + tok, kv_head * self.group + (m0 + tidx) % self.group] = softmax.NEG_INF
 
     @cute.jit
     def produce(self, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync, tma_k: cute.CopyAtom,
@@ -433,14 +466,16 @@ class PagedAttention:
 
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: the descriptor's low
-        # word then advances in 32 bits, where a tile sliced first makes every k block a 64-bit add on a rebuilt
-        # descriptor. At head dim 256 the sliced form measures shorter, and the other spills the page-16 producer.
+        # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: ptxas then keeps every
+        # k block's Q descriptor in uniform registers across the loop (9 fewer instructions a tile at head dim 128
+        # than the warpgroup's own tile). At head dim 256 the warpgroup's own tile: with 16 k blocks the other
+        # spills the page-16 and fp8 producers.
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q if cutlass.const_expr(d <= 128) else s_q_wg))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_ROWS, bn)))
+        t_rq, t_rk, t_rv = (pinned_descriptors(t) for t in (t_rq, t_rk, t_rv))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, d)), Float32)
         acc_o.fill(0.0)
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, bn)), Float32)
@@ -464,7 +499,7 @@ class PagedAttention:
             pipe_k.consumer_wait(read)
             self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(read)
+            self.release(pipe_k, read)
             softmax.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, self.softcap, True)
             softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, True)
             softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
@@ -491,7 +526,7 @@ class PagedAttention:
             pipe_v.consumer_wait(read)
             self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
             warpgroup.wait_group(0)
-            pipe_v.consumer_release(read)
+            self.release(pipe_v, read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, softmax_scale_log2, coords, s_q_wg, out, lse, o_part,
                       lse_part, sinks, q_start, seq_len, rows0, kv_head, split, num_splits, tidx, wg)
 
@@ -508,20 +543,30 @@ class PagedAttention:
         prev = read.clone()
         read.advance()
         pipe_k.consumer_wait(read)
-        self.sched_wait(wg)
+        self.sched_wait()
         self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
         pipe_v.consumer_wait(prev)
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
-        self.sched_release(wg)
+        self.sched_release()
         warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
-        pipe_k.consumer_release(read)
+        self.release(pipe_k, read)
         softmax.scores(acc_s, coords, row_begin, row_end, (last_tile - i) * self.bn, score_scale, self.softcap, masked)
         softmax.online_softmax(acc_s, row_max, row_sum, row_scale, softmax_scale_log2, False)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(prev)
+        self.release(pipe_v, prev)
         softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
         softmax.rescale_rows_if_moved(acc_o, row_scale)
         return read
+
+    @cute.jit
+    def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
+        """A consumer warp is done with a K or V stage: one elected lane arrives for it (the stage's empty barrier
+        counts the 8 consumer warps), over an fp8 cache's dequantized rings as over the TMA ones."""
+        if cutlass.const_expr(self.kv_fp8):
+            with cute.arch.elect_one():
+                pipe.consumer_release(state)
+        else:
+            pipe.consumer_release(state)
 
     @cute.jit
     def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
@@ -541,21 +586,30 @@ class PagedAttention:
     @cute.jit
     def gemm_pv(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rp: cute.Tensor, t_rv: cute.Tensor,
                 stage: Int32):
-        """Issue ``O += P V`` with P from registers (no wait)."""
+        """Issue ``O += P V`` with P from registers (no wait). The stage is sliced first: each k block's descriptor is
+        then the stage's plus a constant, one 64-bit add per wgmma (indexed together, ptxas re-pairs a low-word add
+        with the high word at every k block)."""
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, True)
+        v_stage = t_rv[None, None, None, stage]
         for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
-            cute.gemm(atom, acc, t_rp[None, None, kb], t_rv[None, None, kb, stage], acc)
+            cute.gemm(atom, acc, t_rp[None, None, kb], v_stage[None, None, kb], acc)
         warpgroup.commit_group()
 
     @cute.jit
-    def sched_wait(self, wg: Int32):
-        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + wg, number_of_threads=2 * WG_THREADS)
+    def sched_wait(self):
+        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + self.thread_wg(), number_of_threads=2 * WG_THREADS)
 
     @cute.jit
-    def sched_release(self, wg: Int32):
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - wg, number_of_threads=2 * WG_THREADS)
+    def sched_release(self):
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - self.thread_wg(),
+                                 number_of_threads=2 * WG_THREADS)
+
+    def thread_wg(self) -> Int32:
+        """The consumer warpgroup (0, 1) from the thread index: a barrier id taken from the warp-uniform ``wg``
+        lives in a uniform register, which ptxas moves into a vector one at every barrier of the loop."""
+        return cute.arch.thread_idx()[0] // WG_THREADS - 1
 
     @cute.jit
     def load_q_tma(self, tma_q: cute.CopyAtom, g_q: cute.Tensor, s_q: cute.Tensor, mbars_q: cute.Pointer,
