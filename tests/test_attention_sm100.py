@@ -385,6 +385,10 @@ def test_sm100_ptx(case, tmp_path):
         inits = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+((?:mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;\s+)+)",
                            ptx)
         assert (4, kernel.stages) in [(int(n), block.count("mbarrier.init")) for _, n, block in inits]
+        # That lane's arrival orders its own reads only: a warp barrier between the converter's last reads of the
+        # stage and the release (its last arrival), so no lane still reads the stage when the load warp refills it.
+        release = converter.rindex("mbarrier.arrive")
+        assert "bar.warp.sync" in converter[converter.rindex("ld.shared", 0, release):release]
     if kernel.gather4:  # 4 rows x one swizzle row (128 B; 64 B for fp8 rows of 64) per instruction, for K and for V
         g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
         row_bytes = kernel.ring_swizzle

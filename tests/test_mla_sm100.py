@@ -639,6 +639,41 @@ def test_sm100_mla_rope_aware_row_views_address_the_row_bytes():
             assert scale[i] == c.scales[page, 0, layer, slot, 0, 0]
 
 
+@cute.jit
+def _host_row_scales(kernel: cutlass.Constexpr, blocks: cute.Tensor, scales: cute.Tensor, layer: Int32,
+                     rows: cute.Tensor, got: cute.Tensor, count: cutlass.Constexpr[int]):
+    """``got[i]``: the scale the load warp stores for key row ``rows[i]`` of the layer (CPU tensors)."""
+    content_rows, _, scale_rows = kernel.row_views(blocks, scales, layer)
+    for i in cutlass.range_constexpr(count):
+        got[i] = kernel.row_scale(scale_rows, rows[i], content_rows.shape[0])
+
+
+@pytest.mark.compile
+def test_sm100_mla_rope_aware_scales_never_read_outside_the_row_view():
+    """Unchecked lookup entries (validate=False: the sentinel N, any entry past the pages, entries >= 2^31 read as
+    negative rows) name rows outside the row view: TMA zero-fills their bytes and the load warp stores scale 0
+    without reading the scales there (here the scales are a slice of a wider buffer of 7s, so a read shows)."""
+    from cute_kv.kernels.mla.sm100 import MlaDecodeSm100
+
+    c = _mla_batch([20, 7], [1, 1], 4, seed=2, rope_aware=True).collection
+    n, _, nl, p = c.blocks.shape[:4]
+    rpp = nl * p
+    oob = (n - 1) * rpp + p
+    wide = torch.full((n + 2,) + tuple(c.scales.shape[1:]), 7.0, dtype=torch.float32)
+    wide[1:n + 1] = c.scales
+    kernel = MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, p, rope_dim=ROPE)
+    for layer in range(nl):
+        inside = [0, 3, rpp + 1, oob - 1]
+        outside = [oob, oob + 1, oob + p, n * rpp + 2, -1, -rpp, -2**31]  # n * rpp + 2: the sentinel page's
+        rows = torch.tensor(inside + outside, dtype=torch.int32)
+        got = torch.full((len(rows),), -5.0, dtype=torch.float32)
+        _host_row_scales(kernel, from_dlpack(_raw(c.blocks)), from_dlpack(wide[1:n + 1]), layer, from_dlpack(rows),
+                         from_dlpack(got), len(rows))
+        flat = c.scales[:, 0, layer, :, 0, 0].reshape(-1)  # the layer's scale of row page * rpp + slot
+        want = [float(flat[(r // rpp) * p + r % rpp]) for r in inside] + [0.0] * len(outside)
+        assert got.tolist() == want
+
+
 # -- compile (sm_100a, no GPU) ---------------------------------------------------------------------------------------
 
 COMPILE_CASES = [  # (dtype, Hq, page[, flags])
@@ -747,11 +782,12 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     offsets = [int(re.search(r"\+(\d+)$", d).group(1)) for d, _ in g4]
     assert all(b - a == 512 for a, b in zip(offsets[:16], offsets[1:16]))
     assert all(b - a == 512 for a, b in zip(offsets[16:], offsets[17:]))
-    # The scale of each lane's row: a 4-byte global load at row * 4, stored to the stage's scale array, then the
-    # lane's arrival on the stage's full barrier.
+    # The scale of each lane's row: read only for a row inside the row view (0 <= row < its rows), a 4-byte global
+    # load at row * 4, stored to the stage's scale array, then the lane's arrival on the stage's full barrier.
     tail = ptx[ptx.rindex("tile::gather4"):]
-    assert re.search(r"mul\.wide\.s32\s+(%rd\d+), %r\d+, 4;\s+add\.s64\s+(%rd\d+), %rd\d+, \1;\s+"
-                     r"ld\.global\.b32\s+%r\d+, \[\2\];", tail)
+    assert re.search(r"setp\.lt\.s32\s+(%p\d+), (%r\d+), 0;\s+setp\.ge\.s32\s+(%p\d+), \2, %r\d+;\s+"
+                     r"or\.pred\s+(%p\d+), \1, \3;\s+@\4 bra[^\n]*\n\s+mul\.wide\.u32\s+(%rd\d+), \2, 4;\s+"
+                     r"add\.s64\s+(%rd\d+), %rd\d+, \5;\s+ld\.global\.b32\s+%r\d+, \[\6\];", tail)
     assert re.search(r"st\.shared\.b32[^\n]*\n\s*mov\.b32[^\n]*\n\s*mbarrier\.arrive\.shared\.b64", tail)
     # Converter: e4m3 pairs to half2 by cvt (8 values a chunk), scaled in float32, the rope read as bf16.
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4

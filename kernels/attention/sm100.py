@@ -634,6 +634,7 @@ class PagedAttentionSm100:
             self.convert_tile(v_pipe, v_write, ring_v, s_v, v_scales, read.index, r, row, tile_base, num_keys,
                               kv_head, self.v_dim)
             v_write.advance()
+            cute.arch.sync_warp()  # every lane's reads of the stage (and its row array) before its warp's one release
             kv_pipe.consumer_release(read)
             read.advance()
         k_pipe.producer_tail(k_write)  # the MMA's last releases landed: no commit arrives after the CTA exits

@@ -71,6 +71,7 @@ from cute_kv.kernels.mla.sm100_config import (BM, FP8, FP8_MMA_STAGES, GATHER_WI
                                               V_SPLIT, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
+from cute_kv.kernels.quant import granule_scale
 
 SOFTMAX_THREADS = 128  # warps 0-3
 MMA_WARP = 4
@@ -382,14 +383,20 @@ class MlaDecodeSm100:
         if cutlass.const_expr(self.fp8):
             self.gather(tma_k, g_k, ring[None, None, prod.index], rows, CONTENT_BOX, self.content_dim, bar)
             self.gather(tma_r, g_r, ring_r[None, None, prod.index], rows, self.rope_dim, self.rope_dim, bar)
-            scale = Float32(0.0)  # a key with no row: TMA zero-fills its bytes, the scale keeps them 0
+            scale = Float32(0.0)
             if lane < bn:
-                if row != oob_row:
-                    scale = Float32(scale_rows[row, 0, 0])
+                scale = self.row_scale(scale_rows, row, oob_row)
             s_scales[lane, prod.index] = scale
             cute.arch.mbarrier_arrive(bar)
         else:
             self.gather(tma_k, g_k, ring[None, None, prod.index], rows, GATHER_WIDTH, self.latent_dim, bar)
+
+    @cute.jit
+    def row_scale(self, scale_rows: cute.Tensor, row: Int32, oob_row: Int32) -> Float32:
+        """The per-token scale of key row ``row``; 0, unread, for a row outside the row view: ``oob_row`` (no key)
+        and, under unchecked metadata, a dense key's lookup entry that is not a page (the sentinel ``N``, entries
+        read as negative rows), whose bytes TMA zero-fills."""
+        return granule_scale(scale_rows, row, Int32(0), Int32(0), False)
 
     @cute.jit
     def gather(self, atom: cute.CopyAtom, g_rows: cute.Tensor, dst: cute.Tensor, rows: cute.Pointer,
