@@ -300,6 +300,22 @@ def test_latent_workspace_is_cached_and_grows():
     assert latent_workspace(dev, spec, 1)[0] is bigger
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("t", [1, 100, 128, 129, 300, 384])
+def test_latent_workspace_covers_the_grid(arch, t, monkeypatch):
+    """Every CTA of the grid writes all rows of its M tile to the workspace and counts on its M tile's counter.
+    quack's scheduler makes ``ceil(M tiles / cluster M)`` clusters and every CTA of one takes a tile, so a decode
+    step of T <= 128 tokens runs M tiles 0 and 1 (cluster 2x1): the buffers must hold both, even on a first launch."""
+    from cute_kv.ops import fused_qkv
+
+    monkeypatch.setattr(fused_qkv, "_LATENT_WORKSPACES", {})
+    spec = PTX_CASES["rope-aware-fp8-norm"]
+    cluster_m = FusedQKVGemm(spec, arch).cluster_shape[0]
+    grid_m_tiles = -(-(-(-t // CTA_ROWS)) // cluster_m) * cluster_m
+    ws, counters = latent_workspace(torch.device("cpu"), spec, t)
+    assert ws.shape[0] >= grid_m_tiles * CTA_ROWS and counters.numel() >= grid_m_tiles
+
+
 # -- compiled ----------------------------------------------------------------------------------------------------
 
 

@@ -295,6 +295,21 @@ def test_fused_qkv_w4_ptx(case, tmp_path):
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168  # 384 threads, one CTA per SM
 
 
+@pytest.mark.parametrize("case", ["int4-llama-neox", "int4-mla-latent-norm"])
+def test_epilogue_smem_has_a_thread_word_per_epilogue_thread(case):
+    """quack's W4 GEMM is cooperative: both MMA warpgroups (256 threads) run the epilogue, and each stores its
+    index to ``s_thread[tidx]``; the array (and the budget quack sizes the stages with) must hold all of them, not
+    the 128 of one warpgroup (which wrote past it, over the latent's ``s_last``)."""
+    gemm = _w4(case).gemm()
+    threads = gemm.num_epi_warps * 32
+    assert threads == 256
+    struct = gemm.epi_get_smem_struct(None)
+    after = [o for name, o in struct._offsets.items() if name != "s_thread" and o > struct._offsets["s_thread"]]
+    end = min(after, default=struct.size_in_bytes())
+    assert end - struct._offsets["s_thread"] >= 4 * threads
+    assert type(gemm).epi_smem_bytes(None, gemm.cta_tile_shape_mnk, None).unstaged >= struct.size_in_bytes()
+
+
 
 # -- on a GPU --------------------------------------------------------------------------------------------------------
 

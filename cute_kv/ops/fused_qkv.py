@@ -293,15 +293,16 @@ _LATENT_WORKSPACES: dict = {}
 def latent_workspace(device, spec, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(workspace, counters)`` for a ``cross_dims`` spec over ``num_rows`` tokens: float32
     ``[rows, spec.workspace_cols]`` (the latent before its finish, then the tiles' partial sums of squares) with
-    ``rows`` whole M tiles, and one int32 arrival counter per M tile, zero between launches (the last arriver
-    resets its counter; they are zeroed once, here).
+    ``rows`` whole M tiles of whole clusters (each CTA writes every row of its tile, past ``num_rows`` too, and
+    counts on its M tile), and one int32 arrival counter per M tile, zero between launches (the last arriver resets
+    its counter; they are zeroed once, here).
 
     Cached per device, stream and row width, grown by powers of two. A launch sizes nothing else, so a CUDA graph
     captures these pointers: a smaller buffer that a larger one replaces stays alive (the sum is under twice the
     largest). Launches sharing a stream run in order; launches on different streams get different buffers."""
-    from cute_kv.kernels.qkv.gemm import CTA_ROWS
+    from cute_kv.kernels.qkv.gemm import CLUSTER_M, CTA_ROWS
 
-    tiles = -(-num_rows // CTA_ROWS)
+    tiles = -(-num_rows // (CTA_ROWS * CLUSTER_M)) * CLUSTER_M  # the grid's M tiles: whole clusters
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, spec.workspace_cols)
     held = _LATENT_WORKSPACES.setdefault(key, [])
     if not held or held[-1][1].numel() < tiles:

@@ -79,6 +79,7 @@ class QKVEpilogueMixin:
 
     EpilogueArguments = QKVEpilogueArguments
     EpilogueParams = QKVEpilogueParams
+    epi_threads = EPI_THREADS  # threads running the epilogue (``s_thread`` has one word each)
 
     def epi_to_underlying_arguments(self, args, *, loc=None, ip=None):
         return QKVEpilogueParams(*args)
@@ -86,15 +87,15 @@ class QKVEpilogueMixin:
     @classmethod
     def epi_smem_bytes(cls, args, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
         bm, bn = cta_tile_shape_mnk[0], cta_tile_shape_mnk[1]
-        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + EPI_THREADS * 4 + 64)
+        return EpiSmemBytes(unstaged=bm * (bn + C_PAD) * 4 + 2 * bm * 4 + cls.epi_threads * 4 + 64)
 
     def epi_get_smem_struct(self, params):
         bm, bn = self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1]
-
+        assert self.num_epi_warps * cute.arch.WARP_SIZE == self.epi_threads, "s_thread needs a word per thread"
         fields = {"s_c": cute.struct.Align[cute.struct.MemRange[Float32, bm * (bn + C_PAD)], 16],
                   "s_page": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
                   "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
-                  "s_thread": cute.struct.Align[cute.struct.MemRange[Int32, EPI_THREADS], 16]}
+                  "s_thread": cute.struct.Align[cute.struct.MemRange[Int32, self.epi_threads], 16]}
         if const_expr(self.qkv.cross_dims):  # the last arriver's flag (inside epi_smem_bytes' 64 spare bytes)
             fields["s_last"] = cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
         # Built from a dict: this module's postponed annotations would reach cute.struct as strings.
@@ -106,7 +107,7 @@ class QKVEpilogueMixin:
         tensors = {"s_c": epi.s_c.get_tensor(cute.make_layout((bm, bn), stride=(bn + C_PAD, 1))),
                    "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
                    "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm)),
-                   "s_thread": epi.s_thread.get_tensor(cute.make_layout(EPI_THREADS))}
+                   "s_thread": epi.s_thread.get_tensor(cute.make_layout(self.epi_threads))}
         if const_expr(self.qkv.cross_dims):
             tensors["s_last"] = epi.s_last.get_tensor(cute.make_layout(4))
         return tensors

@@ -62,6 +62,9 @@ BN = 128
 TILES = {"sm_90a": ((128, BN), (2, 1, 1)), "sm_100a": ((256, BN), (2, 1, 1))}
 MAX_SWIZZLE = 8
 CTA_ROWS = 128  # token rows of one CTA's tile on both cores (SM100's 256-row tile spans a CTA pair): an M tile
+# CTAs of a cluster along M (the most of any core): quack's scheduler rounds the M tiles up to whole clusters,
+# and every CTA of a cluster runs the epilogue of its tile, past the last token too.
+CLUSTER_M = max(cluster[0] for _, cluster in TILES.values())
 
 
 @dataclasses.dataclass(frozen=True)

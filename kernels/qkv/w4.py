@@ -57,7 +57,7 @@ from cutlass import Float32, Int32
 
 from quack.cute_dsl_utils import mlir_namedtuple
 
-from cute_kv.kernels.qkv.epilogue import C_PAD, VEC, QKVEpilogueMixin, QKVEpilogueParams
+from cute_kv.kernels.qkv.epilogue import C_PAD, EPI_THREADS, VEC, QKVEpilogueMixin, QKVEpilogueParams
 from cute_kv.kernels.qkv.gemm import BN, CTA_ROWS, MAX_SWIZZLE, FusedQKVGemm, QKVSpec, supported
 
 TILE_TOKENS = CTA_ROWS  # token rows of a tile: also the cross-tile latent's M tile (its workspace and counters)
@@ -315,7 +315,7 @@ def _gemm_class():
     from quack.gemm_sm90 import GemmSm90
 
     class FusedQKVGemmW4Sm90(TransposedQKVEpilogueMixin, GemmSm90):
-        pass
+        epi_threads = 2 * EPI_THREADS  # cooperative: both MMA warpgroups run the epilogue of their shared tile
 
     return FusedQKVGemmW4Sm90
 
