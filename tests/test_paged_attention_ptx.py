@@ -317,10 +317,20 @@ def test_o_rescale_skipped_when_no_max_moved(steady_loop):
     assert any(i.opcode.startswith("VOTE.ANY") for i in code)
 
 
+def test_ring_waits_and_releases_lean(steady_loop):
+    """A tile's fast path checks each of its K and V stages once (its retry and sleep lie where only a failed check
+    leads) beside the ping-pong barrier, and releases each by a predicated arrive without an ``elect.sync``: over an
+    fp8 cache's dequantized rings as over the TMA ones."""
+    kernel, lp, code = steady_loop
+    assert lp.barrier_waits == 3
+    assert sum(i.opcode.startswith("SYNCS.ARRIVE") for i in code) == 2
+    assert not any(i.opcode.startswith(("ELECT", "VOTEU")) for i in code)
+
+
 def test_exp2_before_the_pv_wait(steady_loop):
     """The PV of the previous tile is waited for (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) only after the softmax's
     first exp2s have issued: the PV's wgmmas are still in flight under them. Over an fp8 cache too: its dequantized
-    rings are released by one elected lane a warp, as the TMA rings are (with every thread arriving, ptxas hoisted
+    rings are released by lane 0 of each warp, as the TMA rings are (with every thread arriving, ptxas hoisted
     the wait and the release above the first exp2)."""
     kernel, lp, code = steady_loop
     ops = [(i.opcode, i.text.strip()) for i in sorted(code, key=lambda i: i.address)]

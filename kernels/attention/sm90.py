@@ -67,6 +67,15 @@ assert set(DTYPES) == set(DTYPE_NAMES)
 
 
 @dsl_user_op
+def _arrive_if(pred: cutlass.Boolean, mbar: cute.Pointer, *, loc=None, ip=None):
+    """One arrival on the shared-memory barrier ``mbar`` from each thread where ``pred`` holds: a predicated arrive,
+    not a branch around one (under a branch ptxas recomputed the barrier's address behind a vote every tile)."""
+    args = [cutlass.Boolean(pred).ir_value(loc=loc, ip=ip), mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args, "{\n.reg .b64 s;\n@$0 mbarrier.arrive.shared::cta.b64 s, [$1];\n}", "b,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def _opaque_b64(x: Int64, *, loc=None, ip=None) -> Int64:
     return Int64(llvm.inline_asm(T.i64(), [Int64(x).ir_value(loc=loc, ip=ip)], "mov.b64 $0, $1;", "=l,l",
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
@@ -496,7 +505,7 @@ class PagedAttention:
             cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG1), number_of_threads=2 * WG_THREADS)
         if n_tiles > 0:
             # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
-            pipe_k.consumer_wait(read)
+            self.wait(pipe_k, read)
             self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
             warpgroup.wait_group(0)
             self.release(pipe_k, read)
@@ -505,7 +514,7 @@ class PagedAttention:
             softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
             if cutlass.const_expr(not self.kv_fp8):  # (dequantization writes those rows as zeros)
                 if (last_tile + 1) * bn > num_keys:
-                    pipe_v.consumer_wait(read)
+                    self.wait(pipe_v, read)
                     self.zero_stale_rows(s_v, read.index, num_keys - last_tile * bn, tidx + wg * WG_THREADS)
             # Then three loops, so the steady state has no branch: the tiles past the first whose keys some live row
             # does not see (the causal edge, the keys' end), those every live row sees whole, and the window's start.
@@ -523,7 +532,7 @@ class PagedAttention:
                 read = self.step(i, read, True, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, acc_s, acc_o, t_rq, t_rk,
                                  t_rp, t_rv, coords, row_begin, row_end, row_max, row_sum, row_scale, last_tile, wg,
                                  score_scale, softmax_scale_log2)
-            pipe_v.consumer_wait(read)
+            self.wait(pipe_v, read)
             self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, read.index)
             warpgroup.wait_group(0)
             self.release(pipe_v, read)
@@ -542,10 +551,10 @@ class PagedAttention:
         moved). Returns the read state."""
         prev = read.clone()
         read.advance()
-        pipe_k.consumer_wait(read)
+        self.wait(pipe_k, read)
         self.sched_wait()
         self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
-        pipe_v.consumer_wait(prev)
+        self.wait(pipe_v, prev)
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
         self.sched_release()
         warpgroup.wait_group(1)  # QK done; PV still runs under the softmax
@@ -559,12 +568,23 @@ class PagedAttention:
         return read
 
     @cute.jit
-    def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
-        """A consumer warp is done with a K or V stage: one elected lane arrives for it (the stage's empty barrier
-        counts the 8 consumer warps), over an fp8 cache's dequantized rings as over the TMA ones."""
+    def wait(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
+        """A consumer waits for a K or V stage to fill. Over an fp8 cache a plain try-wait loop: ptxas moves its retry
+        out of the loop as it does the TMA rings' wait, where the pipeline's wait (the same PTX) kept a sleep and a
+        second check on the fast path of the dequantized rings' (2 instructions a wait)."""
         if cutlass.const_expr(self.kv_fp8):
-            with cute.arch.elect_one():
-                pipe.consumer_release(state)
+            ready = cutlass.Boolean(False)
+            while not ready:
+                ready = pipe.consumer_try_wait(state)
+        else:
+            pipe.consumer_wait(state)
+
+    @cute.jit
+    def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
+        """A consumer warp is done with a K or V stage: one lane arrives for it (the stage's empty barrier counts the
+        8 consumer warps), lane 0 over an fp8 cache's dequantized rings as over the TMA ones (no ``elect.sync``)."""
+        if cutlass.const_expr(self.kv_fp8):
+            _arrive_if(cute.arch.lane_idx() == 0, pipe.sync_object_empty.get_barrier(state.index))
         else:
             pipe.consumer_release(state)
 
