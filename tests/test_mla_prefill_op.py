@@ -161,6 +161,26 @@ def test_op_under_torch_compile(rng):
     assert rel_err(step(q_nope, q_rope), _want(pb, 1, q_nope, q_rope, w_uk, w_uv)) < tol
 
 
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_op_opcheck(rng, cache):
+    pb, q_nope, q_rope, w_uk, w_uv, _ = _inputs(rng, cache)
+    c = pb.collection
+    out = torch.full((pb.total_rows, HEADS, V), float("nan"), dtype=q_nope.dtype)
+    args = (q_nope, q_rope, op.uint32_bits(pb.input_row_offsets), c.blocks, c.cache_lengths, c.lookup_table,
+            c.scales, 1, c.max_seq_length, c.max_cache_length, c.quantization_granularity, c.rope_dim, w_uk, w_uv,
+            0.2, True, out)
+    # test_schema compares inputs with allclose, which CPU fp8 tensors lack; the other caches cover it.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.cute_kv.mla_prefill.default, args,
+                          test_utils=utils if c.rope_dim is not None else ("test_schema", *utils))
+
+
+def test_op_declares_what_it_writes():
+    schema = torch.ops.cute_kv.mla_prefill.default._schema
+    assert {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write} == {"out"}
+    assert not schema.returns
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 256])  # unpadded K (24 + 8) and V (20), a kernel head dim, SM90's
 def test_decompressed_operands(rng, head_dim):
     """The temporary cache by hand: each request with new tokens on consecutive pages, K = [W_UK c_kv | k_rope | 0],
