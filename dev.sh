@@ -14,7 +14,7 @@ py="$venv/bin/python"
 extras="test,plot,sass"
 if ! "$py" -c "import cute_kv, torch, cutlass, quack, pytest, hypothesis, matplotlib, transformers
 from importlib.metadata import version
-for extra in ('nvidia-cuda-nvcc', 'nvidia-cuda-nvdisasm', 'flash-attn-4'): version(extra)" 2>/dev/null; then
+for extra in ('nvidia-cuda-nvcc', 'nvidia-cuda-nvdisasm', 'nvidia-cuda-cuobjdump', 'flash-attn-4'): version(extra)" 2>/dev/null; then
     # torch first and pinned: an open 'torch' requirement would pull a multi-GB CUDA build onto a CPU box.
     "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "torch==${CUTE_KV_TORCH:-2.13.0}"
     "$py" -m pip install -q -e ".[$extras]"
