@@ -170,6 +170,14 @@ def test_fused_qkv_w4_sm100_sass_loops(case):
     assert 1.5 <= loop["decode_per_weight"] <= 2.2, loop
 
 
+def test_sm100_refuses_the_cross_tile_latent():
+    fmt, c = COMPILE_CASES["int4-mla-latent-norm"]
+    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail"), c[11:]))
+    spec = QKVW4Spec(QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], **extra), fmt)
+    with pytest.raises(ValueError, match="no last-arriver finish"):
+        FusedQKVGemmW4Sm100(spec)
+
+
 @pytest.mark.parametrize("case", SM100_CASES)
 def test_sm100_launch_arguments_match_the_compiled_signature(rng, case):
     kernel = _w4(case)

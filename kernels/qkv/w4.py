@@ -320,6 +320,19 @@ def _gemm_class():
     return FusedQKVGemmW4Sm90
 
 
+def check_spec(spec: QKVW4Spec, arch: str, target: str, name: str) -> None:
+    """Raises why the quantized-weight kernel ``name`` (built for ``target``) cannot take ``spec`` on ``arch``."""
+    problem = supported(spec.qkv)
+    if problem:
+        raise ValueError(problem)
+    if spec.weight_format not in FORMATS.values():
+        raise ValueError(f"weight_format {spec.weight_format!r} is not one of {sorted(FORMATS.values())}")
+    if spec.qkv.dtype_name != "bfloat16":
+        raise ValueError(f"quantized weights decode to bfloat16: hidden must be bfloat16, not {spec.qkv.dtype_name}")
+    if arch != target:
+        raise ValueError(f"{name} targets {target}, not {arch}")
+
+
 class FusedQKVGemmW4:
     """Builds quack's SM90 W4 GEMM with the transposed fused-QKV epilogue for ``spec``; ``build()`` returns
     ``(gemm, *fake_args)`` for ``compile_cache.compiled`` and ``args()`` the launch arguments."""
@@ -328,16 +341,7 @@ class FusedQKVGemmW4:
     cluster_shape = (1, 1, 1)  # quack's W4 takes (1, cluster_N, 1); a weight tile is not shared across tokens' CTAs
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
-        problem = supported(spec.qkv)
-        if problem:
-            raise ValueError(problem)
-        if spec.weight_format not in FORMATS.values():
-            raise ValueError(f"weight_format {spec.weight_format!r} is not one of {sorted(FORMATS.values())}")
-        if spec.qkv.dtype_name != "bfloat16":
-            raise ValueError(f"quantized weights decode to bfloat16: hidden must be bfloat16, not "
-                             f"{spec.qkv.dtype_name}")
-        if arch != ARCH:
-            raise ValueError(f"FusedQKVGemmW4 targets {ARCH}, not {arch}")
+        check_spec(spec, arch, ARCH, "FusedQKVGemmW4")
         self.spec, self.arch = spec, arch
 
     @property

@@ -60,9 +60,9 @@ from cute_kv.kernels.attention.sm100 import tmem_fence_after_sync, tmem_fence_be
 from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.qkv.epilogue import EPI_THREADS
-from cute_kv.kernels.qkv.gemm import BN, FusedQKVGemm, supported
-from cute_kv.kernels.qkv.w4 import (FORMATS, K_TILE, TILE_TOKENS, QKVW4EpilogueArguments, QKVW4EpilogueParams,
-                                    QKVW4Spec, TransposedQKVEpilogueMixin, _fake_operand, _padded, decode_format,
+from cute_kv.kernels.qkv.gemm import BN, FusedQKVGemm
+from cute_kv.kernels.qkv.w4 import (K_TILE, TILE_TOKENS, QKVW4EpilogueArguments, QKVW4EpilogueParams, QKVW4Spec,
+                                    TransposedQKVEpilogueMixin, _fake_operand, _padded, check_spec, decode_format,
                                     prepare_weight)
 
 ARCH = "sm_100a"
@@ -393,16 +393,10 @@ class FusedQKVGemmW4Sm100:
     threads = THREADS
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
-        problem = supported(spec.qkv)
-        if problem:
-            raise ValueError(problem)
-        if spec.weight_format not in FORMATS.values():
-            raise ValueError(f"weight_format {spec.weight_format!r} is not one of {sorted(FORMATS.values())}")
-        if spec.qkv.dtype_name != "bfloat16":
-            raise ValueError(f"quantized weights decode to bfloat16: hidden must be bfloat16, not "
-                             f"{spec.qkv.dtype_name}")
-        if arch != ARCH:
-            raise ValueError(f"FusedQKVGemmW4Sm100 targets {ARCH}, not {arch}")
+        check_spec(spec, arch, ARCH, "FusedQKVGemmW4Sm100")
+        if spec.qkv.cross_dims or spec.qkv.rope_tail:
+            raise ValueError("FusedQKVGemmW4Sm100's epilogue has no last-arriver finish: MLA's cross-tile latent "
+                             "(cross_dims, rope_tail) takes the reference with quantized weights on sm_100a")
         assert decode_format(spec.weight_format).tile_k == K_TILE, "a stage is one 64-deep k-tile of every format"
         self.spec, self.arch = spec, arch
 
