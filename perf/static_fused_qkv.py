@@ -81,20 +81,32 @@ def _instructions(sass: str) -> list[tuple[int, str]]:
     return out
 
 
-def epilogue_loops(sass: str) -> list[int]:
-    """Instruction counts of the row loops: innermost loops (backward branches with no other loop inside) whose
-    body reads a staged chunk (LDS.128) and stores it (STG, or STS.128 back to the tile), without MMAs."""
-    ins = _instructions(sass)
+def _loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """``(first, last)`` instruction indices of every loop: a backward branch and its target."""
     index = {addr: i for i, (addr, _) in enumerate(ins)}
     spans = []
     for i, (addr, text) in enumerate(ins):
         m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             spans.append((index[int(m.group(1), 16)], i))
+    return spans
+
+
+def _innermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The loops with no other loop inside (not the persistent tile loop or a sub-tile loop)."""
+    return [(a, b) for a, b in spans if not any(a <= s and e <= b and (s, e) != (a, b) for s, e in spans)]
+
+
+def _opcodes(texts: list[str]) -> list[str]:
+    return [t.split()[1] if t.startswith("@") else t.split()[0] for t in texts]
+
+
+def epilogue_loops(sass: str) -> list[int]:
+    """Instruction counts of the row loops: innermost loops whose body reads a staged chunk (LDS.128) and stores it
+    (STG, or STS.128 back to the tile), without MMAs."""
+    ins = _instructions(sass)
     loops = []
-    for start, end in spans:
-        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans):
-            continue  # an outer loop (the persistent tile loop, the sub-tile loop)
+    for start, end in _innermost(_loops(ins)):
         body = [t for _, t in ins[start:end + 1]]
         if (any("LDS.128" in t for t in body) and any(re.search(r"\bSTG\b|STS\.128", t) for t in body)
                 and not any("MMA" in t for t in body)):
@@ -109,31 +121,16 @@ def decode_per_weight(sass: str) -> float:
     """Decode instructions per weight in the W4 k-tile loop (the innermost loop issuing HGMMA): each m64n128k16
     HGMMA consumes 8 weights a thread decoded (64 rows x 16 k over 128 threads)."""
     ins = _instructions(sass)
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    loops = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
-            body = [t for _, t in ins[index[int(m.group(1), 16)]:i + 1]]
-            if any("HGMMA" in t for t in body):
-                loops.append(body)
-    body = min(loops, key=len)
-    ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in body]
+    loops = [[t for _, t in ins[a:b + 1]] for a, b in _loops(ins)]
+    ops = _opcodes(min((body for body in loops if any("HGMMA" in t for t in body)), key=len))
     decode = sum(op.split(".")[0] in DECODE_OPS for op in ops)
     return round(decode / (8 * sum(op.startswith("HGMMA") for op in ops)), 2)
 
 
 def _innermost_loops(sass: str) -> list[list[str]]:
-    """Opcode lists of the innermost loops (backward branches with no other loop inside)."""
+    """Opcode lists of the innermost loops."""
     ins = _instructions(sass)
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    spans = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
-            spans.append((index[int(m.group(1), 16)], i))
-    inner = [(a, b) for a, b in spans if not any(a <= s and e <= b and (s, e) != (a, b) for s, e in spans)]
-    return [[t.split()[1] if t.startswith("@") else t.split()[0] for _, t in ins[a:b + 1]] for a, b in inner]
+    return [_opcodes([t for _, t in ins[a:b + 1]]) for a, b in _innermost(_loops(ins))]
 
 
 def transform_loop(sass: str, weights_per_thread: int) -> dict:
