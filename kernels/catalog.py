@@ -90,6 +90,8 @@ QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, 
     # DeepSeek-V3 MLA, finished by the last arriving tile: latent norm (bf16), rope-aware FP8 rows with the norm
     ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 0),
     ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 64),
+    # Gemma 3: QK-norm and neox over heads of 256, two column tiles each, finished by the last to arrive
+    ("bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256),
 ]
 QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero points, group 32) and e4m3 weights
     ("int4", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B GPTQ g128
@@ -97,6 +99,7 @@ QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero p
     ("int4_g32", "bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent, group 32
     ("fp8", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # e4m3, per-channel scales
     ("int4", "bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 0),  # MLA latent norm
+    ("int4", "bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256),  # Gemma 3 GPTQ: heads of 256
 ]
 ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads, soft-cap,
     # sinks, lse[, fp8, granularity, e8m0]); the pipeline's PTX is

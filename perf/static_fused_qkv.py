@@ -43,6 +43,10 @@ PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-
     "deepseek-v3-rope-aware-fp8": dict(dtype_name="bfloat16", q_dim=1536, kv_dim=1, page_size=64, num_heads=1,
                                        head_dim=576, q_head_dim=192, has_bias=False, rope=(64, True),
                                        k_norm_dim=512, fp8=True, cross_dims=512, rope_tail=64),
+    # Gemma 3 12B (3840 -> 4096 + 2 x 2048): QK-norm and neox RoPE over heads of 256, finished across tiles
+    "gemma3-12b-qknorm": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=256,
+                              q_head_dim=256, has_bias=False, rope=(256, False), q_norm_dim=256, k_norm_dim=256,
+                              norm_offset=1.0),
 }
 MMA = {"sm_90a": r"\bHGMMA\.", "sm_100a": r"\bUTC\w*MMA\b"}
 VEC = 8
@@ -117,6 +121,35 @@ def epilogue_loops(sass: str) -> list[int]:
 DECODE_OPS = ("HADD2", "HMUL2", "HFMA2", "LOP3", "SHF", "F2FP", "PRMT")  # what a W4 decode issues per register
 
 
+def finish_loops(sass: str) -> list[int]:
+    """Instruction counts of the last arriver's row loops (MLA's latent, wide heads): innermost loops that read the
+    workspace (LDG.E.128) and store (STG), without MMAs or staged chunks (LDS.128)."""
+    loops = []
+    for ops in _innermost_loops(sass):
+        if (any(o.startswith("LDG.E.128") for o in ops) and any(o.startswith("STG") for o in ops)
+                and not any("MMA" in o or o.startswith("LDS.128") for o in ops)):
+            loops.append(len(ops))
+    return loops
+
+
+def finish_elements(spec) -> int:
+    """Elements a thread's iteration of the finish handles: a chunk of 8 per 16 lanes of the finished width (the
+    latent's ``cross_dims``, or the widest wide head)."""
+    from cute_kv.kernels.qkv.gemm import BN
+
+    width = spec.cross_dims or max(size for size, wide in zip((spec.q_head_dim, spec.head_dim), spec.wide) if wide)
+    return VEC * -(-width // BN)
+
+
+def epilogue_figures(ours: dict, spec) -> dict:
+    """The tile pass's instructions per output element (its row loops over the 8 elements of an iteration) and,
+    with a last arriver, the finish's per element it finishes."""
+    out = {"epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2)}
+    if spec.last_arriver:
+        out["finish_instructions_per_element"] = round(sum(ours["finish_loops"]) / finish_elements(spec), 2)
+    return out
+
+
 def decode_per_weight(sass: str) -> float:
     """Decode instructions per weight in the W4 k-tile loop (the innermost loop issuing HGMMA): each m64n128k16
     HGMMA consumes 8 weights a thread decoded (64 rows x 16 k over 128 threads)."""
@@ -153,7 +186,8 @@ def figures(ptx: str, arch: str) -> dict:
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
     return {"registers": max(regs), "spill_bytes": sum(spills), "mma": len(re.findall(MMA[arch], sass)),
-            "sass_instructions": len(_instructions(sass)), "row_loops": epilogue_loops(sass)}
+            "sass_instructions": len(_instructions(sass)), "row_loops": epilogue_loops(sass),
+            "finish_loops": finish_loops(sass)}
 
 
 def bare_gemm_ptx(arch: str) -> tuple[str, int]:
@@ -217,13 +251,14 @@ def main(argv=None) -> list[dict]:
         bare_ptx, bare_stages = bare_gemm_ptx(arch)
         bare = {**figures(bare_ptx, arch), "ab_stages": bare_stages}
         for name in args.problem or list(PROBLEMS):
-            gemm, *fake = FusedQKVGemm(QKVSpec(**PROBLEMS[name]), arch).build()
+            spec = QKVSpec(**PROBLEMS[name])
+            gemm, *fake = FusedQKVGemm(spec, arch).build()
             ours = {**figures(compile_ptx(lambda: (gemm, *fake), arch), arch), "ab_stages": gemm.ab_stage}
             rec = {"bench": "fused-qkv-static", "arch": arch, "problem": name, "tile": [*TILES[arch][0], 64],
                    "cluster": list(TILES[arch][1]), **{f"ours_{k}": v for k, v in ours.items()},
-                   **{f"bare_{k}": v for k, v in bare.items() if k != "row_loops"},
+                   **{f"bare_{k}": v for k, v in bare.items() if k not in ("row_loops", "finish_loops")},
                    "mainloop_unchanged": ours["mma"] == bare["mma"],
-                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   **epilogue_figures(ours, spec),
                    "staging_bytes": TILES[arch][0][0] // (2 if arch == "sm_100a" else 1) * (BN + 4) * 4}
             print(json.dumps(rec), flush=True)
             records.append(rec)
@@ -258,7 +293,7 @@ def _w4_sm100_records(problems) -> list[dict]:
                    **{f"ours_{k}": v for k, v in ours.items()}, "ours_ab_stages": built.stages,
                    "decoded_stages": A_STAGES, **loop,
                    "bf16_kernel_registers": bf16_registers,
-                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   **epilogue_figures(ours, spec),
                    "staging_bytes": TILE_TOKENS * (BN + 4) * 4}
             print(json.dumps(rec), flush=True)
             records.append(rec)
@@ -279,7 +314,8 @@ def _w4_records(problems) -> list[dict]:
         for name in problems:
             if PROBLEMS[name].get("rope_tail"):  # one latent row per W4 format suffices
                 continue
-            kernel = FusedQKVGemmW4(QKVW4Spec(QKVSpec(**PROBLEMS[name]), fmt))
+            spec = QKVSpec(**PROBLEMS[name])
+            kernel = FusedQKVGemmW4(QKVW4Spec(spec, fmt))
             gemm, *fake = kernel.build()
             ptx = compile_ptx(lambda: (gemm, *fake), "sm_90a")  # noqa: B023 -- called at once
             ours = {**figures(ptx, "sm_90a"), "ab_stages": gemm.ab_stage,
@@ -287,9 +323,9 @@ def _w4_records(problems) -> list[dict]:
             rec = {"bench": "fused-qkv-static", "arch": "sm_90a", "problem": f"{name}-{fmt}", "weight_format": fmt,
                    "tile": [BN, TILE_TOKENS, kernel.fmt.tile_k], "cluster": list(kernel.cluster_shape),
                    **{f"ours_{k}": v for k, v in ours.items()},
-                   **{f"bare_{k}": v for k, v in bare.items() if k != "row_loops"},
+                   **{f"bare_{k}": v for k, v in bare.items() if k not in ("row_loops", "finish_loops")},
                    "mainloop_unchanged": ours["mma"] == bare["mma"],
-                   "epilogue_instructions_per_element": round(sum(ours["row_loops"]) / VEC, 2),
+                   **epilogue_figures(ours, spec),
                    "staging_bytes": TILE_TOKENS * (BN + 4) * 4}
             print(json.dumps(rec), flush=True)
             records.append(rec)

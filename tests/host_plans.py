@@ -3,6 +3,8 @@ would index, checked without a GPU (``test_host_plans.py``)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32, const_expr
@@ -89,14 +91,30 @@ def resolved_rows(offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table
 @cute.jit
 def fused_qkv_rope_tile(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor,
                         output: cute.Tensor, blocks: cute.Tensor, freqs_cis: cute.Tensor, n0: Int32,
-                        threads: cutlass.Constexpr[int]):
+                        threads: cutlass.Constexpr[int], workspace: Optional[cute.Tensor] = None):
     """The fused-QKV epilogue's RoPE and store pass over one staged tile (``s_c``, rows resolved in ``s_page`` and
-    ``s_pos``), its threads run one after another (RoPE without bias or QK-norm: no barrier, no shuffle)."""
+    ``s_pos``), its threads run one after another (RoPE without bias or QK-norm: no barrier, no shuffle); a wide
+    head's columns go to ``workspace``."""
     from cute_kv.kernels.qkv.epilogue import QKVEpilogueParams, qkv_store_tile
 
-    params = QKVEpilogueParams(output, blocks, s_page, s_page, s_page, Int32(0), None, freqs_cis)
+    params = QKVEpilogueParams(output, blocks, s_page, s_page, s_page, Int32(0), None, freqs_cis,
+                               workspace=workspace)
     for t in cutlass.range(threads):
         qkv_store_tile(spec, s_c, s_page, s_pos, params, Int32(0), n0, t, threads, None)
+
+
+@cute.jit
+def fused_qkv_finish_heads(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, output: cute.Tensor,
+                           blocks: cute.Tensor, freqs_cis: cute.Tensor, workspace: cute.Tensor, group: Int32,
+                           bm: cutlass.Constexpr[int], threads: cutlass.Constexpr[int]):
+    """The last arriver's finish of wide head ``group`` over the workspace's first ``bm`` rows, its threads one after
+    another (RoPE without QK-norm or fp8 scales: no shuffle)."""
+    from cute_kv.kernels.qkv.epilogue import QKVEpilogueParams, _finish_heads
+
+    params = QKVEpilogueParams(output, blocks, s_page, s_page, s_page, Int32(0), None, freqs_cis,
+                               workspace=workspace)
+    for t in cutlass.range(threads):
+        _finish_heads(spec, s_page, s_pos, params, Int32(0), group, bm, t, threads)
 
 
 @cute.jit

@@ -149,9 +149,12 @@ def test_supported_shapes():
                 q_head_dim=128, has_bias=False, rope=None)
     assert supported(QKVSpec(**base)) is None
     assert supported(QKVSpec(**{**base, "rope": (128, False)})) is None
-    # a neox head of 256 spans two 128-column tiles; a GPT-J one does not need its partner from another tile
-    assert "neox-rotated K head of 256" in supported(QKVSpec(**{**base, "head_dim": 256, "rope": (256, False)}))
-    assert supported(QKVSpec(**{**base, "head_dim": 256, "rope": (256, True)})) is None
+    # a neox head of 256 spans two 128-column tiles: the last of them to arrive finishes it (test_fused_qkv_wide);
+    # a GPT-J one does not need its partner from another tile
+    wide = QKVSpec(**{**base, "head_dim": 256, "rope": (256, False)})
+    assert supported(wide) is None and wide.wide == (False, True)
+    gptj = QKVSpec(**{**base, "head_dim": 256, "rope": (256, True)})
+    assert supported(gptj) is None and not gptj.last_arriver
     assert "normalized or neox-rotated Q head of 192" in supported(QKVSpec(**{**base, "q_head_dim": 192,
                                                                                "q_dim": 3072, "q_norm_dim": 192}))
     assert "straddle" in supported(QKVSpec(**{**base, "q_dim": 4160, "q_head_dim": 64, "head_dim": 128,
@@ -197,6 +200,8 @@ def test_plan_serves(rng):
     mla = _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True,
                   rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192))
     assert (mla.kv_dim, mla.q_head_dim) == (1, 192)  # the latent head straddles tiles: GPT-J pairs do not
+    # neox over heads of 256: two tiles each, finished by the last to arrive (test_fused_qkv_wide)
+    assert _served(rng, head_size=256, q_dim=4096, rope=RopeConfig.from_theta(256, 64)).wide == (True, True)
 
 
 def test_plan_leaves_to_the_reference(rng):
@@ -204,7 +209,6 @@ def test_plan_leaves_to_the_reference(rng):
                               torch.ones(4096 + 2048, 2, dtype=torch.float32), 128)
     assert _served(rng, weight=int4) is None  # float32 group scales: the W4 decode multiplies bf16 (test_fused_qkv_w4)
     assert _served(rng, dtype=torch.float32) is None
-    assert _served(rng, head_size=256, q_dim=4096, rope=RopeConfig.from_theta(256, 64)) is None  # neox over 2 tiles
     latent_norm = cute_kv.QKNorm(k_weight=torch.ones(256))  # MLA's latent norm: finished across tiles, served
     assert _served(rng, heads=1, head_size=576, q_dim=1536, is_mla=True, qk_norm=latent_norm,
                    rope=RopeConfig.from_theta(64, 64, interleaved=True, q_head_dim=192)).cross_dims == 256

@@ -249,6 +249,8 @@ COMPILE_CASES = {
     # [, fp8 granularity, e8m0, cross_dims, rope_tail]: MLA's latent norm, finished by the last arriving tile
     "int4-mla-latent-norm": ("int4", ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False,
                                       512, 0)),
+    # Gemma 3 GPTQ: QK-norm and neox over heads of 256, finished by the last of a head's tiles to arrive
+    "int4-gemma3-wide-heads": ("int4", ("bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256)),
 }
 WGMMA_RS = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16"
 
@@ -284,7 +286,7 @@ def test_fused_qkv_w4_ptx(case, tmp_path):
     stores = ["st.global.v4.b32", "st.global.v4.b32"]
     if kernel.spec.qkv.fp8:
         stores = ["st.global.v2.b32", "st.global.v4.b32", "st.global.b32"]
-    if kernel.spec.qkv.cross_dims:  # the latent's arrival and finish (tests/test_fused_qkv_latent.py)
+    if kernel.spec.qkv.last_arriver:  # the arrival and finish (test_fused_qkv_latent.py, test_fused_qkv_wide.py)
         assert re.findall(r"atom\.\S+", ptx) == ["atom.global.acq_rel.add.u32", "atom.global.exch.b32"]
         assert ptx.count("fence.acq_rel.gpu") == 2
     else:
@@ -409,7 +411,7 @@ def test_launch_arguments_match_the_compiled_signature(rng, case):
     some = lambda on: torch.empty(1) if on else None  # noqa: E731 -- the operands the spec compiled in
     real = kernel.args(hidden, weight, torch.empty(t, s.q_dim, dtype=torch.bfloat16), torch.empty(1), torch.empty(1),
                        torch.empty(1), torch.empty(1, 1), 0, some(s.has_bias), some(s.rope), some(s.q_norm_dim),
-                       some(s.k_norm_dim), some(s.granularity), 132, some(s.cross_dims), some(s.cross_dims))
+                       some(s.k_norm_dim), some(s.granularity), 132, some(s.last_arriver), some(s.last_arriver))
     fake = kernel.fake_args()
     fake = fake[:7] + fake[8:]  # the stream: the current one at launch
     assert [x is None for x in real] == [x is None for x in fake]

@@ -263,20 +263,21 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
     ``output``."""
     from cute_kv.kernels.compile_cache import compiled
 
+    qkv = getattr(spec, "qkv", spec)  # a QKVW4Spec's QKVSpec
     norm_weights = (None, None) if qk_norm is None else tuple(
         None if w is None else w.to(torch.float32).contiguous() for w in (qk_norm.q_weight, qk_norm.k_weight))
 
     def run(hidden, input_row_offsets, weight, collection, layer_idx, *, bias=None, rope=None, output=None):
-        t, q_dim = hidden.shape[0], spec.q_dim
+        t, q_dim = hidden.shape[0], qkv.q_dim
         out = output if output is not None and rows_aligned(output) else torch.empty(
             (t, q_dim), dtype=hidden.dtype, device=hidden.device)
         scales = collection.scales
-        if spec.e8m0:  # the kernel stores e8m0 scales as their bytes
+        if qkv.e8m0:  # the kernel stores e8m0 scales as their bytes
             scales = scales.view(torch.uint8)
         if t:  # a persistent grid over zero tiles still launches: skip it
             kernel = _gemm(_with_bias(spec, bias is not None), arch)
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
-            latent = latent_workspace(hidden.device, spec, t) if getattr(spec, "cross_dims", 0) else ()
+            latent = latent_workspace(hidden.device, qkv, t) if qkv.last_arriver else ()
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
                             collection.cache_lengths, collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
@@ -291,11 +292,11 @@ _LATENT_WORKSPACES: dict = {}
 
 
 def latent_workspace(device, spec, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(workspace, counters)`` for a ``cross_dims`` spec over ``num_rows`` tokens: float32
-    ``[rows, spec.workspace_cols]`` (the latent before its finish, then the tiles' partial sums of squares) with
-    ``rows`` whole M tiles of whole clusters (each CTA writes every row of its tile, past ``num_rows`` too, and
-    counts on its M tile), and one int32 arrival counter per M tile, zero between launches (the last arriver resets
-    its counter; they are zeroed once, here).
+    """``(workspace, counters)`` for a ``QKVSpec`` with a ``last_arriver`` over ``num_rows`` tokens: float32
+    ``[rows, spec.workspace_cols]`` (the latent before its finish, then the tiles' partial sums of squares; or the
+    wide heads' columns) with ``rows`` whole M tiles of whole clusters (each CTA writes every row of its tile, past
+    ``num_rows`` too, and counts on its M tile), and ``spec.counter_groups`` int32 arrival counters per M tile, zero
+    between launches (the last arriver resets its counter; they are zeroed once, here).
 
     Cached per device, stream and row width, grown by powers of two. A launch sizes nothing else, so a CUDA graph
     captures these pointers: a smaller buffer that a larger one replaces stays alive (the sum is under twice the
@@ -303,12 +304,13 @@ def latent_workspace(device, spec, num_rows: int) -> tuple[torch.Tensor, torch.T
     from cute_kv.kernels.qkv.gemm import CLUSTER_M, CTA_ROWS
 
     tiles = -(-num_rows // (CTA_ROWS * CLUSTER_M)) * CLUSTER_M  # the grid's M tiles: whole clusters
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, spec.workspace_cols)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, spec.workspace_cols,
+           spec.counter_groups)
     held = _LATENT_WORKSPACES.setdefault(key, [])
-    if not held or held[-1][1].numel() < tiles:
+    if not held or held[-1][1].numel() < tiles * spec.counter_groups:
         cap = 1 << (tiles - 1).bit_length()
         held.append((torch.empty((cap * CTA_ROWS, spec.workspace_cols), dtype=torch.float32, device=device),
-                     torch.zeros(cap, dtype=torch.int32, device=device)))
+                     torch.zeros(cap * spec.counter_groups, dtype=torch.int32, device=device)))
     return held[-1]
 
 

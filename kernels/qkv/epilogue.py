@@ -15,9 +15,11 @@ A RoPE position outside ``freqs_cis`` (unchecked metadata) reads no table row: t
 
 MLA's latent norm and rope-aware FP8 rows (``QKVSpec.cross_dims``) reduce over more columns than a tile holds: a
 chunk among the latent's first ``cross_dims`` dims goes to the float32 workspace instead of the cache (with the
-row's partial sum of squares), and ``latent_arrive`` counts the tile's arrival on its M tile; the last arriver
+row's partial sum of squares), and ``arrive`` counts the tile's arrival on its M tile; the last arriver
 finishes the rows (``_finish_latent``). Q chunks and the rest of the latent (a rope-aware row's bf16 tail) are
-stored by their own tile as above.
+stored by their own tile as above. Normalized or neox-rotated heads wider than a tile (``QKVSpec.wide``: head
+size 256, Gemma 3) go the same way, one counter per head: each of the head's tiles writes its columns (bias
+added) to the workspace, and the last to arrive normalizes, rotates and stores the head (``_finish_heads``).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class QKVEpilogueMixin:
                   "s_page": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
                   "s_pos": cute.struct.Align[cute.struct.MemRange[Int32, bm], 16],
                   "s_thread": cute.struct.Align[cute.struct.MemRange[Int32, self.epi_threads], 16]}
-        if const_expr(self.qkv.cross_dims):  # the last arriver's flag (inside epi_smem_bytes' 64 spare bytes)
+        if const_expr(self.qkv.last_arriver):  # the last arriver's flag (inside epi_smem_bytes' 64 spare bytes)
             fields["s_last"] = cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
         # Built from a dict: this module's postponed annotations would reach cute.struct as strings.
         return cute.struct(type("QKVEpiStorage", (), {"__annotations__": fields}))
@@ -108,7 +110,7 @@ class QKVEpilogueMixin:
                    "s_page": epi.s_page.get_tensor(cute.make_layout(bm)),
                    "s_pos": epi.s_pos.get_tensor(cute.make_layout(bm)),
                    "s_thread": epi.s_thread.get_tensor(cute.make_layout(self.epi_threads))}
-        if const_expr(self.qkv.cross_dims):
+        if const_expr(self.qkv.last_arriver):
             tensors["s_last"] = epi.s_last.get_tensor(cute.make_layout(4))
         return tensors
 
@@ -157,10 +159,10 @@ class QKVEpilogueMixin:
         qkv_store_tile(self.qkv, s_c, s_page, s_pos, params, tile_coord_mnkl[0] * self.cta_tile_shape_mnk[0],
                        tile_coord_mnkl[1] * self.cta_tile_shape_mnk[1], tidx,
                        self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
-        if const_expr(self.qkv.cross_dims):
-            latent_arrive(self.qkv, s_page, s_pos, s_last, params, tile_coord_mnkl[0], tile_coord_mnkl[1],
-                          self.cta_tile_shape_mnk[0], tidx, self.num_epi_warps * cute.arch.WARP_SIZE,
-                          self.epilogue_barrier)
+        if const_expr(self.qkv.last_arriver):
+            arrive(self.qkv, s_page, s_pos, s_last, params, tile_coord_mnkl[0], tile_coord_mnkl[1],
+                   self.cta_tile_shape_mnk[0], self.cta_tile_shape_mnk[1], tidx,
+                   self.num_epi_warps * cute.arch.WARP_SIZE, self.epilogue_barrier)
         self.epilogue_barrier.arrive_and_wait()  # staging is read before the next tile overwrites it
 
 
@@ -189,9 +191,40 @@ class _Chunk(NamedTuple):
     dim: Int32  # K/V: first dim within the head
     dim0: Int32  # first dim within its (Q or K/V) head
     head_size: Int32
-    rotated: cutlass.Boolean  # Q or K (V is neither normalized nor rotated)
-    cross: cutlass.Boolean  # one of the latent's first cross_dims dims: to the workspace, finished by the last arriver
+    rotated: cutlass.Boolean  # Q or K, normalized and rotated here (V is neither; nor is a cross chunk in its tile)
+    cross: cutlass.Boolean  # the latent's first cross_dims dims or a wide head: to the workspace, for the last arriver
     latent_tile: Int32  # the tile's index among the latent's column tiles (cross_dims only)
+
+
+@cute.jit
+def _chunk(spec: cutlass.Constexpr, n0: Int32, col: Int32, n_tile: Int32, tile: cutlass.Constexpr[bool]) -> _Chunk:
+    """The chunk at column ``n0 + col`` of C; ``tile``: in its column tile's pass (a finish has no cross chunks)."""
+    d, h = spec.head_dim, spec.num_heads
+    n = n0 + col
+    is_q = n < spec.q_dim
+    kk = n - spec.q_dim
+    kv = kk // (h * d)
+    dim = kk % d
+    head_size = Int32(d)
+    dim0 = dim
+    if is_q:
+        head_size = Int32(spec.q_head_dim)
+        dim0 = n % spec.q_head_dim
+    in_range = n < spec.n_total
+    cross = cutlass.Boolean(False)
+    if const_expr(tile and spec.cross_dims):
+        cross = in_range and not is_q and dim < spec.cross_dims
+    if const_expr(tile and spec.wide[0]):
+        if is_q:
+            cross = cutlass.Boolean(True)
+    if const_expr(tile and spec.wide[1]):
+        if in_range and not is_q and kv == 0:
+            cross = cutlass.Boolean(True)
+    rotated = in_range and (is_q or kv == 0)
+    if const_expr(tile and spec.last_arriver):
+        rotated = rotated and not cross
+    return _Chunk(col, n, in_range, is_q, kv, (kk // d) % h, dim, dim0, head_size, rotated, cross,
+                  n_tile - spec.cross_tiles[0])
 
 
 @cute.jit
@@ -205,24 +238,7 @@ def qkv_store_tile(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tenso
     """
     bm, bn = s_c.shape
     chunks = bn // VEC
-    d, h = spec.head_dim, spec.num_heads
-    col = (tidx % chunks) * VEC
-    n = n0 + col
-    is_q = n < spec.q_dim
-    kk = n - spec.q_dim
-    kv = kk // (h * d)
-    dim = kk % d
-    head_size = Int32(d)
-    dim0 = dim
-    if is_q:
-        head_size = Int32(spec.q_head_dim)
-        dim0 = n % spec.q_head_dim
-    in_range = n < spec.n_total
-    cross = cutlass.Boolean(False)
-    if const_expr(spec.cross_dims):
-        cross = in_range and not is_q and dim < spec.cross_dims
-    chunk = _Chunk(col, n, in_range, is_q, kv, (kk // d) % h, dim, dim0, head_size, in_range and (is_q or kv == 0),
-                   cross, n0 // bn - spec.cross_tiles[0])
+    chunk = _chunk(spec, n0, (tidx % chunks) * VEC, n0 // bn, True)
     first_row = tidx // chunks
     rows_per_pass = threads // chunks
     prepare = const_expr(spec.has_bias or spec.tile_norm)
@@ -253,8 +269,10 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
     # Norm weights cover whole chunks (``supported``): one flag per chunk, not a mask per element in registers.
     normed = cutlass.Boolean(False)
     if const_expr(spec.tile_norm):
-        k_norm = None if const_expr(spec.cross_dims) else params.k_norm  # the latent's: finished by the last arriver
-        normed = (_norm_weights(params.q_norm, chunk.in_range and chunk.is_q, chunk.dim0, gamma, spec.norm_offset)
+        # the latent's and wide heads' norms are the last arriver's
+        q_norm = None if const_expr(spec.wide[0]) else params.q_norm
+        k_norm = None if const_expr(spec.cross_dims or spec.wide[1]) else params.k_norm
+        normed = (_norm_weights(q_norm, chunk.rotated and chunk.is_q, chunk.dim0, gamma, spec.norm_offset)
                   or _norm_weights(k_norm, chunk.rotated and not chunk.is_q, chunk.dim0, gamma, spec.norm_offset))
         if chunk.is_q:
             inv_width = Float32(spec.inv_norm_width[0])
@@ -278,7 +296,7 @@ def _bias_norm_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tens
             for e in cutlass.range_constexpr(VEC):
                 vals[e] = vals[e] * rstd * gamma[e]
         if const_expr(store):
-            _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
+            _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk, True)
         else:
             cute.autovec_copy(vals, staged)
 
@@ -290,15 +308,27 @@ def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s
 
     A chunk lies wholly in one part of its head (``supported`` keeps ``R/2`` (neox) or ``R`` (GPT-J) a multiple of
     8): kept, the first or second neox half (partner chunk ``R/2`` columns away, two 16-byte shared loads), or
-    GPT-J pairs (partners inside the chunk). Its 8 cos/sin pairs (neox) or 4 (GPT-J) are consecutive in the
-    position's ``freqs_cis`` row: 16-byte loads too.
+    GPT-J pairs (partners inside the chunk).
     """
+    sign, freq0, partner = _rope_plan(spec, chunk)
+    vals = cute.make_rmem_tensor((VEC,), Float32)
+    for r in cutlass.range(first_row, s_c.shape[0], rows_per_pass, unroll=1):
+        cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (chunk.col // VEC,)), vals)
+        if sign != 0.0:
+            _rotate(spec, vals, s_c[r, None], partner, None, params, s_pos[r], sign, freq0)
+        _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk, True)
+
+
+@cute.jit
+def _rope_plan(spec: cutlass.Constexpr, chunk: _Chunk):
+    """``(sign, freq0, partner)`` of a chunk: ``sign`` 0 kept, -1 first neox half (``x*cos - y*sin``), +1 second
+    half (``x*cos + y*sin``) or GPT-J; ``freq0`` the first ``freqs_cis`` column it reads; ``partner`` the neox
+    partner chunk's column in the tile (``chunk.col ± R/2``)."""
     rope_dim, interleaved = spec.rope
     half = rope_dim // 2
-    # sign: 0 kept, -1 first neox half (x*cos - y*sin), +1 second half (x*cos + y*sin) or GPT-J.
     sign = Float32(0.0)
-    freq0 = Int32(0)  # first freqs_cis column this chunk reads
-    partner = chunk.col  # neox: first column of the partner chunk
+    freq0 = Int32(0)
+    partner = chunk.col
     if chunk.rotated:
         if const_expr(interleaved):
             rel = chunk.dim0 - (chunk.head_size - rope_dim)
@@ -314,58 +344,64 @@ def _rope_rows(spec: cutlass.Constexpr, s_c: cute.Tensor, s_page: cute.Tensor, s
                 sign = Float32(1.0)
                 freq0 = (chunk.dim0 - half) * 2
                 partner = chunk.col - half
+    return sign, freq0, partner
+
+
+@cute.jit
+def _rotate(spec: cutlass.Constexpr, vals: cute.Tensor, row: cute.Tensor, partner: Int32,
+            partner_norm: Optional[tuple], params, pos: Int32, sign: Float32, freq0: Int32):
+    """Rotate a chunk's ``vals`` at ``pos``: its 8 cos/sin pairs (neox) or 4 (GPT-J) are consecutive in the
+    position's ``freqs_cis`` row (16-byte loads); a neox partner's 8 values are read at column ``partner`` of
+    ``row`` (``partner_norm``: ``(rstd, gamma)`` the finish normalizes it with, as a tile does its own chunk). Unchecked positions (validate=False) read no row
+    outside the table: what they rotate becomes NaN."""
+    interleaved = spec.rope[1]
     pairs = VEC // 2 if const_expr(interleaved) else VEC  # cos/sin pairs a chunk reads
-    vals = cute.make_rmem_tensor((VEC,), Float32)
-    other = cute.make_rmem_tensor((VEC,), Float32)
     f = cute.make_rmem_tensor((2 * pairs,), Float32)
-    for r in cutlass.range(first_row, s_c.shape[0], rows_per_pass, unroll=1):
-        cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (chunk.col // VEC,)), vals)
-        if sign != 0.0:
-            pos = s_pos[r]
-            # Unchecked positions (validate=False) read no row outside the table: what they rotate becomes NaN.
-            if pos >= 0 and pos < params.freqs_cis.shape[0]:
-                freqs = cute.local_tile(params.freqs_cis[pos, None], (2 * pairs,), (freq0 // (2 * pairs),))
-                cute.autovec_copy(freqs, f)
-                if const_expr(interleaved):
-                    for j in cutlass.range_constexpr(pairs):
-                        x, y = vals[2 * j], vals[2 * j + 1]
-                        vals[2 * j] = x * f[2 * j] - y * f[2 * j + 1]
-                        vals[2 * j + 1] = x * f[2 * j + 1] + y * f[2 * j]
-                else:
-                    cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (partner // VEC,)), other)
-                    for e in cutlass.range_constexpr(VEC):
-                        vals[e] = vals[e] * f[2 * e] + sign * other[e] * f[2 * e + 1]
-            else:
-                vals.fill(float("nan"))
-        _store_row(spec, vals, s_page, s_pos, params, m0, r, chunk)
+    if pos >= 0 and pos < params.freqs_cis.shape[0]:
+        cute.autovec_copy(cute.local_tile(params.freqs_cis[pos, None], (2 * pairs,), (freq0 // (2 * pairs),)), f)
+        if const_expr(interleaved):
+            for j in cutlass.range_constexpr(pairs):
+                x, y = vals[2 * j], vals[2 * j + 1]
+                vals[2 * j] = x * f[2 * j] - y * f[2 * j + 1]
+                vals[2 * j + 1] = x * f[2 * j + 1] + y * f[2 * j]
+        else:
+            other = cute.make_rmem_tensor((VEC,), Float32)
+            cute.autovec_copy(cute.local_tile(row, (VEC,), (partner // VEC,)), other)
+            if const_expr(partner_norm is not None):
+                rstd, gamma = partner_norm
+                for e in cutlass.range_constexpr(VEC):
+                    other[e] = other[e] * rstd * gamma[e]
+            for e in cutlass.range_constexpr(VEC):
+                vals[e] = vals[e] * f[2 * e] + sign * other[e] * f[2 * e + 1]
+    else:
+        vals.fill(float("nan"))
 
 
 @cute.jit
 def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, s_pos: cute.Tensor, params,
-               m0: Int32, r: Int32, chunk: _Chunk):
+               m0: Int32, r: Int32, chunk: _Chunk, tile: cutlass.Constexpr[bool]):
     """Round once and store: Q (16 bytes) to ``output``, K/V into the row's page (skipped without a page); an fp8
     cache takes e4m3 values (8 bytes) and, with scales, the granule's scale (float32 or e8m0 byte) from its first
-    lane. The latent's first ``cross_dims`` dims go to the workspace instead (``latent_arrive`` finishes them)."""
+    lane. In a tile's pass (``tile``), cross chunks go to the workspace instead (``arrive`` finishes them)."""
     out = cute.make_rmem_tensor((VEC,), spec.dtype)
     out.store(vals.load().to(spec.dtype))
     kv_out, scale = out, Float32(0.0)
     if const_expr(spec.fp8 and not spec.rope_tail):
         kv_out, scale = quantize_e4m3(vals, spec.granularity, spec.e8m0)  # every lane joins the shuffles
     m = m0 + r
-    if const_expr(spec.cross_dims):
+    if const_expr(tile and spec.last_arriver):
         _to_workspace(spec, vals, params, m, chunk)  # every lane joins the partial sum's shuffles
-    if m < params.output.shape[0] and chunk.in_range:
+    stores = m < params.output.shape[0] and chunk.in_range
+    if const_expr(tile and spec.last_arriver):
+        stores = stores and not chunk.cross
+    if stores:
         if chunk.is_q:
             cute.autovec_copy(out, cute.local_tile(params.output[m, None], (VEC,), (chunk.n // VEC,)))
         elif s_page[r] >= 0:
             slot = s_pos[r] % spec.page_size
             dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head, None]
-            if const_expr(spec.rope_tail):
-                if not chunk.cross:  # the bf16 tail, from byte cross_dims of the row
-                    _store_bf16(vals, dst, 2 * chunk.dim - spec.cross_dims)
-            elif const_expr(spec.cross_dims):
-                if not chunk.cross:
-                    cute.autovec_copy(out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+            if const_expr(spec.rope_tail):  # the bf16 tail, from byte cross_dims of the row
+                _store_bf16(vals, dst, 2 * chunk.dim - spec.cross_dims)
             else:
                 cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
                 if const_expr(spec.granularity > 0):
@@ -385,11 +421,11 @@ def _store_bf16(vals: cute.Tensor, row: cute.Tensor, byte: Int32):
 
 @cute.jit
 def _to_workspace(spec: cutlass.Constexpr, vals: cute.Tensor, params, m: Int32, chunk: _Chunk):
-    """A latent chunk's float32 values into row ``m`` of the workspace (every row of the tile: the workspace has
+    """A cross chunk's float32 values into row ``m`` of the workspace (every row of the tile: the workspace has
     whole M tiles); with the latent norm, the first lane of the row stores the tile's partial sum of squares, the
     row's lanes reduced in a fixed butterfly (the same bits whichever tile finishes the row)."""
     ws = params.workspace[m, None]
-    if const_expr(spec.k_norm_dim):
+    if const_expr(spec.cross_dims and spec.k_norm_dim):
         if chunk.latent_tile >= 0 and chunk.latent_tile < spec.cross_tiles[1]:  # the same for the whole tile
             ss = Float32(0.0)
             if chunk.cross:
@@ -399,38 +435,139 @@ def _to_workspace(spec: cutlass.Constexpr, vals: cute.Tensor, params, m: Int32, 
             if chunk.col == 0:
                 ws[spec.cross_dims + chunk.latent_tile] = ss
     if chunk.cross:
-        cute.autovec_copy(vals, cute.local_tile(ws, (VEC,), (chunk.dim // VEC,)))
+        cute.autovec_copy(vals, cute.local_tile(ws, (VEC,), ((chunk.n - spec.workspace_base) // VEC,)))
 
 
 @cute.jit
-def latent_arrive(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, s_last: cute.Tensor, params,
-                  m_tile: Int32, n_tile: Int32, bm: cutlass.Constexpr[int], tidx: Int32,
-                  threads: cutlass.Constexpr[int], barrier):
-    """A tile holding latent columns counts its arrival on its M tile; the last of the ``cross_tiles`` to arrive
-    finishes the rows (``_finish_latent``) and resets the counter for the next launch. No tile waits for
+def arrive(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, s_last: cute.Tensor, params,
+           m_tile: Int32, n_tile: Int32, bm: cutlass.Constexpr[int], bn: cutlass.Constexpr[int], tidx: Int32,
+           threads: cutlass.Constexpr[int], barrier):
+    """A tile holding cross columns counts its arrival on its M tile's counter of their group (the latent: one;
+    wide heads: one per head); the last of the group's tiles to arrive finishes the group's columns of the M tile's
+    rows (``_finish_latent``, ``_finish_heads``) and resets the counter for the next launch. No tile waits for
     another, so any persistent schedule completes.
 
     Ordering: every thread's workspace stores, then its fence (release) and the CTA barrier, happen before thread
     0's acq_rel atomic; the last arriver's atomic reads the others' releases, and its threads fence (acquire)
     after the barrier that publishes the verdict, before reading the workspace."""
-    first, count = spec.cross_tiles
-    if n_tile >= first and n_tile < first + count:
+    holds = cutlass.Boolean(False)
+    group = Int32(0)
+    count = Int32(0)
+    if const_expr(spec.cross_dims):
+        first, tiles = spec.cross_tiles
+        if n_tile >= first and n_tile < first + tiles:
+            holds = cutlass.Boolean(True)
+            count = Int32(tiles)
+    else:
+        q_heads, k_heads = spec.head_groups
+        if const_expr(q_heads):
+            if n_tile < spec.q_dim // bn:
+                holds = cutlass.Boolean(True)
+                group = n_tile // (spec.q_head_dim // bn)
+                count = Int32(spec.q_head_dim // bn)
+        if const_expr(k_heads):
+            k_tile = n_tile - spec.q_dim // bn
+            if k_tile >= 0 and k_tile < k_heads * (spec.head_dim // bn):
+                holds = cutlass.Boolean(True)
+                group = q_heads + k_tile // (spec.head_dim // bn)
+                count = Int32(spec.head_dim // bn)
+    if holds:
+        counter = (params.counters.iterator + m_tile * spec.counter_groups + group).llvm_ptr
         cute.arch.fence_acq_rel_gpu()
         barrier.arrive_and_wait()
         if tidx == 0:
-            arrived = cute.arch.atomic_add((params.counters.iterator + m_tile).llvm_ptr, Int32(1), sem="acq_rel",
-                                           scope="gpu")
+            arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
             last = Int32(0)
             if arrived == count - 1:
                 last = Int32(1)
-                # every tile of this M tile has arrived: none touches the counter again in this launch
-                cute.arch.atomic_exch((params.counters.iterator + m_tile).llvm_ptr, Int32(0), sem="relaxed",
-                                      scope="gpu")
+                # every tile of this group has arrived: none touches the counter again in this launch
+                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
             s_last[0] = last
         barrier.arrive_and_wait()
         if s_last[0] != 0:
             cute.arch.fence_acq_rel_gpu()
-            _finish_latent(spec, s_page, s_pos, params, m_tile * bm, bm, tidx, threads)
+            if const_expr(spec.cross_dims):
+                _finish_latent(spec, s_page, s_pos, params, m_tile * bm, bm, tidx, threads)
+            else:
+                _finish_heads(spec, s_page, s_pos, params, m_tile * bm, group, bm, tidx, threads)
+
+
+@cute.jit
+def _finish_heads(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, params, m0: Int32,
+                  group: Int32, bm: cutlass.Constexpr[int], tidx: Int32, threads: cutlass.Constexpr[int]):
+    """Wide head ``group`` (Q heads, then K heads) of the M tile's rows from the workspace, as a tile would have
+    finished it: RMSNorm over the head's first C dims (the row's lanes add their squares, then a fixed butterfly:
+    the same bits whichever tile is last), RoPE (a neox partner read from the workspace and normalized with its own
+    weights), then ``_store_row`` (Q to ``output``, K into the page; fp8 caches quantized by granule). Lane ``l`` of
+    a row takes chunks ``l, l + 16, ...`` of the head: a granule's chunks are consecutive lanes, as in a tile."""
+    lanes = spec.row_lanes
+    q_heads, _ = spec.head_groups
+    q_wide, k_wide = spec.wide
+    is_q = group < q_heads
+    n0 = group * spec.q_head_dim  # the head's first column of C
+    head_size = Int32(spec.q_head_dim)
+    inv_width = Float32(spec.inv_norm_width[0])
+    if not is_q:
+        n0 = spec.q_dim + (group - q_heads) * spec.head_dim
+        head_size = Int32(spec.head_dim)
+        inv_width = Float32(spec.inv_norm_width[1])
+    q_norm = params.q_norm if const_expr(q_wide) else None
+    k_norm = params.k_norm if const_expr(k_wide) else None
+    has_norm = bool((q_wide and spec.q_norm_dim) or (k_wide and spec.k_norm_dim))
+    per_lane = max(spec.q_head_dim if q_wide else 0, spec.head_dim if k_wide else 0) // (lanes * VEC)
+    lane = tidx % lanes
+    # What a lane's chunks need besides the row (the same for every row): where they are, their norm weights and
+    # their RoPE plan, with the neox partner's weights.
+    chunks, live, gammas, normed, plans, partner_gammas, partner_normed = [], [], [], [], [], [], []
+    for j in cutlass.range_constexpr(per_lane):
+        chunk = _chunk(spec, n0, (lane + j * lanes) * VEC, Int32(0), False)
+        chunks.append(chunk)
+        live.append(chunk.col < head_size)  # the same for the row's lanes (whole 16-chunk passes)
+        gamma = cute.make_rmem_tensor((VEC,), Float32)
+        gamma.fill(1.0)
+        normed.append(_norm_weights(q_norm, is_q, chunk.dim0, gamma, spec.norm_offset)
+                      or _norm_weights(k_norm, not is_q, chunk.dim0, gamma, spec.norm_offset))
+        gammas.append(gamma)
+        if const_expr(spec.rope is not None):
+            sign, freq0, partner = _rope_plan(spec, chunk)
+            plans.append((sign, freq0, partner - chunk.col))  # the partner's offset: the same in the workspace row
+            partner_gamma = cute.make_rmem_tensor((VEC,), Float32)
+            partner_gamma.fill(1.0)
+            partner_normed.append(
+                _norm_weights(q_norm, is_q, partner - chunk.col + chunk.dim0, partner_gamma, spec.norm_offset)
+                or _norm_weights(k_norm, not is_q, partner - chunk.col + chunk.dim0, partner_gamma,
+                                 spec.norm_offset))
+            partner_gammas.append(partner_gamma)
+    base = (n0 - spec.workspace_base) // VEC  # the head's first chunk in a workspace row
+    vals = cute.make_rmem_tensor((VEC,), Float32)
+    for r in cutlass.range(tidx // lanes, bm, threads // lanes, unroll=1):
+        ws = params.workspace[m0 + r, None]
+        rstd = Float32(1.0)
+        if const_expr(has_norm):
+            ss = Float32(0.0)
+            for j in cutlass.range_constexpr(per_lane):
+                if live[j] and normed[j]:
+                    cute.autovec_copy(cute.local_tile(ws, (VEC,), (base + chunks[j].col // VEC,)), vals)
+                    for e in cutlass.range_constexpr(VEC):
+                        ss += vals[e] * vals[e]
+            ss = head_sum(ss, lanes, lanes)
+            rstd = cute.math.rsqrt(ss * inv_width + Float32(spec.norm_epsilon), fastmath=False)
+        for j in cutlass.range_constexpr(per_lane):
+            if live[j]:
+                col = base * VEC + chunks[j].col  # the chunk's column in the workspace row
+                cute.autovec_copy(cute.local_tile(ws, (VEC,), (col // VEC,)), vals)
+                if normed[j]:
+                    for e in cutlass.range_constexpr(VEC):
+                        vals[e] = vals[e] * rstd * gammas[j][e]
+                if const_expr(spec.rope is not None):
+                    sign, freq0, partner = plans[j]
+                    if sign != 0.0:
+                        partner_rstd = Float32(1.0)  # x * 1 * 1 is x: a partner past the norm is kept exactly
+                        if partner_normed[j]:
+                            partner_rstd = rstd
+                        _rotate(spec, vals, ws, col + partner, (partner_rstd, partner_gammas[j]), params, s_pos[r],
+                                sign, freq0)
+                _store_row(spec, vals, s_page, s_pos, params, m0, r, chunks[j], False)
 
 
 @cute.jit

@@ -8,10 +8,16 @@ drain one tile while the MMA warp fills the next). Our epilogue replaces quack's
 rows leave from a float32 staging tile as 16-byte stores (8-byte e4m3 stores and float32 or e8m0 per-granule
 scales for fp8 caches).
 
-``BN`` is 128: every head that is normalized or neox-rotated must lie inside one column tile (its partner and its
-sum of squares are in the same CTA), so ``BN`` is a multiple of the head sizes; 128 serves head sizes 64 and 128
-(Llama, Qwen, Gemma) and keeps the float32 staging tile at 66 KB. ``supported`` says why a shape is refused (the
-entry then runs the reference).
+``BN`` is 128: a head that is normalized or neox-rotated and lies inside one column tile (head sizes 64 and 128:
+Llama, Qwen) is finished by its tile (its partner and its sum of squares are in the same CTA), and the float32
+staging tile stays at 66 KB. Such heads wider than a tile (``QKVSpec.wide``: 256, Gemma 3) are finished by the
+last of their tiles to arrive, as MLA's latent is (below): each tile writes the head's columns (bias added) to the
+workspace, and the last arriver normalizes the head, rotates it (neox partners ``R/2`` columns away, in the other
+tile) and stores it. Cost: a float32 write and read of every wide-head column (Gemma 3 12B at T = 8192: Q and K are
+6144 of its 8192 columns, 2 x 201 MB, ~0.13 ms at 3 TB/s, an estimate), beside ~0.6 ms for its 3840 -> 8192 GEMM
+on an H100. Rejected: a 256-column tile for these heads (its float32 staging tile alone is 133 KB: on SM90 it
+leaves one A/B stage; SM100 would keep two at half the ring), and staging it in 16 bits (a second rounding before
+the norm). ``supported`` says why a shape is refused (the entry then runs the reference).
 
 What still takes the reference (the entry's dispatch): e5m2 caches, and quantized weights with MLA's cross-tile
 latent. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
@@ -110,15 +116,51 @@ class QKVSpec:
         return bool(self.q_norm_dim or self.k_norm_dim)
 
     @property
+    def wide(self) -> tuple[bool, bool]:
+        """Whether Q / K heads are wider than a column tile and normalized or neox-rotated: their columns go to the
+        workspace and the last of the head's tiles to arrive finishes the head (``epilogue._finish_heads``)."""
+        if self.cross_dims:
+            return False, False
+        neox = self.rope is not None and not self.rope[1]
+        return ((bool(self.q_norm_dim) or neox) and self.q_head_dim > BN,
+                (bool(self.k_norm_dim) or neox) and self.head_dim > BN)
+
+    @property
+    def last_arriver(self) -> bool:
+        """Some columns are finished across column tiles (MLA's latent, or wide heads)."""
+        return bool(self.cross_dims) or any(self.wide)
+
+    @property
     def tile_norm(self) -> bool:
-        """A norm reduced inside a column tile (QK-norm; the latent norm is the last arriver's)."""
-        return bool(self.q_norm_dim or (self.k_norm_dim and not self.cross_dims))
+        """A norm reduced inside a column tile (QK-norm of heads within a tile; the latent norm and wide heads are
+        the last arriver's)."""
+        q_wide, k_wide = self.wide
+        return bool((self.q_norm_dim and not q_wide) or (self.k_norm_dim and not self.cross_dims and not k_wide))
 
     @property
     def max_head_lanes(self) -> int:
         """Lanes (8-column chunks) of the widest head a tile normalizes: the butterfly width of the norm's
         reduction."""
-        return max(self.q_head_dim, 0 if self.cross_dims else self.head_dim) // VEC
+        q_wide, k_wide = self.wide
+        q = self.q_head_dim if self.q_norm_dim and not q_wide else 0
+        return max(q, self.head_dim if self.k_norm_dim and not (self.cross_dims or k_wide) else 0) // VEC
+
+    @property
+    def head_groups(self) -> tuple[int, int]:
+        """Wide heads: ``(Q heads, K heads)`` finished across tiles (0 for a side that is not wide); each counts its
+        arrivals on one counter per M tile."""
+        q_wide, k_wide = self.wide
+        return (self.q_dim // self.q_head_dim if q_wide else 0), (self.num_heads if k_wide else 0)
+
+    @property
+    def counter_groups(self) -> int:
+        """Arrival counters per M tile: one for the latent, one per wide head."""
+        return 1 if self.cross_dims else sum(self.head_groups)
+
+    @property
+    def workspace_base(self) -> int:
+        """First column of C the workspace holds (the latent's and wide K heads' after Q, wide Q heads' at 0)."""
+        return 0 if self.wide[0] else self.q_dim
 
     @property
     def cross_tiles(self) -> tuple[int, int]:
@@ -135,7 +177,10 @@ class QKVSpec:
     @property
     def workspace_cols(self) -> int:
         """float32 words of a workspace row: the latent's ``cross_dims`` values, then one partial sum of squares
-        per tile (latent norm), padded to 16 bytes."""
+        per tile (latent norm), padded to 16 bytes; or the wide heads' columns."""
+        if not self.cross_dims:  # wide heads: their columns, no partials (the finish sums the head's squares)
+            q_wide, k_wide = self.wide
+            return (self.q_dim if q_wide else 0) + (self.num_heads * self.head_dim if k_wide else 0)
         partials = self.cross_tiles[1] if self.k_norm_dim else 0
         return self.cross_dims + -(-partials // 4) * 4
 
@@ -153,7 +198,7 @@ class QKVSpec:
 
 def supported(spec: QKVSpec) -> Optional[str]:
     """Why the kernel cannot take ``spec``, or None. 16-byte chunks must not straddle a region or a head, and a
-    normalized or neox-rotated head must lie inside one ``BN``-column tile."""
+    normalized or neox-rotated head must lie inside one ``BN``-column tile or span whole tiles (``QKVSpec.wide``)."""
     if spec.dtype_name not in DTYPES:
         return f"dtype {spec.dtype_name} is not one of {sorted(DTYPES)}"
     qh, d = spec.q_head_dim, spec.head_dim
@@ -172,15 +217,18 @@ def supported(spec: QKVSpec) -> Optional[str]:
     elif spec.kv_dim == 1 and spec.k_norm_dim:
         return (f"MLA's latent RMSNorm over {spec.k_norm_dim} dims is finished across column tiles: set "
                 f"cross_dims = {spec.k_norm_dim}")
-    whole_heads = spec.tile_norm or (spec.rope is not None and not spec.rope[1])
-    if whole_heads:
-        for name, size in (("Q", qh), ("K", d))[: 1 if spec.cross_dims else 2]:
-            lanes = size // VEC
-            if BN % size or lanes & (lanes - 1):
-                return (f"a normalized or neox-rotated {name} head of {size} dims must tile the {BN}-column tile "
-                        f"(a power-of-two number of 16-byte chunks dividing {BN})")
-        if spec.q_dim % d and not spec.cross_dims:
-            return f"K heads of {d} dims start at q_dim = {spec.q_dim}, not a multiple of {d}: they straddle tiles"
+    neox = spec.rope is not None and not spec.rope[1]
+    whole = (bool(spec.q_norm_dim) or neox, (bool(spec.k_norm_dim) or neox) and not spec.cross_dims)
+    for name, size, needs, wide in zip("QK", (qh, d), whole, spec.wide):
+        lanes = size // VEC
+        if wide and size % BN:
+            return (f"a normalized or neox-rotated {name} head of {size} dims, wider than the {BN}-column tile, "
+                    f"must span whole tiles (a multiple of {BN}): the last of its tiles to arrive finishes it")
+        if needs and not wide and (BN % size or lanes & (lanes - 1)):
+            return (f"a normalized or neox-rotated {name} head of {size} dims must tile the {BN}-column tile "
+                    f"(a power-of-two number of 16-byte chunks dividing {BN}) or span whole tiles")
+    if whole[1] and spec.q_dim % min(d, BN):
+        return f"K heads of {d} dims start at q_dim = {spec.q_dim}, not a multiple of {min(d, BN)}: they straddle tiles"
     g = spec.granularity
     if spec.e8m0 and not g:
         return "e8m0 scales need a scale granularity"
@@ -291,7 +339,7 @@ class FusedQKVGemm:
         q_norm = make_fake_compact_tensor(Float32, (s.q_norm_dim,), assumed_align=4) if s.q_norm_dim else None
         k_norm = make_fake_compact_tensor(Float32, (s.k_norm_dim,), assumed_align=4) if s.k_norm_dim else None
         workspace = counters = None
-        if s.cross_dims:
+        if s.last_arriver:
             workspace = make_fake_tensor(Float32, (cute.sym_int32(), s.workspace_cols), stride=(s.workspace_cols, 1),
                                          assumed_align=16)
             counters = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
