@@ -306,9 +306,9 @@ def test_latent_workspace_covers_the_grid(arch, t, monkeypatch):
     """Every CTA of the grid writes all rows of its M tile to the workspace and counts on its M tile's counter.
     quack's scheduler makes ``ceil(M tiles / cluster M)`` clusters and every CTA of one takes a tile, so a decode
     step of T <= 128 tokens runs M tiles 0 and 1 (cluster 2x1): the buffers must hold both, even on a first launch."""
-    from cute_kv.ops import fused_qkv
+    from cute_kv.kernels.qkv import scratch
 
-    monkeypatch.setattr(fused_qkv, "_LATENT_WORKSPACES", {})
+    monkeypatch.setattr(scratch, "_HELD", {})
     spec = PTX_CASES["rope-aware-fp8-norm"]
     cluster_m = FusedQKVGemm(spec, arch).cluster_shape[0]
     grid_m_tiles = -(-(-(-t // CTA_ROWS)) // cluster_m) * cluster_m
