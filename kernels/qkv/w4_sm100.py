@@ -44,8 +44,8 @@ they run at once. A split stages its partial as usual, stores its live token row
 and counts on its tile (``combine_splits``, the epilogue's ``arrived_last``); the last split adds the slots in split
 order (the same bits whichever is last) and runs the epilogue. Traffic: a partial's round trip of 512 bytes per
 token row and split (at most 64 KB per 128-token tile), against the ~85 KB of int4 weights one of Llama-3-8B's
-three splits of a weight tile reads. e4m3 weights' column scales multiply each partial (the sum of scaled partials: within rounding of
-the reference's scaled sum).
+three splits of a weight tile reads. e4m3 weights' column scales multiply each partial (the sum of scaled
+partials: within rounding of the reference's scaled sum).
 
 Not yet: 2-CTA (256-row) MMA and multicast clusters, which the bf16 SM100 route has (a weight tile is not shared
 across CTAs: each CTA streams its own). GPU correctness and speed are unmeasured.
