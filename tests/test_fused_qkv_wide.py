@@ -25,7 +25,6 @@ from cute_kv import reference as ref
 from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import latent_workspace, plan
 from cute_kv.reference.batch import random_paged_batch
-from cute_kv.reference.norm import rms_norm_heads
 from cute_kv.reference.ragged import positions
 from cute_kv.reference.rope import apply_rope
 

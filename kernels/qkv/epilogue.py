@@ -352,8 +352,8 @@ def _rotate(spec: cutlass.Constexpr, vals: cute.Tensor, row: cute.Tensor, partne
             partner_norm: Optional[tuple], params, pos: Int32, sign: Float32, freq0: Int32):
     """Rotate a chunk's ``vals`` at ``pos``: its 8 cos/sin pairs (neox) or 4 (GPT-J) are consecutive in the
     position's ``freqs_cis`` row (16-byte loads); a neox partner's 8 values are read at column ``partner`` of
-    ``row`` (``partner_norm``: ``(rstd, gamma)`` the finish normalizes it with, as a tile does its own chunk). Unchecked positions (validate=False) read no row
-    outside the table: what they rotate becomes NaN."""
+    ``row`` (``partner_norm``: ``(rstd, gamma)`` the finish normalizes it with, as a tile does its own chunk).
+    Unchecked positions (validate=False) read no row outside the table: what they rotate becomes NaN."""
     interleaved = spec.rope[1]
     pairs = VEC // 2 if const_expr(interleaved) else VEC  # cos/sin pairs a chunk reads
     f = cute.make_rmem_tensor((2 * pairs,), Float32)
