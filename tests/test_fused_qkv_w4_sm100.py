@@ -33,10 +33,10 @@ import static  # noqa: E402
 from static_fused_qkv import _sass, transform_loop  # noqa: E402
 
 from test_fused_qkv_w4 import COMPILE_CASES, N_TOT, REPLAY_CASES, _fp8, _fragment_coords, _int4, _plan, _replay  # noqa: E402,E501
+from test_fused_qkv_w4 import _w4 as _w4_sm90  # noqa: E402
 
 
-# the SM90 cases without MLA's cross-tile latent (which takes the reference with quantized weights on sm_100a)
-SM100_CASES = {name: case for name, case in COMPILE_CASES.items() if len(case[1]) <= 12}
+SM100_CASES = COMPILE_CASES  # the SM90 kernel's, MLA's cross-tile latent and wide heads included
 
 
 def _stage_coords():
@@ -113,10 +113,7 @@ def test_stages_fill_shared_memory():
 # -- compiled for sm_100a --------------------------------------------------------------------------------------------
 
 def _w4(case) -> FusedQKVGemmW4Sm100:
-    fmt, c = SM100_CASES[case]
-    fp8 = len(c) > 11
-    return FusedQKVGemmW4Sm100(QKVW4Spec(QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], fp8=fp8,
-                                                 granularity=c[11] if fp8 else 0), fmt))
+    return FusedQKVGemmW4Sm100(_w4_sm90(case).spec)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,12 +175,33 @@ def test_fused_qkv_w4_sm100_sass_loops(case):
     assert 1.5 <= loop["decode_per_weight"] <= 2.2, loop
 
 
-def test_sm100_refuses_the_cross_tile_latent():
-    fmt, c = COMPILE_CASES["int4-mla-latent-norm"]
-    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail"), c[11:]))
-    spec = QKVW4Spec(QKVSpec(*c[:9], q_norm_dim=c[9], k_norm_dim=c[10], **extra), fmt)
-    with pytest.raises(ValueError, match="no last-arriver finish"):
-        FusedQKVGemmW4Sm100(spec)
+@pytest.mark.parametrize("t", [1, 131, 300])
+def test_sm100_schedule_finishes_the_latent(t):
+    """MLA's latent through this kernel's schedule: the persistent tiles in any order, split-K on, each (weight tile,
+    128-token tile) running the epilogue once, by its last split, as the latent's (M tile, N tile) with the M tile its
+    128 tokens: exactly the tiles the latent replay expects, whose launch then gives the in-order bits and leaves the
+    counters at zero (tests/test_fused_qkv_latent.py)."""
+    from test_fused_qkv_latent import PTX_CASES, Replay, _problem
+
+    spec = PTX_CASES["rope-aware-fp8-norm"]
+    c, bias, gamma, pos, freqs, *_ = _problem(spec, [t], seed=3)
+    w_tiles, x_tiles = -(-spec.n_total // BN), -(-t // TOKENS)
+    splits = split_k(w_tiles * x_tiles, 64, 148)
+    assert splits > 1
+    g = torch.Generator().manual_seed(t)
+    tiles = list(range(w_tiles * x_tiles * splits))
+    arrivals, order = {}, []
+    for tile in [tiles[i] for i in torch.randperm(len(tiles), generator=g)]:
+        w_tile, x_tile, _ = tile_coords(tile, w_tiles, splits)
+        for half in range(min(2, -(-(t - 2 * x_tile * TILE_TOKENS) // TILE_TOKENS))):
+            key = (2 * x_tile + half, w_tile)
+            arrivals[key] = arrivals.get(key, 0) + 1
+            if arrivals[key] == splits:  # the last split runs the epilogue
+                order.append(key)
+    want = Replay(spec, c, bias, gamma, pos, freqs)
+    assert sorted(order) == sorted(want.tiles())
+    got = Replay(spec, c, bias, gamma, pos, freqs).run(order)
+    assert torch.equal(got.bits(), want.run(want.tiles()).bits()) and not got.counters.any()
 
 
 @pytest.mark.parametrize("case", SM100_CASES)

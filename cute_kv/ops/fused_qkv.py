@@ -231,9 +231,6 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     if quantized:
         from cute_kv.kernels.qkv.w4 import QKVW4Spec
 
-        if cross_dims and arch == "sm_100a":
-            return fallback("quantized weights with MLA's cross-tile latent (norm or rope-aware rows) on sm_100a: "
-                            "FusedQKVGemmW4Sm100's epilogue has no last-arriver finish yet")
         name = "FusedQKVGemmW4Sm100" if arch == "sm_100a" else "FusedQKVGemmW4"
         return paths.kernel(OP, name, QKVW4Spec(spec, weight_format), arch)
     return paths.kernel(OP, "FusedQKVGemm", spec, arch)
