@@ -239,8 +239,7 @@ FAMILIES = [
            build=lambda k: k.build()),
     # Our SM100 W4 kernel: 4 epilogue warps, MMA, load and 4 transform warps; stages fill shared memory beside the
     # epilogue tile and two TMEM accumulators (one CTA per SM).
-    # MLA's cross-tile latent (the cases past 12 fields) takes the reference with quantized weights on sm_100a.
-    Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(c for c in QKV_W4_CASES if len(c) <= 12), ("sm_100a",),
+    Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), ("sm_100a",),
            lambda k: Plan(k.threads, None, 1), build=lambda k: k.build()),
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
            _attention_plan, head_dim=lambda k: k.head_dim,

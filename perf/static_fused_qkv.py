@@ -275,7 +275,8 @@ def _w4_sm100_records(problems) -> list[dict]:
     from cute_kv.kernels.compile_cache import compile_ptx
     from cute_kv.kernels.qkv.gemm import BN, FusedQKVGemm, QKVSpec
     from cute_kv.kernels.qkv.w4 import FORMATS, K_TILE, TILE_TOKENS, QKVW4Spec
-    from cute_kv.kernels.qkv.w4_sm100 import A_STAGES, THREADS, TOKENS, TRANSFORM_THREADS, FusedQKVGemmW4Sm100
+    from cute_kv.kernels.qkv.w4_sm100 import (A_STAGES, THREADS, TOKENS, TRANSFORM_THREADS, FusedQKVGemmW4Sm100,
+                                              split_k)
 
     records = []
     for name in problems:
@@ -288,11 +289,15 @@ def _w4_sm100_records(problems) -> list[dict]:
             ours = figures(ptx, "sm_100a")
             loop = transform_loop(_sass(ptx, "sm_100a")[1], BN * K_TILE // TRANSFORM_THREADS)
             built = kernel.build()[0]
+            w_tiles = -(-spec.n_total // BN)
+            splits = split_k(w_tiles, 4096 // K_TILE, 148)
             rec = {"bench": "fused-qkv-static", "arch": "sm_100a", "problem": f"{name}-{fmt}", "weight_format": fmt,
                    "tile": [BN, TOKENS, K_TILE], "cluster": list(kernel.cluster_shape), "threads": THREADS,
                    **{f"ours_{k}": v for k, v in ours.items()}, "ours_ab_stages": built.stages,
                    "decoded_stages": A_STAGES, **loop,
                    "bf16_kernel_registers": bf16_registers,
+                   # a decode step (one token tile) at K = 4096 on a B200's 148 SMs: splits per weight tile, CTAs busy
+                   "decode_split_k": splits, "decode_ctas": w_tiles * splits,
                    **epilogue_figures(ours, spec),
                    "staging_bytes": TILE_TOKENS * (BN + 4) * 4}
             print(json.dumps(rec), flush=True)

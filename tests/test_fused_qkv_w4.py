@@ -330,6 +330,10 @@ GPU_CASES = {  # name: (weight maker (rng, n, k), test_fused_qkv_kernel case, ca
     "int4-g128-mla-latent-norm": (lambda rng, n, k: _int4(rng, n, k, 128),
                                   (torch.bfloat16, 1, 8, 576, 64, 256, False, (64, True, 192), True, (0, 512, 0.0)),
                                   {}),
+    # heads of 256 with QK-norm and neox (Gemma 3): finished by the last of a head's two tiles
+    "int4-g128-wide-heads": (lambda rng, n, k: _int4(rng, n, k, 128),
+                             (torch.bfloat16, 2, 4, 256, 16, 256, False, (256, False, None), False, (256, 256, 1.0)),
+                             {}),
 }
 
 

@@ -231,9 +231,6 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     if quantized:
         from cute_kv.kernels.qkv.w4 import QKVW4Spec
 
-        if cross_dims and arch == "sm_100a":
-            return fallback("quantized weights with MLA's cross-tile latent (norm or rope-aware rows) on sm_100a: "
-                            "FusedQKVGemmW4Sm100's epilogue has no last-arriver finish yet")
         name = "FusedQKVGemmW4Sm100" if arch == "sm_100a" else "FusedQKVGemmW4"
         return paths.kernel(OP, name, QKVW4Spec(spec, weight_format), arch)
     return paths.kernel(OP, "FusedQKVGemm", spec, arch)
@@ -288,30 +285,18 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
     return run
 
 
-_LATENT_WORKSPACES: dict = {}
-
-
 def latent_workspace(device, spec, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(workspace, counters)`` for a ``QKVSpec`` with a ``last_arriver`` over ``num_rows`` tokens: float32
     ``[rows, spec.workspace_cols]`` (the latent before its finish, then the tiles' partial sums of squares; or the
     wide heads' columns) with ``rows`` whole M tiles of whole clusters (each CTA writes every row of its tile, past
-    ``num_rows`` too, and counts on its M tile), and ``spec.counter_groups`` int32 arrival counters per M tile, zero
-    between launches (the last arriver resets its counter; they are zeroed once, here).
-
-    Cached per device, stream and row width, grown by powers of two. A launch sizes nothing else, so a CUDA graph
-    captures these pointers: a smaller buffer that a larger one replaces stays alive (the sum is under twice the
-    largest). Launches sharing a stream run in order; launches on different streams get different buffers."""
+    ``num_rows`` too, and counts on its M tile), and ``spec.counter_groups`` int32 arrival counters per M tile
+    (``kernels/qkv/scratch.py``: cached per device and stream, zero between launches)."""
     from cute_kv.kernels.qkv.gemm import CLUSTER_M, CTA_ROWS
+    from cute_kv.kernels.qkv.scratch import scratch
 
     tiles = -(-num_rows // (CTA_ROWS * CLUSTER_M)) * CLUSTER_M  # the grid's M tiles: whole clusters
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, spec.workspace_cols,
-           spec.counter_groups)
-    held = _LATENT_WORKSPACES.setdefault(key, [])
-    if not held or held[-1][1].numel() < tiles * spec.counter_groups:
-        cap = 1 << (tiles - 1).bit_length()
-        held.append((torch.empty((cap * CTA_ROWS, spec.workspace_cols), dtype=torch.float32, device=device),
-                     torch.zeros(cap * spec.counter_groups, dtype=torch.int32, device=device)))
-    return held[-1]
+    return scratch(device, ("latent", spec.counter_groups), tiles * CTA_ROWS, spec.workspace_cols,
+                   tiles * spec.counter_groups)
 
 
 def compile_unit(spec, arch: str) -> tuple:

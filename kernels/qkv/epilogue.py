@@ -444,12 +444,8 @@ def arrive(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, s_l
            threads: cutlass.Constexpr[int], barrier):
     """A tile holding cross columns counts its arrival on its M tile's counter of their group (the latent: one;
     wide heads: one per head); the last of the group's tiles to arrive finishes the group's columns of the M tile's
-    rows (``_finish_latent``, ``_finish_heads``) and resets the counter for the next launch. No tile waits for
-    another, so any persistent schedule completes.
-
-    Ordering: every thread's workspace stores, then its fence (release) and the CTA barrier, happen before thread
-    0's acq_rel atomic; the last arriver's atomic reads the others' releases, and its threads fence (acquire)
-    after the barrier that publishes the verdict, before reading the workspace."""
+    rows (``_finish_latent``, ``_finish_heads``; ``arrived_last``). No tile waits for another, so any persistent
+    schedule completes."""
     holds = cutlass.Boolean(False)
     group = Int32(0)
     count = Int32(0)
@@ -472,24 +468,37 @@ def arrive(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Tensor, s_l
                 group = q_heads + k_tile // (spec.head_dim // bn)
                 count = Int32(spec.head_dim // bn)
     if holds:
-        counter = (params.counters.iterator + m_tile * spec.counter_groups + group).llvm_ptr
-        cute.arch.fence_acq_rel_gpu()
-        barrier.arrive_and_wait()
-        if tidx == 0:
-            arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-            last = Int32(0)
-            if arrived == count - 1:
-                last = Int32(1)
-                # every tile of this group has arrived: none touches the counter again in this launch
-                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
-            s_last[0] = last
-        barrier.arrive_and_wait()
-        if s_last[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
+        counter = params.counters.iterator + m_tile * spec.counter_groups + group
+        if arrived_last(counter, count, s_last, tidx, barrier):
             if const_expr(spec.cross_dims):
                 _finish_latent(spec, s_page, s_pos, params, m_tile * bm, bm, tidx, threads)
             else:
                 _finish_heads(spec, s_page, s_pos, params, m_tile * bm, group, bm, tidx, threads)
+
+
+@cute.jit
+def arrived_last(counter, count: Int32, s_last: cute.Tensor, tidx: Int32, barrier) -> cutlass.Boolean:
+    """Counts the CTA's arrival on ``counter`` (one of ``count`` arrivals per launch): True, after an acquire fence,
+    in the CTA that arrived last, which resets the counter for the next launch.
+
+    Ordering: every thread's global stores, then its fence (release) and the CTA barrier, happen before thread 0's
+    acq_rel atomic; the last arriver's atomic reads the others' releases, and its threads fence (acquire) after the
+    barrier that publishes the verdict, before reading what the others stored."""
+    cute.arch.fence_acq_rel_gpu()
+    barrier.arrive_and_wait()
+    if tidx == 0:
+        arrived = cute.arch.atomic_add(counter.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(0)
+        if arrived == count - 1:
+            last = Int32(1)
+            # every arrival of this launch is in: none touches the counter again
+            cute.arch.atomic_exch(counter.llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
+        s_last[0] = last
+    barrier.arrive_and_wait()
+    last = s_last[0] != 0
+    if last:
+        cute.arch.fence_acq_rel_gpu()
+    return last
 
 
 @cute.jit

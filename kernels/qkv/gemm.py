@@ -19,15 +19,15 @@ on an H100. Rejected: a 256-column tile for these heads (its float32 staging til
 leaves one A/B stage; SM100 would keep two at half the ring), and staging it in 16 bits (a second rounding before
 the norm). ``supported`` says why a shape is refused (the entry then runs the reference).
 
-What still takes the reference (the entry's dispatch): e5m2 caches, and quantized weights with MLA's cross-tile
-latent. Quantized weights (int4 with group scales and zero points, e4m3 with per-channel
-scales) run ``FusedQKVGemmW4`` (``w4.py``: quack's SM90 W4 mainloop with this epilogue staged transposed) on
-sm_90a and ``FusedQKVGemmW4Sm100`` (``w4_sm100.py``: transform warps decoding into the ``tcgen05.mma`` A stage,
-the same epilogue) on sm_100a.
+What still takes the reference (the entry's dispatch): e5m2 caches and the shapes ``supported`` refuses.
+Quantized weights (int4 with group scales and zero points, e4m3 with per-channel scales) run ``FusedQKVGemmW4``
+(``w4.py``: quack's SM90 W4 mainloop with this epilogue staged transposed) on sm_90a and ``FusedQKVGemmW4Sm100``
+(``w4_sm100.py``: transform warps decoding into the ``tcgen05.mma`` A stage, split-K for decode steps, the same
+epilogue, MLA's latent and wide heads included) on sm_100a.
 
 MLA's latent RMSNorm (``kv_lora_rank = 512`` dims, four 128-column tiles) needs a reduction across tiles; so do
 rope-aware FP8 MLA rows, whose per-token scale is the amax of all 512 content dims (after the norm). Built as a
-two-phase "last arriver" epilogue (``QKVSpec.cross_dims``, ``epilogue.latent_arrive``): each CTA holding latent
+two-phase "last arriver" epilogue (``QKVSpec.cross_dims``, ``epilogue.arrive``): each CTA holding latent
 columns writes their float32 values and per-row partial sums of squares to a workspace (``cross_dims`` columns,
 then one partial per tile), fences, and bumps its M tile's counter; the CTA that arrives last (no CTA waits for
 another, so a persistent schedule cannot deadlock) resets the counter for the next launch and finalizes the rows:

@@ -38,9 +38,17 @@ than TMA or its cp.async gather (tied to varlen index tensors), hence a kernel o
 pieces (quack's decode formats through ``w4.decode_format``, the project's epilogue and TMEM helpers, CuTe's
 pipelines).
 
+Split-K (``split_k``): when the weight x token tiles leave SMs idle (a decode step of Llama-3-8B has 48 weight
+tiles for a B200's 148 SMs), each tile's K is split (3 there) and the splits are consecutive persistent tiles, so
+they run at once. A split stages its partial as usual, stores its live token rows to its slot of a float32 scratch
+and counts on its tile (``combine_splits``, the epilogue's ``arrived_last``); the last split adds the slots in split
+order (the same bits whichever is last) and runs the epilogue. Traffic: a partial's round trip of 512 bytes per
+token row and split (at most 64 KB per 128-token tile), against the ~85 KB of int4 weights one of Llama-3-8B's
+three splits of a weight tile reads. e4m3 weights' column scales multiply each partial (the sum of scaled
+partials: within rounding of the reference's scaled sum).
+
 Not yet: 2-CTA (256-row) MMA and multicast clusters, which the bf16 SM100 route has (a weight tile is not shared
-across CTAs: each CTA streams its own); split-K for decode steps, whose grid is the number of 128-row weight
-tiles (48 for Llama-3-8B's 6144 rows, fewer than a B200's 148 SMs). GPU correctness and speed are unmeasured.
+across CTAs: each CTA streams its own). GPU correctness and speed are unmeasured.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.sm100 import tmem_fence_after_sync, tmem_fence_before_sync
 from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies
 from cute_kv.kernels.paged import tma_tiles
-from cute_kv.kernels.qkv.epilogue import EPI_THREADS
+from cute_kv.kernels.qkv.epilogue import EPI_THREADS, VEC, arrived_last
 from cute_kv.kernels.qkv.gemm import BN, FusedQKVGemm
 from cute_kv.kernels.qkv.w4 import (K_TILE, TILE_TOKENS, QKVW4EpilogueArguments, QKVW4EpilogueParams, QKVW4Spec,
                                     TransposedQKVEpilogueMixin, _fake_operand, _padded, check_spec, decode_format,
@@ -81,6 +89,32 @@ EPI_BARRIER_ID = 2  # the epilogue warps (the staging tile's barriers)
 SMEM_BYTES = 227 * 1024
 MAX_STAGES = 6
 M64 = BN // 64  # 64-row weight blocks per tile: the repack's unit (one SM90 warpgroup's rows)
+MAX_SPLITS = 8  # split-K: at most this many CTAs per output tile
+MIN_SPLIT_K_TILES = 4  # nor fewer than this many k-tiles (256 of K) per split: each split pays a partial's round trip
+
+
+def split_k(tiles: int, k_tiles: int, ctas: int) -> int:
+    """Splits of K per output tile when ``tiles`` (weight x token tiles) leave SMs of the ``ctas``-CTA persistent grid
+    idle (decode steps: Llama-3-8B's 48 weight tiles on 148 SMs): as many as fill the grid, within ``MAX_SPLITS``
+    and ``MIN_SPLIT_K_TILES``, then evened out so that no split is empty."""
+    want = min(MAX_SPLITS, ctas // max(tiles, 1), k_tiles // MIN_SPLIT_K_TILES)
+    if want <= 1:
+        return 1
+    per = -(-k_tiles // want)
+    return -(-k_tiles // per)
+
+
+def tile_coords(tile, w_tiles, splits):
+    """``(w_tile, x_tile, split)`` of persistent tile ``tile`` (plain integers or DSL values): a tile's splits are
+    consecutive, so that they run at once and their partials meet while in L2."""
+    wx = tile // splits
+    return wx % w_tiles, wx // w_tiles, tile % splits
+
+
+def k_range(split, splits, k_tiles):
+    """``[k0, k1)``: the k-tiles of ``split`` (non-empty for ``split_k``'s counts)."""
+    per = (k_tiles + splits - 1) // splits
+    return split * per, cutlass.min(split * per + per, k_tiles)
 
 
 def stages(weight_format: str, epi_bytes: int) -> int:
@@ -122,9 +156,12 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
 
     @cute.jit
     def __call__(self, blob: cute.Tensor, sf: Optional[cute.Tensor], hidden: cute.Tensor,
-                 epi: QKVW4EpilogueArguments, max_ctas: Int32, stream: cuda.CUstream):
+                 epi: QKVW4EpilogueArguments, partials: cute.Tensor, split_counters: cute.Tensor, splits: Int32,
+                 max_ctas: Int32, stream: cuda.CUstream):
         """``blob`` ``(256, words, m64, n / BN, k-tiles, 1)`` and ``sf`` ``(bytes, m64, n / BN, k-tiles, 1)``: the
-        repack's views (``w4._fake_operand``); ``hidden`` ``[T, K]`` bf16."""
+        repack's views (``w4._fake_operand``); ``hidden`` ``[T, K]`` bf16. Split-K (``splits`` > 1, ``split_k``):
+        ``partials`` float32 ``[slots * 128, BN]``, a slot per (weight tile, 128-token tile, split), and an int32
+        arrival counter per (weight tile, 128-token tile), zero between launches."""
         tiled_mma = sm100_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K,
                                                        OperandMajorMode.K, Float32, tcgen05.CtaGroup.ONE,
                                                        (BN, TOKENS))
@@ -140,15 +177,17 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         x_layout = tma_tiles.smem_tile_layout(cutlass.BFloat16, TOKENS, K_TILE)
         tma_x, g_x = cpasync.make_tiled_tma_atom(g2s, hidden, x_layout, (TOKENS, K_TILE))
         w_tiles = blob.shape[3]
-        tiles = w_tiles * cute.ceil_div(hidden.shape[0], TOKENS)
+        tiles = w_tiles * cute.ceil_div(hidden.shape[0], TOKENS) * splits
         grid = cutlass.min(tiles, max_ctas)
-        self.kernel(tiled_mma, tma_w, g_w, tma_sf, g_sf, tma_x, g_x, epi, w_tiles, tiles).launch(
+        self.kernel(tiled_mma, tma_w, g_w, tma_sf, g_sf, tma_x, g_x, epi, partials, split_counters, splits, w_tiles,
+                    tiles).launch(
             grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, g_w: cute.Tensor,
                tma_sf: Optional[cute.CopyAtom], g_sf: Optional[cute.Tensor], tma_x: cute.CopyAtom,
-               g_x: cute.Tensor, epi: QKVW4EpilogueArguments, w_tiles: Int32, tiles: Int32):
+               g_x: cute.Tensor, epi: QKVW4EpilogueArguments, partials: cute.Tensor, split_counters: cute.Tensor,
+               splits: Int32, w_tiles: Int32, tiles: Int32):
         params = QKVW4EpilogueParams(*epi)
         n_stages = self.stages
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -157,9 +196,11 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         k_tiles = cute.size(g_x, mode=[1]) // K_TILE
 
         smem = SmemAllocator()
-        storage = smem.allocate(cute.struct(type("W4Sm100Storage", (), {
-            "__annotations__": {"epi": self.epi_get_smem_struct(params)}})))
+        storage = smem.allocate(cute.struct(type("W4Sm100Storage", (), {"__annotations__": {
+            "epi": self.epi_get_smem_struct(params),
+            "split_last": cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]}})))  # split-K's verdict
         epi_smem = self.epi_get_smem_tensors(params, storage)
+        s_split_last = storage.split_last.get_tensor(cute.make_layout(4))
         load_bars = smem.allocate_array(cutlass.Int64, 2 * n_stages)
         x_bars = smem.allocate_array(cutlass.Int64, 2 * n_stages)
         a_bars = smem.allocate_array(cutlass.Int64, 2 * A_STAGES)
@@ -211,14 +252,15 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
 
         if warp_idx == LOAD_WARP:
             self.load(tma_w, g_w, tma_sf, g_sf, tma_x, g_x, s_w, s_sf, s_x, load_pipe, x_pipe, first_tile, step,
-                      tiles, w_tiles, k_tiles)
+                      tiles, w_tiles, k_tiles, splits)
         if warp_idx >= TRANSFORM_WARPS[0]:
-            self.transform(s_w, s_sf, s_a, load_pipe, a_pipe, first_tile, step, tiles, k_tiles)
+            self.transform(s_w, s_sf, s_a, load_pipe, a_pipe, first_tile, step, tiles, k_tiles, splits)
         if warp_idx == MMA_WARP:
             self.mma(tiled_mma, thr_mma, s_a, s_x, t_acc, a_pipe, x_pipe, acc_pipe, first_tile, step, tiles,
-                     k_tiles)
+                     k_tiles, splits)
         if warp_idx < MMA_WARP:
-            self.epilogue(params, epi_smem, t_acc, acc_pipe, first_tile, step, tiles, w_tiles)
+            self.epilogue(params, epi_smem, t_acc, acc_pipe, first_tile, step, tiles, w_tiles,
+                          (partials, split_counters, splits, s_split_last))
         tmem_fence_before_sync()
         cute.arch.sync_threads()
         tmem_fence_after_sync()
@@ -229,14 +271,15 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
              g_sf: Optional[cute.Tensor], tma_x: cute.CopyAtom, g_x: cute.Tensor, s_w: cute.Tensor,
              s_sf: Optional[cute.Tensor], s_x: cute.Tensor, load_pipe: pipeline.PipelineTmaAsync,
              x_pipe: pipeline.PipelineTmaUmma, first_tile: Int32, step: Int32, tiles: Int32, w_tiles: Int32,
-             k_tiles: Int32):
-        """Load warp: per k-tile the packed weights and strip (to the transform warps) and the hidden tile (to the
-        MMA), each under its own stage barrier."""
+             k_tiles: Int32, splits: Int32):
+        """Load warp: per k-tile of the tile's split the packed weights and strip (to the transform warps) and the
+        hidden tile (to the MMA), each under its own stage barrier."""
         w_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         x_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         one = cute.make_layout(1)
         for tile in cutlass.range(first_tile, tiles, step, unroll=1):
-            w_tile, x_tile = tile % w_tiles, tile // w_tiles
+            w_tile, x_tile, split = tile_coords(tile, w_tiles, splits)
+            k0, k1 = k_range(split, splits, k_tiles)
             t_sw, t_gw = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(s_w, 0, 3),
                                                cute.group_modes(g_w[None, None, None, w_tile, None], 0, 3))
             t_ssf = t_gsf = None
@@ -246,7 +289,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             g_tile = cute.local_tile(g_x, (TOKENS, K_TILE), (x_tile, None))
             t_sx, t_gx = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(s_x, 0, 2),
                                                cute.group_modes(g_tile, 0, 2))
-            for kt in cutlass.range(k_tiles, unroll=1):
+            for kt in cutlass.range(k0, k1, unroll=1):
                 load_pipe.producer_acquire(w_write)
                 bar = load_pipe.producer_get_barrier(w_write)
                 cute.copy(tma_w, t_gw[None, kt], t_sw[None, w_write.index], tma_bar_ptr=bar)
@@ -263,7 +306,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
     @cute.jit
     def transform(self, s_w: cute.Tensor, s_sf: Optional[cute.Tensor], s_a: cute.Tensor,
                   load_pipe: pipeline.PipelineTmaAsync, a_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
-                  step: Int32, tiles: Int32, k_tiles: Int32):
+                  step: Int32, tiles: Int32, k_tiles: Int32, splits: Int32):
         """Transform warps: thread ``t`` is SM90 warpgroup thread ``t`` of each 64-row block. Its words and strip
         words come to registers, the stage goes back to the load warp, the SM90 decode makes the 4 bf16x2
         fragment registers of each k16 block, and each pair is stored at rows ``16 * (t // 32) + (t % 32) // 4
@@ -283,8 +326,9 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         pair = cute.recast_tensor(pair16, Int32)
         w_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         a_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, A_STAGES)
-        for _tile in cutlass.range(first_tile, tiles, step, unroll=1):
-            for _kt in cutlass.range(k_tiles, unroll=1):
+        for tile in cutlass.range(first_tile, tiles, step, unroll=1):
+            k0, k1 = k_range(tile % splits, splits, k_tiles)
+            for _kt in cutlass.range(k0, k1, unroll=1):
                 load_pipe.consumer_wait(w_read)
                 for m in cutlass.range_constexpr(M64):
                     cute.autovec_copy(s_w32[None, t, m, w_read.index], xw[None, m])
@@ -309,7 +353,8 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
     @cute.jit
     def mma(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, s_a: cute.Tensor, s_x: cute.Tensor,
             t_acc: cute.Tensor, a_pipe: pipeline.PipelineAsyncUmma, x_pipe: pipeline.PipelineTmaUmma,
-            acc_pipe: pipeline.PipelineUmmaAsync, first_tile: Int32, step: Int32, tiles: Int32, k_tiles: Int32):
+            acc_pipe: pipeline.PipelineUmmaAsync, first_tile: Int32, step: Int32, tiles: Int32, k_tiles: Int32,
+            splits: Int32):
         """MMA warp: ``C^T[w, x] = sum_k W[w, k] X[x, k]``, 4 k16 MMAs per k-tile; a stage of each ring is released
         by the commit of the MMAs that read it, the accumulator by the commit after the tile's last."""
         t_ra = tiled_mma.make_fragment_A(thr_mma.partition_A(s_a))
@@ -317,11 +362,12 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         a_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, A_STAGES)
         x_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         acc_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACC_STAGES)
-        for _tile in cutlass.range(first_tile, tiles, step, unroll=1):
+        for tile in cutlass.range(first_tile, tiles, step, unroll=1):
+            k0, k1 = k_range(tile % splits, splits, k_tiles)
             acc_pipe.producer_acquire(acc_write)
             acc = t_acc[None, None, None, acc_write.index]
             tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-            for _kt in cutlass.range(k_tiles, unroll=1):
+            for _kt in cutlass.range(k0, k1, unroll=1):
                 a_pipe.consumer_wait(a_read)
                 x_pipe.consumer_wait(x_read)
                 for kb in cutlass.range_constexpr(K_TILE // 16):
@@ -339,14 +385,16 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
     @cute.jit
     def epilogue(self, params: QKVW4EpilogueParams, epi_smem: dict, t_acc: cute.Tensor,
                  acc_pipe: pipeline.PipelineUmmaAsync, first_tile: Int32, step: Int32, tiles: Int32,
-                 w_tiles: Int32):
+                 w_tiles: Int32, split_k: tuple):
         """Epilogue warps: thread ``r`` holds TMEM lane ``r``, weight row ``r`` of the tile. A tile's 256 tokens
         leave as two 128-token epilogue tiles (the second only when it holds rows of the step: not in a decode step);
-        the accumulator is released after its last TMEM read, before the last epilogue tile's stores."""
+        the accumulator is released after its last TMEM read, before the last epilogue tile's stores. ``split_k``:
+        ``(partials, counters, splits, verdict word)`` (``combine_splits``)."""
         tidx = cute.arch.thread_idx()[0]
+        splits = split_k[2]
         acc_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
         for tile in cutlass.range(first_tile, tiles, step, unroll=1):
-            w_tile, x_tile = tile % w_tiles, tile // w_tiles
+            w_tile, x_tile, split = tile_coords(tile, w_tiles, splits)
             scale = None  # e4m3 weights: C[:, n] * s[n], the reference's order
             if cutlass.const_expr(params.column_scales is not None):
                 scale = params.column_scales[w_tile * BN + tidx]
@@ -356,16 +404,17 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             acc = t_acc[None, None, None, acc_read.index]
             for half in cutlass.range(halves, unroll=1):
                 self.drain(params, epi_smem, acc, scale, w_tile, 2 * x_tile + half, half * TILE_TOKENS,
-                           half == halves - 1, acc_pipe, acc_read, tidx)
+                           half == halves - 1, acc_pipe, acc_read, tidx, split_k, split)
             acc_read.advance()
 
     @cute.jit
     def drain(self, params: QKVW4EpilogueParams, epi_smem: dict, acc: cute.Tensor, scale: Optional[Float32],
               w_tile: Int32, epi_tile: Int32, col0: Int32, last, acc_pipe: pipeline.PipelineUmmaAsync,
-              acc_read: pipeline.PipelineState, tidx: Int32):
+              acc_read: pipeline.PipelineState, tidx: Int32, split_k: tuple, split: Int32):
         """Tokens ``[col0, col0 + 128)`` of the accumulator (128-token epilogue tile ``epi_tile``): this thread's row
         staged as column ``tidx`` of the float32 tile (consecutive lanes, consecutive words), then the bf16 kernel's
-        bias / norm / RoPE / store passes (``epi_begin``, ``epi_end``)."""
+        bias / norm / RoPE / store passes (``epi_begin``, ``epi_end``); split-K: by the split that completes the
+        sum (``combine_splits``)."""
         coord = (w_tile, epi_tile, None, 0)
         tensors = self.epi_begin(params, epi_smem, None, None, None, coord, None, None, tidx)
         s_c = tensors[0]
@@ -381,7 +430,44 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
             cute.arch.fence_view_async_tmem_load()
             tmem_fence_before_sync()
             acc_pipe.consumer_release(acc_read)
-        self.epi_end(params, tensors, None, None, None, coord, None, tidx)
+        finishes = cutlass.Boolean(True)
+        if split_k[2] > 1:
+            finishes = self.combine_splits(s_c, split_k, w_tile, epi_tile, split, params.output.shape[0], tidx)
+        if finishes:
+            self.epi_end(params, tensors, None, None, None, coord, None, tidx)
+
+    @cute.jit
+    def combine_splits(self, s_c: cute.Tensor, split_k: tuple, w_tile: Int32, epi_tile: Int32, split: Int32,
+                       num_rows: Int32, tidx: Int32) -> cutlass.Boolean:
+        """Split-K: the staged partial's live token rows go to the split's slot of ``partials``; the split that
+        arrives last on the tile's counter (``arrived_last``) adds the slots in split order into the staged tile
+        (the same bits whichever split is last) and returns True: it runs the epilogue. Thread ``t`` takes the
+        8 columns ``8 (t % 16)`` of rows ``t // 16 + 8 i``: 512-byte rows of 16-byte stores."""
+        partials, counters, splits, s_last = split_k
+        chunks = BN // VEC
+        col = (tidx % chunks) * VEC
+        rows = cutlass.min(TILE_TOKENS, num_rows - epi_tile * TILE_TOKENS)
+        epi_tiles = 2 * cute.ceil_div(num_rows, TOKENS)
+        counter = w_tile * epi_tiles + epi_tile
+        vals = cute.make_rmem_tensor((VEC,), Float32)
+        part = cute.make_rmem_tensor((VEC,), Float32)
+        self.epilogue_barrier.arrive_and_wait()  # the whole partial is staged
+        for r in cutlass.range(tidx // chunks, rows, EPI_THREADS // chunks, unroll=1):
+            cute.autovec_copy(cute.local_tile(s_c[r, None], (VEC,), (col // VEC,)), vals)
+            slot_row = (counter * splits + split) * TILE_TOKENS + r
+            cute.autovec_copy(vals, cute.local_tile(partials[slot_row, None], (VEC,), (col // VEC,)))
+        last = arrived_last(counters.iterator + counter, splits, s_last, tidx, self.epilogue_barrier)
+        if last:
+            for r in cutlass.range(tidx // chunks, rows, EPI_THREADS // chunks, unroll=1):
+                first_row = counter * splits * TILE_TOKENS + r
+                cute.autovec_copy(cute.local_tile(partials[first_row, None], (VEC,), (col // VEC,)), vals)
+                for k in cutlass.range(1, splits, unroll=1):
+                    cute.autovec_copy(cute.local_tile(partials[first_row + k * TILE_TOKENS, None], (VEC,),
+                                                      (col // VEC,)), part)
+                    for e in cutlass.range_constexpr(VEC):
+                        vals[e] = vals[e] + part[e]
+                cute.autovec_copy(vals, cute.local_tile(s_c[r, None], (VEC,), (col // VEC,)))
+        return last
 
 
 class FusedQKVGemmW4Sm100:
@@ -394,9 +480,6 @@ class FusedQKVGemmW4Sm100:
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
         check_spec(spec, arch, ARCH, "FusedQKVGemmW4Sm100")
-        if spec.qkv.cross_dims or spec.qkv.rope_tail:
-            raise ValueError("FusedQKVGemmW4Sm100's epilogue has no last-arriver finish: MLA's cross-tile latent "
-                             "(cross_dims, rope_tail) takes the reference with quantized weights on sm_100a")
         assert decode_format(spec.weight_format).tile_k == K_TILE, "a stage is one 64-deep k-tile of every format"
         self.spec, self.arch = spec, arch
 
@@ -408,22 +491,34 @@ class FusedQKVGemmW4Sm100:
         return (W4Sm100Kernel(self.spec), *self.fake_args())
 
     def fake_args(self) -> tuple:
-        from cutlass.cute.runtime import make_fake_compact_tensor
+        from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
         s = self.spec.qkv
         n = _padded(s.n_total)
         operand = _fake_operand(self.fmt, n)
         hidden, _, _, _, epi, _, _, stream, *_ = FusedQKVGemm(s, "sm_100a").fake_args()
         col_scales = make_fake_compact_tensor(Float32, (n,), assumed_align=4) if self.spec.column_scales else None
-        return (operand.blob, operand.sf, hidden, QKVW4EpilogueArguments(*epi, col_scales), Int32(1), stream)
+        partials = make_fake_tensor(Float32, (cute.sym_int32(), BN), stride=(BN, 1), assumed_align=16)
+        split_counters = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
+        return (operand.blob, operand.sf, hidden, QKVW4EpilogueArguments(*epi, col_scales), partials, split_counters,
+                Int32(1), Int32(1), stream)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int) -> tuple:
-        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one."""
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+        """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
+        ``workspace``/``counters``: a last arriver's (``FusedQKVGemm.args``). Split-K's count (``split_k``) and
+        scratch (``kernels/qkv/scratch.py``) are chosen here, from the tiles and the grid."""
         from quack.operand_transform.host import w4_operand_views
+
+        from cute_kv.kernels.qkv.scratch import scratch
 
         blob, sf, col_scales = prepare_weight(weight)
         operand = w4_operand_views(self.fmt, blob, sf, BN)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, column_scales=col_scales)
-        return operand.blob, operand.sf, hidden, epi, Int32(max_active_clusters)
+                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, col_scales)
+        w_tiles, epi_tiles = operand.blob.shape[3], 2 * -(-hidden.shape[0] // TOKENS)
+        splits = split_k(w_tiles * epi_tiles // 2, hidden.shape[1] // K_TILE, max_active_clusters)
+        partials, split_counters = scratch(hidden.device, "split_k", w_tiles * epi_tiles * splits * TILE_TOKENS
+                                           if splits > 1 else 1, BN, w_tiles * epi_tiles if splits > 1 else 1)
+        return (operand.blob, operand.sf, hidden, epi, partials, split_counters, Int32(splits),
+                Int32(max_active_clusters))
