@@ -301,10 +301,12 @@ def test_workspace_counts_a_counter_per_head():
     assert counters.numel() >= 4 * 24 and not counters.any()
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("quantized", [False, True])
-def test_launcher_passes_the_workspace(rng, monkeypatch, quantized):
+def test_launcher_passes_the_workspace(rng, monkeypatch, quantized, arch):
     """The launcher hands a last-arriver kernel its workspace and counters, a quantized weight's (``QKVW4Spec``,
-    whose ``QKVSpec`` holds the flag) too: captured in place of the compiled kernel (no GPU needed)."""
+    whose ``QKVSpec`` holds the flag) too, on both archs: captured in place of the compiled kernel (no GPU
+    needed)."""
     from cute_kv.kernels import compile_cache as cache
     from cute_kv.ops import fused_qkv
     from test_fused_qkv_w4 import _int4
@@ -317,9 +319,10 @@ def test_launcher_passes_the_workspace(rng, monkeypatch, quantized):
     weight = torch.randn(16 * 256 + 2 * 8 * 256, 256).to(torch.bfloat16)
     if quantized:
         weight = _int4(rng, *weight.shape, 128)
-    path = plan(pb.collection, hidden, weight, rope, "sm_90a", norm)
-    assert path.kernel == ("FusedQKVGemmW4" if quantized else "FusedQKVGemm")
-    fused_qkv._launcher(path.key, "sm_90a", norm)(hidden, pb.input_row_offsets, weight, pb.collection, 0, rope=rope)
+    path = plan(pb.collection, hidden, weight, rope, arch, norm)
+    w4 = "FusedQKVGemmW4Sm100" if arch == "sm_100a" else "FusedQKVGemmW4"
+    assert path.kernel == (w4 if quantized else "FusedQKVGemm")
+    fused_qkv._launcher(path.key, arch, norm)(hidden, pb.input_row_offsets, weight, pb.collection, 0, rope=rope)
     (args,) = calls
     epi = next(a for a in args if hasattr(a, "workspace"))
     spec = getattr(path.key, "qkv", path.key)

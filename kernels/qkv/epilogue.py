@@ -56,7 +56,7 @@ class QKVEpilogueArguments(NamedTuple):
     k_norm: Optional[cute.Tensor] = None  # [C_k] float32
     scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32 (e8m0: uint8 bytes)
     workspace: Optional[cute.Tensor] = None  # [rows, QKVSpec.workspace_cols] float32: the latent before its finish
-    counters: Optional[cute.Tensor] = None  # [M tiles] int32, zero between launches: latent tiles arrived
+    counters: Optional[cute.Tensor] = None  # [M tiles * counter_groups] int32, zero between launches: tiles arrived
 
 
 @dataclass
