@@ -171,16 +171,21 @@ class Replay:
         return out
 
 
-def _problem(spec, new, seed):
-    """A random step: ``(accumulator c, bias, gamma, positions, freqs, offsets, cache lengths)``."""
+def random_step(spec, new, seed):
+    """A random step of ``new`` tokens per request after random cache lengths: ``(generator, accumulator c, bias,
+    positions, offsets, cache lengths)``; the generator draws what the caller adds."""
     g = torch.Generator().manual_seed(seed)
     cached = [int(x) for x in torch.randint(0, 300, (len(new),), generator=g)]
     offsets = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int64)
-    t = int(offsets[-1])
-    c = torch.randn(t, spec.n_total, generator=g) * 3
+    c = torch.randn(int(offsets[-1]), spec.n_total, generator=g) * 3
     bias = torch.randn(spec.n_total, generator=g) if spec.has_bias else None
+    return g, c, bias, positions(offsets, torch.tensor(cached)), offsets, cached
+
+
+def _problem(spec, new, seed):
+    """A random step: ``(accumulator c, bias, gamma, positions, freqs, offsets, cache lengths)``."""
+    g, c, bias, pos, offsets, cached = random_step(spec, new, seed)
     gamma = torch.rand(spec.k_norm_dim or spec.cross_dims, generator=g) + 0.5
-    pos = positions(offsets, torch.tensor(cached))
     freqs = RopeConfig.from_theta(spec.rope[0], 1024, interleaved=True).freqs_cis
     return c, bias, gamma, pos, freqs, offsets, cached
 

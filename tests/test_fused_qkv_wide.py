@@ -25,7 +25,6 @@ from cute_kv import reference as ref
 from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import latent_workspace, plan
 from cute_kv.reference.batch import random_paged_batch
-from cute_kv.reference.ragged import positions
 from cute_kv.reference.rope import apply_rope
 
 from numerics import bits, rel_err
@@ -35,7 +34,7 @@ from cute_kv.kernels.qkv.gemm import BN, CTA_ROWS, FusedQKVGemm, QKVSpec, suppor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_fused_qkv_gemm import MMA, _bare_ptx, ptxas_report  # noqa: E402
-from test_fused_qkv_latent import _butterfly  # noqa: E402
+from test_fused_qkv_latent import _butterfly, random_step  # noqa: E402
 
 VEC, LANES = 8, BN // 8
 # Gemma 3 12B's attention: 16 Q heads and 8 K/V heads of 256, QK-norm (weight offset 1), neox RoPE over the head
@@ -210,15 +209,9 @@ class Replay:
 
 
 def _problem(spec, new, seed):
-    g = torch.Generator().manual_seed(seed)
-    cached = [int(x) for x in torch.randint(0, 300, (len(new),), generator=g)]
-    offsets = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int64)
-    t = int(offsets[-1])
-    c = torch.randn(t, spec.n_total, generator=g) * 3
-    bias = torch.randn(spec.n_total, generator=g) if spec.has_bias else None
+    g, c, bias, pos, offsets, cached = random_step(spec, new, seed)
     q_gamma = torch.rand(spec.q_norm_dim, generator=g) - 0.5 if spec.q_norm_dim else None
     k_gamma = torch.rand(spec.k_norm_dim, generator=g) - 0.5 if spec.k_norm_dim else None
-    pos = positions(offsets, torch.tensor(cached))
     freqs = RopeConfig.from_theta(spec.rope[0], 1024).freqs_cis
     return c, bias, q_gamma, k_gamma, pos, freqs, offsets, cached
 
