@@ -4,6 +4,10 @@ skipped without the tools) and ``gpu`` (skipped without CUDA)."""
 import pytest
 import torch
 
+import host_builtins
+
+host_builtins.provide()  # before any test runs kernel code on the host (GCC 12's libgcc_s lacks __truncsfbf2)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
