@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Optional
+from typing import Callable, Optional
 
 # SM90 and SM100 alike, for what the occupancy rules need (CUDA occupancy calculator, compute capability 9.0/10.0).
 REGS_PER_SM = 64 * 1024
@@ -480,15 +480,20 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
     return rec
 
 
-def analyze_config(config, keep_dir: Optional[str] = None) -> dict:
-    """Compile one ``cute_kv.kernels.catalog`` configuration and analyze it beside its plan."""
-    from cute_kv.kernels import compile_cache
-
+def analyze_config(config, keep_dir: Optional[str] = None, compiled: Optional[Callable] = None) -> dict:
+    """Compile one ``cute_kv.kernels.catalog`` configuration and analyze it beside its plan. ``compiled(kernel,
+    arch)`` may supply the ``(ptx, host IR)`` of a compile made elsewhere (the tests' run-wide cache)."""
     kernel = config.kernel()
-    fn = compile_cache.compile_uncached(lambda: config.family.build(kernel), config.arch)
+    if compiled is None:
+        from cute_kv.kernels import compile_cache
+
+        fn = compile_cache.compile_uncached(lambda: config.family.build(kernel), config.arch)
+        ptx, host_ir = fn.__ptx__, str(fn.ir_module)
+    else:
+        ptx, host_ir = compiled(kernel, config.arch)
     head_dim = config.family.head_dim(kernel) if config.family.head_dim else None
     rec = {"kernel": config.family.name, "config": config.label, "impl": "cute-kv"}
-    rec.update(analyze(fn.__ptx__, config.arch, launch_from_host_ir(str(fn.ir_module)), head_dim, keep_dir))
+    rec.update(analyze(ptx, config.arch, launch_from_host_ir(host_ir), head_dim, keep_dir))
     plan = config.family.plan(kernel)
     rec.update(plan_threads=plan.threads, plan_smem=plan.smem, plan_ctas_per_sm=plan.ctas_per_sm,
                register_budget=plan.register_budget)

@@ -212,7 +212,9 @@ def tensor_parallel_pipeline(rank: int, world: int, port: int) -> None:
         ref = hidden
         for l in range(stop):
             ref = residual(full[l])(ref, r.input_row_offsets[0], r.collections[0], l)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        # Five layers of sharded matmuls summed across ranks round differently from the unsharded ones: float32
+        # rounding (~1e-5 of these activations near 0.1), not a wrong shard, which would be off by the activations.
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=5e-5)
         mgr.commit()
         unsplit.commit()
         for rid in rids:  # this rank's heads of this stage's layers

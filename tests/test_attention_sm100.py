@@ -17,6 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import artifacts
+
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, tiling
 from cute_kv.ops.paged_attention import plan, window_arg
@@ -320,11 +322,10 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
 @pytest.mark.compile
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:5])) + ("-flags" if c[5:] else ""))
 def test_sm100_ptx(case, tmp_path):
-    from cute_kv.kernels import compile_cache
     from cute_kv.kernels.attention.sm100 import FP8_REGS, PagedAttentionSm100
 
     kernel = PagedAttentionSm100(*case[:5], **(case[5] if case[5:] else {}))
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
     d, bn, page = kernel.head_dim, kernel.bn, kernel.page_size
     # One QK (D/16 MMAs of K=16, Q and K from shared memory) and one PV (BN/16, A = P from TMEM: ``[d], [a], b``)
     # per key tile, M=128, fp32 accumulators in TMEM.
@@ -511,13 +512,12 @@ def test_sm100_flags_match_the_oracle(splits, monkeypatch):
 def test_sm100_fp8_scales_decode_and_bound_as_torch():
     """e8m0 bytes 0 and 255 decode to torch's float32 bits (2^-127, NaN 0x7F800001), and every scale read is bounded
     by the scale view in 64 bits (one shared helper with SM90: ``quant.granule_scale``)."""
-    from cute_kv.kernels import compile_cache
     from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
     from cute_kv.kernels.quant import E8M0_MIN_BITS, E8M0_NAN_BITS
 
     kernel = PagedAttentionSm100("float16", 8, 1, 256, 128, kv_dtype_name="float8_e4m3fn", granularity=64,
                                  e8m0_scales=True)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
     loads = len(re.findall(r"ld\.global\.(?:nc\.)?[ub]8", ptx))
     assert loads and all(ptx.count(f"0f{bits:08X}") == loads for bits in (E8M0_MIN_BITS, E8M0_NAN_BITS))
     assert "0f7FC00000" not in ptx

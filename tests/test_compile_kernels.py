@@ -6,6 +6,8 @@ import re
 import pytest
 import torch
 
+import artifacts
+
 from cute_kv.kernels import compile_cache
 from cute_kv.kernels.catalog import (ARCHS, ATTENTION_CASES, COMBINE_CASES, GATHER_CASES, STORE_CASES,
                                      STORE_FP8_CASES)
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.compile
 @pytest.mark.parametrize("case", GATHER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_gather_ptx(arch, case):
     kernel = PagedKVGather(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    ptx = artifacts.compiled(kernel, arch).ptx
     assert f".target {arch}" in ptx
     # One TMA box per 128 bytes of head dim, addressed by (dim, slot, [head,] physical page): extent-1 modes fold.
     loads = re.findall(r"cp\.async\.bulk\.tensor\.[2-5]d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
@@ -38,7 +40,7 @@ def test_paged_kv_gather_ptx(arch, case):
 @pytest.mark.parametrize("case", STORE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_ptx(arch, case):
     kernel = PagedKVStore(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    ptx = artifacts.compiled(kernel, arch).ptx
     assert f".target {arch}" in ptx
     # Every copied vector is one 16-byte load and one 16-byte store (v4.b32, or v2.b64 for float32 on sm_100a),
     # all of a thread's loads unrolled ahead of its stores.
@@ -52,7 +54,7 @@ def test_paged_kv_store_ptx(arch, case):
 @pytest.mark.parametrize("case", STORE_FP8_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_fp8_ptx(arch, case):
     kernel = PagedKVStore(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    ptx = artifacts.compiled(kernel, arch).ptx
     vectors = kernel.kv_dim * kernel.vecs_per_thread  # 8 values each
     lanes = case[-1] // 8  # lanes per granule: log2 butterfly steps for its amax
     assert ptx.count("shfl.sync.bfly.b32") == vectors * int(math.log2(lanes))
@@ -167,14 +169,14 @@ def test_paged_attention_is_sm90_only():
     """wgmma does not exist on sm_100a: the kernel does not compile there (the op runs the reference instead)."""
     kernel = PagedAttention(*ATTENTION_CASES[0])
     with pytest.raises(Exception, match="sm_90a"):
-        compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+        artifacts.compiled(kernel, "sm_100a").ptx
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("case", COMBINE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_attention_combine_ptx(arch, case):
     kernel = AttentionCombine(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    ptx = artifacts.compiled(kernel, arch).ptx
     assert f".target {arch}" in ptx
     assert _count(r"ld\.global\.v4\.(?:b32|f32)", ptx) == 1  # 16 bytes of a split's partial per thread
     assert _count(r"st\.global\.v2\.b32", ptx) == 1  # four 16-bit outputs
@@ -228,7 +230,7 @@ def test_paged_attention_fp8_scales_ptx(case):
     from cute_kv.kernels.quant import E8M0_MIN_BITS, E8M0_NAN_BITS
 
     kernel = PagedAttention(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    ptx = artifacts.compiled(kernel, "sm_90a").ptx
     per_row = kernel.num_kv_heads * kernel.head_dim // kernel.granularity
     vectors = 2 * kernel.head_dim // 16  # at least one scale per 16 dequantized dims of a K and a V row
     if kernel.e8m0_scales:
@@ -248,7 +250,7 @@ def test_paged_attention_fp8_release_after_barrier(case):
     reads of it: after a tile's last conversion only V's 16-bit stage is committed, then the barrier, then the
     release."""
     kernel = PagedAttention(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    ptx = artifacts.compiled(kernel, "sm_90a").ptx
     lines = ptx.splitlines()
     last_read = max(i for i, line in enumerate(lines) if "cvt.rn.f16x2.e4m3x2" in line)
     sync = next(i for i in range(last_read, len(lines)) if re.match(r"\s*(?:bar|barrier)\.sync\s+\d+, 128;", lines[i]))
@@ -287,10 +289,10 @@ def test_row_writers_skip_pages_outside_the_cache(kind):
         from cute_kv.kernels.qkv.gemm import FusedQKVGemm, QKVSpec
 
         qkv = FusedQKVGemm(QKVSpec("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False)), "sm_90a")
-        ptx, page_size = compile_cache.compile_ptx(qkv.build, "sm_90a"), 16
+        ptx, page_size = artifacts.compiled(qkv, "sm_90a").ptx, 16
     else:
         kernel = {"store": lambda: PagedKVStore("bfloat16", 2, 16, 8, 128),
                   "store_fp8": lambda: PagedKVStore("bfloat16", 2, 64, 2, 128, 32)}[kind]()
-        ptx, page_size = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a"), kernel.page_size
+        ptx, page_size = artifacts.compiled(kernel, "sm_90a").ptx, kernel.page_size
     column_checked, entries_checked = _page_guards(ptx, page_size)
     assert column_checked and entries_checked == [True]  # one lookup read per resolved row, checked

@@ -12,10 +12,11 @@ import sys
 import pytest
 import torch
 
+import artifacts
+
 import cute_kv
 from cute_kv import RopeConfig
 from cute_kv.dtypes import is_fp8
-from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import plan
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
@@ -50,7 +51,7 @@ def _spec(case) -> QKVSpec:
 
 @functools.lru_cache(maxsize=None)
 def _ptx(case: str, arch: str) -> str:
-    return compile_cache.compile_ptx(FusedQKVGemm(_spec(case), arch).build, arch)
+    return artifacts.compiled(FusedQKVGemm(_spec(case), arch), arch).ptx
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,10 +16,11 @@ import sys
 import pytest
 import torch
 
+import artifacts
+
 import cute_kv
 from cute_kv import RopeConfig
 from cute_kv import reference as ref
-from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import latent_workspace, plan
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
@@ -326,7 +327,7 @@ def test_latent_workspace_covers_the_grid(arch, t, monkeypatch):
 
 @functools.lru_cache(maxsize=None)
 def _ptx(case, arch):
-    return compile_cache.compile_ptx(FusedQKVGemm(PTX_CASES[case], arch).build, arch)
+    return artifacts.compiled(FusedQKVGemm(PTX_CASES[case], arch), arch).ptx
 
 
 @pytest.mark.compile

@@ -15,11 +15,12 @@ import sys
 import pytest
 import torch
 
+import artifacts
+
 import cute_kv
 from cute_kv import RopeConfig
 from cute_kv import reference as ref
 from cute_kv.dtypes import is_fp8
-from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import plan
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
@@ -265,7 +266,7 @@ def _w4(case) -> FusedQKVGemmW4:
 
 @functools.lru_cache(maxsize=None)
 def _ptx(case):
-    return compile_cache.compile_ptx(_w4(case).build, "sm_90a")
+    return artifacts.compiled(_w4(case), "sm_90a").ptx
 
 
 @pytest.mark.compile

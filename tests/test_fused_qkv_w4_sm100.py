@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from cute_kv.kernels import compile_cache
+import artifacts
+
 from cute_kv.reference.weights import dequantize
 
 pytest.importorskip("quack")
@@ -118,7 +119,7 @@ def _w4(case) -> FusedQKVGemmW4Sm100:
 
 @functools.lru_cache(maxsize=None)
 def _ptx(case):
-    return compile_cache.compile_ptx(_w4(case).build, "sm_100a")
+    return artifacts.compiled(_w4(case), "sm_100a").ptx
 
 
 UTCMMA = r"tcgen05\.mma\.cta_group::1\.kind::f16"

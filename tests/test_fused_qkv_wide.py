@@ -18,11 +18,12 @@ import pytest
 import torch
 from cutlass.cute.runtime import from_dlpack
 
+import artifacts
+
 import cute_kv
 import host_plans
 from cute_kv import QKNorm, RopeConfig
 from cute_kv import reference as ref
-from cute_kv.kernels import compile_cache
 from cute_kv.ops.fused_qkv import latent_workspace, plan
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.rope import apply_rope
@@ -327,7 +328,7 @@ def test_launcher_passes_the_workspace(rng, monkeypatch, quantized, arch):
 
 @functools.lru_cache(maxsize=None)
 def _ptx(case, arch):
-    return compile_cache.compile_ptx(FusedQKVGemm(CASES[case], arch).build, arch)
+    return artifacts.compiled(FusedQKVGemm(CASES[case], arch), arch).ptx
 
 
 @pytest.mark.compile

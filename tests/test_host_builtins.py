@@ -5,7 +5,6 @@ converts the same way."""
 import ctypes
 import struct
 
-import pytest
 import torch
 
 import cutlass

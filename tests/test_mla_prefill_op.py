@@ -10,6 +10,8 @@ import subprocess
 import pytest
 import torch
 
+import artifacts
+
 import cute_kv
 from cute_kv.ops import mla_prefill as op
 from cute_kv.reference.batch import random_paged_batch
@@ -303,14 +305,12 @@ def test_sm100_value_dims():
 @pytest.mark.compile
 def test_sm100_192_128_ptx():
     """DeepSeek's decompressed heads (128 of them, as a TP-1 prefill runs): K of 192, V of 128 in pages of 128."""
-    from cute_kv.kernels import compile_cache
-
     (_, build), _ = op.compile_units(op.plan([(4096, 4096)], dtype="bfloat16", arch="sm_100a", **DS).kernel.key,
                                      "sm_100a")
     kernel, *_ = build()
     assert (kernel.head_dim, kernel.v_dim, kernel.bn, kernel.stages, kernel.gather4) == (192, 128, 128, 2, False)
     assert kernel.plan.tmem_columns == 384 and kernel.plan.smem == 214016
-    ptx = compile_cache.compile_ptx(build, "sm_100a")
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
     mma = r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*"
     assert len(re.findall(mma + r"%rd\d+,\s*%rd\d+,", ptx)) == 192 // 16  # QK over the 192 head dims
     assert len(re.findall(mma + r"\[%r\d+\],\s*%rd\d+,", ptx)) == 128 // 16  # PV: K = the 128-key tile
@@ -333,11 +333,10 @@ def test_sm100_192_128_other_pages(page_size, flags, tmp_path):
     """The 192/128 kernel beyond the op's 128-token pages: pages of 4 by gather4 (4 rows of one 64-column box per
     instruction: 32 groups x (3 K + 2 V boxes)), pages of 32 by one TMA per page slot (4 x (3 + 2)), with the flags;
     no spills."""
-    from cute_kv.kernels import compile_cache
     from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
 
     kernel = PagedAttentionSm100("bfloat16", 32, 8, 192, page_size, 2, page_size > 4, v_dim=128, **flags)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
     assert ptx.count("tcgen05.mma") == 192 // 16 + 128 // 16
     gather4 = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4", ptx))
     tiles = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.", ptx))

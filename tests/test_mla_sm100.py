@@ -28,6 +28,8 @@ from cutlass.cute.runtime import from_dlpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import artifacts
+
 from cute_kv import reference as ref
 from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, O_COLS, SMEM_PER_CTA, TMEM_COLUMNS, V_SPLIT, tiling
 from cute_kv.ops import mla_decode_sm100
@@ -688,12 +690,11 @@ COMPILE_CASES = [  # (dtype, Hq, page[, flags])
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:3])) + (
     "-" + "-".join(c[3]) if c[3:] else ""))
 def test_sm100_mla_ptx(case, tmp_path):
-    from cute_kv.kernels import compile_cache
     from cute_kv.kernels.mla.sm100 import THREADS, MlaDecodeSm100
 
     flags = case[3] if case[3:] else {}
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], **flags)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
     # Per key tile: QK over the 576 latent columns (36 MMAs of K=16, N=32) and P V for the CTA's value half
     # (BN/16 = 2 MMAs of N=256), M=128, fp32 accumulators in TMEM.
     mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)
@@ -748,12 +749,11 @@ ROPE_AWARE_CASES = [  # (dtype, Hq, page[, flags]) over DeepSeek's rope-aware FP
 @pytest.mark.parametrize("case", ROPE_AWARE_CASES, ids=lambda c: "-".join(map(str, c[:3])) + (
     "-" + "-".join(c[3]) if c[3:] else ""))
 def test_sm100_mla_rope_aware_ptx(case, tmp_path):
-    from cute_kv.kernels import compile_cache
     from cute_kv.kernels.mla.sm100 import FP8_THREADS, MlaDecodeSm100
 
     flags = case[3] if case[3:] else {}
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], rope_dim=ROPE, **flags)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a")
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
     # Per 16-key tile: QK over the 576 columns of the converted tile (36 MMAs, N=16), one P V MMA (K=16, N=256).
     assert len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)) == LATENT // 16 + FP8_BN // 16
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 1  # S: one 16-column load

@@ -1,7 +1,6 @@
 """``MLADecode`` (SM90): which calls it serves (plan and key, no GPU), what it compiles to for sm_90a (PTX and
 ptxas, no GPU), and against the float32 reference on a GPU (``gpu`` marker)."""
 
-import math
 import os
 import re
 import shutil
@@ -9,6 +8,8 @@ import subprocess
 
 import pytest
 import torch
+
+import artifacts
 
 import cute_kv
 from cute_kv import reference as ref
@@ -155,11 +156,10 @@ PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr
 
 
 def _compile(case):
-    from cute_kv.kernels import compile_cache
     from cute_kv.kernels.mla.sm90 import MLADecode
 
     kernel = MLADecode(*case)
-    return kernel, compile_cache.compile_uncached(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    return kernel, artifacts.compiled(kernel, "sm_90a")
 
 
 @pytest.fixture(scope="module", params=COMPILE_CASES + ROPE_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -170,7 +170,7 @@ def compiled_unit(request):
 @pytest.fixture(scope="module")
 def compiled(compiled_unit):
     kernel, unit = compiled_unit
-    return kernel, unit.__ptx__
+    return kernel, unit.ptx
 
 
 @pytest.mark.compile
@@ -258,7 +258,7 @@ def test_rope_tile_reads_from_byte_padded_depth(compiled_rope):
     """The host builds two descriptors over the same plane: the e4m3 content from its base, the BF16 rope tile from
     ``padded_depth`` bytes into it (MAX's ``create_rope_tma_tile``)."""
     kernel, unit = compiled_rope
-    host = str(unit.ir_module)
+    host = unit.host_ir
     base = r"(%\d+) = llvm\.getelementptr %\d+\[%\d+\] : \(!llvm\.ptr<1>, i32\) -> !llvm\.ptr<1>, i8"
     rope = re.findall(r"= llvm\.getelementptr (%\d+)\[(\d+)\] : \(!llvm\.ptr<1>\) -> !llvm\.ptr<1>, i8", host)
     assert [int(off) for _, off in rope] == [kernel.padded_depth]
@@ -272,7 +272,7 @@ def test_rope_tile_lands_inside_its_bf16_stage(compiled_rope):
     columns dequantized last), the rope box at the stage's rope columns (``2 * BN * padded_depth``); every e4m3
     value of a tile is converted once (two per ``cvt.rn.f16x2.e4m3x2``, 128 threads)."""
     kernel, unit = compiled_rope
-    ptx = unit.__ptx__
+    ptx = unit.ptx
     dests = sorted(int(x) for x in re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx))
     per_copy, pd = kernel.k_op.rows_per_copy, kernel.padded_depth
     stage = dests[0] - BN * pd

@@ -9,7 +9,8 @@ import tempfile
 
 import pytest
 
-from cute_kv.kernels import compile_cache
+import artifacts
+
 from cute_kv.kernels.attention.sm90 import THREADS, WG_THREADS, PagedAttention
 
 pytestmark = pytest.mark.compile
@@ -37,7 +38,7 @@ WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);")
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(map(str, c)))
 def compiled(request):
     kernel = PagedAttention(*request.param)
-    return kernel, compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a"), request.param
+    return kernel, artifacts.compiled(kernel, "sm_90a").ptx, request.param
 
 
 LOOPS = 3  # masked tiles at the keys' end, whole tiles, masked tiles at the window's start: no branch in a loop

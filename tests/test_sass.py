@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import artifacts
 from cute_kv.kernels import catalog
 
 PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
@@ -34,7 +35,7 @@ def _params():
 @needs_tools
 @pytest.mark.parametrize("config", _params())
 def test_kernel_resources_match_plan(config):
-    rec = static.analyze_config(config)
+    rec = static.analyze_config(config, compiled=artifacts.compiled)
     assert rec["spill_stores"] == 0 and rec["spill_loads"] == 0, rec
     assert rec["stack"] == 0 and rec["local_loads"] == rec["local_stores"] == 0, rec  # no local-memory arrays
     assert rec["threads"] == rec["plan_threads"]

@@ -4,9 +4,10 @@ bit-exact against the reference store on a GPU (``gpu``)."""
 import pytest
 import torch
 
+import artifacts
+
 import cute_kv
 from cute_kv import reference as ref
-from cute_kv.kernels import compile_cache
 from cute_kv.kernels.catalog import ARCHS, STORE_ROPE_AWARE_CASES
 from cute_kv.kernels.cache.store_rope_aware import ROWS_PER_WARP, RopeAwareKVStore
 from cute_kv.paged_cache import _raw
@@ -21,7 +22,7 @@ from test_compile_kernels import _count, _page_guards
 @pytest.mark.parametrize("case", STORE_ROPE_AWARE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_rope_aware_store_ptx(arch, case):
     kernel = RopeAwareKVStore(*case)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), arch)
+    ptx = artifacts.compiled(kernel, arch).ptx
     assert f".target {arch}" in ptx
     rows, content, rope = ROWS_PER_WARP, kernel.content_vecs, kernel.rope_vecs_per_lane  # per warp / lane
     loads_per_vec = kernel.in_dtype.width // 16  # 16-byte loads per 8 input values
@@ -45,7 +46,7 @@ def test_rope_aware_store_ptx(arch, case):
 def test_rope_aware_store_skips_pages_outside_the_cache():
     """Unchecked metadata past a request's pages: each row's column and lookup entry are compared before a store."""
     kernel = RopeAwareKVStore("bfloat16", 16, 512, 64)
-    ptx = compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_90a")
+    ptx = artifacts.compiled(kernel, "sm_90a").ptx
     column_checked, entries_checked = _page_guards(ptx, 16)
     assert column_checked and entries_checked == [True]
 
