@@ -496,6 +496,13 @@ def kernel_units(case: Case, arch: str, sm_count: int, device="cpu") -> list[tup
     return list({repr(key): (key, build) for key, build, _ in asked}.values())
 
 
+def bring_in(case: Case, device, arch: str, sm_count: int) -> int:
+    """Compile, or load from the disk cache, every kernel ``case``'s call launches on ``arch``; how many."""
+    from cute_kv.prebuild import prebuild
+
+    return len(prebuild(kernel_units(case, arch, sm_count, device), arch))
+
+
 def _peer_ms(build: Callable, flashinfer, want: torch.Tensor, tol: float):
     """The peer's time, or why there is none ("wrong": its output is off the reference; "error": it raised)."""
     try:
@@ -637,9 +644,7 @@ def _serve(conn, device_name: str, runner: Callable, cache_dir: Optional[str]) -
         start, problem = time.perf_counter(), None
         if info["arch"] is not None:
             try:
-                from cute_kv.prebuild import prebuild
-
-                prebuild(kernel_units(case, info["arch"], info["sm_count"], device), info["arch"])
+                bring_in(case, device, info["arch"], info["sm_count"])
             except Exception as e:  # noqa: BLE001 - reported as the case's failure
                 problem = f"{type(e).__name__}: {e}"
         conn.send((time.perf_counter() - start, problem))

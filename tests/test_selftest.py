@@ -332,6 +332,21 @@ def test_a_case_that_hangs_raises_dies_or_leaves_nan_fails_and_the_next_runs():
     assert all(r.compile_s is not None and r.run_s is not None for r in rows[3:])
 
 
+@pytest.mark.compile
+def test_a_worker_brings_a_cases_kernels_in_through_the_disk_cache(tmp_path, monkeypatch):
+    """What a worker on a GPU does before running a case: its kernels compiled into the disk cache, which a fresh
+    worker then loads."""
+    monkeypatch.setenv("CUTE_KV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_cache", {})
+    case = Case("store_kv", "mla rope-aware", 16, 576, "ragged")
+    info = compile_cache.cache_info()
+    assert selftest.bring_in(case, "cpu", "sm_90a", SM_COUNTS["sm_90a"]) == 1
+    assert compile_cache.cache_info()["compiles"] == info["compiles"] + 1 and len(list(tmp_path.glob("*.o"))) == 1
+    monkeypatch.setattr(compile_cache, "_cache", {})  # a fresh worker
+    assert selftest.bring_in(case, "cpu", "sm_90a", SM_COUNTS["sm_90a"]) == 1
+    assert compile_cache.cache_info()["disk_loads"] == info["disk_loads"] + 1
+
+
 def test_json_rows(tmp_path):
     good = selftest.Row(ONE_PER_OP[0], "kernel paged_kv_store", 1e-3, True, 0.012, 0.5, compile_s=2.0, run_s=0.3)
     hung = selftest.Row(ONE_PER_OP[6], "hung", math.inf, False, error="hung running")
