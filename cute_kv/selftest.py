@@ -553,13 +553,16 @@ def run_isolated(chosen: Sequence[Case], device, *, timeout: float, runner: Call
                     on_start(worker.info)
             row = worker.run(case, timeout)
             if row.error is not None:
-                worker.close()
+                worker.close(kill=row.path == "hung")
                 worker = None
             rows.append(row)
             on_row(row)
-    finally:
+    except BaseException:  # interrupted (Ctrl-C, a test's timeout): the worker may be mid-case
         if worker is not None:
-            worker.close()
+            worker.close(kill=True)
+        raise
+    if worker is not None:
+        worker.close()
     return rows
 
 
@@ -583,7 +586,7 @@ class _Worker:
         try:
             self.info = self._receive(COMPILE_TIMEOUT, "starting")
         except _Stopped as e:
-            self.close()
+            self.close(kill=True)
             raise RuntimeError(f"the selftest worker did not start: {e}") from None
 
     def _receive(self, timeout: float, doing: str):
@@ -608,11 +611,15 @@ class _Worker:
         row.compile_s = compile_s
         return row
 
-    def close(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()  # a hung kernel ignores gentler signals
-        self.process.join(10)
+    def close(self, kill: bool = False) -> None:
+        """Closing the pipe ends a waiting worker; ``kill`` (or a worker that does not end) is for a hung one, whose
+        kernel ignores gentler signals."""
         self.conn.close()
+        if not kill:
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
 
 
 def _serve(conn, device_name: str, runner: Callable, cache_dir: Optional[str]) -> None:
