@@ -6,6 +6,10 @@ QKV projection (with or without bias, as the model has it), paged attention (bot
 split-KV combine, for this rank's heads under tensor parallelism and each page size asked for. Keys are built by
 each op's own ``plan`` and ``compile_unit(s)``, so they are the keys a step asks for; a key that was not prebuilt
 is compiled on first use and added to the cache.
+
+``--selftest`` compiles instead what ``python -m cute_kv selftest`` launches (``--quick``: its quick cases): each
+case's call run for the arch with the device query replaced (``selftest.kernel_units``), so the GPU's minutes go to
+running kernels. By default into selftest's own directory (``selftest.cache_dir``).
 """
 
 from __future__ import annotations
@@ -76,6 +80,23 @@ def kernel_units(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple
     return list({repr(key): (key, build) for key, build in units}.values())  # the combine serves every page size
 
 
+# SMs of the GPU a dry run stands in for (H100/H200, B200): they only decide whether a launch splits the keys, so
+# whether it needs the combine, which the split cases of the selftest do on any of these GPUs.
+SM_COUNTS = {"sm_90a": 132, "sm_100a": 148}
+
+
+def selftest_units(arch: str, quick: bool = False, ops=None) -> list[tuple]:
+    """``(compile key, build)`` of every kernel the selftest cases (``quick``: ``QUICK``; ``ops``: only theirs) launch
+    on ``arch``, each once."""
+    from cute_kv import selftest
+
+    units: dict = {}
+    for case in selftest.cases(quick, ops, arch):
+        for key, build in selftest.kernel_units(case, arch, SM_COUNTS[arch]):
+            units.setdefault(repr(key), (key, build))
+    return list(units.values())
+
+
 def kernel_keys(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple]:
     """The compile keys of ``kernel_units``."""
     return [key for key, _ in kernel_units(model, arch, page_sizes)]
@@ -114,9 +135,10 @@ def _projection(model: ModelConfig, coll) -> tuple:
     return hidden, weight, rope
 
 
-def prebuild(units: list[tuple], arch: str) -> list[tuple[tuple, float, str]]:
-    """Bring every ``(key, build)`` into the compile cache (disk included): ``(key, seconds, source)`` each,
-    ``source`` being ``"compiled"``, ``"disk"`` or ``"memory"`` (already in this process)."""
+def prebuild(units: list[tuple], arch: str, report=lambda row: None) -> list[tuple[tuple, float, str]]:
+    """Bring every ``(key, build)`` into the compile cache (disk included): ``(key, seconds, source)`` each (also
+    given to ``report`` as it comes), ``source`` being ``"compiled"``, ``"disk"`` or ``"memory"`` (already in this
+    process)."""
     from cute_kv.kernels import compile_cache
 
     rows = []
@@ -129,6 +151,7 @@ def prebuild(units: list[tuple], arch: str) -> list[tuple[tuple, float, str]]:
         source = ("compiled" if after["compiles"] > before["compiles"] else
                   "disk" if after["disk_loads"] > before["disk_loads"] else "memory")
         rows.append((key, seconds, source))
+        report(rows[-1])
     return rows
 
 
@@ -144,13 +167,22 @@ def add_parser(commands) -> None:
     p.add_argument("--kv-dtype", default=None, help="cache dtype: the model dtype (default) or fp8")
     p.add_argument("--scale-dtype", choices=("f32", "e8m0"), default=None, help="fp8 scales (default: unscaled)")
     p.add_argument("--granularity", type=int, default=128, help="fp8 scale granule in head dims (default 128)")
-    p.add_argument("--cache-dir", default=None, help="disk cache directory (default $CUTE_KV_CACHE_DIR)")
+    p.add_argument("--cache-dir", default=None, help="disk cache directory (default $CUTE_KV_CACHE_DIR; with "
+                                                     "--selftest, else selftest's ./build/kernels)")
+    p.add_argument("--selftest", action="store_true", help="compile what 'selftest' launches instead of a model's "
+                                                           "kernels")
+    p.add_argument("--quick", action="store_true", help="with --selftest: its --quick cases")
+    p.add_argument("--ops", default=None, help="with --selftest: comma list of ops (default: all)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from cute_kv.kernels import compile_cache, disk_cache
 
+    if args.selftest:
+        return _run_selftest(args)
+    if args.quick or args.ops:
+        raise SystemExit("cute-kv prebuild: error: --quick and --ops choose selftest cases: add --selftest")
     directory = args.cache_dir or os.environ.get(disk_cache.CACHE_DIR_ENV)
     if not directory:
         raise SystemExit(f"cute-kv prebuild: error: pass --cache-dir or set {disk_cache.CACHE_DIR_ENV}")
@@ -164,10 +196,41 @@ def run(args: argparse.Namespace) -> int:
           f"head_dim {model.head_dim}), pages {args.page_size}, into {os.environ[disk_cache.CACHE_DIR_ENV]}")
     start, rows = time.perf_counter(), []
     for arch in args.arch:
-        for key, seconds, source in prebuild(kernel_units(model, arch, tuple(args.page_size)), arch):
-            rows.append(source)
+        def show(row, arch=arch):
+            key, seconds, source = row
             print(f"  {arch} {source:8s} {seconds:7.2f} s  {' '.join(map(str, key))}", flush=True)
+
+        rows += prebuild(kernel_units(model, arch, tuple(args.page_size)), arch, show)
     info = compile_cache.cache_info()
     print(f"total: {len(rows)} kernels, {info['compiles']} compiled, {info['disk_loads']} loaded from disk, "
           f"{time.perf_counter() - start:.2f} s")
+    return 0
+
+
+def _run_selftest(args: argparse.Namespace) -> int:
+    """``--selftest``: the selftest's kernels, each arch's, then their count, time and size on disk."""
+    from cute_kv import selftest
+    from cute_kv.kernels import compile_cache, disk_cache
+
+    ops = None if args.ops is None else [op for op in args.ops.split(",") if op]
+    directory = selftest.cache_dir(args.cache_dir)
+    os.environ[disk_cache.CACHE_DIR_ENV] = str(directory)
+    print(f"cute-kv prebuild: selftest{' --quick' if args.quick else ''} kernels into {directory}")
+    start, count, size = time.perf_counter(), 0, 0
+    for arch in args.arch:
+        try:
+            units = selftest_units(arch, args.quick, ops)
+        except ValueError as e:
+            raise SystemExit(f"cute-kv prebuild: error: --ops: {e}") from None
+        def show(row, arch=arch):
+            key, seconds, source = row
+            print(f"  {arch} {source:8s} {seconds:7.2f} s  {key[0]}", flush=True)
+
+        for key, _, _ in prebuild(units, arch, show):
+            entry = directory / disk_cache.entry_name(key, arch)
+            size += sum(f.stat().st_size for f in (entry.with_suffix(".o"), entry.with_suffix(".json")))
+            count += 1
+    info = compile_cache.cache_info()
+    print(f"total: {count} kernels, {info['compiles']} compiled, {info['disk_loads']} loaded from disk, "
+          f"{time.perf_counter() - start:.2f} s, {size / 2**20:.2f} MiB")
     return 0

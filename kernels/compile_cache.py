@@ -4,16 +4,20 @@ they are compiled for.
 With ``CUTE_KV_CACHE_DIR`` set, a miss first looks on disk (``disk_cache``: kernels compiled ahead with
 ``python -m cute_kv prebuild``, or by an earlier process) and every compile is written there.
 
+``recording()`` lists the kernels calls ask for (what ``selftest`` reports as a call's path); a dry one compiles
+nothing and hands back a launch that does nothing (``cute_kv.ops.paths.dry_run``: the keys a call would compile).
+
 Kernels compile from fake tensors (no GPU needed) with TVM-FFI enabled and the caller's current stream, so the
 cached object is called with torch tensors directly (~7 µs of host time per call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 import cutlass.cute as cute
 
@@ -53,12 +57,34 @@ def target_arch(device=None) -> str:
 _cache: dict[Hashable, object] = {}
 _compiles = 0
 _disk_loads = 0
+_recordings: list[tuple[list, bool]] = []  # (units asked for, dry), innermost last
+
+
+@contextlib.contextmanager
+def recording(dry: bool = False) -> Iterator[list]:
+    """A list that fills with the ``(key, build, arch)`` of every ``compiled`` call made inside (repeats included);
+    ``dry``: nothing is compiled, and the kernel handed back launches nothing."""
+    units: list = []
+    _recordings.append((units, dry))
+    try:
+        yield units
+    finally:
+        _recordings.pop()  # contexts nest
+
+
+def _no_launch(*args) -> None:
+    """A dry recording's kernel."""
 
 
 def compiled(key: Hashable, build: Callable[[], tuple], arch: str):
     """The kernel compiled for ``(key, arch)``; ``build()`` returns ``(jit_function, *fake_args)`` on a miss
     (in memory, then on disk when ``CUTE_KV_CACHE_DIR`` is set)."""
     global _compiles, _disk_loads
+    if _recordings:
+        for units, _ in _recordings:
+            units.append((key, build, arch))
+        if _recordings[-1][1]:
+            return _no_launch
     full_key = (key, arch)
     fn = _cache.get(full_key)
     if fn is None:

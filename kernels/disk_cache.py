@@ -23,7 +23,7 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 CACHE_DIR_ENV = "CUTE_KV_CACHE_DIR"
 # Packages and modules whose code runs when a kernel is traced (the kernels import the lookup-table geometry).
@@ -77,22 +77,30 @@ def load(key: Hashable, arch: str, directory: Path):
 
 
 def store(key: Hashable, arch: str, compiled_fn, directory: Path) -> Path:
-    """Write ``compiled_fn`` (from ``cute.compile(..., --enable-tvm-ffi)``) for ``(key, arch)``; atomic, so
-    concurrent writers (tensor-parallel ranks compiling the same key) and readers never see a partial file."""
+    """Write ``compiled_fn`` (from ``cute.compile(..., --enable-tvm-ffi)``) for ``(key, arch)``; each file atomically
+    (``write_atomic``)."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = entry_name(key, arch)
-    fd, tmp = tempfile.mkstemp(suffix=".o", dir=directory)
+    _portable_host_code(compiled_fn.ir_module)
+    write_atomic(directory / f"{stem}.o", lambda tmp: compiled_fn.export_to_c(str(tmp), function_name=_SYMBOL))
+    # What the entry holds, for people listing the directory (never read back).
+    info = json.dumps({"key": repr(key), "arch": arch, "code": code_version()})
+    write_atomic(directory / f"{stem}.json", lambda tmp: tmp.write_text(info))
+    return directory / f"{stem}.o"
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` fills a new file beside ``path`` that then replaces ``path`` in one step, so concurrent writers
+    (tensor-parallel ranks, parallel test processes compiling the same key) and readers never see a partial file; a
+    write that fails leaves ``path`` as it was and no temporary file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
-        _portable_host_code(compiled_fn.ir_module)
-        compiled_fn.export_to_c(tmp, function_name=_SYMBOL)
-        os.replace(tmp, directory / f"{stem}.o")
+        write(Path(tmp))
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    # What the entry holds, for people listing the directory (never read back).
-    (directory / f"{stem}.json").write_text(json.dumps({"key": repr(key), "arch": arch, "code": code_version()}))
-    return directory / f"{stem}.o"
 
 
 def _portable_host_code(ir_module) -> None:

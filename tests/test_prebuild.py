@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cute_kv.prebuild import MODELS, ModelConfig, kernel_keys
+from cute_kv.prebuild import MODELS, ModelConfig, kernel_keys, kernel_units
 
 REPO = Path(__file__).resolve().parents[1]
 STORE_KEY = ("paged_kv_store", "bfloat16", 2, 16, 2, 128, None)
@@ -175,7 +175,7 @@ def test_ops_run_prebuilt_kernels_without_compiling(tmp_path, monkeypatch):
     model = ModelConfig(torch.bfloat16, 8, 2, 128, rope_dim=128)
     arch = target_arch()
     monkeypatch.setenv("CUTE_KV_CACHE_DIR", str(tmp_path))
-    prebuild(kernel_keys(model, arch, (16,)), arch)
+    prebuild(kernel_units(model, arch, (16,)), arch)
     monkeypatch.setattr(compile_cache, "_cache", {})
     compiles = compile_cache.cache_info()["compiles"]
 
@@ -205,3 +205,86 @@ def test_unloadable_entry_names_the_file(tmp_path):
     entry.write_bytes(b"not an object file")
     with pytest.raises(RuntimeError, match=f"cannot load the cached kernel {re.escape(str(entry))}.*delete the file"):
         disk_cache.load(STORE_KEY, "sm_90a", tmp_path)
+
+
+def test_selftest_units_are_what_the_selftest_cases_launch():
+    from cute_kv.prebuild import selftest_units
+
+    quick = selftest_units("sm_90a", quick=True)
+    assert [key[0] for key, _ in quick] == ["paged_kv_store", "paged_kv_store_rope_aware", "fused_qkv_gemm",
+                                            "fused_qkv_gemm_w4", "paged_attention", "attention_combine",
+                                            "mla_decode", "paged_kv_gather"]
+    assert [key[0] for key, _ in selftest_units("sm_100a", quick=True, ops=["sparse_mla_attention"])] == [
+        "mla_decode_sm100"]
+    assert selftest_units("sm_90a", quick=True, ops=["sparse_mla_attention"]) == []  # no SM90 kernel
+
+
+@pytest.mark.compile
+def test_prebuild_selftest_then_a_second_process_compiles_nothing(tmp_path):
+    cmd = [sys.executable, "-m", "cute_kv", "prebuild", "--selftest", "--quick", "--ops", "store_kv", "--arch",
+           "sm_90a", "--cache-dir", str(tmp_path)]
+    env = {**os.environ, "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert re.search(r"total: 2 kernels, 2 compiled, 0 loaded from disk, [\d.]+ s, 0\.\d\d MiB", first.stdout)
+    assert [line.split()[-1] for line in first.stdout.splitlines()[1:3]] == ["paged_kv_store",
+                                                                             "paged_kv_store_rope_aware"]
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "total: 2 kernels, 0 compiled, 2 loaded from disk" in second.stdout
+    assert len(list(tmp_path.glob("*.o"))) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_prebuild_selftest_options(capsys):
+    from cute_kv.__main__ import main
+
+    with pytest.raises(SystemExit, match="--quick and --ops choose selftest cases: add --selftest"):
+        main(["prebuild", "--quick", "--cache-dir", "unused"])
+    with pytest.raises(SystemExit, match="--ops: unknown op.s. nope"):
+        main(["prebuild", "--selftest", "--ops", "nope", "--cache-dir", "unused"])
+
+
+class _Compiled:
+    """What ``disk_cache.store`` uses of a compiled kernel; ``export_to_c`` writes ``data`` (half of it, then fails,
+    with ``fail``)."""
+
+    ir_module = None
+
+    def __init__(self, data: bytes, fail: bool = False):
+        self.data, self.fail = data, fail
+
+    def export_to_c(self, path, function_name):
+        Path(path).write_bytes(self.data[: len(self.data) // 2] if self.fail else self.data)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+
+
+def test_disk_cache_writes_whole_files_or_none(tmp_path, monkeypatch):
+    """Every file of an entry appears whole or not at all (parallel processes compiling one key, readers meanwhile):
+    a write that fails part way (a full disk) leaves the entry as it was and no temporary file."""
+    from cute_kv.kernels import disk_cache
+
+    monkeypatch.setattr(disk_cache, "_portable_host_code", lambda ir_module: None)
+    stem = disk_cache.entry_name(STORE_KEY, "sm_90a")
+    disk_cache.store(STORE_KEY, "sm_90a", _Compiled(b"first object"), tmp_path)
+    info = (tmp_path / f"{stem}.json").read_text()
+    with pytest.raises(OSError, match="No space"):
+        disk_cache.store(STORE_KEY, "sm_90a", _Compiled(b"second object", fail=True), tmp_path)
+    assert (tmp_path / f"{stem}.o").read_bytes() == b"first object"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.o"]
+
+    real = Path.write_text
+
+    def half_then_full_disk(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    (tmp_path / f"{stem}.json").unlink()
+    monkeypatch.setattr(Path, "write_text", half_then_full_disk)
+    with pytest.raises(OSError, match="No space"):
+        disk_cache.store(STORE_KEY, "sm_90a", _Compiled(b"third object"), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.o"]  # no half-written description
+    assert (tmp_path / f"{stem}.o").read_bytes() == b"third object"
+    monkeypatch.setattr(Path, "write_text", real)
+    disk_cache.store(STORE_KEY, "sm_90a", _Compiled(b"third object"), tmp_path)
+    assert (tmp_path / f"{stem}.json").read_text() == info

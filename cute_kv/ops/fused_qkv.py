@@ -336,10 +336,16 @@ def _norm_key(qk_norm) -> tuple:
     return (width(qk_norm.q_weight), width(qk_norm.k_weight), float(qk_norm.epsilon), float(qk_norm.weight_offset))
 
 
-@functools.lru_cache(maxsize=None)
 def _max_active_clusters(device, cluster_shape) -> int:
-    """Clusters of ``cluster_shape`` resident at once on ``device``: the persistent scheduler's grid."""
+    """Clusters of ``cluster_shape`` resident at once on ``device``: the persistent scheduler's grid (a
+    ``paths.dry_run``: one per ``size`` SMs of the GPU it stands in)."""
+    size = cluster_shape[0] * cluster_shape[1] * cluster_shape[2]
+    target = paths.dry_target()
+    return _device_max_active_clusters(device, size) if target is None else target.sm_count // size
+
+
+@functools.lru_cache(maxsize=None)
+def _device_max_active_clusters(device, size: int) -> int:
     from quack.cute_dsl_utils import get_max_active_clusters
 
-    size = cluster_shape[0] * cluster_shape[1] * cluster_shape[2]
     return get_max_active_clusters(size, device_id=device.index or 0)

@@ -345,6 +345,12 @@ def unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> tu
             torch.empty((1, 1, num_q_heads), dtype=torch.float32, device=device))
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (of the GPU a ``paths.dry_run`` stands in)."""
+    target = paths.dry_target()
+    return _device_sm_count(device) if target is None else target.sm_count
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

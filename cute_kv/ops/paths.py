@@ -5,15 +5,20 @@ the decision can be asked for any arch on any machine). The op's dispatch, ``exp
 decision. On CUDA a reference fallback is never silent: it warns once per (op, reason) with ``FallbackWarning``, or
 raises ``FallbackError`` in strict mode (``CUTE_KV_STRICT=1``, or ``set_strict(True)``). Off CUDA the reference is
 the backend, not a fallback.
+
+``dry_run(arch, sm_count)`` stands a GPU in for the device queries (``device_arch``, and the SM counts launchers
+size grids by), so a call on any tensors plans and prepares its launches as on that GPU while compiling and
+launching nothing: the compile keys it asks for are what ``prebuild --selftest`` compiles ahead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 KERNEL, REFERENCE = "kernel", "reference"
 
@@ -51,8 +56,45 @@ def off_cuda(op: str, device) -> KernelPath:
     return reference(op, f"tensors on {device}: the PyTorch reference is the backend off CUDA", None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The GPU a dry run stands in: its arch and SM count."""
+
+    arch: str
+    sm_count: int
+
+
+_dry: Optional[Target] = None
+
+
+@contextlib.contextmanager
+def dry_run(arch: str, sm_count: int) -> Iterator[list]:
+    """Calls inside plan for ``arch`` on any device and launch nothing; yields the ``(key, build, arch)`` of every
+    kernel they ask for (``compile_cache.recording``). Fallbacks are not reported: nothing runs on a GPU."""
+    global _dry
+    from cute_kv.kernels.compile_cache import SUPPORTED_ARCHS, recording
+
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch must be one of {SUPPORTED_ARCHS}, got {arch!r}")
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count <= 0:
+        raise ValueError(f"sm_count must be a positive int, got {sm_count!r}")
+    saved, _dry = _dry, Target(arch, sm_count)
+    try:
+        with recording(dry=True) as units:
+            yield units
+    finally:
+        _dry = saved
+
+
+def dry_target() -> Optional[Target]:
+    """The GPU a ``dry_run`` stands in, or None."""
+    return _dry
+
+
 def device_arch(device) -> Optional[str]:
     """The arch kernels are compiled for on ``device``; None off CUDA (the reference is the backend there)."""
+    if _dry is not None:
+        return _dry.arch
     if device.type != "cuda":
         return None
     from cute_kv.kernels.compile_cache import target_arch
@@ -86,7 +128,8 @@ def route(device, plan: Callable[[str], KernelPath]) -> Optional[KernelPath]:
     path = plan(arch)
     if path.path == KERNEL:
         return path
-    report(path)
+    if _dry is None:
+        report(path)
     return None
 
 
