@@ -86,7 +86,7 @@ def _norm_args(qk_norm) -> tuple:
 def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides); Q goes into
     ``output``."""
-    path = paths.route(collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
     if path is None:
         reference.fused_qkv_matmul_kv_cache(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
                                             rope=rope, output=output, qk_norm=qk_norm)

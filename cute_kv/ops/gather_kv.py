@@ -30,7 +30,7 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     if out is None:
         out = torch.zeros(_shape(collection), dtype=_dtype(collection), device=collection.device)
     collection.check_metadata()  # every cached token's lookup entry names a real page
-    path = paths.route(collection.device, lambda arch: plan(collection, out, arch))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, out, arch))
     if path is not None:
         from cute_kv.kernels.compile_cache import compiled
 

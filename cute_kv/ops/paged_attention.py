@@ -71,8 +71,8 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
              lse) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
     ``lse`` if given)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks, lse is not None,
-                                                            mla_v_dim, window))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
+                                                                lse is not None, mla_v_dim, window))
     run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)

@@ -44,7 +44,7 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
 
 def dispatch(k, v, input_row_offsets, collection, layer_idx) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, k, arch))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, k, arch))
     run = reference.store_kv if path is None else _launcher(path.key, path.arch)
     run(k, v, input_row_offsets, collection, layer_idx)
 
