@@ -276,7 +276,7 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
             latent = latent_workspace(hidden.device, qkv, t) if qkv.last_arriver else ()
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
-                            collection.cache_lengths, collection.lookup_table, layer_idx,
+                            collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
                             *norm_weights, scales,
                             _max_active_clusters(collection.device, kernel.cluster_shape), *latent))

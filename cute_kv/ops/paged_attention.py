@@ -257,7 +257,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
-                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
                                         scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits,
                                         int(causal), window_arg(window), score_scale, softmax_scale_log2)
         if splits > 1:

@@ -142,6 +142,6 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if k.shape[0]:  # a grid of zero CTAs is a launch error
             vec = 8 if quantized else 16 // k.element_size()
             fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks,
-               collection.scales, collection.cache_lengths, collection.lookup_table, layer_idx)
+               collection.scales, collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx)
 
     return run
