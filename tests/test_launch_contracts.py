@@ -41,7 +41,6 @@ STEPS = {  # (cache_lengths, new tokens) per request
     "empty": ([4, 9], [0, 0]),  # T = 0
     "strided": ([0, 37, 5, 9], [5, 1, 0, 3]),  # views: activations, outputs and metadata columns
 }
-WEIGHTS = ("dense", "int4", "fp8")
 
 
 @pytest.fixture(autouse=True)
@@ -51,10 +50,10 @@ def fresh_reporting(monkeypatch):
     monkeypatch.setattr(paths, "_strict", None)
 
 
-def _batch(kind: str, step: str, seed: int = 0):
+def _batch(kind: str, step: str):
     cached, new = STEPS[step]
     kw = {"num_heads": 2, "head_size": 128, **CACHES[kind]}
-    pb = random_paged_batch(cached, new, page_size=32, generator=torch.Generator().manual_seed(seed), **kw)
+    pb = random_paged_batch(cached, new, page_size=32, generator=torch.Generator().manual_seed(0), **kw)
     if step == "strided":
         _strided_metadata(pb)
     return pb
@@ -200,10 +199,11 @@ def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
     pb = _batch(kind, step)
     fn, args, kwargs = _fused_qkv(pb, step, rng, weight_kind)
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[arch], path
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows)
-    if path.path == paths.KERNEL and arch == "sm_100a" and step == "decode-split":
-        assert launches[0].kernel == "W4Sm100Kernel" and launches[0].values["splits"] > 1
+    if arch == "sm_100a" and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
+        assert launches[0].values["splits"] > 1
 
 
 def _mla_prefill_args(pb, step, rng):
