@@ -17,7 +17,7 @@ import contextlib
 import os
 import tempfile
 import warnings
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterator, Optional
 
 import cutlass.cute as cute
 
@@ -32,25 +32,35 @@ _overridden: set[tuple[str, str]] = set()
 def target_arch(device=None) -> str:
     """``sm_90a`` (Hopper) or ``sm_100a`` (Blackwell); raises for anything else.
 
-    With a CUDA device its arch wins (a kernel compiled for another arch would not run, or run the wrong code);
-    ``CUTE_DSL_ARCH`` is for compiling without one, and a different value beside a device only warns.
+    With a CUDA device its arch wins (``cuda_arch``); ``CUTE_DSL_ARCH`` is for compiling without one.
+    """
+    arch = cuda_arch(device)
+    if arch is None:
+        arch = os.environ.get("CUTE_DSL_ARCH")
+        if arch is None:
+            raise RuntimeError("no CUDA device: set CUTE_DSL_ARCH=sm_90a or sm_100a to compile without one")
+    if arch not in SUPPORTED_ARCHS:
+        raise RuntimeError(f"cute-kv kernels target {SUPPORTED_ARCHS}, not {arch}")
+    return arch
+
+
+def cuda_arch(device=None) -> Optional[str]:
+    """The CUDA device's arch, ``sm_{major}{minor}a`` (one of ``SUPPORTED_ARCHS`` or not), None without CUDA.
+
+    A kernel compiled for another arch would not run, or run the wrong code, so a ``CUTE_DSL_ARCH`` that differs only
+    warns (once per setting and device: this runs on every op call).
     """
     import torch
 
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}a"
     env = os.environ.get("CUTE_DSL_ARCH")
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(device)
-        arch = f"sm_{major}{minor}a"
-        if env is not None and env != arch and (env, arch) not in _overridden:
-            _overridden.add((env, arch))  # once: this runs on every op call
-            warnings.warn(f"CUTE_DSL_ARCH={env} ignored: the CUDA device is {arch} (unset CUTE_DSL_ARCH; it is "
-                          f"for compiling without a device)", RuntimeWarning, stacklevel=2)
-    elif env is not None:
-        arch = env
-    else:
-        raise RuntimeError("no CUDA device: set CUTE_DSL_ARCH=sm_90a or sm_100a to compile without one")
-    if arch not in SUPPORTED_ARCHS:
-        raise RuntimeError(f"cute-kv kernels target {SUPPORTED_ARCHS}, not {arch}")
+    if env is not None and env != arch and (env, arch) not in _overridden:
+        _overridden.add((env, arch))
+        warnings.warn(f"CUTE_DSL_ARCH={env} ignored: the CUDA device is {arch} (unset CUTE_DSL_ARCH; it is "
+                      f"for compiling without a device)", RuntimeWarning, stacklevel=3)
     return arch
 
 

@@ -86,7 +86,7 @@ def _norm_args(qk_norm) -> tuple:
 def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides); Q goes into
     ``output``."""
-    path = paths.route(collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
     if path is None:
         reference.fused_qkv_matmul_kv_cache(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
                                             rope=rope, output=output, qk_norm=qk_norm)
@@ -276,7 +276,7 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
             latent = latent_workspace(hidden.device, qkv, t) if qkv.last_arriver else ()
             fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
-                            collection.cache_lengths, collection.lookup_table, layer_idx,
+                            collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx,
                             None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
                             *norm_weights, scales,
                             _max_active_clusters(collection.device, kernel.cluster_shape), *latent))

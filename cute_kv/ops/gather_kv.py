@@ -30,13 +30,9 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     if out is None:
         out = torch.zeros(_shape(collection), dtype=_dtype(collection), device=collection.device)
     collection.check_metadata()  # every cached token's lookup entry names a real page
-    path = paths.route(collection.device, lambda arch: plan(collection, out, arch))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, out, arch))
     if path is not None:
-        from cute_kv.kernels.compile_cache import compiled
-
-        run = compiled(path.key, lambda: _build(path.key), path.arch)
-        run(collection.blocks, collection.cache_lengths, collection.lookup_table, out, _KV_INDEX[kv], layer_idx,
-            math.ceil(collection.max_cache_length / collection.page_size))
+        _launch(path.key, path.arch, collection, layer_idx, _KV_INDEX[kv], out)
         return out
     cache = collection.get_key_cache(layer_idx) if kv == "k" else collection.get_value_cache(layer_idx)
     for b, length in enumerate(collection.cache_lengths.tolist()):
@@ -85,11 +81,20 @@ def plan(collection, out: torch.Tensor, arch: str) -> paths.KernelPath:
     if c.page_size not in PAGE_SIZES or c.head_size not in HEAD_DIMS:
         return paths.reference(OP, f"page_size {c.page_size} / head_size {c.head_size}: the kernel tiles page sizes "
                                    f"{PAGE_SIZES} and head sizes {HEAD_DIMS}", arch)
-    if c.lookup_table.stride(0) % 8 or c.blocks.data_ptr() % 16 or out.data_ptr() % 16:
-        return paths.reference(OP, "the lookup table rows (8 entries) or blocks / out (16 bytes) are misaligned",
-                               arch)
+    if c.blocks.data_ptr() % 16 or out.data_ptr() % 16:
+        return paths.reference(OP, "blocks or out is not 16-byte aligned", arch)
     key = ("paged_kv_gather", name, c.kv_dim, c.page_size, c.num_heads, c.head_size)
     return paths.kernel(OP, "PagedKVGather", key, arch)
+
+
+def _launch(key: tuple, arch: str, collection, layer_idx: int, kv_idx: int, out: torch.Tensor) -> None:
+    from cute_kv.kernels.compile_cache import compiled
+
+    c = collection
+    page_cols = math.ceil(c.max_cache_length / c.page_size)
+    if page_cols and c.batch_size:  # a grid of zero CTAs is a launch error (and nothing is cached)
+        compiled(key, lambda: _build(key), arch)(c.blocks, c.cache_lengths.contiguous(), c.lookup_table, out, kv_idx,
+                                                 layer_idx, page_cols)
 
 
 def _build(key: tuple):

@@ -105,8 +105,8 @@ def launcher(key: tuple, arch: str) -> Callable:
         sinks = None if sinks is None else sinks.contiguous()
         scales = c.scales if rope_dim else None
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, scales,
-                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table, layer_idx,
-                                        m_blocks, splits, int(causal), window_arg(window), score_scale,
+                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
+                                        layer_idx, m_blocks, splits, int(causal), window_arg(window), score_scale,
                                         softmax_scale_log2)
         if splits > 1:
             compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, splits)

@@ -148,9 +148,9 @@ def launcher(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         _run(unit, combine_unit, arch, q, out, lse, splits, (
-            c.blocks, c.scales if rope_dim else None, input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
-            None, None, sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits, c.batch_size,
-            int(causal), score_scale, cap_log2), return_lse)
+            c.blocks, c.scales if rope_dim else None, input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
+            c.lookup_table, None, None, sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits,
+            c.batch_size, int(causal), score_scale, cap_log2), return_lse)
         return (out, lse) if return_lse else out
 
     return run

@@ -297,8 +297,9 @@ def _launcher(key: tuple, arch: str) -> Callable:
         lse = unused_partials(q.device, h, v_dim)[1][0]
         score_scale, cap_log2 = score_args(d, scale, None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse, tmp.blocks, tmp.blocks,
-                                        input_row_offsets.contiguous(), tmp.cache_lengths, tmp.lookup_table, None,
-                                        None, 0, m_blocks, splits, int(causal), 0, score_scale, cap_log2)
+                                        input_row_offsets.contiguous(), tmp.cache_lengths.contiguous(),
+                                        tmp.lookup_table, None, None, 0, m_blocks, splits, int(causal), 0, score_scale,
+                                        cap_log2)
         if splits > 1:
             compiled(*combine_unit, arch)(dst, None, o_part, lse_part, splits)
         if dst is not out:

@@ -71,8 +71,8 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
              lse) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
     ``lse`` if given)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks, lse is not None,
-                                                            mla_v_dim, window))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
+                                                                lse is not None, mla_v_dim, window))
     run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
@@ -257,7 +257,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
-                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
                                         scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits,
                                         int(causal), window_arg(window), score_scale, softmax_scale_log2)
         if splits > 1:

@@ -83,7 +83,7 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d)[1][0]
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
-                                        input_row_offsets.contiguous(), c.cache_lengths, c.lookup_table,
+                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
                                         scales_arg(c.scales, granularity, e8m0),
                                         sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits,
                                         int(causal), window_arg(window), score_scale, cap_log2)

@@ -92,14 +92,27 @@ def dry_target() -> Optional[Target]:
 
 
 def device_arch(device) -> Optional[str]:
-    """The arch kernels are compiled for on ``device``; None off CUDA (the reference is the backend there)."""
+    """The arch of ``device`` when it is a CUDA device (``sm_90a``, ``sm_100a``, or one no kernel targets), or the
+    arch a ``dry_run`` stands in; None off CUDA (the reference is the backend there)."""
     if _dry is not None:
         return _dry.arch
-    if device.type != "cuda":
+    if not on_cuda(device):
         return None
-    from cute_kv.kernels.compile_cache import target_arch
+    from cute_kv.kernels.compile_cache import cuda_arch
 
-    return target_arch(device)
+    return cuda_arch(device)
+
+
+def on_cuda(device) -> bool:
+    return device.type == "cuda"
+
+
+def no_kernels(op: str, arch: str) -> KernelPath:
+    """The reference path on a CUDA arch no cute-kv kernel is compiled for."""
+    from cute_kv.kernels.compile_cache import SUPPORTED_ARCHS
+
+    return reference(op, f"no cute-kv kernel targets {arch} (they are compiled for {' and '.join(SUPPORTED_ARCHS)})",
+                     arch)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -119,13 +132,16 @@ def is_strict() -> bool:
     return os.environ.get("CUTE_KV_STRICT", "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def route(device, plan: Callable[[str], KernelPath]) -> Optional[KernelPath]:
-    """The kernel path to launch for a call on ``device``, or None for the reference: off CUDA silently, on CUDA
-    after ``report``. ``plan(arch)`` is the op's decision. Called before anything is written."""
+def route(op: str, device, plan: Callable[[str], KernelPath]) -> Optional[KernelPath]:
+    """The kernel path to launch for a call of ``op`` on ``device``, or None for the reference: off CUDA silently,
+    on CUDA after ``report``. ``plan(arch)`` is the op's decision (on an arch with kernels). Called before anything
+    is written."""
+    from cute_kv.kernels.compile_cache import SUPPORTED_ARCHS
+
     arch = device_arch(device)
     if arch is None:
         return None
-    path = plan(arch)
+    path = plan(arch) if arch in SUPPORTED_ARCHS else no_kernels(op, arch)
     if path.path == KERNEL:
         return path
     if _dry is None:
@@ -156,12 +172,14 @@ def _caller_level() -> int:
 
 def planned(op: str, device, arch: Optional[str], plan: Callable[[str], KernelPath]) -> KernelPath:
     """``explain``'s answer: ``plan(arch)`` for a given arch, else for ``device``'s (off CUDA: the reference)."""
+    from cute_kv.kernels.compile_cache import SUPPORTED_ARCHS
+
     if arch is None:
         arch = device_arch(device)
         if arch is None:
             return off_cuda(op, device)
-    from cute_kv.kernels.compile_cache import SUPPORTED_ARCHS
-
+        if arch not in SUPPORTED_ARCHS:
+            return no_kernels(op, arch)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch must be one of {SUPPORTED_ARCHS} or None (the tensors' device), got {arch!r}")
     return plan(arch)

@@ -55,8 +55,8 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
 def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks,
              out, lse) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch, mla_v_dim,
-                                                            scale, softcap, sinks, lse is not None))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch,
+                                                                mla_v_dim, scale, softcap, sinks, lse is not None))
     if path is None:
         reference.sparse_mla_attention(q, collection, layer_idx, indices, mla_v_dim=mla_v_dim, scale=scale,
                                        topk_lengths=topk_lengths, softcap=softcap, sinks=sinks, out=out, lse=lse,

@@ -44,7 +44,7 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
 
 def dispatch(k, v, input_row_offsets, collection, layer_idx) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
-    path = paths.route(collection.device, lambda arch: plan(collection, k, arch))
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, k, arch))
     run = reference.store_kv if path is None else _launcher(path.key, path.arch)
     run(k, v, input_row_offsets, collection, layer_idx)
 
@@ -142,6 +142,6 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if k.shape[0]:  # a grid of zero CTAs is a launch error
             vec = 8 if quantized else 16 // k.element_size()
             fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks,
-               collection.scales, collection.cache_lengths, collection.lookup_table, layer_idx)
+               collection.scales, collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx)
 
     return run

@@ -18,20 +18,19 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from cute_kv.kernels.attention.config import VEC
+from cute_kv.kernels.attention.config import COMBINE_THREADS as THREADS
+from cute_kv.kernels.attention.config import F32_VEC, VEC, combine_problem
 from cute_kv.kernels.attention.softmax import LN2, NEG_INF
 from cute_kv.kernels.attention.sm90 import DTYPES
-
-THREADS = 128
-F32_VEC = 4  # float32 per 16-byte load
 
 
 class AttentionCombine:
     """Compile-time key: output dtype, query heads, head dim, whether the merged ``lse`` is written."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, head_dim: int, return_lse: bool = False):
-        if head_dim % VEC or THREADS % (head_dim // F32_VEC):
-            raise ValueError(f"head_dim ({head_dim}) must be a multiple of {VEC} dividing {THREADS * F32_VEC}")
+        problem = combine_problem(head_dim)
+        if problem:
+            raise ValueError(f"head_dim ({head_dim}): {problem}")
         self.dtype = DTYPES[dtype_name]
         self.num_q_heads, self.head_dim, self.return_lse = num_q_heads, head_dim, return_lse
         self.threads_per_row = head_dim // F32_VEC

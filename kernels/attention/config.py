@@ -91,6 +91,18 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     return None
 
 
+COMBINE_THREADS = 128  # AttentionCombine's CTA
+F32_VEC = 4  # float32 per 16-byte load
+
+
+def combine_problem(v_dim: int) -> Optional[str]:
+    """Why ``AttentionCombine`` cannot merge split partials of ``v_dim`` value columns, or None: ``v_dim / 4``
+    threads share a row (16 bytes of float32 each) and a CTA's 128 threads hold whole rows."""
+    if v_dim % VEC or COMBINE_THREADS % (v_dim // F32_VEC):
+        return f"the split-KV combine takes value widths of a multiple of {VEC} dividing {COMBINE_THREADS * F32_VEC}"
+    return None
+
+
 def index_limits(num_pages: int, kv_dim: int, num_layers: int, page_size: int, max_cache_length: int) -> Optional[str]:
     """Why the kernel's int32 indices cannot reach this cache, or None. TMA row coordinates are int32: the row view
     of a plane has ``(N-1)*KVD*L*P + P`` rows, and one past them (the zero-filled row of a tile slot past the keys)

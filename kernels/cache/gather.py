@@ -45,7 +45,8 @@ class PagedKVGather:
         blocks = make_fake_tensor(self.dtype, (n, kvd, nl, p, h, d),
                                   stride=(pitch, plane, p * h * d, h * d, d, 1), assumed_align=16)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
-        lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
+        # one entry read per CTA: any row stride and a 4-byte base (a column slice of a wider table)
+        lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
         out = make_fake_compact_tensor(self.dtype, (b, s, h, d), stride_order=(3, 2, 1, 0), assumed_align=16)
         return (blocks, lengths, lut, out, Int32(0), Int32(0), Int32(0),
                 make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from cute_kv.kernels.attention.config import combine_problem
+
 BM = 64  # packed rows per CTA: one wgmma M, shared by both consumer warpgroups
 BN = 64  # keys per tile; each warpgroup takes S for BN/2 of them
 STAGES = 2
@@ -74,6 +76,9 @@ def supported(num_q_heads: int, latent_dim: int, v_dim: int, page_size: int, dty
     if v_dim % (2 * ATOM) or v_dim > min(latent_dim, 2 * MAX_V_HALF):
         return (f"mla_v_dim ({v_dim}) must be a multiple of {2 * ATOM} up to {2 * MAX_V_HALF} and the latent dim "
                 f"({latent_dim}): each consumer warpgroup takes half of it")
+    problem = combine_problem(v_dim)  # a split-KV launch merges its splits over the v_dim columns
+    if problem:
+        return f"mla_v_dim ({v_dim}): {problem}"
     if page_size < 16 or (page_size % BN and BN % page_size):
         return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {BN}-key tile"
     return None

@@ -1,0 +1,406 @@
+"""Launch contracts: every op through its real CUDA launcher on the CPU, each call of a compiled kernel checked
+against that kernel's TVM-FFI spec (``tests/launch.py``), over both archs, every cache kind and every step shape.
+
+A call whose plan (``cute_kv.explain``) names a kernel must launch it (nothing for ``T = 0``) with arguments its
+entry accepts and no fallback warning; a split-KV launch is followed by the combine of its splits. A call the plan
+sends to the reference must warn and launch nothing.
+"""
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import cute_kv
+from cute_kv.ops import mla_prefill as mla_prefill_op
+from cute_kv.ops import paths
+from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.qkv import kv_columns
+from launch import ARCHS, Contract, ContractError, as_cuda
+
+HQ = 8  # query heads over 2 KV heads; MLA: 16 over the latent head
+MLA_HQ, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128  # DeepSeek's MLA, 16 heads
+
+CACHES = {  # random_paged_batch arguments of each cache kind
+    "bf16": dict(dtype=torch.bfloat16),
+    "fp16": dict(dtype=torch.float16),
+    "fp32": dict(dtype=torch.float32),
+    "fp8": dict(dtype=torch.float8_e4m3fn),
+    "fp8-f32": dict(dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, quantization_granularity=64),
+    "fp8-e8m0": dict(dtype=torch.float8_e4m3fn, scale_dtype=torch.float8_e8m0fnu, quantization_granularity=64),
+    "mla-bf16": dict(dtype=torch.bfloat16, is_mla=True, num_heads=1, head_size=RANK + ROPE),
+    "rope-aware": dict(dtype=torch.float8_e4m3fn, is_mla=True, num_heads=1, head_size=RANK + 2 * ROPE,
+                       scale_dtype=torch.float32, rope_dim=ROPE),
+}
+MLA = ("mla-bf16", "rope-aware")
+STEPS = {  # (cache_lengths, new tokens) per request
+    "decode-split": ([700, 300], [1, 1]),  # long contexts, one token: split-KV
+    "ragged": ([0, 37, 5, 9], [5, 1, 0, 3]),  # a fresh prompt, 1- and 0-token requests
+    "prefill": ([0, 0, 16], [300, 1, 0]),  # a long prompt: several query blocks
+    "empty": ([4, 9], [0, 0]),  # T = 0
+    "strided": ([0, 37, 5, 9], [5, 1, 0, 3]),  # views: activations, outputs and metadata columns
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_reporting(monkeypatch):
+    monkeypatch.delenv("CUTE_KV_STRICT", raising=False)
+    monkeypatch.setattr(paths, "_warned", set())
+    monkeypatch.setattr(paths, "_strict", None)
+
+
+def _batch(kind: str, step: str):
+    cached, new = STEPS[step]
+    kw = {"num_heads": 2, "head_size": 128, **CACHES[kind]}
+    pb = random_paged_batch(cached, new, page_size=32, generator=torch.Generator().manual_seed(0), **kw)
+    if step == "strided":
+        _strided_metadata(pb)
+    return pb
+
+
+def _strided_metadata(pb) -> None:
+    """``cache_lengths`` as a column of a ``[B, 2]`` tensor and the lookup table as columns 1.. of a wider one (its
+    rows 8 entries apart, its base 4 bytes past a 16-byte boundary)."""
+    c = pb.collection
+    lengths = torch.stack([c.cache_lengths.view(torch.int32), torch.zeros_like(c.cache_lengths.view(torch.int32))], 1)
+    cols = c.lookup_table.shape[1]
+    wide = torch.zeros((c.batch_size, -(-(cols + 1) // 8) * 8), dtype=torch.int32)
+    wide[:, 1:cols + 1] = c.lookup_table.view(torch.int32)
+    pb.collection = c.with_metadata(lengths[:, 0], wide[:, 1:cols + 1], c.max_seq_length, c.max_cache_length)
+    assert pb.collection.cache_lengths.stride(0) == 2 and pb.collection.lookup_table.data_ptr() % 16 == 4
+
+
+def _activation(rows: int, heads: int, dim: int, dtype, strided: bool, rng) -> torch.Tensor:
+    """``[rows, heads, dim]``; strided: a slice of wider rows (heads not packed)."""
+    x = torch.randn(rows, heads, dim + (8 if strided else 0), generator=rng).to(dtype)
+    return x[..., :dim] if strided else x
+
+
+def _act_dtype(pb):
+    c = pb.collection
+    return torch.bfloat16 if c.dtype == torch.float8_e4m3fn or c.rope_dim else c.dtype
+
+
+# -- the ops' calls ---------------------------------------------------------------------------------------------------
+
+def _store_kv(pb, step, rng):
+    c = pb.collection
+    k = _activation(pb.total_rows, c.num_heads, c.latent_dim, _act_dtype(pb), step == "strided", rng)
+    v = None if c.is_mla else _activation(pb.total_rows, c.num_heads, c.latent_dim, _act_dtype(pb),
+                                          step == "strided", rng)
+    return cute_kv.store_kv, (k, v, pb.input_row_offsets, c, 1), {}
+
+
+def _fused_qkv(pb, step, rng, weight_kind="dense"):
+    from test_fused_qkv_w4 import _fp8, _int4
+
+    c = pb.collection
+    k_dim = 512
+    # MLA: DeepSeek's Q heads of 192 (nope | rope) and the latent's norm (a cross-tile reduction); RoPE on 64 dims
+    q_head = NOPE + ROPE if c.is_mla else c.head_size
+    n_tot = (MLA_HQ if c.is_mla else HQ) * q_head + kv_columns(c)
+    hidden = torch.randn(pb.total_rows, k_dim + (64 if step == "strided" else 0), generator=rng).to(_act_dtype(pb))
+    if step == "strided":
+        hidden = hidden[:, :k_dim]
+    weight = {"dense": lambda: torch.randn(n_tot, k_dim, generator=rng).to(hidden.dtype),
+              "int4": lambda: _int4(rng, n_tot, k_dim, 128), "fp8": lambda: _fp8(rng, n_tot, k_dim)}[weight_kind]()
+    kw = {"rope": cute_kv.RopeConfig.from_theta(ROPE, 1024, interleaved=c.is_mla, q_head_dim=q_head)}
+    if c.is_mla:
+        kw["qk_norm"] = cute_kv.QKNorm(k_weight=torch.rand(RANK, generator=rng))
+    if step == "strided":
+        kw["output"] = torch.empty(pb.total_rows, n_tot - kv_columns(c) + 64, dtype=hidden.dtype)[:, 64:]
+    return cute_kv.fused_qkv_matmul_kv_cache, (hidden, pb.input_row_offsets, weight, c, 1), kw
+
+
+def _paged_attention(pb, step, rng):
+    c = pb.collection
+    hq = MLA_HQ if c.is_mla else HQ
+    q = _activation(pb.total_rows, hq, c.latent_dim, _act_dtype(pb), step == "strided", rng)
+    kw = {"mla_v_dim": RANK} if c.is_mla else {}
+    if step == "strided":
+        d_v = RANK if c.is_mla else c.head_size
+        kw["out"] = torch.empty(pb.total_rows, hq, d_v + 8, dtype=q.dtype)[..., 8:]
+    kw["return_lse"] = step == "decode-split"
+    if step == "decode-split" and not c.is_mla:  # the MLA kernels have no window
+        kw["window"] = 200
+    if step == "prefill":
+        kw.update(softcap=30.0, sinks=torch.randn(hq, generator=rng))
+    return cute_kv.paged_attention, (q, pb.input_row_offsets, c, 1), kw
+
+
+def _sparse_mla(pb, step, rng):
+    c = pb.collection
+    q = _activation(pb.total_rows, MLA_HQ, c.latent_dim, _act_dtype(pb), step == "strided", rng)
+    width = 2 if step == "strided" else 1
+    indices = torch.randint(-1, c.num_pages * c.page_size, (pb.total_rows, 64 * width), generator=rng,
+                            dtype=torch.int32)[:, ::width]
+    return cute_kv.sparse_mla_attention, (q, pb.input_row_offsets, c, 1, indices), {"mla_v_dim": RANK}
+
+
+def _gather_kv(pb, step, rng):
+    return cute_kv.gather_kv, (pb.collection, 1), {}
+
+
+OPS = {"store_kv": _store_kv, "fused_qkv": _fused_qkv, "paged_attention": _paged_attention,
+       "sparse_mla_attention": _sparse_mla, "gather_kv": _gather_kv}
+
+
+def _case_list():
+    for op in OPS:
+        for kind in CACHES:
+            if op == "sparse_mla_attention" and kind not in MLA:
+                continue
+            for step in STEPS:
+                for arch in ARCHS:
+                    yield pytest.param(op, kind, step, arch, id=f"{op}-{kind}-{step}-{arch}")
+
+
+CASES = list(_case_list())
+
+
+def _run(arch, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` on a CUDA GPU of ``arch`` (as seen by the routing): ``(launches, fallbacks)``."""
+    with as_cuda(arch) as launches, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(*args, **kwargs)
+    return launches, [w for w in caught if issubclass(w.category, cute_kv.FallbackWarning)]
+
+
+def _check_launches(path, launches, fallbacks, num_rows: int) -> None:
+    if path.path == paths.REFERENCE:
+        assert fallbacks and not launches, (path, launches.kernels)
+        return
+    assert not fallbacks, [str(w.message) for w in fallbacks]
+    assert bool(launches) == (num_rows > 0), (path, launches.kernels)
+    for i, launch in enumerate(launches):
+        splits = launch.values.get("num_splits", 1)
+        if launch.kernel != "AttentionCombine" and splits > 1:  # the combine of these splits follows
+            combine = launches[i + 1]
+            assert combine.kernel == "AttentionCombine" and combine.values["num_splits"] == splits
+
+
+@pytest.mark.parametrize("op, kind, step, arch", CASES)
+def test_launch_contract(op, kind, step, arch, rng):
+    pb = _batch(kind, step)
+    fn, args, kwargs = OPS[op](pb, step, rng)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["bf16", "fp8-f32", "fp8-e8m0", "mla-bf16", "rope-aware"])
+@pytest.mark.parametrize("weight_kind", ["int4", "fp8"])
+@pytest.mark.parametrize("step", ["decode-split", "ragged", "strided"])
+def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
+    """``FusedQKVGemmW4`` (SM90) and ``FusedQKVGemmW4Sm100`` (split-K on decode steps) launch with what their entry
+    takes."""
+    pb = _batch(kind, step)
+    fn, args, kwargs = _fused_qkv(pb, step, rng, weight_kind)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[arch], path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    if arch == "sm_100a" and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
+        assert launches[0].values["splits"] > 1
+
+
+def _mla_prefill_args(pb, step, rng):
+    c = pb.collection
+    t = pb.total_rows
+    q = torch.randn(t, MLA_HQ, NOPE + ROPE + (64 if step == "strided" else 0), generator=rng).to(torch.bfloat16)
+    w_uk = torch.randn(MLA_HQ, NOPE, RANK, generator=rng).to(torch.bfloat16) / 23
+    w_uv = torch.randn(MLA_HQ, V_DIM, RANK, generator=rng).to(torch.bfloat16) / 23
+    return q[..., :NOPE], q[..., NOPE:NOPE + ROPE], pb.input_row_offsets, c, 1, w_uk, w_uv
+
+
+def _mla_prefill_kwargs(pb, step):
+    """A strided ``out`` (heads not packed) for the strided and prefill steps."""
+    if step not in ("strided", "prefill"):
+        return {}
+    return {"out": torch.empty(pb.total_rows, MLA_HQ, V_DIM + 8, dtype=torch.bfloat16)[..., 8:]}
+
+
+ROUTES = {"decode-split": "absorbed", "prefill": "decompressed"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", MLA)
+@pytest.mark.parametrize("step", STEPS)
+def test_mla_prefill_launch_contract(step, kind, arch, rng):
+    """Both routes: the decompressed one (a long fresh prompt; SM100 launches its own ``PagedAttentionSm100``, SM90
+    ``paged_attention`` over the temporary cache) and the absorbed one (one token over a long context: the MLA
+    decode kernels)."""
+    pb = _batch(kind, step)
+    args = _mla_prefill_args(pb, step, rng)
+    route = mla_prefill_op.plan(mla_prefill_op.step_lengths(pb.input_row_offsets, pb.collection.cache_lengths),
+                                num_heads=MLA_HQ, kv_lora_rank=RANK, rope_dim=ROPE, nope_dim=NOPE, v_dim=V_DIM,
+                                dtype="bfloat16", arch=arch)
+    assert route.path == ROUTES.get(step, route.path)
+    launches, fallbacks = _run(arch, cute_kv.mla_prefill, args, _mla_prefill_kwargs(pb, step))
+    want = {"absorbed": {"sm_90a": "MLADecode", "sm_100a": "MlaDecodeSm100"},
+            "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][arch]
+    _check_launches(paths.kernel(mla_prefill_op.OP, want, (), arch), launches, fallbacks, pb.total_rows)
+    assert launches.kernels[:1] == ([want] if pb.total_rows else [])
+
+
+def test_the_matrix_reaches_every_kernel():
+    """The cases above plan every kernel of both archs (a case that fell back everywhere would test nothing)."""
+    rng = torch.Generator().manual_seed(0)
+    planned = {arch: set() for arch in ARCHS}
+    for op, kind, step, arch in (p.values for p in CASES):
+        pb = _batch(kind, step)
+        fn, args, kwargs = OPS[op](pb, step, rng)
+        path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+        if path.path == paths.KERNEL:
+            planned[arch].add(path.kernel)
+    assert planned["sm_90a"] >= {"PagedKVStore", "RopeAwareKVStore", "PagedKVGather", "FusedQKVGemm",
+                                 "PagedAttention", "MLADecode"}
+    assert planned["sm_100a"] >= {"PagedKVStore", "RopeAwareKVStore", "PagedKVGather", "FusedQKVGemm",
+                                  "PagedAttentionSm100", "MlaDecodeSm100"}
+
+
+# -- defects the contracts found --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gather_kv_takes_a_lookup_table_column_slice(arch, rng):
+    """A lookup table whose base is 4 bytes past a 16-byte boundary (columns 1.. of a wider table) reaches
+    ``PagedKVGather``, which reads one entry per CTA: compiled for any 4-byte aligned table."""
+    pb = _batch("bf16", "ragged")
+    c = pb.collection
+    wide = torch.zeros((c.batch_size, c.lookup_table.shape[1] + 8), dtype=torch.int32)
+    wide[:, 1:c.lookup_table.shape[1] + 1] = c.lookup_table.view(torch.int32)
+    c = c.with_metadata(c.cache_lengths, wide[:, 1:c.lookup_table.shape[1] + 1], c.max_seq_length,
+                        c.max_cache_length)
+    assert c.lookup_table.data_ptr() % 16 == 4
+    assert cute_kv.explain(cute_kv.gather_kv, c, 1, arch=arch).kernel == "PagedKVGather"
+    launches, fallbacks = _run(arch, cute_kv.gather_kv, (c, 1), {})
+    assert launches.kernels == ["PagedKVGather"] and not fallbacks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gather_kv_of_an_empty_cache_launches_nothing(arch):
+    """``max_cache_length == 0``: no page column to copy (a grid of 0 CTAs would be a launch error); the zeros of a
+    new ``out`` are the answer."""
+    pb = random_paged_batch([0, 0], [0, 0], num_heads=2, head_size=128, page_size=32,
+                            generator=torch.Generator().manual_seed(0))
+    c = pb.collection
+    assert c.max_cache_length == 0 and cute_kv.explain(cute_kv.gather_kv, c, 0, arch=arch).path == paths.KERNEL
+    with as_cuda(arch) as launches:
+        out = cute_kv.gather_kv(c, 0)
+    assert not launches and out.shape == (2, 0, 2, 128)
+
+
+def test_mla_v_dim_the_combine_cannot_merge_takes_the_reference(rng):
+    """``MLADecode`` takes ``mla_v_dim`` 384, the split-KV combine does not (a row's 96 threads do not tile its
+    CTA): the plan refuses it before any launch instead of a split step raising after the attention launch, with
+    ``out`` unwritten."""
+    pb = _batch("mla-bf16", "decode-split")
+    q = torch.randn(pb.total_rows, MLA_HQ, RANK + ROPE, generator=rng).to(torch.bfloat16)
+    args, kwargs = (q, pb.input_row_offsets, pb.collection, 1), {"mla_v_dim": 384}
+    launches, fallbacks = _run("sm_90a", cute_kv.paged_attention, args, kwargs)
+    assert not launches and fallbacks
+    path = cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_90a", **kwargs)
+    assert path.path == paths.REFERENCE and "mla_v_dim (384): the split-KV combine" in path.reason
+    for v_dim in (128, 256, 512):  # the widths it merges keep the kernel, splits and all
+        launches, _ = _run("sm_90a", cute_kv.paged_attention, args, {"mla_v_dim": v_dim})
+        assert launches.kernels == ["MLADecode", "AttentionCombine"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op, kind", [("store_kv", "bf16"), ("fused_qkv", "fp8-f32"), ("paged_attention", "bf16"),
+                                      ("paged_attention", "mla-bf16"), ("gather_kv", "fp16")])
+def test_strided_cache_lengths_are_made_compact(op, kind, arch, rng):
+    """``cache_lengths`` as a column of a ``[B, 2]`` tensor passes the collection and every plan; every kernel is
+    compiled for a compact one, so the launcher hands it a compact copy (as it does ``input_row_offsets``)."""
+    pb = _batch(kind, "ragged")
+    c = pb.collection
+    lengths = torch.stack([c.cache_lengths.view(torch.int32)] * 2, 1)[:, 1]
+    pb.collection = c.with_metadata(lengths, c.lookup_table, c.max_seq_length, c.max_cache_length)
+    fn, args, kwargs = OPS[op](pb, "ragged", rng)
+    assert cute_kv.explain(fn, *args, arch=arch, **kwargs).path == paths.KERNEL
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    assert launches and not fallbacks
+
+
+@pytest.mark.parametrize("arch", ["sm_80a", "sm_103a", "sm_120a"])
+def test_other_cuda_archs_run_the_reference_with_a_warning(arch, rng):
+    """A100, B300 (sm_103), RTX 50xx (sm_120): no kernel is compiled for them, so every op runs the reference and
+    says so once (``FallbackWarning``), as on any CUDA call no kernel serves; ``explain`` gives the same answer."""
+    for op in OPS:
+        paths._warned.clear()
+        pb = _batch("mla-bf16" if op == "sparse_mla_attention" else "bf16", "ragged")
+        fn, args, kwargs = OPS[op](pb, "ragged", rng)
+        with as_cuda(arch):
+            path = cute_kv.explain(fn, *args, **kwargs)  # the device's arch
+        assert path.path == paths.REFERENCE and f"no cute-kv kernel targets {arch}" in path.reason
+        launches, fallbacks = _run(arch, fn, args, kwargs)
+        assert not launches and len(fallbacks) == 1 and path.reason in str(fallbacks[0].message), op
+    args = _mla_prefill_args(_batch("mla-bf16", "prefill"), "prefill", rng)
+    launches, fallbacks = _run(arch, cute_kv.mla_prefill, args, {})
+    assert not launches and fallbacks
+
+
+# -- negative controls: what the contract rejects ---------------------------------------------------------------------
+
+def _store_contract():
+    from cute_kv.ops import store_kv
+
+    pb = _batch("bf16", "ragged")
+    c = pb.collection
+    k = torch.randn(pb.total_rows, 2, 128).to(torch.bfloat16)
+    path = store_kv.plan(c, k, "sm_90a")
+    contract = Contract(store_kv.compile_unit(path.key, "sm_90a")[1])
+    args = dict(k=k, v=k.clone(), input_row_offsets=pb.input_row_offsets, blocks=c.blocks, scales=None,
+                cache_lengths=c.cache_lengths, lookup_table=c.lookup_table, layer_idx=1)
+    contract.check(**args)  # the call the launcher makes passes
+    return contract, args
+
+
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values at a base 2 bytes past its alignment."""
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype)[1:]
+    return flat.view(x.shape).copy_(x)
+
+
+@pytest.mark.parametrize("inject, message", [
+    (lambda a: {**a, "k": a["k"].half()}, "k is float16, expected bfloat16"),
+    (lambda a: {**a, "cache_lengths": torch.stack([a["cache_lengths"]] * 2, 1)[:, 0]},
+     "cache_lengths.strides[0] is 2, expected 1"),
+    (lambda a: {**a, "k": _misaligned(a["k"])}, "k's data is 2 bytes past a 16-byte boundary"),
+    (lambda a: {**a, "v": a["v"][:-1]}, "v.shape[0] is 8, expected to match k.shape[0] = 9"),
+    (lambda a: {**a, "lookup_table": a["lookup_table"][:-1]},
+     "lookup_table.shape[0] is 3, expected to match cache_lengths.shape[0] = 4"),
+    (lambda a: {**a, "layer_idx": 2**31}, "layer_idx = 2147483648 is outside int32's"),
+    (lambda a: {**a, "k": a["k"][:0], "v": a["v"][:0]}, "grid dimension from k.shape[0] is 0"),
+    (lambda a: {**a, "k": a["k"][..., :64]}, "k.shape[2] is 64, expected 128"),
+    (lambda a: {**a, "k": torch.empty(9, 260, dtype=torch.bfloat16)[:, :256].unflatten(1, (2, 128))},
+     "k.strides[0] = 260 is not a multiple of 8"),
+    (lambda a: {**a, "scales": torch.ones(1)}, "scales is Tensor, compiled as None"),
+    (lambda a: {**a, "v": None}, "v is NoneType, expected Tensor"),
+    (lambda a: {**a, "blocks": a["blocks"][0]}, "blocks has 5 dims, expected 6"),
+    (lambda a: {**a, "layer_idx": 1.0}, "layer_idx is float, expected int"),
+    (lambda a: {k: v for k, v in a.items() if k != "layer_idx"}, "missing a required argument: 'layer_idx'"),
+    (lambda a: {**a, "stream": 0}, "unexpected keyword argument 'stream'"),
+], ids=["dtype", "strided", "misaligned", "shared-dim", "shared-dim-2", "int32", "grid", "static-shape",
+        "divisibility", "not-none", "none", "rank", "int-kind", "arity", "extra"])
+def test_contract_rejects_injected_mismatches(inject, message):
+    contract, args = _store_contract()
+    with pytest.raises(ContractError, match=re.escape(message)):
+        contract.check(**inject(args))
+
+
+def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch):
+    """End to end: a launcher that stopped packing q's heads hands a strided q to a kernel compiled for packed
+    heads, and the op fails on the contract."""
+    from cute_kv.ops import paged_attention
+
+    pb = _batch("bf16", "ragged")
+    fn, args, kwargs = _paged_attention(pb, "strided", rng)
+    launches, _ = _run("sm_90a", fn, args, kwargs)
+    assert launches.kernels == ["PagedAttention"]
+    monkeypatch.setattr(paged_attention, "packed_heads", lambda x, vec: x)
+    with pytest.raises(ContractError, match=re.escape("PagedAttention: q.strides[1] is 136, expected 128")):
+        _run("sm_90a", fn, args, kwargs)
+
