@@ -3,9 +3,10 @@
 One list for the compile tests (tests/test_compile_kernels.py), the SASS gate (tests/test_sass.py) and the static
 table (``python perf/run.py static``). A ``Family`` is a kernel class, the archs it compiles for, its cases
 (constructor arguments) and its ``plan``: threads per CTA, the shared memory the host plans per CTA, and the CTAs
-per SM the design claims. The register budget is what keeps the claimed CTAs resident. Adding a kernel is one
-``Family`` in ``FAMILIES``; adding a configuration is one more tuple in its cases; an attention family with a
-``peer_case`` also appears beside FA4 in the static table.
+per SM the design claims. The register budget is what keeps the claimed CTAs resident. ``roles`` names the warps
+that take part in the kernel's mbarrier traffic (the barrier accounting, ``perf/barriers.py``, checks each arrive
+and wait against them). Adding a kernel is one ``Family`` in ``FAMILIES``; adding a configuration is one more tuple
+in its cases; an attention family with a ``peer_case`` also appears beside FA4 in the static table.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ class Plan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Role:
+    """Warps of a kernel that play one part in its mbarrier hand-offs. ``turns``: the warps form that many equal
+    groups that take a ring's phases in turn (quack's SM90 ping-pong warpgroups), so a phase has one group's
+    arrivals."""
+
+    warps: tuple[int, ...]
+    turns: int = 1
+
+
+def _warps(first: int, count: int) -> tuple[int, ...]:
+    return tuple(range(first, first + count))
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     name: str
     make: Callable[..., object]
@@ -51,6 +66,7 @@ class Family:
     peer_case: Optional[Callable[[int, int], tuple]] = None
     # ``(jit function, *fake args)`` of a kernel object: most kernels are the jit function themselves.
     build: Callable[[object], tuple] = lambda kernel: (kernel, *kernel.fake_args())
+    roles: Callable[[object], dict] = lambda kernel: {}  # role name -> Role, of a kernel object
 
     def configs(self) -> list["Config"]:
         return [Config(self, case, arch) for case in self.cases for arch in self.archs]
@@ -210,6 +226,43 @@ def _qkv_w4_sm100(fmt, *case):
 _QKV_THREADS = {"sm_90a": 384, "sm_100a": 256}
 
 
+def _quack_roles(gemm) -> dict:
+    """quack's warp roles: SM90, the MMA warpgroups (ping-pong: two taking tiles in turn) and the load warp; SM100,
+    epilogue warps, the MMA warp, the load warp and the tile scheduler's warp."""
+    load = _warps(gemm.ab_load_warp_id, gemm.num_ab_load_warps)
+    if hasattr(gemm, "mma_warp_groups"):
+        return {"mma": Role(_warps(0, 4 * gemm.mma_warp_groups), 2 if gemm.pingpong else 1), "load": Role(load)}
+    return {"epilogue": Role(tuple(gemm.epilog_warp_id)), "mma": Role((gemm.mma_warp_id,)), "load": Role(load),
+            "scheduler": Role((gemm.scheduler_warp_id,))}
+
+
+def _w4_sm100_roles(k) -> dict:
+    """Our SM100 W4 kernel: epilogue warps, the MMA and load warps, the transform warps that decode the weights."""
+    from cute_kv.kernels.qkv import w4_sm100
+
+    return {"epilogue": Role(w4_sm100.EPI_WARPS), "mma": Role((w4_sm100.MMA_WARP,)),
+            "load": Role((w4_sm100.LOAD_WARP,)), "transform": Role(w4_sm100.TRANSFORM_WARPS)}
+
+
+def _sm90_roles(module, fp8: bool) -> dict:
+    """Our SM90 attention kernels: warp 0 issues the loads, the two consumer warpgroups read every stage; with an fp8
+    cache the producer warpgroup converts the landed stages."""
+    wg = module.WG_THREADS // 32
+    roles = {"load": Role((0,)), "consumers": Role(_warps(wg, module.THREADS // 32 - wg))}
+    if fp8:
+        roles["producers"] = Role(_warps(0, wg))
+    return roles
+
+
+def _sm100_roles(module, fp8: bool) -> dict:
+    """Our SM100 attention kernels: the softmax warpgroup, the MMA and load warps; fp8: the converter warpgroup."""
+    roles = {"softmax": Role(_warps(0, module.SOFTMAX_THREADS // 32)), "mma": Role((module.MMA_WARP,)),
+             "load": Role((module.LOAD_WARP,))}
+    if fp8:
+        roles["convert"] = Role(module.CONVERT_WARPS)
+    return roles
+
+
 def _attention_plan(k: attention_sm90.PagedAttention) -> Plan:
     # One CTA per SM: the rings take what shared memory the two warpgroups' Q tiles leave (config.tiling); the
     # ping-pong of the two consumer warpgroups is the overlap, not a second CTA.
@@ -227,35 +280,41 @@ def _combine_plan(k: combine.AttentionCombine) -> Plan:
 
 
 FAMILIES = [
-    Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan),
+    # Warp 0 loads the page (one TMA barrier), every warp copies it out.
+    Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan,
+           roles=lambda k: {"load": Role((0,)), "copy": Role(_warps(0, gather.THREADS // 32))}),
     Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES), ARCHS, _store_plan),
     Family("paged_kv_store_rope_aware", store_rope_aware.RopeAwareKVStore, tuple(STORE_ROPE_AWARE_CASES), ARCHS,
            _store_rope_aware_plan),
     *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),
-             lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build()) for arch in ARCHS),
+             lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build(),
+             roles=lambda k: _quack_roles(k.gemm())) for arch in ARCHS),
     # quack's cooperative W4 GEMM: a producer and two MMA warpgroups sharing a 128-row weight tile; stages fill
     # shared memory (one CTA per SM).
     Family("fused_qkv_gemm_w4_90", _qkv_w4, tuple(QKV_W4_CASES), ("sm_90a",), lambda k: Plan(384, None, 1),
-           build=lambda k: k.build()),
+           build=lambda k: k.build(), roles=lambda k: _quack_roles(k.gemm())),
     # Our SM100 W4 kernel: 4 epilogue warps, MMA, load and 4 transform warps; stages fill shared memory beside the
     # epilogue tile and two TMEM accumulators (one CTA per SM).
     Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), ("sm_100a",),
-           lambda k: Plan(k.threads, None, 1), build=lambda k: k.build()),
+           lambda k: Plan(k.threads, None, 1), build=lambda k: k.build(), roles=_w4_sm100_roles),
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
            _attention_plan, head_dim=lambda k: k.head_dim,
-           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
+           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
+           roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8)),
     Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),
            # Warps in roles (softmax, MMA, load; fp8: converters); all of tensor memory and the DSL-sized rings:
            # one CTA per SM.
            # S blocks: QK over the head dim, PV over the value dim.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
-           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True)),
+           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
+           roles=lambda k: _sm100_roles(attention_sm100, k.kv_fp8)),
     Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
-           head_dim=lambda k: (k.latent_dim + k.v_dim) // 2),
+           head_dim=lambda k: (k.latent_dim + k.v_dim) // 2, roles=lambda k: _sm90_roles(mla_sm90, bool(k.rope_dim))),
     Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), ("sm_100a",),
            # Warps in roles (softmax, MMA, load; converter for rope-aware fp8), Q and the key stages: one CTA per SM.
-           lambda k: Plan(k.threads, k.plan.smem, 1), head_dim=lambda k: k.latent_dim),
+           lambda k: Plan(k.threads, k.plan.smem, 1), head_dim=lambda k: k.latent_dim,
+           roles=lambda k: _sm100_roles(mla_sm100, k.fp8)),
     Family("attention_combine", combine.AttentionCombine, tuple(COMBINE_CASES), ARCHS, _combine_plan),
 ]
 

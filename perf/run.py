@@ -38,6 +38,9 @@ BENCHMARKS = {
     "fused-qkv-static": Benchmark("static_fused_qkv", False,
                                   "fused QKV kernels vs quack's bare GEMM, compiled for sm_90a/sm_100a: registers, "
                                   "spills, MMA instructions, epilogue instructions per element (ptxas, cuobjdump)"),
+    "barriers": Benchmark("barriers", False,
+                          "mbarrier accounting of every kernel configuration from its PTX: init count against the "
+                          "arrivals a phase gets, and a replay of each ring (no GPU)"),
     "static": Benchmark("bench_static", False,
                         "ptxas/SASS figures of every kernel configuration, FA4's forward beside ours (no GPU)",
                         os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "static.json")),

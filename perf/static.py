@@ -393,20 +393,29 @@ def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
 class Launch:
     threads: int
     dynamic_smem: int
+    cluster: tuple[int, int, int] = (1, 1, 1)
 
 
-# The struct the generated host code fills for cudaLaunchKernelEx: grid, block, sharedMemBytes, stream, attrs, count.
+# The struct the generated host code fills for cudaLaunchKernelEx: grid, block, sharedMemBytes, stream, attrs, count;
+# a launch attribute (id, pad, value) and the cluster dimension's value (x, y, z).
 _LAUNCH_STRUCT = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
+_ATTR_STRUCT = "!llvm.struct<(i32, array<4 x i8>, array<64 x i8>)>"
+_DIM3_STRUCT = "!llvm.struct<(i32, i32, i32)>"
+CLUSTER_DIMENSION = 4  # cudaLaunchAttributeClusterDimension
 _CONST = re.compile(r"(%\w+) = llvm\.mlir\.constant\((-?\d+) : i\d+\)")
 _GEP = re.compile(r"(%\w+) = llvm\.getelementptr %\w+\[0, ([\d, ]+)\] .*" + re.escape(_LAUNCH_STRUCT))
+_ATTR_ID = re.compile(r"(%\w+) = llvm\.getelementptr %\w+\[0, 0\] .*" + re.escape(_ATTR_STRUCT))
+_DIM3 = re.compile(r"(%\w+) = llvm\.getelementptr %\w+\[0, (\d)\] .*" + re.escape(_DIM3_STRUCT))
 _STORE = re.compile(r"llvm\.store (%\w+), (%\w+) :")
 
 
 def launch_from_host_ir(ir: str) -> Launch:
-    """Threads per CTA and dynamic shared memory of the (single) kernel launch in the compiled host IR."""
+    """Threads per CTA, dynamic shared memory and cluster shape of the (single) kernel launch in the compiled host
+    IR (the cluster from a cluster-dimension launch attribute; (1, 1, 1) without one)."""
     consts: dict[str, int] = {}
     fields: dict[str, tuple[int, ...]] = {}
     found: dict[tuple[int, ...], Optional[int]] = {}
+    attr_ids, dims, attr, cluster = set(), {}, None, [1, 1, 1]
     for line in ir.splitlines():
         s = line.strip()
         if s.startswith("llvm.func"):
@@ -415,13 +424,22 @@ def launch_from_host_ir(ir: str) -> Launch:
             consts[m[1]] = int(m[2])
         elif m := _GEP.match(s):
             fields[m[1]] = tuple(int(x) for x in m[2].split(","))
-        elif (m := _STORE.match(s)) and m[2] in fields:
-            found[fields[m[2]]] = consts.get(m[1])
+        elif m := _ATTR_ID.match(s):
+            attr_ids.add(m[1])
+        elif m := _DIM3.match(s):
+            dims[m[1]] = int(m[2])
+        elif m := _STORE.match(s):
+            if m[2] in fields:
+                found[fields[m[2]]] = consts.get(m[1])
+            elif m[2] in attr_ids:
+                attr = consts.get(m[1])
+            elif m[2] in dims and attr == CLUSTER_DIMENSION:
+                cluster[dims[m[2]]] = consts.get(m[1])
     block = [found.get((1, i)) for i in range(3)]
     smem = found.get((2,))
-    if None in block or smem is None:
-        raise ValueError("no launch with a constant block and shared-memory size in the host IR")
-    return Launch(block[0] * block[1] * block[2], smem)
+    if None in block or smem is None or None in cluster:
+        raise ValueError("no launch with a constant block, shared-memory size and cluster in the host IR")
+    return Launch(block[0] * block[1] * block[2], smem, tuple(cluster))
 
 
 def occupancy(registers: int, threads: int, smem: int) -> dict:

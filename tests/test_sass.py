@@ -191,9 +191,29 @@ def test_launch_from_host_ir():
         "    llvm.store %18, %22 : i32, !llvm.ptr",
         "    llvm.store %9, %30 : i64, !llvm.ptr",
     ])
-    assert static.launch_from_host_ir(ir) == static.Launch(threads=128, dynamic_smem=111408)
+    assert static.launch_from_host_ir(ir) == static.Launch(threads=128, dynamic_smem=111408, cluster=(1, 1, 1))
     with pytest.raises(ValueError, match="launch"):
         static.launch_from_host_ir(ir.replace("%9, %30", "%arg3, %30"))
+    # a cluster-dimension launch attribute (id 4) of (2, 1, 1), as quack's 2-CTA GEMMs pass; other attributes pass by
+    attr, dim3 = "!llvm.struct<(i32, array<4 x i8>, array<64 x i8>)>", "!llvm.struct<(i32, i32, i32)>"
+    ir += "\n" + "\n".join([
+        "    %40 = llvm.mlir.constant(4 : i32) : i32",
+        "    %41 = llvm.mlir.constant(2 : i32) : i32",
+        "    %42 = llvm.mlir.constant(6 : i32) : i32",
+        f"    %50 = llvm.getelementptr %49[0, 0] : (!llvm.ptr) -> !llvm.ptr, {attr}",
+        "    llvm.store %42, %50 : i32, !llvm.ptr",
+        f"    %51 = llvm.getelementptr %49[0, 2] : (!llvm.ptr) -> !llvm.ptr, {attr}",
+        f"    %52 = llvm.getelementptr %51[0, 0] : (!llvm.ptr) -> !llvm.ptr, {dim3}",
+        "    llvm.store %41, %52 : i32, !llvm.ptr",
+        f"    %60 = llvm.getelementptr %59[0, 0] : (!llvm.ptr) -> !llvm.ptr, {attr}",
+        "    llvm.store %40, %60 : i32, !llvm.ptr",
+        f"    %61 = llvm.getelementptr %59[0, 2] : (!llvm.ptr) -> !llvm.ptr, {attr}",
+        *(f"    %{62 + i} = llvm.getelementptr %61[0, {i}] : (!llvm.ptr) -> !llvm.ptr, {dim3}" for i in range(3)),
+        "    llvm.store %41, %62 : i32, !llvm.ptr",
+        "    llvm.store %18, %63 : i32, !llvm.ptr",
+        "    llvm.store %18, %64 : i32, !llvm.ptr",
+    ])
+    assert static.launch_from_host_ir(ir).cluster == (2, 1, 1)
 
 
 @pytest.mark.sass

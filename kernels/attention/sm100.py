@@ -26,7 +26,7 @@ decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
 Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
 that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
 buffers; S[j % 2] is free again for QK_{j+2} because the PV MMA that reads P_j there is issued before it and the
-tensor core runs one thread's MMAs in issue order: the S pipeline's "empty" side is never used. FA4 relies on the
+tensor core runs one thread's MMAs in issue order: S has full barriers only, no "empty" side. FA4 relies on the
 same; the PTX ISA promises that order only between MMAs of the same accumulator and shape, which PV and QK are not,
 so an ISA-strict schedule would wait for PV_j's commit before QK_{j+2}), P (softmax -> MMA: its "empty"
 arrival is the commit of the PV MMA, which says O is stable for the next rescale and, after the last tile, for the
@@ -278,7 +278,7 @@ class PagedAttentionSm100:
 
             smem = SmemAllocator()
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
-            s_bars = smem.allocate_array(cutlass.Int64, 4)
+            s_bars = smem.allocate_array(cutlass.Int64, 2)  # S's full barriers: nothing releases S (see the module)
             p_bars = smem.allocate_array(cutlass.Int64, 2)
             k_bars = smem.allocate_array(cutlass.Int64, 2)  # fp8: dequantized K and V tiles
             v_bars = smem.allocate_array(cutlass.Int64, 2)
@@ -321,7 +321,7 @@ class PagedAttentionSm100:
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
                     consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
                     cta_layout_vmnk=one_cta, defer_sync=True)
-            s_pipe, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS)
+            s_full, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS, s_released=False)
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
                                                                             num_threads=self.threads),
@@ -361,7 +361,7 @@ class PagedAttentionSm100:
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
                 self.set_registers("mma_load")
-                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_vt, t_s, t_o, kv_pipe, s_pipe,
+                self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_vt, t_s, t_o, kv_pipe, s_full,
                          p_pipe, k_pipe, v_pipe, n_tiles)
             if cutlass.const_expr(self.kv_fp8):
                 if warp_idx > LOAD_WARP and warp_idx < CONVERT_WARPS[0]:
@@ -372,7 +372,7 @@ class PagedAttentionSm100:
                                  lookup_table, first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
             if warp_idx < SOFTMAX_THREADS // 32:
                 self.set_registers("softmax")
-                row_max, row_sum = self.softmax(t_s, t_o, s_v, s_pipe, p_pipe, first_tile, n_tiles, m0, seq_len,
+                row_max, row_sum = self.softmax(t_s, t_o, s_v, s_full, p_pipe, first_tile, n_tiles, m0, seq_len,
                                                 cache_len, num_keys, causal, window, score_scale, cap_log2)
                 self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o, g_out, s_q, q_start,
                               seq_len, m0, kv_head, split, num_splits)
@@ -451,7 +451,7 @@ class PagedAttentionSm100:
     @cute.jit
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
             thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_vt: cute.Tensor,
-            t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_pipe: pipeline.PipelineUmmaAsync,
+            t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_full: pipeline.MbarrierArray,
             p_pipe: pipeline.PipelineAsyncUmma, k_pipe: Optional[pipeline.PipelineAsyncUmma],
             v_pipe: Optional[pipeline.PipelineAsyncUmma], n_tiles: Int32):
         """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (so QK_j runs during softmax j-1).
@@ -485,7 +485,7 @@ class PagedAttentionSm100:
                 for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
                     cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, k_stage], acc_s)
-                s_pipe.producer_commit(s_write)
+                s_full.arrive(s_write.index, None, tcgen05.CtaGroup.ONE)  # the QK MMAs' commit: S written
                 if cutlass.const_expr(self.kv_fp8):
                     k_pipe.consumer_release(k_read)  # on completion: the converter may write the next K
                     k_read.advance()
@@ -515,7 +515,7 @@ class PagedAttentionSm100:
 
     @cute.jit
     def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_v: cute.Tensor,
-                s_pipe: pipeline.PipelineUmmaAsync, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
+                s_full: pipeline.MbarrierArray, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
                 n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
                 window: Int32, score_scale: Float32, cap_log2: Float32):
         """Softmax warpgroup: row ``tidx`` of every S tile -> P; rescales O's row. Returns ``(row_max, row_sum)``
@@ -555,7 +555,7 @@ class PagedAttentionSm100:
         p_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * bn
-            s_pipe.consumer_wait(s_read)
+            s_full.wait(s_read.index, s_read.phase)
             tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
             buf = s_read.index
             cute.copy(load_s, cute.make_tensor(t_s_src.iterator + buf * self.s_cols, t_s_src.layout), scores)

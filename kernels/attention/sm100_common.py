@@ -131,15 +131,22 @@ def write_lse(lse: cute.Tensor, lse_part: cute.Tensor, q_start, tok, head, split
         lse_part[split, q_start + tok, head] = lse2
 
 
-def softmax_pipelines(s_bars, p_bars, one_cta: cute.Layout, softmax_threads: int):
+def softmax_pipelines(s_bars, p_bars, one_cta: cute.Layout, softmax_threads: int, s_released: bool = True):
     """The CTA's S pipeline (MMA warp -> softmax warpgroup: two S buffers in TMEM, each released once read) and
     P/O pipeline (softmax warpgroup -> MMA warp: P written and O rescaled, one stage); their barriers are
-    initialized here and made visible by the caller's first CTA barrier (``defer_sync``)."""
+    initialized here and made visible by the caller's first CTA barrier (``defer_sync``). ``s_released`` False: S
+    is only its two full barriers (an ``MbarrierArray``: the MMA warp commits to it, the softmax waits on it) for a
+    kernel whose MMAs' issue order stands in for S's release (``attention/sm100.py``): ``s_bars`` holds 2 barriers,
+    not 4, and no empty barrier is initialized that nothing would arrive on."""
     thread = pipeline.Agent.Thread
-    s_pipe = pipeline.PipelineUmmaAsync.create(
-        barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
-        consumer_group=pipeline.CooperativeGroup(thread, softmax_threads), cta_layout_vmnk=one_cta,
-        defer_sync=True)
+    if s_released:
+        s_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=s_bars, num_stages=2, producer_group=pipeline.CooperativeGroup(thread),
+            consumer_group=pipeline.CooperativeGroup(thread, softmax_threads), cta_layout_vmnk=one_cta,
+            defer_sync=True)
+    else:
+        s_pipe = pipeline.MbarrierArray(barrier_storage=s_bars, num_stages=2,
+                                        agent=(pipeline.PipelineOp.TCGen05Mma, pipeline.CooperativeGroup(thread)))
     p_pipe = pipeline.PipelineAsyncUmma.create(
         barrier_storage=p_bars, num_stages=1,
         producer_group=pipeline.CooperativeGroup(thread, softmax_threads),

@@ -221,7 +221,8 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         w_bytes = 256 * 2 * self.words * M64 + self.sf_bytes * M64
         load_pipe = pipeline.PipelineTmaAsync.create(  # packed weights -> transform warps
             barrier_storage=load_bars, num_stages=n_stages, producer_group=pipeline.CooperativeGroup(thread),
-            consumer_group=pipeline.CooperativeGroup(thread, TRANSFORM_THREADS), tx_count=w_bytes,
+            # consumer_release arrives from one lane of each warp (its signalling lane), as in our SM100 attention
+            consumer_group=pipeline.CooperativeGroup(thread, len(TRANSFORM_WARPS)), tx_count=w_bytes,
             cta_layout_vmnk=one_cta, defer_sync=True)
         x_pipe = pipeline.PipelineTmaUmma.create(  # hidden tile -> MMA
             barrier_storage=x_bars, num_stages=n_stages, producer_group=pipeline.CooperativeGroup(thread),
