@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import artifacts
 from cute_kv.kernels import catalog
 from cute_kv.kernels.catalog import Role
 
@@ -384,11 +385,8 @@ def test_barrier_replay_kernel_splits(family):
 
 
 def _compiled(config) -> tuple[str, str]:
-    """The PTX and host IR of a catalog configuration (one uncached compile)."""
-    from cute_kv.kernels import compile_cache
-
-    fn = compile_cache.compile_uncached(lambda: config.build(), config.arch)
-    return fn.__ptx__, str(fn.ir_module)
+    """The PTX and host IR of a catalog configuration (compiled once per run, shared with the SASS gate)."""
+    return artifacts.compiled(config.kernel(), config.arch)
 
 
 @pytest.mark.compile
