@@ -85,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     title = _title(name, params, coll)
     print(title)
-    _print_tensors(coll, args.layer)
-    if coll.rope_dim is not None:
-        _print_rope_aware_row(layouts, coll)
-    _print_sizes(params, coll.num_pages)
-    _print_layouts(layouts, coll, args.layer)
+    # The queries' answers first, then the cache they are answered in.
     shape, stride_rows = tuple(tensor.shape), coll.get_key_cache(0).stride_rows
     if coords:
         for c, off in zip(coords, layouts.offsets("cache", shape, coords)):
@@ -97,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     if args.offset:
         for c, off in zip(layouts.coordinates("cache", shape, args.offset), args.offset):
             _print_element(layouts, args.tensor, tensor, stride_rows, tuple(int(x) for x in c), off)
+    _print_tensors(coll, args.layer)
+    if coll.rope_dim is not None:
+        _print_rope_aware_row(layouts, coll)
+    _print_sizes(params, coll.num_pages)
+    _print_layouts(layouts, coll, args.layer)
     if pages is not None:
         rows = _print_request(layouts, coll, args, pages)
         if args.png:
