@@ -72,6 +72,7 @@ NEGATIVE_FIX = {
 
 
 def lookup_fix(num_pages: int) -> str:
+    """What a negative lookup entry should be instead."""
     return (f"pages are indices >= 0: pad with the sentinel num_pages ({num_pages}), as "
             f"cute_kv.make_lookup_table(page_lists, sentinel={num_pages}) does, or with a valid page")
 
