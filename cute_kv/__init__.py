@@ -7,6 +7,7 @@ from cute_kv.manager import (GraphStepBuffers, InsufficientBlocksError, KVCacheM
 from cute_kv.metadata import input_row_offsets, last_row_indices, make_lookup_table, max_lengths, padded_lut_cols
 from cute_kv.ops.fused_qkv import fused_qkv_matmul_kv_cache
 from cute_kv.ops.gather_kv import gather_kv
+from cute_kv.ops.merge_attention_states import merge_attention_states
 from cute_kv.ops.mla_prefill import mla_prefill
 from cute_kv.ops.paged_attention import paged_attention
 from cute_kv.ops.sparse_mla_attention import sparse_kv_index_remap, sparse_mla_attention
@@ -49,6 +50,7 @@ __all__ = [
     "last_row_indices",
     "make_lookup_table",
     "max_lengths",
+    "merge_attention_states",
     "mla_prefill",
     "padded_lut_cols",
     "paged_attention",

@@ -1,5 +1,5 @@
-"""``python -m cute_kv`` / ``cute-kv``: command-line tools, one subcommand per module (``inspect``, ``demo``,
-``selftest``, ``prebuild``)."""
+"""``python -m cute_kv`` / ``cute-kv``: command-line tools, one subcommand per module (``inspect``, ``explain``,
+``demo``, ``selftest``, ``prebuild``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from cute_kv import demo as demo_command
+    from cute_kv import explain_command
     from cute_kv import inspect as inspect_command
     from cute_kv import prebuild as prebuild_command
     from cute_kv import selftest as selftest_command
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cute-kv", description="Paged KV cache tools (CuTe DSL, SM90/SM100).")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     inspect_command.add_parser(commands)
+    explain_command.add_parser(commands)
     demo_command.add_parser(commands)
     selftest_command.add_parser(commands)
     prebuild_command.add_parser(commands)

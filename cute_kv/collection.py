@@ -18,10 +18,27 @@ import torch
 from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
 from cute_kv.params import KVCacheParams, check_rope_aware
 from cute_kv.rope_aware import RopeAwareRow
-from cute_kv.validate import check_metadata_tensor, check_tensor, check_uint32_scalar
+from cute_kv.validate import (check_metadata_tensor, check_not_negative, check_tensor, check_uint32_scalar,
+                              lookup_fix, negative_entry)
 
 
 class PagedKVCacheCollection:
+    """A paged KV cache (``blocks``, optional fp8 ``scales``) with one step's metadata: what every op takes.
+
+    ``cache_lengths[b]``: tokens of request ``b`` already in the cache before this step (this step's new tokens
+    excluded; they are stored at ``cache_lengths[b] + i``). ``lookup_table[b, j]``: the physical page holding the
+    request's tokens ``[j*P, (j+1)*P)``; entries past the pages a request owns hold the sentinel ``num_pages`` (any
+    value ``>= num_pages`` names no page). Both are uint32 (MAX) or int32, never negative. A table padded with 0
+    instead, as vLLM's block tables are, is valid: ops read only the pages under each request's length, but the
+    checks cannot tell a request that outgrew its pages from one that owns page 0, so its new tokens would go to
+    page 0; pad with the sentinel to have that caught. ``max_seq_length`` / ``max_cache_length``: the longest new
+    run and the longest context (cached + new) of the step, which kernels size their grids from.
+
+    ``get_key_cache(l)`` / ``get_value_cache(l)`` give per-layer ``PagedKVCache`` views; ``with_metadata`` the same
+    cache with another step's metadata; ``allocate_blocks(params, pages)`` the tensors for ``KVCacheParams``. The
+    block manager (``PagedKVCacheManager.allocate``) builds collections for each step.
+    """
+
     name_str = "paged"
     # Set by the block manager (bind_step): the step these metadata belong to, and its live steps.
     step_id: Optional[int] = None
@@ -198,7 +215,8 @@ class PagedKVCacheCollection:
 
     @property
     def sentinel(self) -> int:
-        """Lookup entries ``>= num_pages`` name no page of this tensor (MAX fills unused entries with N)."""
+        """Lookup entries ``>= num_pages`` name no page of this tensor (MAX fills unused entries with N); pad with
+        it rather than with 0, a real page (see the class docstring)."""
         return self.num_pages
 
     def cache_length(self, batch_idx: int) -> int:
@@ -216,12 +234,14 @@ class PagedKVCacheCollection:
         """Every cached token's page is a real page; no entry past the sentinel."""
         lut = self.lookup_table.to(torch.int64)
         if lut.numel() and int(lut.max()) > self.num_pages:
+            check_not_negative("lookup_table", self.lookup_table, lookup_fix(self.num_pages))
             raise ValueError(
                 f"lookup_table entries must be < num_pages ({self.num_pages}) or the sentinel {self.num_pages}; "
                 f"found {int(lut.max())}"
             )
         cl = self.cache_lengths.to(torch.int64)
         if cl.numel() and int(cl.max()) > self.max_cache_length:
+            check_not_negative("cache_lengths", self.cache_lengths)
             raise ValueError(
                 f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry ({int(cl.max())})"
             )
@@ -241,6 +261,7 @@ class PagedKVCacheCollection:
         cl = self.cache_lengths.to(torch.int64)
         end = cl + new_lengths.to(device=cl.device, dtype=torch.int64)
         if end.numel() and int(end.max()) > self.lookup_table.shape[1] * self.page_size:
+            check_not_negative("cache_lengths", self.cache_lengths)
             b = int(end.argmax())
             raise ValueError(
                 f"{name}: request {b} would write up to position {int(end[b])}, past the "
@@ -263,6 +284,8 @@ class PagedKVCacheCollection:
         if not bool(bad.any()):
             return None
         b, j = (int(x) for x in bad.nonzero()[0])
+        if int(lut[b, j]) >= 2**31:  # an int32 table's negative padding
+            raise ValueError(negative_entry("lookup_table", (b, j), int(lut[b, j]) - 2**32, lookup_fix(self.num_pages)))
         return b, j, int(lut[b, j])
 
     # -- per-layer views -------------------------------------------------------------------------
@@ -278,8 +301,15 @@ class PagedKVCacheCollection:
     def check_layer(self, layer_idx: int) -> None:
         """Raise unless ``0 <= layer_idx < num_layers`` and the collection's manager step is still live
         (host-only, unlike building a view: torch.compile traces it). Every op calls it first."""
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx!r}")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            # Not converted: ops hand layer_idx on to compiled kernels and custom ops as a Python int, and a tensor's
+            # value would be read on the host (a device sync for a CUDA tensor).
+            what = (f"a {layer_idx.dim()}-d torch.Tensor" if isinstance(layer_idx, torch.Tensor)
+                    else f"{type(layer_idx).__module__}.{type(layer_idx).__qualname__} ({layer_idx})")
+            raise TypeError(f"layer_idx must be a Python int, got {what.replace('builtins.', '')}; "
+                            f"pass int(layer_idx)")
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
         if self._live_steps is not None and self.step_id not in self._live_steps \
                 and not torch.compiler.is_compiling():
             raise ValueError(

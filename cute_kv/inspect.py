@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Optional
 
 import torch
 
@@ -18,11 +19,12 @@ from cute_kv.dtypes import dtype_name, parse_dtype
 from cute_kv.metadata import make_lookup_table
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig
 
-PRESETS = {
-    "llama3-8b": dict(layers=32, kv_heads=8, head_dim=128, dtype="bf16", mla=False),
-    "deepseek-mla": dict(layers=61, kv_heads=1, head_dim=576, dtype="bf16", mla=True),
+PRESETS = {  # the cache's geometry; q_heads and mla_v_dim are the model's, for `cute-kv explain`
+    "llama3-8b": dict(layers=32, kv_heads=8, head_dim=128, dtype="bf16", mla=False, q_heads=32),
+    "deepseek-mla": dict(layers=61, kv_heads=1, head_dim=576, dtype="bf16", mla=True, q_heads=128, mla_v_dim=512),
     # MAX's rope-aware FP8 rows: 512 e4m3 content bytes | 64 bf16 rope values, one float32 scale per token.
-    "deepseek-mla-fp8": dict(layers=61, kv_heads=1, head_dim=640, dtype="fp8", mla=True, rope_dim=64),
+    "deepseek-mla-fp8": dict(layers=61, kv_heads=1, head_dim=640, dtype="fp8", mla=True, rope_dim=64, q_heads=128,
+                             mla_v_dim=512),
 }
 SCALE_DTYPES = {"f32": torch.float32, "e8m0": torch.float8_e8m0fnu}
 # Requests longer than this many pages print their head and tail only.
@@ -34,21 +36,8 @@ def add_parser(commands) -> None:
         "inspect", help="shapes, strides, sizes and CuTe layouts of a paged KV cache",
         description="Describe a paged KV cache blocks[N, KVD, L, P, H, D] (and scales[N, KVD, L, P, H, G]).")
     g = p.add_argument_group("geometry (a preset fills what is not given)")
-    g.add_argument("--preset", choices=sorted(PRESETS))
-    g.add_argument("--layers", type=int, help="L")
-    g.add_argument("--kv-heads", type=int, help="H, KV heads (1 with --mla)")
-    g.add_argument("--head-dim", type=int, help="D")
-    g.add_argument("--page-size", type=int, default=16, help="P, tokens per page (default 16)")
+    add_geometry_arguments(g)
     g.add_argument("--pages", type=int, default=64, help="N, physical pages (default 64)")
-    g.add_argument("--dtype", help="bf16 (default), f16, f32 or fp8")
-    g.add_argument("--mla", action="store_true", default=None, help="K only (KVD=1)")
-    g.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), help="fp8 scales (default f32 with --granularity)")
-    g.add_argument("--granularity", type=int,
-                   help="head dims per scale (default with --scale-dtype: 128, or the largest power of two "
-                        "dividing the head dim, 64 for MLA's 576)")
-    g.add_argument("--rope-dim", type=int,
-                   help="rope-aware FP8 MLA rows: bf16 rope values after head_dim - 2*rope_dim content bytes "
-                        "(--head-dim counts bytes; one float32 scale per token)")
     q = p.add_argument_group("queries")
     q.add_argument("--layer", type=int, default=0, help="layer of the views and the request map (default 0)")
     q.add_argument("--tensor", choices=("blocks", "scales"), default="blocks", help="tensor of --coord/--offset")
@@ -60,9 +49,29 @@ def add_parser(commands) -> None:
     p.set_defaults(func=run, error=p.error)
 
 
+def add_geometry_arguments(g) -> None:
+    """The cache geometry options (``cache_params`` reads them); ``--pages`` is each command's own."""
+    g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument("--layers", type=int, help="L")
+    g.add_argument("--kv-heads", type=int, help="H, KV heads (1 with --mla)")
+    g.add_argument("--head-dim", type=int, help="D")
+    g.add_argument("--page-size", type=int, default=16, help="P, tokens per page (default 16)")
+    g.add_argument("--dtype", help="bf16 (default), f16, f32 or fp8")
+    g.add_argument("--mla", action="store_true", default=None, help="K only (KVD=1)")
+    g.add_argument("--scale-dtype", choices=sorted(SCALE_DTYPES), help="fp8 scales (default f32 with --granularity)")
+    g.add_argument("--granularity", type=int,
+                   help="head dims per scale (default with --scale-dtype: 128, or the largest power of two "
+                        "dividing the head dim, 64 for MLA's 576)")
+    g.add_argument("--rope-dim", type=int,
+                   help="rope-aware FP8 MLA rows: bf16 rope values after head_dim - 2*rope_dim content bytes "
+                        "(--head-dim counts bytes; one float32 scale per token)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        name, params = _params(args)
+        name, params = cache_params(args)
+        if not isinstance(args.pages, int) or args.pages <= 0:
+            raise ValueError(f"--pages must be a positive int, got {args.pages}")
         coll = _collection(params, args.pages)
         if not 0 <= args.layer < params.num_layers:
             raise ValueError(f"--layer must be in [0, {params.num_layers}), got {args.layer}")
@@ -83,13 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
     from cute_kv import layouts  # imports cutlass
 
-    title = _title(name, params, coll)
-    print(title)
-    _print_tensors(coll, args.layer)
-    if coll.rope_dim is not None:
-        _print_rope_aware_row(layouts, coll)
-    _print_sizes(params, coll.num_pages)
-    _print_layouts(layouts, coll, args.layer)
+    heading = title(name, params, coll)
+    print(heading)
+    # The queries' answers first, then the cache they are answered in.
     shape, stride_rows = tuple(tensor.shape), coll.get_key_cache(0).stride_rows
     if coords:
         for c, off in zip(coords, layouts.offsets("cache", shape, coords)):
@@ -97,10 +102,15 @@ def run(args: argparse.Namespace) -> int:
     if args.offset:
         for c, off in zip(layouts.coordinates("cache", shape, args.offset), args.offset):
             _print_element(layouts, args.tensor, tensor, stride_rows, tuple(int(x) for x in c), off)
+    _print_tensors(coll, args.layer)
+    if coll.rope_dim is not None:
+        _print_rope_aware_row(layouts, coll)
+    _print_sizes(params, coll.num_pages)
+    _print_layouts(layouts, coll, args.layer)
     if pages is not None:
         rows = _print_request(layouts, coll, args, pages)
         if args.png:
-            _draw_page_map(plot, args.png, title, coll, pages, rows, args.layer)
+            _draw_page_map(plot, args.png, heading, coll, pages, rows, args.layer)
             print(f"\npage map written to {args.png}")
     return 0
 
@@ -108,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
 # -- arguments --------------------------------------------------------------------------------------
 
 
-def _params(args) -> tuple[str, KVCacheParams]:
+def cache_params(args, layers: Optional[int] = None) -> tuple[str, KVCacheParams]:
+    """``(preset name or "custom", KVCacheParams)`` from ``add_geometry_arguments``' options; ``layers`` is the
+    default of ``--layers`` where no preset gives it (else it is required)."""
     preset = PRESETS.get(args.preset, {})
     mla = bool(args.mla or preset.get("mla"))
 
@@ -119,15 +131,13 @@ def _params(args) -> tuple[str, KVCacheParams]:
             raise ValueError(f"--{flag} is required (or pick a --preset: {', '.join(sorted(PRESETS))})")
         return value
 
-    layers = pick("layers", "layers")
+    layers = pick("layers", "layers", layers)
     kv_heads = pick("kv-heads", "kv_heads", 1 if mla else None)
     head_dim = pick("head-dim", "head_dim")
     try:
         dtype = parse_dtype(pick("dtype", "dtype", "bf16"))
     except ValueError as e:
         raise ValueError(f"--dtype: {e}") from None
-    if not isinstance(args.pages, int) or args.pages <= 0:
-        raise ValueError(f"--pages must be a positive int, got {args.pages}")
     quant = {}  # either flag asks for scales; the other keeps MAX's default
     rope_dim = args.rope_dim if args.rope_dim is not None else preset.get("rope_dim")
     if rope_dim is not None:  # one scale per token: the whole row is the granule
@@ -197,7 +207,7 @@ def _figure_class():
 # -- report -----------------------------------------------------------------------------------------
 
 
-def _title(name: str, params: KVCacheParams, coll: PagedKVCacheCollection) -> str:
+def title(name: str, params: KVCacheParams, coll: PagedKVCacheCollection) -> str:
     kind = "MLA (KVD=1)" if params.is_mla else "MHA (KVD=2)"
     if params.rope_dim is not None:
         kind += f" rope-aware [{params.padded_depth} fp8 | {params.rope_dim} bf16]"

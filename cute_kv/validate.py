@@ -57,8 +57,42 @@ def check_metadata_tensor(name: str, t, **kw) -> torch.Tensor:
 
 def uint32_bits(t: torch.Tensor) -> torch.Tensor:
     """An int32 tensor viewed as uint32 (no copy), a uint32 one as it is: valid values have the same bits in both,
-    and the kernels and checks read one dtype. A negative int32 reads as 2^31 or more, which the checks reject."""
+    and the kernels and checks read one dtype. A negative int32 reads as 2^31 or more, which the checks reject
+    (``check_not_negative`` names it)."""
     return t.view(torch.uint32) if t.dtype == torch.int32 else t
+
+
+# What each metadata argument holds, for the message naming a negative entry.
+NEGATIVE_FIX = {
+    "cache_lengths": "cache_lengths counts each request's tokens already in the cache before this step; pass the "
+                     "true lengths",
+    "input_row_offsets": "offsets are prefix sums of the new-token counts, [0, n0, n0 + n1, ...]; build them with "
+                         "cute_kv.input_row_offsets(new_lengths)",
+}
+
+
+def lookup_fix(num_pages: int) -> str:
+    """What a negative lookup entry should be instead."""
+    return (f"pages are indices >= 0: pad with the sentinel num_pages ({num_pages}), as "
+            f"cute_kv.make_lookup_table(page_lists, sentinel={num_pages}) does, or with a valid page")
+
+
+def negative_entry(name: str, index, value: int, fix: str) -> str:
+    """The message for entry ``index`` (an int or a tuple) of metadata ``name``, whose int32 ``value`` is negative."""
+    where = ", ".join(map(str, index)) if isinstance(index, tuple) else str(index)
+    return f"{name}[{where}] is {value}: negative; {fix}"
+
+
+def check_not_negative(name: str, bits: torch.Tensor, fix: Optional[str] = None) -> None:
+    """Raise ``ValueError`` naming the first entry of ``bits`` (int32 metadata as ``uint32_bits``) that is negative
+    as int32, ``2^31`` or more as uint32 (so ``-1`` is reported as -1, not 4294967295). It reads device values:
+    call it once another check has failed, to say why, so a valid step costs no extra read."""
+    signed = bits.view(torch.int32)
+    negative = (signed < 0).nonzero()
+    if negative.shape[0]:
+        index = tuple(int(i) for i in negative[0])
+        raise ValueError(negative_entry(name, index if len(index) > 1 else index[0], int(signed[index]),
+                                        fix or NEGATIVE_FIX[name]))
 
 
 def check_uint32_scalar(name: str, value) -> int:
@@ -84,13 +118,17 @@ def check_row_offsets(name: str, input_row_offsets, batch_size: int, total_rows:
         raise ValueError(f"{name} has no requests ([0]) but there are {total_rows} rows")
     if not data_checks or torch.compiler.is_compiling():
         return None
-    ro = ro.to(torch.int64)
-    if int(ro[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(ro[0])}")
-    if bool((ro[1:] < ro[:-1]).any()):
+    bits, ro = ro, ro.to(torch.int64)
+    # One device read for the three checks.
+    first, last, decreasing = torch.stack([ro[0], ro[-1], (ro[1:] < ro[:-1]).any().to(torch.int64)]).tolist()
+    if first != 0 or decreasing or last != total_rows:
+        check_not_negative(name, bits, NEGATIVE_FIX["input_row_offsets"])
+    if first != 0:
+        raise ValueError(f"{name}[0] must be 0, got {first}")
+    if decreasing:
         raise ValueError(f"{name} must be non-decreasing")
-    if int(ro[-1]) != total_rows:
-        raise ValueError(f"{name}[-1] ({int(ro[-1])}) must equal the number of rows ({total_rows})")
+    if last != total_rows:
+        raise ValueError(f"{name}[-1] ({last}) must equal the number of rows ({total_rows})")
     return ro
 
 
@@ -118,6 +156,7 @@ def check_step(collection, input_row_offsets, total_rows: int, *, data_checks: b
         for what, values, limit in (("new tokens", lengths, "max_seq_length"),
                                     ("tokens in context", ends, "max_cache_length")):
             if int(values.max()) > getattr(collection, limit):
+                check_not_negative("cache_lengths", collection.cache_lengths)
                 b = int(values.argmax())
                 raise ValueError(f"input_row_offsets: request {b} has {int(values[b])} {what}, more than the "
                                  f"collection's {limit} ({getattr(collection, limit)})")

@@ -160,7 +160,7 @@ def _int4_impls(hidden, sets) -> list:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=report.summary(__doc__))
     ap.add_argument("--cases", default="decode,prefill", help="comma list of decode,prefill")
     ap.add_argument("--weights", default="bf16", help="comma list of bf16,int4 (int4: SM90)")
     cases.common_args(ap)

@@ -22,6 +22,7 @@ import torch
 
 from cute_kv import KVCacheParams, PagedKVCacheManager
 from cute_kv.manager.prefix_cache import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS
+from report import summary
 
 
 def bench(requests: int, context: int, page_size: int, steps: int, prefix_caching: bool, staggered: bool,
@@ -72,7 +73,7 @@ def bench(requests: int, context: int, page_size: int, steps: int, prefix_cachin
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)

@@ -141,7 +141,7 @@ def _flashinfer(fi, pl: Placements, q: torch.Tensor, page: int, scale: float, de
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=report.summary(__doc__))
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32,128", help="comma list")
     ap.add_argument("--contexts", default="1024,4096,32768", help="comma list")

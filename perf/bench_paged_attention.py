@@ -222,7 +222,7 @@ def optional_peers() -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=report.summary(__doc__))
     ap.add_argument("--sections", default="decode,prefill", help="comma list of decode, prefill")
     ap.add_argument("--page-sizes", default="16,64", help="comma list")
     ap.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")

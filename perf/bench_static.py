@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import static
+from report import summary
 
 COLUMNS = [  # (header, record key or function, width)
     ("kernel", "kernel", 22), ("config", "config", 50), ("arch", "arch", 7), ("regs", "registers", 4),
@@ -104,7 +105,7 @@ def fa4_available() -> bool:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="perf/run.py static", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="perf/run.py static", description=summary(__doc__))
     ap.add_argument("--kernels", nargs="*", default=[], help="substrings of kernel family names (default: all)")
     ap.add_argument("--archs", nargs="+", default=["sm_90a", "sm_100a"])
     ap.add_argument("--no-peers", action="store_true", help="leave out FA4 (default: included when installed)")

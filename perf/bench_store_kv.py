@@ -67,7 +67,7 @@ def bench_case(args, copy_gbps: float, l2: int, name: str, page_size: int, fi, f
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=report.summary(__doc__))
     ap.add_argument("--cases", default="decode,prefill,bulk", help="comma list of " + ",".join(cases.STEPS))
     cases.common_args(ap)
     args = ap.parse_args(argv)

@@ -12,6 +12,7 @@ import argparse
 import json
 
 from harness import time_cuda
+from report import summary
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> dict:
@@ -35,7 +36,7 @@ def gemm_tflops(m: int, n: int, k: int) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    argparse.ArgumentParser(description=summary(__doc__)).parse_args(argv)
     records = [copy_bandwidth_gbps(), gemm_tflops(8192, 8192, 8192), gemm_tflops(8192, 6144, 4096)]
     for r in records:
         print(json.dumps(r), flush=True)

@@ -14,6 +14,12 @@ import platform
 from typing import Optional
 
 
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph as one line: a benchmark's ``--help`` description (its first line may
+    end mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n", 1)[0].split())
+
+
 def bandwidth_fraction(hbm_bytes: float, seconds: float, copy_gbps: float) -> float:
     """Time the bytes need at the measured copy bandwidth, over the time taken (1.0 = at the roofline)."""
     return hbm_bytes / (copy_gbps * 1e9) / seconds

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import summary
+
 PROBLEMS = {  # name: QKVSpec fields (Llama-3-8B projection 4096 -> 6144, Qwen3-8B-like QK-norm, fp8 caches)
     "llama3-8b": dict(dtype_name="bfloat16", q_dim=4096, kv_dim=2, page_size=16, num_heads=8, head_dim=128,
                       q_head_dim=128, has_bias=False, rope=(128, False)),
@@ -238,7 +240,7 @@ def bare_w4_ptx(weight_format: str) -> tuple[str, int]:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="static_fused_qkv", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="static_fused_qkv", description=summary(__doc__))
     ap.add_argument("--arch", choices=["sm_90a", "sm_100a"], action="append")
     ap.add_argument("--problem", choices=sorted(PROBLEMS), action="append")
     args = ap.parse_args(argv)

@@ -19,6 +19,8 @@ import os
 import sys
 import types
 
+from report import summary
+
 SMS = {"sm_90a": 132, "sm_100a": 148}  # H100 SXM, B200
 NUM_HEADS, NUM_KV_HEADS, BATCH, PAGES_PER_SEQ, PREFILL_LEN = 32, 8, 2, 8, 2048  # bf16, GQA 4
 
@@ -166,7 +168,7 @@ def run(arch: str, head_dims, page_sizes, modes) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--arch", choices=sorted(SMS), default="sm_90a")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64, 128])

@@ -266,8 +266,13 @@ def test_int32_metadata_is_taken_as_its_uint32_bits(rng):
     assert c32.cache_lengths.dtype == c32.lookup_table.dtype == torch.uint32
     assert c32.lookup_table.data_ptr() == lut.data_ptr() and torch.equal(c32.lookup_table, c.lookup_table)
     assert [c32.pages_owned(b) for b in range(c.batch_size)] == [c.pages_owned(b) for b in range(c.batch_size)]
-    lut[0, 0] = -1  # reads as 2^32 - 1: past the sentinel
-    with pytest.raises(ValueError, match="lookup_table entries must be < num_pages"):
+    lut[2, 5] = -1  # a peer's padding: reported as the negative int32 it is, not as its uint32 bits
+    with pytest.raises(ValueError, match=r"lookup_table\[2, 5\] is -1: negative; pages are indices >= 0: pad with "
+                                         r"the sentinel num_pages \(12\)"):
+        PagedKVCacheCollection(c.blocks, lengths, lut, 0, 33)
+    lut[2, 5] = c.num_pages
+    lengths[1] = -1
+    with pytest.raises(ValueError, match=r"cache_lengths\[1\] is -1: negative; .*pass the true lengths"):
         PagedKVCacheCollection(c.blocks, lengths, lut, 0, 33)
 
 

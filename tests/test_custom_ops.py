@@ -452,3 +452,23 @@ def test_fused_qkv_int4_qk_norm_compiles_fullgraph(rng):
                                          qk_norm=norm)
     assert torch.equal(q, want)
     _assert_same_cache(pb.collection, twin.collection)
+
+
+def test_public_classes_and_custom_ops_are_documented():
+    """``help()`` says what each is: the classes' own docstrings, and a ``__doc__`` on every ``torch.ops.cute_kv``
+    op (the dispatcher's op objects carry none unless given) naming the entry point that checks its arguments."""
+    from torch._library.custom_ops import CustomOpDef
+
+    from cute_kv.ops import library
+
+    for cls, words in ((cute_kv.PagedKVCacheCollection, ("cache_lengths", "lookup_table", "sentinel")),
+                       (cute_kv.GraphStepBuffers, ("allocate(", "graph_buffers", "validate=False"))):
+        doc = cls.__dict__.get("__doc__") or ""
+        assert len(doc) > 300 and all(w in doc for w in words), (cls.__name__, doc)
+    names = [name for name, op in vars(library).items() if isinstance(op, CustomOpDef)]
+    assert set(names) == {"store_kv", "fused_qkv_matmul_kv_cache", "paged_attention", "sparse_mla_attention",
+                          "mla_prefill"}
+    for name in names:
+        packet = getattr(torch.ops.cute_kv, name)
+        for doc in (packet.__doc__, packet.default.__doc__):
+            assert doc and len(doc) > 200 and f"``cute_kv.{name}`` as a custom op" in doc, (name, doc)

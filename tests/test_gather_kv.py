@@ -66,6 +66,28 @@ def test_gather_kv_mla_and_errors():
     assert bool((out == 7.0).all())  # nothing half-written
 
 
+@pytest.mark.parametrize("scale_dtype,granularity", [(torch.float32, 16), (torch.float8_e8m0fnu, 64)])
+def test_gather_kv_of_a_scaled_fp8_cache_is_dequantized(rng, scale_dtype, granularity):
+    """The e4m3 bytes of a scaled cache mean nothing without their scales: float32 ``values * scale``, as
+    attention reads them. An unscaled fp8 cache stays a copy of its e4m3 values (MAX's gather)."""
+    lengths = (37, 0, 9)
+    scaled = random_paged_batch(lengths, [0] * 3, num_heads=2, head_size=64, page_size=16, generator=rng,
+                                dtype=torch.float8_e4m3fn, scale_dtype=scale_dtype,
+                                quantization_granularity=granularity)
+    out = cute_kv.gather_kv(scaled.collection, 1, kv="v")
+    assert out.dtype == torch.float32 and out.shape == (3, 37, 2, 64)
+    for b, length in enumerate(lengths):
+        assert torch.equal(out[b, :length].double(), scaled.dense(1, 1, b, length))
+        assert not out[b, length:].any()
+    with pytest.raises(TypeError, match="out must have dtype torch.float32"):
+        cute_kv.gather_kv(scaled.collection, 1, out=torch.zeros(out.shape, dtype=torch.float8_e4m3fn))
+    plain = random_paged_batch(lengths, [0] * 3, num_heads=2, head_size=64, page_size=16, generator=rng,
+                               dtype=torch.float8_e4m3fn)
+    raw = cute_kv.gather_kv(plain.collection, 0)
+    assert raw.dtype == torch.float8_e4m3fn
+    assert torch.equal(raw[0, :37].view(torch.uint8), plain.tokens(0, 0, 0, 0, 37)[0].view(torch.uint8))
+
+
 @pytest.mark.gpu
 def test_gather_kv_kernel_matches_cache_and_compiles_once():
     from cute_kv.kernels.compile_cache import cache_info

@@ -216,7 +216,9 @@ def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "cute_kv", "inspect", "--preset", "llama3-8b", "--pages", "8",
                            "--coord", "7,1,31,15,7,127"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert f"<-> offset {8 * 2**20 - 1} (byte {2 * (8 * 2**20 - 1)})" in proc.stdout
+    # The answer first, under the title; the cache's description after it.
+    assert proc.stdout.splitlines()[2] == f"blocks[7, 1, 31, 15, 7, 127] <-> offset {8 * 2**20 - 1} (byte " \
+                                          f"{2 * (8 * 2**20 - 1)})"
     assert "(?{i64},2,?{i64},16,8,128)" in proc.stdout
     light = subprocess.run([sys.executable, "-c", "import sys, cute_kv, cute_kv.__main__; "
                             "sys.exit('cutlass' in sys.modules)"], timeout=120)

@@ -1,5 +1,6 @@
 """Torch entries: they dispatch to the reference, and reject bad input naming the argument before writing anything."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,11 @@ def _lut_out_of_range(pb):
     pb.collection.lookup_table[1, 2] = pb.collection.num_pages + 7  # a cached prefix page, not even the sentinel
 
 
+def _negative(tensor, index, value=-1):
+    """Set ``tensor[index]`` (uint32 metadata) to the int32 ``value``: what a peer's int32 padding writes."""
+    tensor.view(torch.int32)[index] = value
+
+
 def _short_max_seq(pb):
     c = pb.collection
     pb.collection = c.with_metadata(c.cache_lengths, c.lookup_table, 4, c.max_cache_length)
@@ -61,6 +67,16 @@ STORE_CASES = {
     "v missing": (lambda a, pb: a.update(v=None), TypeError, "v must be a torch.Tensor"),
     "v dtype": (lambda a, pb: a.update(v=a["v"].float()), TypeError, "v must have dtype"),
     "layer": (lambda a, pb: a.update(layer_idx=2), ValueError, r"layer_idx must be in \[0, 2\)"),
+    "layer numpy": (lambda a, pb: a.update(layer_idx=np.int64(0)), TypeError,
+                    r"layer_idx must be a Python int, got numpy.int64 \(0\); pass int\(layer_idx\)"),
+    "layer tensor": (lambda a, pb: a.update(layer_idx=torch.tensor(0)), TypeError,
+                     r"layer_idx must be a Python int, got a 0-d torch.Tensor; pass int\(layer_idx\)"),
+    "offsets negative": (lambda a, pb: _negative(a["input_row_offsets"], 2, -3), ValueError,
+                         r"input_row_offsets\[2\] is -3: negative; .*cute_kv.input_row_offsets\(new_lengths\)"),
+    "cache length negative": (lambda a, pb: _negative(pb.collection.cache_lengths, 1), ValueError,
+                              r"cache_lengths\[1\] is -1: negative; .*pass the true lengths"),
+    "lut negative": (lambda a, pb: _negative(pb.collection.lookup_table, (3, 0)), ValueError,
+                     r"lookup_table\[3, 0\] is -1: negative; .*sentinel"),
     "offsets dtype": (lambda a, pb: a.update(input_row_offsets=a["input_row_offsets"].long()), TypeError,
                       r"input_row_offsets must have dtype torch.uint32 \(MAX's\) or torch.int32, got torch.int64; "
                       r"convert with input_row_offsets.to\(torch.int32\)"),

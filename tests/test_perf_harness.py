@@ -1,5 +1,6 @@
 """perf/: the CPU-checkable parts of the harness and runner, and (``gpu``) real timings."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -55,8 +56,6 @@ def test_write_json_schema(tmp_path):
 
 
 def test_registry_modules_have_main():
-    import importlib
-
     for b in run.BENCHMARKS.values():
         assert callable(importlib.import_module(b.module).main)
 
@@ -81,6 +80,18 @@ def test_cuda_benchmark_without_gpu_is_one_line():
     res = _run("ceilings")
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_benchmark_help_gives_the_whole_summary():
+    """A benchmark's ``--help`` opens with its docstring's first paragraph, whole (not its first line)."""
+    res = _run("static", "--", "--help")
+    assert res.returncode == 0, res.stderr
+    assert ("the static table of every kernel configuration (``cute_kv.kernels.catalog``), and FA4's paged forward "
+            "beside our attention for the same shapes. CPU only: ptxas, nvdisasm and the DSL, no GPU.") in \
+        " ".join(res.stdout.split())
+    for name, b in run.BENCHMARKS.items():
+        doc = importlib.import_module(b.module).__doc__
+        assert report.summary(doc).endswith("."), (name, report.summary(doc))
 
 
 def test_unknown_benchmark():

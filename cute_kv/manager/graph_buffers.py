@@ -29,6 +29,16 @@ from cute_kv.metadata import padded_lut_cols
 
 
 class GraphStepBuffers:
+    """Persistent per-step metadata of one ``PagedKVCacheManager``, for steps replayed from a captured CUDA graph.
+
+    Build it once for the maxima a graph is captured for, pass it to every ``allocate(..., graph_buffers=b)``, and
+    capture with the tensors it holds: ``collections`` and ``input_row_offsets`` (one per manager device; every
+    step's ``StepInputs`` hands back the same objects), ``positions`` and ``last_row_indices`` (what the step's
+    ``StepInputs`` return too). ``allocate`` refills them in place, so a replay reads the new step, with padding
+    requests that read and write nothing; a step past a maximum raises before the manager changes anything.
+    Call the ops with ``validate=False`` inside the capture (the checks read device values).
+    """
+
     def __init__(self, manager, max_batch_size: int, max_context_length: int, max_step_tokens: int):
         """Buffers on every device of ``manager`` for steps of at most ``max_batch_size`` requests,
         ``max_step_tokens`` new rows in all, and contexts (cached + new tokens) of at most ``max_context_length``."""

@@ -22,9 +22,11 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     On SM90/SM100 GPUs bf16/fp16 caches go through the ``PagedKVGather`` CuTe DSL kernel (paged TMA); every
     other case through ``PagedKVCache.gather``.
 
-    A rope-aware MLA cache gives its logical rows, what attention reads: float32 ``[B, max_cache_length, 1,
-    latent_dim]``, ``concat(content * scale, rope)`` (its fp8 bytes alone mean nothing without the scales, and the
-    rope tail is bf16); the raw rows are ``get_key_cache(l).row_view()``.
+    A cache with scales gives the values attention reads, dequantized, since its fp8 bytes alone mean nothing
+    without the scales: float32 ``values * scale`` (an fp8 cache without scales is copied as its e4m3 values, as
+    MAX's gather does), and a rope-aware MLA cache its logical rows, float32 ``[B, max_cache_length, 1,
+    latent_dim]``, ``concat(content * scale, rope)``. The raw bytes and scales are ``get_key_cache(l).row_view()``
+    and ``.scales_row_view()``.
     """
     _check(collection, layer_idx, kv, out)
     if out is None:
@@ -54,8 +56,8 @@ def _shape(collection) -> list[int]:
 
 
 def _dtype(collection) -> torch.dtype:
-    """The cache dtype; float32 for a rope-aware cache's dequantized logical rows."""
-    return torch.float32 if collection.rope_dim is not None else collection.dtype
+    """The cache dtype; float32 for a scaled cache's dequantized values (a rope-aware cache's logical rows)."""
+    return torch.float32 if collection.scales is not None else collection.dtype
 
 
 def _check(collection, layer_idx, kv, out) -> None:

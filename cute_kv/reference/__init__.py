@@ -4,6 +4,7 @@ They assume arguments already validated by the ``cute_kv`` entry points (``cute_
 """
 
 from cute_kv.reference.attention import paged_attention
+from cute_kv.reference.merge import merge_attention_states
 from cute_kv.reference.qkv import fused_qkv_matmul_kv_cache
 from cute_kv.reference.quant import quantize_fp8, saturating_cast_fp8
 from cute_kv.reference.rope import RopeConfig, apply_rope
@@ -14,6 +15,7 @@ __all__ = [
     "RopeConfig",
     "apply_rope",
     "fused_qkv_matmul_kv_cache",
+    "merge_attention_states",
     "paged_attention",
     "quantize_fp8",
     "saturating_cast_fp8",
