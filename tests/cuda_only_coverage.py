@@ -55,7 +55,7 @@ def main(pytest_args: list[str]) -> int:
     import pytest
 
     status = pytest.main(pytest_args or [os.path.join(ROOT, "tests", "test_launch_contracts.py"), "-q",
-                                         "-p", "no:cacheprovider", "-p", "no:xdist"])
+                                         "-p", "no:cacheprovider", "-n", "0"])
     cov.stop()
     if status != 0:
         print(f"pytest failed ({status}): no measurement")
