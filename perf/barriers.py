@@ -21,13 +21,21 @@ is initialized with, and a replay of each producer/consumer ring's phases. No GP
   graph) and its guard, evaluated for every thread of the CTA (``.reqntid``) in every CTA of the cluster (the
   launch's cluster shape). A condition on the thread's identity (warp index, lane, ``tid % 32``, the CTA's rank)
   decides per thread; one on data is taken as possibly true (it decides whether a phase happens, which the replay
-  models, not who arrives). An ``elect.sync`` predicate keeps one lane of each warp that reaches it.
+  models, not who arrives). An ``elect.sync`` predicate keeps one lane of each warp that reaches it. A condition
+  that data decides differently per thread (``tid < n`` with ``n`` loaded) decides who arrives: since the thread's
+  last wait it is a finding (before it, it picks which copy of a loop runs, each with its wait and arrival).
 * Arrivals per phase: the sum over a barrier's distinct arrivers (sites reached by the same threads with the same
   kind are alternative paths of one arrival, e.g. a loop's peeled copy). The warps reaching each site must lie in a
   role the kernel declares (``cute_kv.kernels.catalog.Role``), and each declared role must be the warps of some
   site; a role whose warp groups take turns (SM90 ping-pong) gives one group's arrivals to each phase. A count that
   differs from the init, or an array nothing arrives on or waits for, is a finding naming the barrier, the count
   and the arrivers.
+* Order (``Analysis.ordering``): sites the count takes as one arrival (the same arrivers) must not follow one
+  another on the same barrier with no mbarrier wait between (a ring's index advancing between them makes it the
+  next stage); and an arrive by some lanes of a warp (lane 0, an elected lane) must come after a ``bar.warp.sync``
+  when other lanes of the warp accessed shared memory since the last one: the arrival's release orders only its own
+  thread's accesses (CUTLASS's one-lane-per-warp ``consumer_release``). Not seen: an arrive that a loop repeats
+  within one phase (the count takes a site once), a per-thread condition that skips a wait and its arrive together.
 
 ``replay``: a model of the mbarrier phase rules (pending arrivals, transaction bytes, the phase, waits on parity)
 driving a ring's ``stages`` full / empty barrier pairs with ``PipelineState``'s index and phase walk: producer
@@ -244,6 +252,12 @@ class Affine:
 
 
 SMEM = "$smem"  # the dynamic shared memory's base: the one base every barrier address here is relative to
+# What decides a value (``Program.taint``): the thread's identity, data (loads, parameters, the CTA's index), or both
+# in one expression (a per-thread value from data: ``tid < n`` with n loaded, a load at a thread's own address).
+ID, DATA, MIXED = 1, 2, 4
+_IDENTITY = re.compile(r"%(tid|laneid|warpid|cluster_ctarank|cluster_ctaid)(\.[xyz])?$")
+_CONSTANT = re.compile(r"%(ntid|nctaid|cluster_nctarank|cluster_nctaid|nwarpid)(\.[xyz])?$")
+_REG = re.compile(r"%[A-Za-z_$][\w$]*")
 _SPECIAL = re.compile(r"%(tid|ntid|laneid|cluster_ctarank|cluster_nctarank|cluster_ctaid|cluster_nctaid)(\.[xyz])?$")
 _IMM = re.compile(r"-?(0[xX][0-9a-fA-F]+|\d+)[uU]?$")
 
@@ -281,25 +295,38 @@ class Program:
             for i in range(b.start, b.end):
                 self.block_of[i] = s
         self._reaching_definitions()
-        self.facts = must_facts(self.cfg, lambda p, at: self.def_of(p, at) is not None)
+        self.facts = must_facts(self.cfg, lambda p, at: True)
         self.contexts = [Ctx(t, r) for r in range(self.ranks) for t in range(self.threads)]
         self._values: dict[tuple, Optional[int]] = {}
         self._affine: dict[tuple, Optional[Affine]] = {}
+        self._taint: dict[tuple, int] = {}
+        self._reached: dict[int, tuple] = {}
+        self.preds: dict[int, list[int]] = defaultdict(list)
+        for s, b in self.cfg.items():
+            for t, _ in b.succs:
+                self.preds[t].append(s)
 
     def def_of(self, reg: str, at: int) -> Optional[Instr]:
         """The one definition of ``reg`` that reaches instruction ``at`` (None: several reach it, as a loop's
         induction variable, or none, or it is inside an inline-asm scope)."""
+        defs = self.defs_reaching(reg, at)
+        return defs[0] if len(defs) == 1 and not defs[0].asm else None
+
+    def defs_reaching(self, reg: str, at: int) -> list[Instr]:
+        """Every definition of ``reg`` that reaches instruction ``at``."""
         block = self.block_of.get(at)
         if block is None:
-            return None
+            return []
         ids = self._reach_in[block] & self._reg_defs.get(reg, 0)
         for i in range(block, at):
             if reg in self._defined_at.get(i, ()):
                 ids = 1 << self._def_id[(i, reg)]
-        if ids == 0 or ids & (ids - 1):
-            return None
-        d = self.instrs[self._def_site[ids.bit_length() - 1]]
-        return None if d.asm else d
+        out = []
+        while ids:
+            low = ids & -ids
+            out.append(self.instrs[self._def_site[low.bit_length() - 1]])
+            ids ^= low
+        return out
 
     def _reaching_definitions(self):
         """Reaching definitions over the control-flow graph, as bit sets of definition ids."""
@@ -356,7 +383,7 @@ class Program:
         key = (operand, ins.index, ctx)
         if key not in self._values:
             self._values[key] = None  # a definition through itself decides nothing
-            self._values[key] = self._eval(ins, ctx)
+            self._values[key] = self._eval(ins, ctx, operand)
         return self._values[key]
 
     def _special(self, name: str, axis: str, ctx: Ctx) -> Optional[int]:
@@ -375,7 +402,7 @@ class Program:
             return {"x": ctx.rank % cx, "y": ctx.rank // cx % cy, "z": ctx.rank // (cx * cy)}[axis]
         return dict(zip("xyz", self.cluster))[axis]  # cluster_nctaid
 
-    def _eval(self, ins: Instr, ctx: Ctx) -> Optional[int]:
+    def _eval(self, ins: Instr, ctx: Ctx, dest: str) -> Optional[int]:
         op, a = ins.op, ins.args
         base = op.split(".")[0]
         v = lambda k: self.value(a[k], ins.index, ctx)  # noqa: E731
@@ -385,15 +412,29 @@ class Program:
             return None if src is None else self.value(a[1], ins.index, src)
         if base in ("mov", "cvt", "cvta"):
             return v(1)
-        if base == "setp":
+        if base == "setp":  # setp.cmp[.boolop] p[|q], x, y[, c]: p = (x cmp y) boolop c, q its negation
             x, y = v(1), v(2)
-            if x is None or y is None:
-                return None
-            if ".u" in op or ".b" in op:
-                x, y = x & 0xFFFFFFFF, y & 0xFFFFFFFF
-            r = {"eq": x == y, "ne": x != y, "lt": x < y, "le": x <= y, "gt": x > y, "ge": x >= y,
-                 "lo": x < y, "ls": x <= y, "hi": x > y, "hs": x >= y}.get(op.split(".")[1])
-            return None if r is None else int(r)
+            r = None
+            if x is not None and y is not None:
+                if ".u" in op or ".b" in op:
+                    x, y = x & 0xFFFFFFFF, y & 0xFFFFFFFF
+                r = {"eq": x == y, "ne": x != y, "lt": x < y, "le": x <= y, "gt": x > y, "ge": x >= y,
+                     "lo": x < y, "ls": x <= y, "hi": x > y, "hs": x >= y}.get(op.split(".")[1])
+                r = None if r is None else int(r)
+            if len(a) == 4:
+                c = self.value(a[3].lstrip("!"), ins.index, ctx)
+                c = None if c is None else c ^ a[3].startswith("!")
+                boolop = op.split(".")[2]
+                absorbing = {"and": 0, "or": 1}.get(boolop)
+                if absorbing is not None and absorbing in (r, c):
+                    r = absorbing
+                elif r is None or c is None:
+                    r = None
+                else:
+                    r = {"and": r & c, "or": r | c, "xor": r ^ c}[boolop]
+            if r is not None and dest != _defined(ins)[0]:
+                r ^= 1
+            return r
         if base == "not":
             x = v(1)
             return None if x is None else (int(not x) if ".pred" in op else ~x)
@@ -481,6 +522,59 @@ class Program:
                 return x.scale(k) + z
         return None
 
+    def taint(self, operand: str, at: int) -> int:
+        """``ID`` / ``DATA`` / ``MIXED`` flags of what decides ``operand`` at ``at``, over every definition reaching
+        it. Predicates combined by ``and`` / ``or`` / ``not`` keep their parts apart (``warp == 0 && j < n``: the warp
+        decides who, the data whether); any other operation on both makes them ``MIXED``, as does a load from an
+        address the thread decides."""
+        operand = operand.strip().lstrip("!")
+        if _imm(operand) is not None or not operand.startswith("%") or _CONSTANT.match(operand):
+            return 0
+        if _IDENTITY.match(operand):
+            return ID
+        if _SPECIAL.match(operand) or re.match(r"%\w+\.[xyz]$|%(clock|globaltimer|smid)", operand):
+            return DATA  # the CTA's index, clocks: the same for the CTA's threads or not decided by them
+        defs = self.defs_reaching(operand, at)
+        if any(d.index not in self._taint for d in defs):
+            self._settle(defs)
+        return _union(self._taint[d.index] for d in defs) if defs else DATA
+
+    def _settle(self, defs: list[Instr]):
+        """``_taint`` of ``defs`` and every definition they read, to a fixed point (loops carry registers)."""
+        closure, todo = [], list(defs)
+        while todo:
+            d = todo.pop()
+            if d.index in self._taint:
+                continue
+            self._taint[d.index] = 0
+            closure.append(d)
+            todo += [r for x in d.args[1:] for reg in _REG.findall(x) for r in self.defs_reaching(reg, d.index)]
+        changed = True
+        while changed:
+            changed = False
+            for d in closure:
+                flags = self._taint_of(d)
+                if flags != self._taint[d.index]:
+                    self._taint[d.index], changed = flags, True
+
+    def _taint_of(self, ins: Instr) -> int:
+        op, a, at = ins.op, ins.args, ins.index
+        base = op.split(".")[0]
+        if ins.asm:
+            return DATA
+        if base == "elect":
+            return ID
+        taints = lambda args: [self.taint(r, at) for x in args for r in _REG.findall(x)]  # noqa: E731
+        if base == "setp" and len(a) == 4:  # (x cmp y) boolop c: the comparison and c are parts, as in and.pred
+            return _union([_mix(taints(a[1:3])), self.taint(a[3], at)])
+        if ".pred" in op and base in ("and", "or", "xor", "not", "mov"):
+            return _union(taints(a[1:]))
+        if base == "shfl" and ".idx" in op and _imm(a[2]) is not None:  # one lane's value: what decides it there
+            return self.taint(a[1], at)
+        if base in ("ld", "ldu", "atom", "ldmatrix", "tcgen05", "vote", "redux", "match", "shfl"):
+            return DATA | (MIXED if _union(taints(a[1:])) & (ID | MIXED) else 0)  # from the thread's own address
+        return _mix(taints(a[1:]))
+
     def leaf_value(self, leaf: str, ctx: Ctx) -> Optional[int]:
         reg, at = leaf.rsplit("@", 1)
         return self.value(reg, int(at), ctx)
@@ -507,8 +601,12 @@ class Program:
                 todo.extend((x, ins.index) for x in ins.args[1:])
         return rank, keep
 
-    def reaches(self, ins: Instr) -> tuple[list[Ctx], bool]:
-        """The threads that may execute ``ins`` and whether an ``elect.sync`` predicate keeps one lane a warp."""
+    def reaches(self, ins: Instr) -> tuple[list[Ctx], bool, tuple[int, ...]]:
+        """The threads that may execute ``ins``, whether an ``elect.sync`` predicate keeps one lane a warp, and the
+        branches (instruction indices) on the way whose conditions data decides differently for those threads
+        (``MIXED``: taken as possibly true, as data that decides for the CTA or the warp)."""
+        if ins.index in self._reached:
+            return self._reached[ins.index]
         facts = set(self.facts[self.block_of[ins.index]])
         if ins.guard is not None:
             facts.add((*ins.guard, ins.index))
@@ -520,8 +618,36 @@ class Program:
                 checks.append((p, want, at))
             else:
                 elected |= e == want
-        threads = [c for c in self.contexts if all(self.value(p, at, c) in (None, int(want)) for p, want, at in checks)]
-        return threads, elected
+        threads, undecided = [], set()
+        for c in self.contexts:
+            values = [(self.value(p, at, c), want, p, at) for p, want, at in checks]
+            if all(v in (None, int(want)) for v, want, _, _ in values):
+                threads.append(c)
+                undecided |= {(p, at) for v, _, p, at in values if v is None}
+        mixed = tuple(sorted(at for p, at in undecided if self.taint(p, at) & MIXED))
+        self._reached[ins.index] = threads, elected, mixed
+        return self._reached[ins.index]
+
+    def scan(self, start: int, step: int, stop) -> set[int]:
+        """Instructions reachable from ``start`` (excluded) forward (``step`` 1) or backward (-1) along the control
+        flow without passing one that ``stop`` holds for (that one is reached)."""
+        out, seen = set(), set()
+        todo = [(self.block_of[start], start + step)]
+        while todo:
+            block, i = todo.pop()
+            b = self.cfg[block]
+            while b.start <= i < b.end:
+                out.add(i)
+                if stop(self.instrs[i]):
+                    break
+                i += step
+            else:
+                nxt = [t for t, _ in b.succs] if step > 0 else self.preds[block]
+                for t in nxt:
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append((t, t if step > 0 else self.cfg[t].end - 1))
+        return out
 
     def _elect_polarity(self, pred: str, at: int) -> Optional[bool]:
         """True: ``pred`` is an ``elect.sync`` result; False: its negation; None: neither."""
@@ -579,6 +705,9 @@ class Site:
     text: str
     arrivals: tuple[Arrival, ...]  # one per thread that executes it (and destination CTA)
     elected: bool  # one elected lane of each warp that reaches it
+    index: int  # the instruction's
+    mixed: tuple[int, ...]  # branches on the way whose conditions data decides differently per thread
+    address: Affine  # the barrier's address (its leaves: registers at this instruction)
 
 
 def _kind(op: str) -> Optional[str]:
@@ -665,7 +794,7 @@ class Analysis:
         if addr is None or dict(addr.terms).get(SMEM) != 1:
             raise ValueError(f"line {ins.line}: {ins.text}: the barrier address is not the shared-memory base plus "
                              "an offset")
-        threads, elected = prog.reaches(ins)
+        threads, elected, mixed = prog.reaches(ins)
         if elected:  # one lane of each warp that reaches it
             firsts = {}
             for c in threads:
@@ -706,7 +835,7 @@ class Analysis:
             if ring and const != array.offset:
                 raise ValueError(f"line {ins.line}: {ins.text}: a ring index from smem+{const}, inside {array.name}")
             arrivals.extend(Arrival(ctx.rank, ctx.tid, d, const, ring, n) for d in dests)
-        return Site(ins.line, kind, ins.text, tuple(arrivals), elected)
+        return Site(ins.line, kind, ins.text, tuple(arrivals), elected, ins.index, mixed, addr + Affine(off))
 
     def account(self, roles: dict) -> tuple[list["Row"], list["Finding"]]:
         """The barrier table and its findings. ``roles``: name -> an object with ``warps`` (warp indices) and
@@ -789,10 +918,73 @@ class Analysis:
                 rows.append(Row(array, array.count, total, text, sorted(waiters[array])))
         return rows, findings
 
+    def _same_step(self, one: Site, two: Site) -> bool:
+        """Whether a thread that reaches ``one`` can reach ``two`` with no mbarrier wait between and find the same
+        barrier there: the same constant address, or a ring's address from the same registers, on a path that does
+        not redefine them (a release lagging its wait by a stage advances its index in between)."""
+        form = lambda a: (a.const, sorted((leaf.split("@")[0], c) for leaf, c in a.terms))  # noqa: E731
+        if form(one.address) != form(two.address):
+            return False
+        regs = {leaf.split("@")[0] for leaf, _ in one.address.terms if leaf != SMEM}
+        stop = lambda i: _kind(i.op) == "wait" or bool(regs.intersection(_defined(i)))  # noqa: E731
+        return two.index in self.prog.scan(one.index, 1, stop)
+
+    def ordering(self) -> list["Finding"]:
+        """What the per-phase count cannot see: an arrive whose arrivers data decides per thread (``mixed``), two
+        arrive sites that the same thread can reach one after the other with no mbarrier wait between (``twice``:
+        one phase would get both), and an arrive by some lanes of a warp after other lanes of it accessed shared
+        memory with no warp-wide barrier since (``sync``: the arrival orders only its own lanes' accesses, so the
+        waiter may overwrite what those lanes still read)."""
+        prog, findings = self.prog, []
+        wait = lambda i: _kind(i.op) == "wait"  # noqa: E731
+        arriving = [s for s in self.sites if s.kind not in ("wait", "tx") and any(a.count for a in s.arrivals)]
+        for site in arriving:
+            # since the thread's last wait: a condition before it chooses which copy of a loop (or which loop)
+            # runs, each with its own wait and arrival, which the count takes as one
+            since = prog.scan(site.index, -1, wait) | {site.index}
+            lines = [prog.instrs[at].line for at in site.mixed if at in since]
+            if lines:
+                findings.append(Finding("mixed", f"line {site.line}: {site.text}: who arrives depends on data that "
+                                                 f"differs between threads (the condition at line "
+                                                 f"{', '.join(map(str, lines))})"))
+        alike = defaultdict(list)  # the arrivals the count takes once: the same arrivers, the same way
+        for site in arriving:
+            alike[(site.kind, tuple(sorted((a.rank, a.tid, a.dest, a.offset, a.ring, a.count)
+                                           for a in site.arrivals)))].append(site)
+        for sites in alike.values():
+            for one in sites:
+                for two in sites:
+                    if one is not two and self._same_step(one, two):
+                        findings.append(Finding("twice", f"line {one.line} and line {two.line}: the same arrivals "
+                                                         f"on {self.array_at(one.arrivals[0].offset).name} follow "
+                                                         "one another with no mbarrier wait between: one phase "
+                                                         "gets both"))
+        for site in arriving:
+            if site.kind != "arrive":
+                continue
+            arrivers = {(a.rank, a.tid) for a in site.arrivals}
+            lanes = {(r, t - t % WARP + lane) for r, t in arrivers for lane in range(WARP)} - arrivers
+            if not lanes:
+                continue
+            accesses = prog.scan(site.index, -1, lambda i: i.op.startswith(_WARP_SYNC))
+            for k in sorted(accesses, key=lambda k: (k > site.index, -k)):  # the nearest before it first
+                ins = prog.instrs[k]
+                if ins.op.split(".")[0] in _SHARED_ACCESS and ".shared" in ins.op and lanes & {
+                        (c.rank, c.tid) for c in prog.reaches(ins)[0]}:
+                    findings.append(Finding("sync", f"line {site.line}: {site.text}: arrives for some lanes of "
+                                                    f"its warps, after other lanes of them access shared memory "
+                                                    f"(line {ins.line}: {ins.op}) with no bar.warp.sync between"))
+                    break
+        return findings
+
+
+_WARP_SYNC = ("bar.warp.sync", "bar.sync", "barrier.sync", "bar.red", "barrier.red")  # order the lanes' accesses
+_SHARED_ACCESS = ("ld", "st", "atom", "red", "ldmatrix", "stmatrix")
+
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    kind: str  # "count", "unused", "roles", "turns"
+    kind: str  # "count", "unused", "roles", "turns", "mixed", "twice", "sync"
     message: str
 
 
@@ -805,6 +997,19 @@ class Row:
     per_phase: int
     arrivers: list[str]
     waiters: list[str]
+
+
+def _union(flags) -> int:
+    out = 0
+    for f in flags:
+        out |= f
+    return out
+
+
+def _mix(flags) -> int:
+    """Flags of a value computed from values with ``flags``: identity and data together are ``MIXED``."""
+    out = _union(flags)
+    return out | MIXED if out & ID and out & DATA else out
 
 
 def _groups(role) -> list[frozenset]:
@@ -1005,19 +1210,25 @@ class Report:
     findings: list[Finding]
     rings: list[Ring]
     stalls: list[str]  # "<ring>: <schedule>: <where it stalls>"
+    waived: list[Finding] = dataclasses.field(default_factory=list)  # of the kinds the caller waives
 
     @property
     def ok(self) -> bool:
         return not self.findings and not self.stalls
 
     def problems(self) -> str:
-        return "\n".join([f.message for f in self.findings] + self.stalls)
+        return "\n".join([f.message for f in self.findings] + self.stalls
+                         + [f"waived: {f.message}" for f in self.waived])
 
 
-def analyze(ptx: str, roles: dict, cluster: tuple[int, int, int] = (1, 1, 1)) -> Report:
-    """The barrier table of one kernel, its findings, and the replay of its rings."""
+def analyze(ptx: str, roles: dict, cluster: tuple[int, int, int] = (1, 1, 1), waive: tuple[str, ...] = ()) -> Report:
+    """The barrier table of one kernel, its findings (those of the kinds in ``waive`` apart), and the replay of its
+    rings."""
     analysis = Analysis(ptx, cluster)
     rows, findings = analysis.account(roles)
+    findings += analysis.ordering()
+    waived = [f for f in findings if f.kind in waive]
+    findings = [f for f in findings if f.kind not in waive]
     found = rings(analysis, rows)
     stalls = []
     for ring in found:
@@ -1025,7 +1236,7 @@ def analyze(ptx: str, roles: dict, cluster: tuple[int, int, int] = (1, 1, 1)) ->
             stall = replay(ring, tiles)
             if stall:
                 stalls.append(f"ring {ring.full.name} / {ring.empty.name}: {name} {tiles}: {stall}")
-    return Report(rows, findings, found, stalls)
+    return Report(rows, findings, found, stalls, waived)
 
 
 def analyze_config(config, ptx: Optional[str] = None, host_ir: Optional[str] = None) -> Report:
@@ -1038,7 +1249,8 @@ def analyze_config(config, ptx: Optional[str] = None, host_ir: Optional[str] = N
 
         fn = compile_cache.compile_uncached(lambda: config.build(), config.arch)
         ptx, host_ir = fn.__ptx__, str(fn.ir_module)
-    return analyze(ptx, config.family.roles(config.kernel()), static.launch_from_host_ir(host_ir).cluster)
+    return analyze(ptx, config.family.roles(config.kernel()), static.launch_from_host_ir(host_ir).cluster,
+                   config.family.barrier_waivers)
 
 
 def table(records: list[tuple[str, Report]]) -> str:

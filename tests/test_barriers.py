@@ -83,6 +83,11 @@ ARRIVERS = {  # arrive code (all 4 warps reach it, then their conditions) -> arr
     "%laneid == 0": ("\tmov.u32 %r10, %laneid;\n\tsetp.ne.b32 %p1, %r10, 0;\n\t@%p1 bra $L__end;\n"
                      "\tmbarrier.arrive.shared.b64 %rd1, [%r1];", 4),
     "tid % 32 == 0, as a guard": ("\tsetp.eq.b32 %p1, %r4, 0;\n\t@%p1 mbarrier.arrive.shared.b64 %rd1, [%r1];", 4),
+    "lane 0 or 1 (setp with .or)": ("\tsetp.eq.b32 %p1, %r4, 1;\n\tsetp.eq.or.b32 %p2, %r4, 0, %p1;\n"
+                                    "\t@%p2 mbarrier.arrive.shared.b64 %rd1, [%r1];", 8),
+    "lanes 1-31 (setp's second destination, .and)": (
+        "\tsetp.ne.b32 %p1, %r3, 9;\n\tsetp.eq.and.b32 %p2|%p3, %r4, 0, %p1;\n"
+        "\t@%p3 mbarrier.arrive.shared.b64 %rd1, [%r1];", 124),
     "one thread of the CTA": ("\tsetp.ne.b32 %p1, %r2, 0;\n\t@%p1 bra $L__end;\n"
                               "\tmbarrier.arrive.shared.b64 %rd1, [%r1];", 1),
     "an arrival count of 2 per elected lane": (
@@ -132,7 +137,7 @@ $L__loop:
 \tadd.s32 %r23, %r20, 1;
 \tsetp.eq.b32 %p2, %r23, 3;
 \tselp.b32 %r20, 0, %r23, %p2;
-\tld.shared.b32 %r24, [%r1+512];
+\tld.global.b32 %r24, [%rd2];
 \tsetp.ne.b32 %p3, %r24, 0;
 \t@%p3 bra $L__loop;"""
 
@@ -144,6 +149,52 @@ def test_barrier_ring_index():
     assert _rows(report)["smem+8[3]"] == (4, 4)
     assert [f.kind for f in report.findings] == ["count"]  # smem+0 is waited on, never arrived on
     assert report.findings[0].message.startswith("smem+0 is initialized for 1 arrivals, a phase gets 0")
+
+
+RING_ARRIVE = "\t@%p1 mbarrier.arrive.shared.b64 %rd1, [%r22+8];\n"
+NEXT_STAGE = """\tadd.s32 %r23, %r20, 1;
+\tsetp.eq.b32 %p2, %r23, 3;
+\tselp.b32 %r20, 0, %r23, %p2;
+\tshl.b32 %r21, %r20, 3;
+\tadd.s32 %r22, %r1, %r21;
+"""
+
+
+@pytest.mark.parametrize("between, twice", [("", True), (NEXT_STAGE, False)], ids=["same stage", "next stage"])
+def test_barrier_arrivals_in_one_phase(between, twice):
+    """Two sites with the same arrivers count once (a loop's copies); one right after the other on the same stage,
+    with no wait between, gives a phase both (a release repeated): a finding. A release of the next stage (the index
+    advanced between, as a release lagging its wait) is not."""
+    ptx = _kernel(RING.replace(RING_ARRIVE, RING_ARRIVE + between + RING_ARRIVE), [(0, 1), (8, 4), (16, 4), (24, 4)],
+                  tail=WAIT.format(offset=0))
+    report = barriers.analyze(ptx, ALL)
+    assert _rows(report)["smem+8[3]"] == (4, 4)  # what the count sees either way
+    lines = [n for n, text in enumerate(ptx.splitlines(), 1) if RING_ARRIVE.strip() in text]
+    assert [f.message for f in report.findings if f.kind == "twice"] == [
+        f"line {lines[0]} and line {lines[1]}: the same arrivals on smem+8[3] follow one another with no mbarrier "
+        "wait between: one phase gets both"] * twice
+
+
+N_LOADED = "\tld.global.b32 %r11, [%rd2];\n"
+LANE0_ARRIVE = "\tsetp.ne.b32 %p1, %r4, 0;\n\t@%p1 bra $L__end;\n\tmbarrier.arrive.shared.b64 %rd1, [%r1];"
+
+
+@pytest.mark.parametrize("code, mixed", [
+    (N_LOADED + "\tsetp.ge.u32 %p3, %r2, %r11;\n\t@%p3 bra $L__end;\n" + LANE0_ARRIVE, True),  # tid < n
+    (N_LOADED + "\tsetp.eq.b32 %p3, %r11, 0;\n\t@%p3 bra $L__end;\n" + LANE0_ARRIVE, False),  # n != 0: whether
+    (N_LOADED + "\tsetp.ge.u32 %p3, %r2, %r11;\n\t@%p3 bra $L__end;\n" + WAIT.format(offset=0) + "\n" + LANE0_ARRIVE,
+     False),  # tid < n before the wait: which loop copy runs
+], ids=["tid < n", "n != 0", "tid < n, then a wait"])
+def test_barrier_data_decides_arrivers(code, mixed):
+    """A condition that data decides per thread (``tid < n``, n loaded) on the way to an arrive since the last wait
+    decides who arrives, which the count cannot know (it takes the condition as true): a finding. A condition on
+    data alone decides whether the phase happens, not who arrives."""
+    ptx = _kernel(code, [(0, 4)], tail=WAIT.format(offset=0))
+    report = barriers.analyze(ptx, ALL)
+    assert _rows(report) == {"smem+0": (4, 4)}
+    branch = next(n for n, text in enumerate(ptx.splitlines(), 1) if "@%p3 bra" in text)
+    assert [f.message.split(": ", 2)[-1] for f in report.findings] == [
+        f"who arrives depends on data that differs between threads (the condition at line {branch})"] * mixed
 
 
 CLUSTER_ARRIVE = """\tsetp.ne.b32 %p1, %r3, 0;
@@ -217,9 +268,10 @@ def test_barrier_turns():
         "warp 3 split a group of mma's turns ['0-1', '2-3']", "warps 0-2 split a group of mma's turns ['0-1', '2-3']"]
 
 
-# The SM100 W4 kernel's load ring as it was compiled before the fix (kernels/qkv/w4_sm100.py): the load warp (5)
-# arrives with expect_tx on the full barriers, lane 0 of each transform warp (6-9) releases a stage whose empty
-# barrier was initialized for 128 (TRANSFORM_THREADS) arrivals.
+# The SM100 W4 kernel's load ring as it was compiled before the fixes (kernels/qkv/w4_sm100.py): the load warp (5)
+# arrives with expect_tx on the full barriers, every lane of the transform warps (6-9) reads its words of the stage
+# and lane 0 of each releases it (SYNC: no bar.warp.sync between), on empty barriers initialized for 128
+# (TRANSFORM_THREADS) arrivals.
 W4_RING = """\tsetp.ne.b32 %p10, %r3, 5;
 \t@%p10 bra $L__transform;
 \tmov.b32 %r30, 0;
@@ -270,6 +322,8 @@ $L__consume:
 \tDONE:
 \t}
 \t// end inline asm
+\tld.shared.v4.b32 {%r50, %r51, %r52, %r53}, [%r43+1024];
+SYNC
 \tsetp.ne.b32 %p16, %r4, 0;
 \t@%p16 bra $L__released;
 \tmov.b32 %r44, 1;
@@ -287,21 +341,36 @@ $L__released:
 W4_ROLES = {"load": Role((5,)), "transform": Role((6, 7, 8, 9))}
 
 
-@pytest.mark.parametrize("empty_count", [128, 4])
-def test_barrier_w4_sm100_load_ring(empty_count):
+def _w4_ring(empty_count: int, synced: bool) -> str:
+    sync = "\tbar.warp.sync -1;\n" if synced else ""
+    return _kernel(W4_RING.replace("SYNC\n", sync),
+                   [(0, 1), (8, 1), (16, 1), (24, empty_count), (32, empty_count), (40, empty_count)], threads=320)
+
+
+@pytest.mark.parametrize("empty_count, synced", [(128, False), (4, False), (4, True)])
+def test_barrier_w4_sm100_load_ring(empty_count, synced):
     """Regression: the load ring of the SM100 W4 kernel as it was (empty barriers for 128 arrivals, 4 a phase) is
     flagged and its replay stalls: at the 4th k-block of a tile (3 stages) and, with one k-block, in the producer's
-    tail. With a lane per warp (4) it accounts and replays clean."""
-    ptx = _kernel(W4_RING, [(0, 1), (8, 1), (16, 1), (24, empty_count), (32, empty_count), (40, empty_count)],
-                  threads=320)
+    tail. With a lane per warp (4) it accounts and replays clean; lane 0's release must follow a bar.warp.sync, as
+    the other lanes read the stage too."""
+    ptx = _w4_ring(empty_count, synced)
     report = barriers.analyze(ptx, W4_ROLES)
     assert _rows(report) == {"smem+0[3]": (1, 1), "smem+24[3]": (empty_count, 4)}
     (ring,) = report.rings
     assert (ring.stages, ring.full_arrivals, ring.empty_arrivals, ring.tx) == (3, 1, 4, True)
-    if empty_count == 4:
+    if synced:
         assert report.ok, report.problems()
         return
-    assert [f.kind for f in report.findings] == ["count"] * 3
+    read = next(n for n, text in enumerate(ptx.splitlines(), 1) if "ld.shared.v4" in text)
+    assert report.findings[-1].kind == "sync" and report.findings[-1].message.endswith(
+        f"arrives for some lanes of its warps, after other lanes of them access shared memory (line {read}: "
+        "ld.shared.v4.b32) with no bar.warp.sync between")
+    if empty_count == 4:
+        assert len(report.findings) == 1 and not report.stalls
+        waived = barriers.analyze(ptx, W4_ROLES, waive=("sync",))  # a family's waiver: reported, not failed
+        assert waived.ok and waived.waived == report.findings
+        return
+    assert [f.kind for f in report.findings] == ["count"] * 3 + ["sync"]
     assert report.findings[0].message == ("smem+24 (stage 0 of smem+24[3]) is initialized for 128 arrivals, a phase "
                                           "gets 4: transform (warps 6-9): arrive, lane 0 = 4")
     assert barriers.replay(ring, [4]).startswith("producer acquire of step 3 waits on stage 0 for parity 0")
@@ -393,9 +462,11 @@ def _compiled(config) -> tuple[str, str]:
 @pytest.mark.parametrize("config", catalog.configs(), ids=lambda c: c.id)
 def test_barrier_accounting(config):
     """Every catalog configuration: each mbarrier's init count equals the arrivals a phase gets from the threads the
-    PTX lets reach each arrive (warps of the family's declared roles), no barrier is initialized for nothing, and
-    every producer/consumer ring replays without a stall."""
+    PTX lets reach each arrive (warps of the family's declared roles), no barrier is initialized for nothing, the
+    arrivals are ordered (``Analysis.ordering``), and every producer/consumer ring replays without a stall."""
     report = barriers.analyze_config(config, *_compiled(config))
     assert report.ok, report.problems()
     if config.family.roles(config.kernel()):
         assert report.rows and all(r.per_phase == r.count for r in report.rows)
+    # a family's waivers name what its library code gives (catalog), no more
+    assert {f.kind for f in report.waived} == set(config.family.barrier_waivers), report.problems()

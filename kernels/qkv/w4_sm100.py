@@ -335,6 +335,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
                     cute.autovec_copy(s_w32[None, t, m, w_read.index], xw[None, m])
                     for w in cutlass.range_constexpr(sf_words):
                         sfw[w, m] = s_sf32[sf_words * pair_slot + w, m, w_read.index]
+                cute.arch.sync_warp()  # every lane's reads of the stage before its warp's one release (lane 0)
                 load_pipe.consumer_release(w_read)
                 w_read.advance()
                 a_pipe.producer_acquire(a_write)
