@@ -10,8 +10,8 @@ call against it as the generated entry does (``base_dsl/tvm_ffi_builder``): arit
 rank, dtype (signed and unsigned integers of one width alike), every static shape and stride (a stride of a size-1
 dim is not checked), a symbolic dim or stride equal wherever it is shared, its divisibility and int32/int64 range,
 the data pointer's alignment, ``None`` where ``None`` was compiled, tuples element by element, ints and floats by
-kind. Beyond the entry's checks: every tensor on one device, and every grid dimension at least 1 (``GRID``: what
-each kernel's ``__call__`` sizes its grid from).
+kind. Beyond the entry's checks: every tensor on one device, every grid dimension at least 1 (``GRID``: what each
+kernel's ``__call__`` sizes its grid from) and the request index within CUDA's ``gridDim.z`` (``GRID_Z``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tvm_ffi._dtype import DataTypeCode
 
 from cute_kv.kernels import compile_cache
 from cute_kv.ops import paths
+from cute_kv.ops.paged_attention import MAX_GRID_Z
 
 # What each kernel's grid is made of: int arguments and tensor dims (``"name.shape[i]"``), by the jit class's name.
 GRID = {
@@ -49,6 +50,11 @@ GRID = {
     "FusedQKVGemmSm100": ("mA.shape[0]", "scheduler_args[0]"),
     "FusedQKVGemmW4Sm90": ("mB.shape[0]", "scheduler_args[0]"),
 }
+
+# The kernels whose grid's z dimension counts requests (or tokens): CUDA caps gridDim.z at 65535.
+GRID_Z = {"PagedKVGather": "cache_lengths.shape[0]", "PagedAttention": "cache_lengths.shape[0]",
+          "PagedAttentionSm100": "cache_lengths.shape[0]", "MLADecode": "cache_lengths.shape[0]",
+          "MlaDecodeSm100": "batch"}
 
 ARCHS = ("sm_90a", "sm_100a")
 CAPABILITY = {"sm_90a": (9, 0), "sm_100a": (10, 0), "sm_80a": (8, 0), "sm_103a": (10, 3), "sm_120a": (12, 0)}
@@ -99,6 +105,10 @@ class Contract:
             extent = state.grid_extent(source)
             if extent < 1:
                 raise ContractError(f"{self.name}: grid dimension from {source} is {extent}: a launch error")
+        z = state.grid_extent(GRID_Z[self.name]) if self.name in GRID_Z else 1
+        if z > MAX_GRID_Z:
+            raise ContractError(f"{self.name}: grid dimension z from {GRID_Z[self.name]} is {z}, past CUDA's "
+                                f"{MAX_GRID_Z}: a launch error")
         return state.values
 
 

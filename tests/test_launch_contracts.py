@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cute_kv
+from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
 from cute_kv.ops import paths
 from cute_kv.reference.batch import random_paged_batch
@@ -389,6 +390,30 @@ def test_contract_rejects_injected_mismatches(inject, message):
     contract, args = _store_contract()
     with pytest.raises(ContractError, match=re.escape(message)):
         contract.check(**inject(args))
+
+
+def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
+    """``PagedKVGather`` takes a request per z index of its grid, at most 65535: more requests plan the reference
+    (with the fallback warning) instead of a launch the GPU rejects."""
+    pb = _batch("bf16", "ragged")
+    c = pb.collection
+    many = 65536
+    lengths = torch.zeros(many, dtype=torch.int32)
+    lengths[:c.batch_size] = c.cache_lengths.view(torch.int32)
+    lut = torch.full((many, c.lookup_table.shape[1]), c.num_pages, dtype=torch.int32)
+    lut[:c.batch_size] = c.lookup_table.view(torch.int32)
+    c = c.with_metadata(lengths, lut, c.max_seq_length, c.max_cache_length)
+    for arch in ARCHS:
+        paths._warned.clear()
+        path = cute_kv.explain(cute_kv.gather_kv, c, 1, arch=arch)
+        assert path.path == paths.REFERENCE and "65536 requests exceed the kernel's grid" in path.reason
+        launches, fallbacks = _run(arch, cute_kv.gather_kv, (c, 1), {})
+        assert not launches and fallbacks
+    key = cute_kv.explain(cute_kv.gather_kv, pb.collection, 1, arch="sm_90a").key
+    contract = Contract(lambda: gather_kv_op._build(key))
+    out = torch.zeros((many, c.max_cache_length, c.num_heads, c.head_size), dtype=c.dtype)
+    with pytest.raises(ContractError, match=re.escape("grid dimension z from cache_lengths.shape[0] is 65536")):
+        contract.check(c.blocks, c.cache_lengths, c.lookup_table, out, 0, 1, 1)
 
 
 def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch):
