@@ -392,6 +392,35 @@ def test_contract_rejects_injected_mismatches(inject, message):
         contract.check(**inject(args))
 
 
+def test_contract_rejects_a_tensor_made_on_the_host():
+    """Inside ``as_cuda`` the CPU stands for the GPU, so a tensor made without naming a device (or computed from one)
+    is what a launch would find on the host; naming the call's device makes it the device's."""
+    contract, args = _store_contract()
+    with as_cuda("sm_90a"):
+        host = torch.tensor(args["cache_lengths"].view(torch.int32).tolist(), dtype=torch.int32).view(torch.uint32)
+        with pytest.raises(ContractError, match=re.escape("PagedKVStore: cache_lengths was made on the host")):
+            contract.check(**{**args, "cache_lengths": host})
+        contract.check(**{**args, "cache_lengths": host.to(args["k"].device)})
+
+
+def test_contract_catches_a_launcher_that_allocates_on_the_host(rng, monkeypatch):
+    """End to end: split-KV partials allocated without ``device=`` are CPU tensors on a GPU, and the op fails on the
+    contract."""
+    from cute_kv.ops import paged_attention
+
+    pb = _batch("mla-bf16", "decode-split")
+    fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
+    assert _run("sm_90a", fn, args, kwargs)[0].kernels == ["MLADecode", "AttentionCombine"]
+
+    def partials(splits, t, num_q_heads, head_dim, device):  # device forgotten
+        return (torch.empty((splits, t, num_q_heads, head_dim), dtype=torch.float32),
+                torch.empty((splits, t, num_q_heads), dtype=torch.float32))
+
+    monkeypatch.setattr(paged_attention, "partials", partials)
+    with pytest.raises(ContractError, match=re.escape("MLADecode: o_part was made on the host")):
+        _run("sm_90a", fn, args, kwargs)
+
+
 def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
     """``PagedKVGather`` takes a request per z index of its grid, at most 65535: more requests plan the reference
     (with the fallback warning) instead of a launch the GPU rejects."""
