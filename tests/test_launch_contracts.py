@@ -40,7 +40,7 @@ STEPS = {  # (cache_lengths, new tokens) per request
     "ragged": ([0, 37, 5, 9], [5, 1, 0, 3]),  # a fresh prompt, 1- and 0-token requests
     "prefill": ([0, 0, 16], [300, 1, 0]),  # a long prompt: several query blocks
     "empty": ([4, 9], [0, 0]),  # T = 0
-    "strided": ([0, 37, 5, 9], [5, 1, 0, 3]),  # views: activations, outputs and metadata columns
+    "strided": ([0, 37, 5, 9], [5, 1, 0, 3]),  # views: activations, outputs, metadata, bias, sinks, top-k lengths
 }
 
 
@@ -60,15 +60,21 @@ def _batch(kind: str, step: str):
     return pb
 
 
+def _column(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (1-D) as the first column of a ``[n, 2]`` tensor: its entries 2 apart."""
+    return torch.stack([x, torch.zeros_like(x)], 1)[:, 0]
+
+
 def _strided_metadata(pb) -> None:
-    """``cache_lengths`` as a column of a ``[B, 2]`` tensor and the lookup table as columns 1.. of a wider one (its
-    rows 8 entries apart, its base 4 bytes past a 16-byte boundary)."""
+    """``cache_lengths`` and ``input_row_offsets`` as columns of ``[n, 2]`` tensors and the lookup table as columns
+    1.. of a wider one (its rows 8 entries apart, its base 4 bytes past a 16-byte boundary)."""
     c = pb.collection
-    lengths = torch.stack([c.cache_lengths.view(torch.int32), torch.zeros_like(c.cache_lengths.view(torch.int32))], 1)
     cols = c.lookup_table.shape[1]
     wide = torch.zeros((c.batch_size, -(-(cols + 1) // 8) * 8), dtype=torch.int32)
     wide[:, 1:cols + 1] = c.lookup_table.view(torch.int32)
-    pb.collection = c.with_metadata(lengths[:, 0], wide[:, 1:cols + 1], c.max_seq_length, c.max_cache_length)
+    pb.collection = c.with_metadata(_column(c.cache_lengths.view(torch.int32)), wide[:, 1:cols + 1],
+                                    c.max_seq_length, c.max_cache_length)
+    pb.input_row_offsets = _column(pb.input_row_offsets.view(torch.int32))
     assert pb.collection.cache_lengths.stride(0) == 2 and pb.collection.lookup_table.data_ptr() % 16 == 4
 
 
@@ -111,6 +117,7 @@ def _fused_qkv(pb, step, rng, weight_kind="dense"):
         kw["qk_norm"] = cute_kv.QKNorm(k_weight=torch.rand(RANK, generator=rng))
     if step == "strided":
         kw["output"] = torch.empty(pb.total_rows, n_tot - kv_columns(c) + 64, dtype=hidden.dtype)[:, 64:]
+        kw["bias"] = torch.randn(2 * n_tot, generator=rng).to(hidden.dtype)[::2]
     return cute_kv.fused_qkv_matmul_kv_cache, (hidden, pb.input_row_offsets, weight, c, 1), kw
 
 
@@ -127,6 +134,8 @@ def _paged_attention(pb, step, rng):
         kw["window"] = 200
     if step == "prefill":
         kw.update(softcap=30.0, sinks=torch.randn(hq, generator=rng))
+    if step == "strided":
+        kw["sinks"] = torch.randn(2 * hq, generator=rng)[::2]
     return cute_kv.paged_attention, (q, pb.input_row_offsets, c, 1), kw
 
 
@@ -136,7 +145,10 @@ def _sparse_mla(pb, step, rng):
     width = 2 if step == "strided" else 1
     indices = torch.randint(-1, c.num_pages * c.page_size, (pb.total_rows, 64 * width), generator=rng,
                             dtype=torch.int32)[:, ::width]
-    return cute_kv.sparse_mla_attention, (q, pb.input_row_offsets, c, 1, indices), {"mla_v_dim": RANK}
+    kw = {"mla_v_dim": RANK}
+    if step == "strided":
+        kw["topk_lengths"] = _column(torch.randint(0, 65, (pb.total_rows,), generator=rng, dtype=torch.int32))
+    return cute_kv.sparse_mla_attention, (q, pb.input_row_offsets, c, 1, indices), kw
 
 
 def _gather_kv(pb, step, rng):
@@ -158,6 +170,52 @@ def _case_list():
 
 
 CASES = list(_case_list())
+
+
+# Kernel parameters that carry an op's tensor, by the op's name for it, where the two names differ (quack's GEMMs
+# and the SM100 W4 kernel take the epilogue's tensors by position); any other parameter named as one of the op's
+# tensors carries that tensor.
+_EPILOGUE = (None, "blocks", "input_row_offsets", "cache_lengths", "lookup_table", None, "bias", None, None, None,
+             "scales")
+ROLES = {"k_src": "blocks", "v_src": "blocks",
+         **{f"{group}[{i}]": role for group in ("epilogue_args", "epi") for i, role in enumerate(_EPILOGUE) if role}}
+ROLES_BY_KERNEL = {"FusedQKVGemmSm90": {"mA": "hidden"}, "FusedQKVGemmSm100": {"mA": "hidden"},
+                   "FusedQKVGemmW4Sm90": {"mB": "hidden"}}
+
+
+def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
+    """The op's tensors a kernel parameter may carry, by role: the cache and its metadata, the activations, the
+    optional operands."""
+    c = pb.collection
+    sources = {"blocks": c.blocks, "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
+               "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
+               **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
+    if op == "store_kv":
+        sources.update(k=args[0], v=args[1])
+    elif op == "fused_qkv":
+        sources["hidden"] = args[0]
+    elif op in ("paged_attention", "sparse_mla_attention"):
+        sources["q"] = args[0]
+    if op == "sparse_mla_attention":
+        sources["indices"] = args[4]
+    return {role: x for role, x in sources.items() if x is not None}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _check_sources(launches, sources: dict) -> None:
+    """Each kernel parameter that carries one of the op's tensors holds it (or a copy of it: equal shape and bits),
+    so an argument order that swaps two tensors the spec cannot tell apart (``k`` and ``v``, ``q`` and ``out``)
+    fails."""
+    for launch in launches:
+        for name, value in launch.values.items():
+            role = ROLES_BY_KERNEL.get(launch.kernel, {}).get(name, ROLES.get(name, name))
+            if isinstance(value, torch.Tensor) and role in sources:
+                want = sources[role]
+                assert value.shape == want.shape and torch.equal(_bits(value), _bits(want)), \
+                    f"{launch.kernel}.{name} does not hold the op's {role}"
 
 
 def _run(arch, fn, args, kwargs):
@@ -188,6 +246,7 @@ def test_launch_contract(op, kind, step, arch, rng):
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, op, args, kwargs))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -203,6 +262,7 @@ def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
     assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[arch], path
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows)
+    _check_sources(launches, _sources(pb, "fused_qkv", args, kwargs))
     if arch == "sm_100a" and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
         assert launches[0].values["splits"] > 1
 
@@ -243,6 +303,8 @@ def test_mla_prefill_launch_contract(step, kind, arch, rng):
     want = {"absorbed": {"sm_90a": "MLADecode", "sm_100a": "MlaDecodeSm100"},
             "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][arch]
     _check_launches(paths.kernel(mla_prefill_op.OP, want, (), arch), launches, fallbacks, pb.total_rows)
+    # q, the cache and its lookup table are the route's own (decompressed: a temporary cache)
+    _check_sources(launches, {"input_row_offsets": pb.input_row_offsets, "cache_lengths": pb.collection.cache_lengths})
     assert launches.kernels[:1] == ([want] if pb.total_rows else [])
 
 
@@ -421,6 +483,21 @@ def test_contract_catches_a_launcher_that_allocates_on_the_host(rng, monkeypatch
         _run("sm_90a", fn, args, kwargs)
 
 
+def test_sources_catch_a_launcher_that_passes_another_tensor(rng, monkeypatch):
+    """A kernel parameter named for one of the op's tensors must hold it: a q the contract cannot tell from the op's
+    (same shape, dtype and strides, here a fresh one) fails the source check."""
+    from cute_kv.ops import paged_attention_sm100
+
+    pb = _batch("bf16", "ragged")
+    fn, args, kwargs = _paged_attention(pb, "ragged", rng)
+    launches, _ = _run("sm_100a", fn, args, kwargs)
+    _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+    monkeypatch.setattr(paged_attention_sm100, "packed_heads", lambda x, vec: torch.zeros_like(x))
+    launches, _ = _run("sm_100a", fn, args, kwargs)
+    with pytest.raises(AssertionError, match=re.escape("PagedAttentionSm100.q does not hold the op's q")):
+        _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+
+
 def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
     """``PagedKVGather`` takes a request per z index of its grid, at most 65535: more requests plan the reference
     (with the fallback warning) instead of a launch the GPU rejects."""
@@ -457,4 +534,5 @@ def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch
     monkeypatch.setattr(paged_attention, "packed_heads", lambda x, vec: x)
     with pytest.raises(ContractError, match=re.escape("PagedAttention: q.strides[1] is 136, expected 128")):
         _run("sm_90a", fn, args, kwargs)
+
 
