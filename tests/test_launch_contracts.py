@@ -7,7 +7,10 @@ sends to the reference must warn and launch nothing.
 """
 
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -536,3 +539,14 @@ def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch
         _run("sm_90a", fn, args, kwargs)
 
 
+
+def test_cuda_only_coverage_measures_the_tests_it_runs():
+    """``tests/cuda_only_coverage.py`` runs its tests in its own process: the suite's ``-n auto`` would hand them to
+    xdist workers, whose lines it cannot see (every count 0)."""
+    here = Path(__file__)
+    run = subprocess.run([sys.executable, str(here.with_name("cuda_only_coverage.py")), str(here), "-q",
+                          "-p", "no:cacheprovider", "-k", "gather_kv-bf16-ragged-sm_90a"],
+                         capture_output=True, text=True, timeout=600)
+    rows = {m: (int(n), int(e)) for m, n, e in re.findall(r"^(\w+\.py) +(\d+) +(\d+)$", run.stdout, re.M)}
+    lines, executed = rows.get("gather_kv.py", (0, 0))
+    assert lines and executed == lines, run.stdout[-3000:] + run.stderr[-3000:]
