@@ -749,6 +749,8 @@ def run(args: argparse.Namespace) -> int:
     here = [c for c in chosen if arch in c.archs]
     if not here:
         print(f"cute-kv selftest: none of the {len(chosen)} cases chosen has a kernel on {arch}")
+        if args.json:
+            _write_json(args.json, {"device": torch.cuda.get_device_name(), "arch": arch}, [])
         return 0
     info: dict = {}
     rows: list[Row] = []

@@ -3,8 +3,9 @@
 CUDA-only host code: the functions of ``cute_kv/ops`` that only a kernel path runs (``CUDA_ONLY``: the launchers,
 their compile units, launch sizing and argument preparation), every executable line of their bodies (nested
 functions included; ``def`` lines and docstrings are not code that runs on a call). The script runs pytest under
-``coverage`` (default: ``tests/test_launch_contracts.py``; pass other test paths or options to measure those),
-prints the table (module, CUDA-only lines, lines executed) and exits 1 below ``THRESHOLD``.
+``coverage`` in this process (``-n 0``: an xdist worker's lines would not be measured; default:
+``tests/test_launch_contracts.py``; pass other test paths or options to measure those), prints the table (module,
+CUDA-only lines, lines executed) and exits 1 below ``THRESHOLD``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ OPS = os.path.join(ROOT, "cute_kv", "ops")
 CUDA_ONLY = {
     "store_kv.py": ["compile_unit", "_launcher"],
     "gather_kv.py": ["_launch", "_build"],
-    "fused_qkv.py": ["_launcher", "latent_workspace", "compile_unit", "_with_bias", "_gemm", "_max_active_clusters"],
+    "fused_qkv.py": ["_launcher", "latent_workspace", "compile_unit", "_with_bias", "_gemm", "_max_active_clusters",
+                     "_device_max_active_clusters"],
     "paged_attention.py": ["compile_units", "_launcher", "softmax_args", "partials", "scales_arg", "launch_shape",
-                           "num_splits", "window_arg", "unused_partials", "sm_count"],
+                           "num_splits", "window_arg", "unused_partials", "sm_count", "_device_sm_count"],
     "paged_attention_sm100.py": ["launch_shape_sm100", "score_args", "launcher_sm100"],
     "mla_decode.py": ["compile_units", "launch_shape", "launcher"],
     "mla_decode_sm100.py": ["compile_units", "key_tile", "launch_shape", "launch_shape_sparse", "_run", "launcher",
@@ -54,8 +56,8 @@ def main(pytest_args: list[str]) -> int:
     cov.start()
     import pytest
 
-    status = pytest.main(pytest_args or [os.path.join(ROOT, "tests", "test_launch_contracts.py"), "-q",
-                                         "-p", "no:cacheprovider", "-n", "0"])
+    args = pytest_args or [os.path.join(ROOT, "tests", "test_launch_contracts.py"), "-q", "-p", "no:cacheprovider"]
+    status = pytest.main([*args, "-n", "0"])
     cov.stop()
     if status != 0:
         print(f"pytest failed ({status}): no measurement")

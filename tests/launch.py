@@ -10,8 +10,10 @@ call against it as the generated entry does (``base_dsl/tvm_ffi_builder``): arit
 rank, dtype (signed and unsigned integers of one width alike), every static shape and stride (a stride of a size-1
 dim is not checked), a symbolic dim or stride equal wherever it is shared, its divisibility and int32/int64 range,
 the data pointer's alignment, ``None`` where ``None`` was compiled, tuples element by element, ints and floats by
-kind. Beyond the entry's checks: every tensor on one device, and every grid dimension at least 1 (``GRID``: what
-each kernel's ``__call__`` sizes its grid from).
+kind. Beyond the entry's checks: every tensor on one device and none made on the host (the entry's device-type
+check, which CPU tensors standing for GPU ones cannot meet: ``HostTensors``), every grid dimension at least 1
+(``GRID``: what each kernel's ``__call__`` sizes its grid from) and the request index within CUDA's ``gridDim.z``
+(``GRID_Z``).
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ import torch
 import tvm_ffi
 from cutlass.base_dsl.tvm_ffi_builder import spec
 from cutlass.cute._tvm_ffi_args_spec_converter import _tvm_ffi_args_spec_converter
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from tvm_ffi._dtype import DataTypeCode
 
 from cute_kv.kernels import compile_cache
 from cute_kv.ops import paths
+from cute_kv.ops.paged_attention import MAX_GRID_Z
 
 # What each kernel's grid is made of: int arguments and tensor dims (``"name.shape[i]"``), by the jit class's name.
 GRID = {
@@ -49,6 +54,11 @@ GRID = {
     "FusedQKVGemmSm100": ("mA.shape[0]", "scheduler_args[0]"),
     "FusedQKVGemmW4Sm90": ("mB.shape[0]", "scheduler_args[0]"),
 }
+
+# The kernels whose grid's z dimension counts requests (or tokens): CUDA caps gridDim.z at 65535.
+GRID_Z = {"PagedKVGather": "cache_lengths.shape[0]", "PagedAttention": "cache_lengths.shape[0]",
+          "PagedAttentionSm100": "cache_lengths.shape[0]", "MLADecode": "cache_lengths.shape[0]",
+          "MlaDecodeSm100": "batch"}
 
 ARCHS = ("sm_90a", "sm_100a")
 CAPABILITY = {"sm_90a": (9, 0), "sm_100a": (10, 0), "sm_80a": (8, 0), "sm_103a": (10, 3), "sm_120a": (12, 0)}
@@ -99,6 +109,10 @@ class Contract:
             extent = state.grid_extent(source)
             if extent < 1:
                 raise ContractError(f"{self.name}: grid dimension from {source} is {extent}: a launch error")
+        z = state.grid_extent(GRID_Z[self.name]) if self.name in GRID_Z else 1
+        if z > MAX_GRID_Z:
+            raise ContractError(f"{self.name}: grid dimension z from {GRID_Z[self.name]} is {z}, past CUDA's "
+                                f"{MAX_GRID_Z}: a launch error")
         return state.values
 
 
@@ -159,6 +173,9 @@ class _Binding:
         name = param.name
         if not isinstance(value, torch.Tensor):
             self.fail(f"{name} is {type(value).__name__}, expected Tensor")
+        if getattr(value, HostTensors.MARK, False):
+            self.fail(f"{name} was made on the host (a factory without device=, or computed from one): a CPU tensor "
+                      f"on a GPU")
         if self.device is None:
             self.device = value.device
         elif value.device != self.device:
@@ -212,6 +229,35 @@ def _as_int(value) -> Optional[int]:
     return None
 
 
+class HostTensors(TorchFunctionMode):
+    """Marks what the code run inside makes on the host. The tests' CPU tensors stand for GPU tensors, so a tensor a
+    launcher makes with a factory that names no device (torch's default device: the CPU, on a GPU machine too), and
+    whatever is computed from it, is the one a real launch would find on the CPU; naming a device (``device=``,
+    ``.to(device)``, ``.cuda()``) makes a tensor of the call's device."""
+
+    MARK = "_made_on_host"
+    FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.as_tensor,
+                 torch.empty_strided, torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye,
+                 torch.linspace, torch.from_numpy}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if kwargs.get("device") is not None or func is torch.Tensor.cuda or (
+                func is torch.Tensor.to and any(isinstance(a, (torch.device, str, int)) and not isinstance(a, bool)
+                                            for a in args[1:])):
+            if any(result is x for x in inputs) and getattr(result, self.MARK, False):
+                result = result.view_as(result)  # moved: on a GPU a new tensor, while the host one stays marked
+            return result
+        host = func in self.FACTORIES or any(getattr(x, self.MARK, False) for x in inputs)
+        if host:
+            for out in tree_leaves(result):  # an input handed back (in-place ops, ``out=``) keeps its own mark
+                if isinstance(out, torch.Tensor) and not any(out is x for x in inputs):
+                    setattr(out, self.MARK, True)
+        return result
+
+
 @dataclasses.dataclass
 class Launch:
     kernel: str
@@ -260,7 +306,7 @@ def _reset_device_memos() -> None:
 def as_cuda(arch: str, sms: int = 132):
     """CPU tensors seen as on a CUDA GPU of ``arch`` with ``sms`` SMs; yields the ``Launches`` of the ops run
     inside. Replaced: the device-type test (``paths.on_cuda``), torch's device queries, quack's cluster count and
-    ``compile_cache.compiled``."""
+    ``compile_cache.compiled``; tensors made inside on the host are marked (``HostTensors``)."""
     import quack.cute_dsl_utils
 
     launches = Launches()
@@ -276,6 +322,7 @@ def as_cuda(arch: str, sms: int = 132):
         mp.delenv("CUTE_DSL_ARCH", raising=False)
         _reset_device_memos()
         try:
-            yield launches
+            with HostTensors():
+                yield launches
         finally:
             _reset_device_memos()

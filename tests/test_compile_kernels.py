@@ -32,6 +32,9 @@ def test_paged_kv_gather_ptx(arch, case):
     assert len(loads) == case[4] * 2 // 128
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.expect_tx" in ptx
     assert "st.global.v4.b32" in ptx  # 16-byte predicated row stores
+    # The request's length and its page's lookup entry, one 4-byte load each: no vector load assumes more of the
+    # table than the 4-byte base a column slice of a wider one has.
+    assert _count(r"ld\.global\.b32", ptx) == 2 and _count(r"ld\.global\.\S*v[248]", ptx) == 0
     # ... of 16-byte reads of the pointer-swizzled tile (a swizzle inside the layout gave eight 2-byte reads).
     assert _count(r"ld\.shared\.v4\.b32", ptx) == 1 and _count(r"ld\.shared\.b16", ptx) == 0
 

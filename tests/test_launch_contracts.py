@@ -7,12 +7,16 @@ sends to the reference must warn and launch nothing.
 """
 
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import cute_kv
+from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
 from cute_kv.ops import paths
 from cute_kv.reference.batch import random_paged_batch
@@ -39,7 +43,7 @@ STEPS = {  # (cache_lengths, new tokens) per request
     "ragged": ([0, 37, 5, 9], [5, 1, 0, 3]),  # a fresh prompt, 1- and 0-token requests
     "prefill": ([0, 0, 16], [300, 1, 0]),  # a long prompt: several query blocks
     "empty": ([4, 9], [0, 0]),  # T = 0
-    "strided": ([0, 37, 5, 9], [5, 1, 0, 3]),  # views: activations, outputs and metadata columns
+    "strided": ([0, 37, 5, 9], [5, 1, 0, 3]),  # views: activations, outputs, metadata, bias, sinks, top-k lengths
 }
 
 
@@ -59,15 +63,21 @@ def _batch(kind: str, step: str):
     return pb
 
 
+def _column(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (1-D) as the first column of a ``[n, 2]`` tensor: its entries 2 apart."""
+    return torch.stack([x, torch.zeros_like(x)], 1)[:, 0]
+
+
 def _strided_metadata(pb) -> None:
-    """``cache_lengths`` as a column of a ``[B, 2]`` tensor and the lookup table as columns 1.. of a wider one (its
-    rows 8 entries apart, its base 4 bytes past a 16-byte boundary)."""
+    """``cache_lengths`` and ``input_row_offsets`` as columns of ``[n, 2]`` tensors and the lookup table as columns
+    1.. of a wider one (its rows 8 entries apart, its base 4 bytes past a 16-byte boundary)."""
     c = pb.collection
-    lengths = torch.stack([c.cache_lengths.view(torch.int32), torch.zeros_like(c.cache_lengths.view(torch.int32))], 1)
     cols = c.lookup_table.shape[1]
     wide = torch.zeros((c.batch_size, -(-(cols + 1) // 8) * 8), dtype=torch.int32)
     wide[:, 1:cols + 1] = c.lookup_table.view(torch.int32)
-    pb.collection = c.with_metadata(lengths[:, 0], wide[:, 1:cols + 1], c.max_seq_length, c.max_cache_length)
+    pb.collection = c.with_metadata(_column(c.cache_lengths.view(torch.int32)), wide[:, 1:cols + 1],
+                                    c.max_seq_length, c.max_cache_length)
+    pb.input_row_offsets = _column(pb.input_row_offsets.view(torch.int32))
     assert pb.collection.cache_lengths.stride(0) == 2 and pb.collection.lookup_table.data_ptr() % 16 == 4
 
 
@@ -110,6 +120,7 @@ def _fused_qkv(pb, step, rng, weight_kind="dense"):
         kw["qk_norm"] = cute_kv.QKNorm(k_weight=torch.rand(RANK, generator=rng))
     if step == "strided":
         kw["output"] = torch.empty(pb.total_rows, n_tot - kv_columns(c) + 64, dtype=hidden.dtype)[:, 64:]
+        kw["bias"] = torch.randn(2 * n_tot, generator=rng).to(hidden.dtype)[::2]
     return cute_kv.fused_qkv_matmul_kv_cache, (hidden, pb.input_row_offsets, weight, c, 1), kw
 
 
@@ -126,6 +137,8 @@ def _paged_attention(pb, step, rng):
         kw["window"] = 200
     if step == "prefill":
         kw.update(softcap=30.0, sinks=torch.randn(hq, generator=rng))
+    if step == "strided":
+        kw["sinks"] = torch.randn(2 * hq, generator=rng)[::2]
     return cute_kv.paged_attention, (q, pb.input_row_offsets, c, 1), kw
 
 
@@ -135,7 +148,10 @@ def _sparse_mla(pb, step, rng):
     width = 2 if step == "strided" else 1
     indices = torch.randint(-1, c.num_pages * c.page_size, (pb.total_rows, 64 * width), generator=rng,
                             dtype=torch.int32)[:, ::width]
-    return cute_kv.sparse_mla_attention, (q, pb.input_row_offsets, c, 1, indices), {"mla_v_dim": RANK}
+    kw = {"mla_v_dim": RANK}
+    if step == "strided":
+        kw["topk_lengths"] = _column(torch.randint(0, 65, (pb.total_rows,), generator=rng, dtype=torch.int32))
+    return cute_kv.sparse_mla_attention, (q, pb.input_row_offsets, c, 1, indices), kw
 
 
 def _gather_kv(pb, step, rng):
@@ -157,6 +173,52 @@ def _case_list():
 
 
 CASES = list(_case_list())
+
+
+# Kernel parameters that carry an op's tensor, by the op's name for it, where the two names differ (quack's GEMMs
+# and the SM100 W4 kernel take the epilogue's tensors by position); any other parameter named as one of the op's
+# tensors carries that tensor.
+_EPILOGUE = (None, "blocks", "input_row_offsets", "cache_lengths", "lookup_table", None, "bias", None, None, None,
+             "scales")
+ROLES = {"k_src": "blocks", "v_src": "blocks",
+         **{f"{group}[{i}]": role for group in ("epilogue_args", "epi") for i, role in enumerate(_EPILOGUE) if role}}
+ROLES_BY_KERNEL = {"FusedQKVGemmSm90": {"mA": "hidden"}, "FusedQKVGemmSm100": {"mA": "hidden"},
+                   "FusedQKVGemmW4Sm90": {"mB": "hidden"}}
+
+
+def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
+    """The op's tensors a kernel parameter may carry, by role: the cache and its metadata, the activations, the
+    optional operands."""
+    c = pb.collection
+    sources = {"blocks": c.blocks, "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
+               "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
+               **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
+    if op == "store_kv":
+        sources.update(k=args[0], v=args[1])
+    elif op == "fused_qkv":
+        sources["hidden"] = args[0]
+    elif op in ("paged_attention", "sparse_mla_attention"):
+        sources["q"] = args[0]
+    if op == "sparse_mla_attention":
+        sources["indices"] = args[4]
+    return {role: x for role, x in sources.items() if x is not None}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _check_sources(launches, sources: dict) -> None:
+    """Each kernel parameter that carries one of the op's tensors holds it (or a copy of it: equal shape and bits),
+    so an argument order that swaps two tensors the spec cannot tell apart (``k`` and ``v``, ``q`` and ``out``)
+    fails."""
+    for launch in launches:
+        for name, value in launch.values.items():
+            role = ROLES_BY_KERNEL.get(launch.kernel, {}).get(name, ROLES.get(name, name))
+            if isinstance(value, torch.Tensor) and role in sources:
+                want = sources[role]
+                assert value.shape == want.shape and torch.equal(_bits(value), _bits(want)), \
+                    f"{launch.kernel}.{name} does not hold the op's {role}"
 
 
 def _run(arch, fn, args, kwargs):
@@ -187,6 +249,7 @@ def test_launch_contract(op, kind, step, arch, rng):
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, op, args, kwargs))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -202,6 +265,7 @@ def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
     assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[arch], path
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows)
+    _check_sources(launches, _sources(pb, "fused_qkv", args, kwargs))
     if arch == "sm_100a" and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
         assert launches[0].values["splits"] > 1
 
@@ -242,6 +306,8 @@ def test_mla_prefill_launch_contract(step, kind, arch, rng):
     want = {"absorbed": {"sm_90a": "MLADecode", "sm_100a": "MlaDecodeSm100"},
             "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][arch]
     _check_launches(paths.kernel(mla_prefill_op.OP, want, (), arch), launches, fallbacks, pb.total_rows)
+    # q, the cache and its lookup table are the route's own (decompressed: a temporary cache)
+    _check_sources(launches, {"input_row_offsets": pb.input_row_offsets, "cache_lengths": pb.collection.cache_lengths})
     assert launches.kernels[:1] == ([want] if pb.total_rows else [])
 
 
@@ -391,6 +457,74 @@ def test_contract_rejects_injected_mismatches(inject, message):
         contract.check(**inject(args))
 
 
+def test_contract_rejects_a_tensor_made_on_the_host():
+    """Inside ``as_cuda`` the CPU stands for the GPU, so a tensor made without naming a device (or computed from one)
+    is what a launch would find on the host; naming the call's device makes it the device's."""
+    contract, args = _store_contract()
+    with as_cuda("sm_90a"):
+        host = torch.tensor(args["cache_lengths"].view(torch.int32).tolist(), dtype=torch.int32).view(torch.uint32)
+        with pytest.raises(ContractError, match=re.escape("PagedKVStore: cache_lengths was made on the host")):
+            contract.check(**{**args, "cache_lengths": host})
+        contract.check(**{**args, "cache_lengths": host.to(args["k"].device)})
+
+
+def test_contract_catches_a_launcher_that_allocates_on_the_host(rng, monkeypatch):
+    """End to end: split-KV partials allocated without ``device=`` are CPU tensors on a GPU, and the op fails on the
+    contract."""
+    from cute_kv.ops import paged_attention
+
+    pb = _batch("mla-bf16", "decode-split")
+    fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
+    assert _run("sm_90a", fn, args, kwargs)[0].kernels == ["MLADecode", "AttentionCombine"]
+
+    def partials(splits, t, num_q_heads, head_dim, device):  # device forgotten
+        return (torch.empty((splits, t, num_q_heads, head_dim), dtype=torch.float32),
+                torch.empty((splits, t, num_q_heads), dtype=torch.float32))
+
+    monkeypatch.setattr(paged_attention, "partials", partials)
+    with pytest.raises(ContractError, match=re.escape("MLADecode: o_part was made on the host")):
+        _run("sm_90a", fn, args, kwargs)
+
+
+def test_sources_catch_a_launcher_that_passes_another_tensor(rng, monkeypatch):
+    """A kernel parameter named for one of the op's tensors must hold it: a q the contract cannot tell from the op's
+    (same shape, dtype and strides, here a fresh one) fails the source check."""
+    from cute_kv.ops import paged_attention_sm100
+
+    pb = _batch("bf16", "ragged")
+    fn, args, kwargs = _paged_attention(pb, "ragged", rng)
+    launches, _ = _run("sm_100a", fn, args, kwargs)
+    _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+    monkeypatch.setattr(paged_attention_sm100, "packed_heads", lambda x, vec: torch.zeros_like(x))
+    launches, _ = _run("sm_100a", fn, args, kwargs)
+    with pytest.raises(AssertionError, match=re.escape("PagedAttentionSm100.q does not hold the op's q")):
+        _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+
+
+def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
+    """``PagedKVGather`` takes a request per z index of its grid, at most 65535: more requests plan the reference
+    (with the fallback warning) instead of a launch the GPU rejects."""
+    pb = _batch("bf16", "ragged")
+    c = pb.collection
+    many = 65536
+    lengths = torch.zeros(many, dtype=torch.int32)
+    lengths[:c.batch_size] = c.cache_lengths.view(torch.int32)
+    lut = torch.full((many, c.lookup_table.shape[1]), c.num_pages, dtype=torch.int32)
+    lut[:c.batch_size] = c.lookup_table.view(torch.int32)
+    c = c.with_metadata(lengths, lut, c.max_seq_length, c.max_cache_length)
+    for arch in ARCHS:
+        paths._warned.clear()
+        path = cute_kv.explain(cute_kv.gather_kv, c, 1, arch=arch)
+        assert path.path == paths.REFERENCE and "65536 requests exceed the kernel's grid" in path.reason
+        launches, fallbacks = _run(arch, cute_kv.gather_kv, (c, 1), {})
+        assert not launches and fallbacks
+    key = cute_kv.explain(cute_kv.gather_kv, pb.collection, 1, arch="sm_90a").key
+    contract = Contract(lambda: gather_kv_op._build(key))
+    out = torch.zeros((many, c.max_cache_length, c.num_heads, c.head_size), dtype=c.dtype)
+    with pytest.raises(ContractError, match=re.escape("grid dimension z from cache_lengths.shape[0] is 65536")):
+        contract.check(c.blocks, c.cache_lengths, c.lookup_table, out, 0, 1, 1)
+
+
 def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch):
     """End to end: a launcher that stopped packing q's heads hands a strided q to a kernel compiled for packed
     heads, and the op fails on the contract."""
@@ -404,3 +538,15 @@ def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch
     with pytest.raises(ContractError, match=re.escape("PagedAttention: q.strides[1] is 136, expected 128")):
         _run("sm_90a", fn, args, kwargs)
 
+
+
+def test_cuda_only_coverage_measures_the_tests_it_runs():
+    """``tests/cuda_only_coverage.py`` runs its tests in its own process: the suite's ``-n auto`` would hand them to
+    xdist workers, whose lines it cannot see (every count 0)."""
+    here = Path(__file__)
+    run = subprocess.run([sys.executable, str(here.with_name("cuda_only_coverage.py")), str(here), "-q",
+                          "-p", "no:cacheprovider", "-k", "gather_kv-bf16-ragged-sm_90a"],
+                         capture_output=True, text=True, timeout=600)
+    rows = {m: (int(n), int(e)) for m, n, e in re.findall(r"^(\w+\.py) +(\d+) +(\d+)$", run.stdout, re.M)}
+    lines, executed = rows.get("gather_kv.py", (0, 0))
+    assert lines and executed == lines, run.stdout[-3000:] + run.stderr[-3000:]

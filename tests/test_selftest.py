@@ -3,6 +3,7 @@ planned for sm_90a and sm_100a by a dry run), the harness pieces that can fail, 
 ops are then their references, so a correct op scores 0 and a broken one must be caught), and the worker processes
 that survive a case that hangs, raises, kills its process or leaves NaN."""
 
+import argparse
 import json
 import math
 import os
@@ -29,6 +30,19 @@ def test_cli_on_cpu_says_nothing_to_test(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "no CUDA device, nothing to test" in out.stdout
     assert json.loads(rows.read_text()) == {"device": "cpu", "rows": []}
+
+
+def test_cli_on_an_arch_without_kernels_writes_its_json(tmp_path, monkeypatch, capsys):
+    """An A100 (sm_80): no case has a kernel, and ``--json`` still gets its (empty) rows, as on the CPU."""
+    from launch import as_cuda
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    rows = tmp_path / "rows.json"
+    args = argparse.Namespace(quick=True, ops=None, list=False, json=str(rows), timeout=60.0, cache_dir=None)
+    with as_cuda("sm_80a"):
+        assert selftest.run(args) == 0
+    assert "has a kernel on sm_80a" in capsys.readouterr().out
+    assert json.loads(rows.read_text()) == {"device": "NVIDIA A100", "arch": "sm_80a", "rows": []}
 
 
 def test_cli_lists_the_cases_without_a_gpu():

@@ -73,11 +73,16 @@ def _check(collection, layer_idx, kv, out) -> None:
 
 def plan(collection, out: torch.Tensor, arch: str) -> paths.KernelPath:
     """The ``PagedKVGather`` for this cache on ``arch`` (SM90 and SM100), or why ``PagedKVCache.gather`` runs
-    instead: fp8 caches, dtypes, page sizes and head dims it does not tile, misaligned tensors."""
+    instead: fp8 caches, dtypes, page sizes and head dims it does not tile, misaligned tensors, more requests than
+    its grid holds."""
     from cute_kv.kernels.cache.gather import DTYPES, HEAD_DIMS, PAGE_SIZES
+    from cute_kv.ops.paged_attention import MAX_GRID_Z
 
     c = collection
     name = dtypes.dtype_name(c.dtype)
+    if c.batch_size > MAX_GRID_Z:
+        return paths.reference(OP, f"{c.batch_size} requests exceed the kernel's grid (one z index per request, at "
+                                   f"most {MAX_GRID_Z})", arch)
     if c.scales is not None or name not in DTYPES:
         return paths.reference(OP, f"the cache is {name}; the kernel copies {' or '.join(DTYPES)} caches", arch)
     if c.page_size not in PAGE_SIZES or c.head_size not in HEAD_DIMS:
