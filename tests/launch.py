@@ -12,8 +12,9 @@ dim is not checked), a symbolic dim or stride equal wherever it is shared, its d
 the data pointer's alignment, ``None`` where ``None`` was compiled, tuples element by element, ints and floats by
 kind. Beyond the entry's checks: every tensor on one device and none made on the host (the entry's device-type
 check, which CPU tensors standing for GPU ones cannot meet: ``HostTensors``), every grid dimension at least 1
-(``GRID``: what each kernel's ``__call__`` sizes its grid from) and the request index within CUDA's ``gridDim.z``
-(``GRID_Z``).
+(``GRID``: what each kernel's ``__call__`` sizes its grid from), and its y and z dimensions within CUDA's 65535
+(``GRID_Y``, ``GRID_Z``; the attention kernels' x dimension, ``m_blocks``, is an int32 argument, so one past
+CUDA's 2^31 - 1 is out of its range).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from tvm_ffi._dtype import DataTypeCode
 
 from cute_kv.kernels import compile_cache
 from cute_kv.ops import paths
-from cute_kv.ops.paged_attention import MAX_GRID_Z
+from cute_kv.kernels.mla.sm100_config import V_SPLIT
+from cute_kv.ops.paged_attention import MAX_GRID_Y, MAX_GRID_Z
 
 # What each kernel's grid is made of: int arguments and tensor dims (``"name.shape[i]"``), by the jit class's name.
 GRID = {
@@ -54,6 +56,12 @@ GRID = {
     "FusedQKVGemmSm100": ("mA.shape[0]", "scheduler_args[0]"),
     "FusedQKVGemmW4Sm90": ("mB.shape[0]", "scheduler_args[0]"),
 }
+
+# The kernels whose grid's y dimension is not 1: the product of call values, the kernel's attributes
+# (``"self.name"``) and ints. CUDA caps gridDim.y at 65535.
+GRID_Y = {"PagedKVGather": ("self.num_heads",), "PagedAttention": ("self.num_kv_heads", "num_splits"),
+          "PagedAttentionSm100": ("self.num_kv_heads", "num_splits"), "MLADecode": ("num_splits",),
+          "MlaDecodeSm100": (V_SPLIT, "num_splits")}
 
 # The kernels whose grid's z dimension counts requests (or tokens): CUDA caps gridDim.z at 65535.
 GRID_Z = {"PagedKVGather": "cache_lengths.shape[0]", "PagedAttention": "cache_lengths.shape[0]",
@@ -92,6 +100,7 @@ class Contract:
     def __init__(self, build: Callable[[], tuple]):
         jit_fn, *fake_args = build()
         self.name = type(jit_fn).__name__
+        self.kernel = jit_fn
         if self.name not in GRID:
             raise ContractError(f"{self.name}: no GRID entry says what its grid is made of")
         self.params, self.signature = _entry_spec(jit_fn, tuple(fake_args))
@@ -109,6 +118,13 @@ class Contract:
             extent = state.grid_extent(source)
             if extent < 1:
                 raise ContractError(f"{self.name}: grid dimension from {source} is {extent}: a launch error")
+        y = 1
+        for factor in GRID_Y.get(self.name, ()):
+            y *= factor if isinstance(factor, int) else (
+                getattr(self.kernel, factor[5:]) if factor.startswith("self.") else state.grid_extent(factor))
+        if y > MAX_GRID_Y:
+            raise ContractError(f"{self.name}: grid dimension y from {' x '.join(map(str, GRID_Y[self.name]))} is "
+                                f"{y}, past CUDA's {MAX_GRID_Y}: a launch error")
         z = state.grid_extent(GRID_Z[self.name]) if self.name in GRID_Z else 1
         if z > MAX_GRID_Z:
             raise ContractError(f"{self.name}: grid dimension z from {GRID_Z[self.name]} is {z}, past CUDA's "

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_kv.ops.paged_attention import MAX_SPLITS, SPLIT_COST, launch_shape, num_splits, plan
+from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.ops.paged_attention import MAX_GRID_Y, MAX_SPLITS, SPLIT_COST, launch_shape, num_splits, plan
 from cute_kv.reference.batch import random_paged_batch
 
 H100_SMS = 132
@@ -42,8 +43,8 @@ def test_issue_decode_shapes():
 def test_causal_prefill_of_several_blocks_does_not_split():
     pb = random_paged_batch([4000], [300], num_heads=2, head_size=128, page_size=16,
                             generator=torch.Generator().manual_seed(0))
-    assert launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True) == (10, 1)
-    m_blocks, splits = launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=False)
+    assert launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True, num_tokens=300) == (10, 1)
+    m_blocks, splits = launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=False, num_tokens=300)
     assert m_blocks == 10 and splits > 1
 
 
@@ -53,9 +54,9 @@ def test_window_bounds_the_splits():
     length alone would say (all but one or two splits empty, and a combine over all of them); no split is empty."""
     gen = torch.Generator().manual_seed(1)
     pb = random_paged_batch([32000], [1], num_heads=1, head_size=64, page_size=128, generator=gen)
-    assert launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True)[1] >= 16
+    assert launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True, num_tokens=1)[1] >= 16
     for window in (128, 1000):
-        m_blocks, splits = launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True, window=window)
+        m_blocks, splits = launch_shape(pb.collection, 8, H100_SMS, 128, 128, causal=True, window=window, num_tokens=1)
         tiles = 32000 // 128 - (32000 - window + 1) // 128 + 1  # the tiles the one block sees
         assert m_blocks == 1 and 1 <= splits and (splits - 1) * -(-tiles // splits) < tiles  # none empty
 
@@ -73,6 +74,40 @@ def test_more_requests_than_the_grid_holds_run_the_reference():
             for arch in ("sm_90a", "sm_100a"):
                 got = plan(pb.collection, q, arch)
                 assert got.path == path and (path == "kernel" or "65535" in got.reason)
+
+def _wide_cache(num_heads: int, head_size: int, max_cache_length: int, max_seq_length: int = 1,
+                kv_dim: int = 2) -> PagedKVCacheCollection:
+    """One request over one page of 16 tokens (its lookup table names it for every column: the plans and launch
+    shapes read no page) and ``num_heads`` heads; ``blocks`` is left unwritten."""
+    blocks = torch.empty((1, kv_dim, 1, 16, num_heads, head_size), dtype=torch.bfloat16)
+    lut = torch.zeros((1, -(-max_cache_length // 16)), dtype=torch.int32)
+    return PagedKVCacheCollection(blocks, torch.tensor([max_cache_length - 1], dtype=torch.int32), lut,
+                                  max_seq_length, max_cache_length)
+
+
+def test_splits_keep_the_grid_y_within_cuda():
+    """The grid's y dimension is KV heads x splits: 4096 KV heads on a GPU of many slots split their 32 key tiles
+    at most 15 ways (16 would make a y of 65536)."""
+    c = _wide_cache(4096, 64, 32 * 128)
+    m_blocks, splits = launch_shape(c, 4096, 10**6, 128, 128, True, None, num_tokens=1)
+    assert m_blocks == 1 and 1 < splits and 4096 * splits <= MAX_GRID_Y
+    assert num_splits(4096, 32, 10**6) == 16  # what the wave model alone picks
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_grids_past_cuda_limits_run_the_reference(arch):
+    """More KV heads than the grid's y dimension holds, or (a loose ``max_seq_length`` and 2^31 tokens) more query
+    blocks than its x dimension holds: the plans take the reference, with the reason, before any launch."""
+    heads = _wide_cache(MAX_GRID_Y + 1, 64, 16)
+    got = plan(heads, torch.empty((1, MAX_GRID_Y + 1, 64), dtype=torch.bfloat16), arch)
+    assert got.path == "reference" and f"{MAX_GRID_Y + 1} KV heads exceed the kernels' grid" in got.reason
+    for kv_dim, head_size, kw in ((2, 128, {}), (1, 576, {"mla_v_dim": 512})):  # MHA (groups of 128), MLA
+        c = _wide_cache(1, head_size, 16, 2**32 - 1, kv_dim)
+        q = torch.zeros((1, 128, head_size), dtype=torch.bfloat16)
+        assert plan(c, q, arch, **kw).path == "kernel"
+        got = plan(c, q.expand(2**31, -1, -1), arch, **kw)  # the plans read q's shape only
+        assert got.path == "reference" and "query blocks per request exceed the kernels' grid" in got.reason
+
 
 FP8 = torch.float8_e4m3fn
 

@@ -112,10 +112,10 @@ def test_sm100_decode_splits_fill_the_gpu():
     take a second wave); batch 128 does not split."""
     pb = random_paged_batch([16000], [1], num_heads=8, head_size=128, page_size=128,
                             generator=torch.Generator().manual_seed(1))
-    assert launch_shape_sm100(pb.collection, 32, B200_SMS) == (1, 18)
+    assert launch_shape_sm100(pb.collection, 32, B200_SMS, num_tokens=1) == (1, 18)
     pb = random_paged_batch([100] * 128, [1] * 128, num_heads=8, head_size=128, page_size=16,
                             generator=torch.Generator().manual_seed(1))
-    assert launch_shape_sm100(pb.collection, 32, B200_SMS) == (1, 1)
+    assert launch_shape_sm100(pb.collection, 32, B200_SMS, num_tokens=128) == (1, 1)
 
 
 # -- plan replay --------------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     bn = key_tile(d)
     score_scale, cap_log2 = score_args(d, scale, softcap)
     win = window_arg(window)
-    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window)
+    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
@@ -495,7 +495,8 @@ def test_sm100_flags_match_the_oracle(splits, monkeypatch):
     q = (2 * torch.randn(pb.total_rows, 8, 128, generator=gen)).to(torch.bfloat16)
     sinks = torch.randn(8, generator=gen)
     monkeypatch.setattr(entry, "launch_shape_sm100",
-                        lambda c, hq, slots, causal=True, window=None: (-(-c.max_seq_length * 4 // BM), splits))
+                        lambda c, hq, slots, causal=True, window=None, *, num_tokens: (
+                            -(-min(c.max_seq_length, num_tokens) * 4 // BM), splits))
     key = _plan_key(pb.collection, q.cuda(), softcap=20.0, sinks=sinks.cuda(), return_lse=True)
     run = entry.launcher_sm100(key, "sm_100a")
     out = torch.full((pb.total_rows, 8, 128), float("nan"), dtype=torch.bfloat16, device="cuda")

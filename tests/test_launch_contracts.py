@@ -270,12 +270,12 @@ def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
         assert launches[0].values["splits"] > 1
 
 
-def _mla_prefill_args(pb, step, rng):
+def _mla_prefill_args(pb, step, rng, heads=MLA_HQ):
     c = pb.collection
     t = pb.total_rows
-    q = torch.randn(t, MLA_HQ, NOPE + ROPE + (64 if step == "strided" else 0), generator=rng).to(torch.bfloat16)
-    w_uk = torch.randn(MLA_HQ, NOPE, RANK, generator=rng).to(torch.bfloat16) / 23
-    w_uv = torch.randn(MLA_HQ, V_DIM, RANK, generator=rng).to(torch.bfloat16) / 23
+    q = torch.randn(t, heads, NOPE + ROPE + (64 if step == "strided" else 0), generator=rng).to(torch.bfloat16)
+    w_uk = torch.randn(heads, NOPE, RANK, generator=rng).to(torch.bfloat16) / 23
+    w_uv = torch.randn(heads, V_DIM, RANK, generator=rng).to(torch.bfloat16) / 23
     return q[..., :NOPE], q[..., NOPE:NOPE + ROPE], pb.input_row_offsets, c, 1, w_uk, w_uv
 
 
@@ -523,6 +523,58 @@ def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
     out = torch.zeros((many, c.max_cache_length, c.num_heads, c.head_size), dtype=c.dtype)
     with pytest.raises(ContractError, match=re.escape("grid dimension z from cache_lengths.shape[0] is 65536")):
         contract.check(c.blocks, c.cache_lengths, c.lookup_table, out, 0, 1, 1)
+
+
+WIDE_HQ = 128  # DeepSeek's MLA heads; over the 2 KV heads of the MHA caches, GQA groups of 64
+# Each attention kernel family with a kernel on the arch (sparse MLA: SM100 only), by op, cache kind and arch.
+ATTENTION_FAMILIES = [(op, kind, arch) for op, kinds in (("paged_attention", ("bf16", *MLA)),
+                                                         ("sparse_mla_attention", MLA), ("mla_prefill", MLA))
+                      for kind in kinds for arch in ARCHS if op != "sparse_mla_attention" or arch == "sm_100a"]
+
+
+def _wide_call(op, pb, collection, rng):
+    """``op``'s call with ``WIDE_HQ`` query heads over ``collection`` (``pb``'s cache and step)."""
+    if op == "mla_prefill":
+        q_nope, q_rope, ro, _, layer, w_uk, w_uv = _mla_prefill_args(pb, "decode-split", rng, WIDE_HQ)
+        return cute_kv.mla_prefill, (q_nope, q_rope, ro, collection, layer, w_uk, w_uv), {}
+    c = collection
+    q = torch.randn(pb.total_rows, WIDE_HQ, c.latent_dim, generator=rng).to(_act_dtype(pb))
+    kw = {"mla_v_dim": RANK} if c.is_mla else {}
+    if op == "sparse_mla_attention":
+        indices = torch.randint(-1, c.num_pages * c.page_size, (pb.total_rows, 64), generator=rng,
+                                dtype=torch.int32)
+        return cute_kv.sparse_mla_attention, (q, pb.input_row_offsets, c, 1, indices), kw
+    return cute_kv.paged_attention, (q, pb.input_row_offsets, c, 1), kw
+
+
+@pytest.mark.parametrize("op, kind, arch", ATTENTION_FAMILIES)
+def test_loose_max_seq_length_launches_the_steps_grid(op, kind, arch):
+    """A valid but loose ``max_seq_length`` (2^32 - 1) on a 2-token decode step of 128 query heads launches what
+    ``max_seq_length = T`` launches: sized by the bound, the query blocks were 8,589,934,590 (SM90 MLA),
+    4,294,967,295 (SM100 MLA) or 2^31 (MHA, groups of 64), past int32 and CUDA's grid."""
+    pb = _batch(kind, "decode-split")
+    c = pb.collection
+    runs = []
+    for max_seq_length in (2**32 - 1, pb.total_rows):
+        coll = c.with_metadata(c.cache_lengths, c.lookup_table, max_seq_length, c.max_cache_length)
+        launches, fallbacks = _run(arch, *_wide_call(op, pb, coll, torch.Generator().manual_seed(0)))
+        assert not fallbacks, [str(w.message) for w in fallbacks]
+        runs.append([(launch.kernel, launch.values.get("m_blocks"), launch.values.get("num_splits"))
+                     for launch in launches])
+    assert runs[0] and runs[0] == runs[1], runs
+
+
+def test_contract_checks_the_grids_y_dimension(rng, monkeypatch):
+    """The attention grid's y dimension is KV heads x splits, at most 65535: a split count past it fails the
+    contract (2 KV heads x 32768 splits)."""
+    from cute_kv.ops import paged_attention
+
+    pb = _batch("bf16", "decode-split")
+    fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
+    monkeypatch.setattr(paged_attention, "num_splits", lambda ctas, key_tiles, slots, limit: 32768)
+    with pytest.raises(ContractError, match=re.escape(
+            "PagedAttention: grid dimension y from self.num_kv_heads x num_splits is 65536, past CUDA's 65535")):
+        _run("sm_90a", fn, args, kwargs)
 
 
 def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch):

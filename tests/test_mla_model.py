@@ -111,7 +111,7 @@ def model_mla(q, pb, layer, v_dim, *, causal=True, window=None, scale=None, soft
     c = pb.collection
     t, hq, d = q.shape
     scale = 1 / math.sqrt(d) if scale is None else scale
-    m_blocks, splits = launch_shape(c, hq, slots, causal, window)
+    m_blocks, splits = launch_shape(c, hq, slots, causal, window, num_tokens=t)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, v_dim)
     offsets = pb.input_row_offsets.tolist()
@@ -186,7 +186,8 @@ def test_deepseek_decode_splits_and_merges():
     pb = _batch([2000, 1, 0, 63], [1, 1, 1, 1], 576, 64, gen)
     q = torch.randn(pb.total_rows, 128, 576, generator=gen).to(torch.bfloat16)
     sinks = torch.randn(128, generator=gen)
-    assert launch_shape(pb.collection, 128, 132)[1] > 1  # the plan splits this batch's long request
+    # the plan splits this batch's long request
+    assert launch_shape(pb.collection, 128, 132, num_tokens=pb.total_rows)[1] > 1
     want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 1, mla_v_dim=512, sinks=sinks,
                                          return_lse=True)
     for splits in (None, 5):

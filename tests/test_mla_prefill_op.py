@@ -128,6 +128,15 @@ def test_route_per_step():
                    v_dim=20).path == op.DECOMPRESSED  # unpadded: 52 a pair
 
 
+def test_grid_past_cuda_limits_leaves_the_attention_to_paged_attention():
+    """The SM100 kernel's grid over the temporary cache has a z index per request and y indices per head (65535
+    each): past them the route launches no kernel of its own (``paged_attention``'s plan takes the reference)."""
+    kw = dict(dtype="bfloat16", arch="sm_100a", **DS)
+    assert op.plan([(4096, 4096)] + [(0, 1)] * 65534, **kw).kernel is not None
+    assert op.plan([(4096, 4096)] + [(0, 1)] * 65535, **kw).kernel is None
+    assert op.plan([(4096, 4096)], **{**kw, "num_heads": 65536}).kernel is None
+
+
 # -- both routes on the CPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", [op.DECOMPRESSED, op.ABSORBED])
@@ -265,7 +274,7 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
     assert route.kernel is not None and route.head_dim == 192
     q, tmp = op.decompressed_operands(q_nope, q_rope, c, 1, w_uk, w_uv, lengths, route.head_dim)
     bn = key_tile(192, 128)
-    m_blocks, splits = launch_shape(tmp, HEADS, B200_SMS, BM, bn, True)
+    m_blocks, splits = launch_shape(tmp, HEADS, B200_SMS, BM, bn, True, num_tokens=q.shape[0])
     splits = force_splits or splits
     score_scale, cap_log2 = score_args(192, 0.1, None)
     o_part, lse_part = poisoned_partials(splits, pb.total_rows, HEADS, 192)

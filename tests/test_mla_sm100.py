@@ -182,7 +182,7 @@ def test_sm100_mla_tiling_fits_one_cta_per_sm():
 
 def test_sm100_mla_splits_fill_the_gpu():
     pb = _mla_batch([4000], [1], 64)
-    m_blocks, splits = mla_decode_sm100.launch_shape(pb.collection, 128, B200_SMS)
+    m_blocks, splits = mla_decode_sm100.launch_shape(pb.collection, 128, B200_SMS, num_tokens=1)
     assert m_blocks == 1 and splits > 1  # one request: the key range is split to reach the SMs
     assert V_SPLIT * splits * m_blocks <= 2 * B200_SMS
     m_blocks, splits = mla_decode_sm100.launch_shape_sparse(64, 128, 2048, B200_SMS)
@@ -267,7 +267,7 @@ def model_dense(q, pb, layer, *, causal=True, scale=None, softcap=None, sinks=No
     c = pb.collection
     t, hq, d = q.shape
     score_scale, cap_log2 = score_args(d, scale, softcap)
-    m_blocks, splits = mla_decode_sm100.launch_shape(c, hq, slots, causal)
+    m_blocks, splits = mla_decode_sm100.launch_shape(c, hq, slots, causal, num_tokens=t)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, V_DIM)
     rows, oob_row, rows_per_page = _row_view(c, layer, q.dtype)

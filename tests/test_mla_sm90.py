@@ -131,10 +131,10 @@ def test_decode_splits_one_tokens_blocks():
     """128 heads are two 64-row blocks of one token: a small decode batch with long contexts splits its keys (a
     causal multi-token step does not)."""
     pb = _batch([8000, 8000], [1, 1])
-    m_blocks, splits = mla_decode.launch_shape(pb.collection, 128, 132)
+    m_blocks, splits = mla_decode.launch_shape(pb.collection, 128, 132, num_tokens=2)
     assert m_blocks == 2 and splits > 1
     chunk = _batch([8000], [3])
-    assert mla_decode.launch_shape(chunk.collection, 128, 132) == (6, 1)
+    assert mla_decode.launch_shape(chunk.collection, 128, 132, num_tokens=3) == (6, 1)
 
 
 # -- compile: sm_90a PTX and ptxas ---------------------------------------------------------------------------------
@@ -452,7 +452,8 @@ def test_features(kw):
 def test_split_kv_decode_matches_one_split():
     """A small batch of long contexts takes several splits and the combine over 512 columns."""
     pb = _batch([30000, 20000], [1, 1])
-    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count,
+                              num_tokens=2)[1] > 1
     _gpu_run([30000, 20000], [1, 1], seed=6, return_lse=True)
 
 
@@ -476,5 +477,6 @@ def test_rope_aware_ragged_splits_and_features():
     _gpu_run([0, 1, 37, 500, 64, 0], [3, 1, 0, 17, 1, 40], hq=16, page_size=16, seed=8, rope=True, softcap=30.0,
              sinks=sinks, return_lse=True)
     pb = _rope_batch([30000, 20000], [1, 1])
-    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count)[1] > 1
+    assert mla_decode.launch_shape(pb.collection, 128, torch.cuda.get_device_properties(0).multi_processor_count,
+                              num_tokens=2)[1] > 1
     _gpu_run([30000, 20000], [1, 1], seed=9, rope=True, return_lse=True)

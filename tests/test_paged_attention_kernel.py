@@ -89,7 +89,7 @@ def test_attention_kernel_split_kv_decode():
     cached, new = [20000, 3], [1, 2]
     (cpu, _), _ = _pair((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert launch_shape(cpu.collection, 8, sms, BM, key_tile(128))[1] > 1
+    assert launch_shape(cpu.collection, 8, sms, BM, key_tile(128), num_tokens=3)[1] > 1
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=6)
     _run((torch.bfloat16, 2, 8, 128, 64), cached, new, seed=7, window=700)
 

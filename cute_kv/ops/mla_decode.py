@@ -30,8 +30,8 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[f
     """``MLADecode``'s key for these arguments on ``arch`` (``sm_100a``: ``mla_decode_sm100.plan``), or why the
     reference runs instead: fp8 caches other than rope-aware ones, q in another dtype than a 16-bit cache (bfloat16
     for a rope-aware one), latent and value widths or page sizes the kernel cannot tile
-    (``mla/config.supported``)."""
-    from cute_kv.ops.paged_attention import OP, lut_vector
+    (``mla/config.supported``), a grid past CUDA's limits (``paged_attention.grid_problem``)."""
+    from cute_kv.ops.paged_attention import OP, grid_problem, lut_vector, query_blocks
 
     c = collection
 
@@ -54,7 +54,8 @@ def plan(collection, q, arch: str, mla_v_dim: Optional[int], softcap: Optional[f
     if mla_v_dim is None:
         return fallback("no mla_v_dim")
     hq, d, p = q.shape[1], c.latent_dim, c.page_size
-    problem = supported(hq, d, mla_v_dim, p, q_dtype_name, rope_dim)
+    problem = supported(hq, d, mla_v_dim, p, q_dtype_name, rope_dim) or grid_problem(
+        c.batch_size, c.num_heads, query_blocks(c, hq, BM, q.shape[0]))
     if problem:
         return fallback(problem)
     key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), bool(softcap), sinks is not None, return_lse,
@@ -72,15 +73,16 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
     return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[9])
 
 
-def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True,
-                 window: Optional[int] = None) -> tuple[int, int]:
-    """``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 64 packed rows a CTA over one KV head. A decode
-    step's several blocks (more than 64 heads) are one token's heads, which all see the same keys: they split like
-    one block (the causal rule against splitting several blocks is for blocks of different tokens)."""
-    from cute_kv.ops.paged_attention import launch_shape as attention_launch_shape
+def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True, window: Optional[int] = None, *,
+                 num_tokens: int) -> tuple[int, int]:
+    """``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 64 packed rows a CTA over one KV head and the
+    step's ``num_tokens``. A decode step's several blocks (more than 64 heads) are one token's heads, which all see
+    the same keys: they split like one block (the causal rule against splitting several blocks is for blocks of
+    different tokens)."""
+    from cute_kv.ops.paged_attention import launch_shape as attention_launch_shape, longest_run
 
-    return attention_launch_shape(collection, num_q_heads, slots, BM, BN, causal and collection.max_seq_length > 1,
-                                  window)
+    return attention_launch_shape(collection, num_q_heads, slots, BM, BN,
+                                  causal and longest_run(collection, num_tokens) > 1, window, num_tokens=num_tokens)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +100,7 @@ def launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, window)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, window, num_tokens=t)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, v_dim, q.device)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)

@@ -21,7 +21,6 @@ from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode_sm100"
 SPARSE_OP = "sparse_mla_attention"
-MAX_GRID_Z = 65535  # gridDim.z: requests (dense) or tokens (sparse)
 VEC = 8
 
 
@@ -51,11 +50,14 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
          sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
          window: Optional[int] = None, op: str = "paged_attention") -> paths.KernelPath:
     """Dense MLA decode/prefill on ``sm_100a``: ``MlaDecodeSm100``'s key, or why the reference runs instead."""
-    problem = _problem(collection, q, scale, softcap, mla_v_dim)
+    from cute_kv.ops.paged_attention import grid_problem, query_blocks
+
+    c = collection
+    problem = _problem(c, q, scale, softcap, mla_v_dim)
     if problem is None and window is not None:
         problem = "the MLA kernel has no sliding window"
-    if problem is None and collection.batch_size > MAX_GRID_Z:
-        problem = f"{collection.batch_size} requests exceed the kernel's grid (at most {MAX_GRID_Z})"
+    if problem is None:
+        problem = grid_problem(c.batch_size, c.num_heads, query_blocks(c, q.shape[1], BM, q.shape[0]))
     if problem:
         return paths.reference(op, problem, arch)
     key = (KEY, dtype_name(q.dtype), q.shape[1], q.shape[2], mla_v_dim, collection.page_size, False, bool(softcap),
@@ -67,6 +69,8 @@ def plan_sparse(collection, q, indices: torch.Tensor, arch: str, *, mla_v_dim: i
                 topk_lengths: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                 sinks: Optional[torch.Tensor] = None, return_lse: bool = False) -> paths.KernelPath:
     """Sparse MLA decode on ``sm_100a`` (arguments checked by the op): ``MlaDecodeSm100``'s key, or why not."""
+    from cute_kv.ops.paged_attention import MAX_GRID_Z
+
     problem = _problem(collection, q, scale, softcap, mla_v_dim)
     if problem is None and q.shape[0] > MAX_GRID_Z:
         problem = f"{q.shape[0]} query tokens exceed the kernel's grid (one z index per token, at most {MAX_GRID_Z})"
@@ -94,13 +98,14 @@ def key_tile(rope_dim: Optional[int]) -> int:
     return BN if rope_dim is None else FP8_BN
 
 
-def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True) -> tuple[int, int]:
-    """Dense ``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 128-row blocks and the cache's key tiles,
-    each block taking two CTAs (the value halves), so half the ``slots`` per block."""
+def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True, *,
+                 num_tokens: int) -> tuple[int, int]:
+    """Dense ``(m_blocks, splits)``: ``paged_attention.launch_shape`` for 128-row blocks, the cache's key tiles and
+    the step's ``num_tokens``, each block taking two CTAs (the value halves), so half the ``slots`` per block."""
     from cute_kv.ops.paged_attention import launch_shape as mha_launch_shape
 
     return mha_launch_shape(collection, num_q_heads, max(slots // V_SPLIT, 1), BM, key_tile(collection.rope_dim),
-                            causal, None)
+                            causal, None, num_tokens=num_tokens)
 
 
 def launch_shape_sparse(num_tokens: int, num_q_heads: int, topk: int, slots: int,
@@ -145,7 +150,7 @@ def launcher(key: tuple, arch: str) -> Callable:
         if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, num_tokens=q.shape[0])
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         _run(unit, combine_unit, arch, q, out, lse, splits, (
             c.blocks, c.scales if rope_dim else None, input_row_offsets.contiguous(), c.cache_lengths.contiguous(),

@@ -45,7 +45,7 @@ import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
-from cute_kv.kernels.attention.sm100_config import VALUE_DIMS
+from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS
 from cute_kv.ops import paths, units
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
@@ -152,7 +152,10 @@ def path_flops(num_q: int, num_keys: int, causal: bool, *, num_heads: int, kv_lo
 def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int,
          v_dim: int, dtype: str, arch: Optional[str], causal: bool = True) -> Route:
     """The step's path on ``arch`` (None: off CUDA) for ``lengths`` (``step_lengths``): the one of fewer FLOPs
-    (decompressed on a tie), with the decompressed attention's dims as the kernel of ``arch`` runs them."""
+    (decompressed on a tie), with the decompressed attention's dims as the kernel of ``arch`` runs them; the SM100
+    kernel only for a grid within CUDA's limits (``paged_attention.grid_problem``)."""
+    from cute_kv.ops.paged_attention import grid_problem
+
     qk = nope_dim + rope_dim
     native = arch is None or (arch == "sm_100a" and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
     wide = max(qk, v_dim)
@@ -166,7 +169,10 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
             total[path] += f
     path = DECOMPRESSED if total[DECOMPRESSED] <= total[ABSORBED] else ABSORBED
     kernel = None
-    if native and arch is not None:
+    # The temporary cache has the step's requests, a KV head per query head and its longest run; a grid past CUDA's
+    # limits leaves the attention to paged_attention, whose plan takes the reference (with the reason).
+    if native and arch is not None and not grid_problem(len(lengths), num_heads,
+                                                        -(-max((n for n, _ in lengths), default=0) // BM)):
         key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim)
         kernel = paths.kernel(OP, "PagedAttentionSm100", key, arch)
     return Route(path, total, head_dim, kernel)
@@ -279,7 +285,7 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(q, input_row_offsets, tmp, scale, causal, out)`` for one compile-time key, built once: the SM100
     kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
-    from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile
+    from cute_kv.kernels.attention.sm100_config import VEC, key_tile
     from cute_kv.kernels.compile_cache import compiled
     from cute_kv.ops.paged_attention import launch_shape, partials, sm_count, unused_partials
     from cute_kv.ops.paged_attention_sm100 import score_args
@@ -291,7 +297,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
 
     def run(q, input_row_offsets, tmp, scale, causal, out):
         t = q.shape[0]
-        m_blocks, splits = launch_shape(tmp, h, sm_count(q.device), BM, bn, causal)
+        m_blocks, splits = launch_shape(tmp, h, sm_count(q.device), BM, bn, causal, num_tokens=t)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, h, v_dim, q.device)
         lse = unused_partials(q.device, h, v_dim)[1][0]

@@ -19,7 +19,8 @@ from cute_kv.validate import check_activation, check_step, check_tensor, uint32_
 OP = "paged_attention"
 LOG2E = math.log2(math.e)
 MAX_SPLITS = 32
-MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z: the attention kernels' request index
+# CUDA's grid limits. The attention kernels' grid: (query blocks, KV heads x key splits, requests).
+MAX_GRID_X, MAX_GRID_Y, MAX_GRID_Z = 2**31 - 1, 65535, 65535
 SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue and combine share
 
 
@@ -161,7 +162,8 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     SM100, MLA caches: ``mla_decode.plan``) with its compile-time key, or why the reference runs instead: q in
     another dtype than a 16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
     ``attention/sm100_config.supported``), a misaligned cache or float32 scales, a cache past the kernels' int32
-    indices (``attention/config.index_limits``), a non-positive scale without soft-cap."""
+    indices (``attention/config.index_limits``), a grid past CUDA's limits (``grid_problem``), a non-positive scale
+    without soft-cap."""
     c = collection
 
     def fallback(reason):
@@ -170,9 +172,6 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     if not softcap and scale is not None and scale <= 0:
         return fallback("a non-positive scale without soft-cap (the kernels track the max of unscaled scores)")
-    if c.batch_size > MAX_GRID_Z:
-        return fallback(f"{c.batch_size} requests exceed the kernels' grid (one z index per request, at most "
-                        f"{MAX_GRID_Z})")
     if q_dtype_name not in DTYPE_NAMES:
         return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
@@ -192,7 +191,8 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
 
         return plan_sm100(c, q, granularity, bool(softcap), sinks is not None, return_lse)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    problem = supported(hq, h, d, p, kv_dtype_name, granularity)
+    problem = grid_problem(c.batch_size, h, query_blocks(c, hq, BM, q.shape[0])) or supported(
+        hq, h, d, p, kv_dtype_name, granularity)
     if problem:
         return fallback(problem)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
@@ -251,7 +251,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window, t)
+        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window, num_tokens=t)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
@@ -292,38 +292,61 @@ def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0:
     return scales.view(torch.uint8) if e8m0 else scales
 
 
+def longest_run(collection, num_tokens: int) -> int:
+    """The longest new-token run a launch is sized for: ``max_seq_length`` bounds it, but a collection may set that
+    loosely (up to 2**32 - 1), so the step's ``num_tokens`` (``T``) bounds it too."""
+    return min(collection.max_seq_length, num_tokens)
+
+
+def query_blocks(collection, num_q_heads: int, bm: int, num_tokens: int) -> int:
+    """Query blocks of ``bm`` packed rows per (request, KV head): the ``longest_run``'s rows of a GQA group."""
+    return -(-longest_run(collection, num_tokens) * (num_q_heads // collection.num_heads) // bm)
+
+
+def grid_problem(num_requests: int, num_kv_heads: int, m_blocks: int) -> Optional[str]:
+    """Why an attention grid of ``m_blocks`` query blocks, ``num_kv_heads`` x splits and ``num_requests`` would
+    pass CUDA's limits, or None (``launch_shape`` keeps the splits within ``MAX_GRID_Y``)."""
+    if num_requests > MAX_GRID_Z:
+        return f"{num_requests} requests exceed the kernels' grid (one z index per request, at most {MAX_GRID_Z})"
+    if num_kv_heads > MAX_GRID_Y:
+        return f"{num_kv_heads} KV heads exceed the kernels' grid (y indices per KV head, at most {MAX_GRID_Y})"
+    if m_blocks > MAX_GRID_X:
+        return f"{m_blocks} query blocks per request exceed the kernels' grid (at most {MAX_GRID_X} x indices)"
+    return None
+
+
 def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True,
-                 window: Optional[int] = None, num_tokens: Optional[int] = None) -> tuple[int, int]:
-    """``(m_blocks, splits)``: query blocks of ``bm`` packed rows per (request, KV head) for the longest new-token
-    run, and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``). A causal step of several
-    query blocks does not split: its blocks see different numbers of tiles, so a split count fit for the longest
-    leaves the shortest with empty splits. A sliding window bounds the keys a block sees (the window and its tokens)
-    whatever the context, so the splits are fit to those tiles. The CTAs the wave model counts are the (query block,
-    KV head) pairs that hold rows: with ``num_tokens`` (the step's ``T``), at most ``T * group // bm`` blocks plus
-    one per request with tokens, so requests with no new token and the short requests' empty blocks (which exit at
-    once) are not counted."""
+                 window: Optional[int] = None, *, num_tokens: int) -> tuple[int, int]:
+    """``(m_blocks, splits)``: ``query_blocks`` of ``bm`` packed rows per (request, KV head) for the step's
+    ``num_tokens`` (``T``), and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``), at
+    most ``MAX_GRID_Y`` per KV head and split together. A causal step of several query blocks does not split: its
+    blocks see different numbers of tiles, so a split count fit for the longest leaves the shortest with empty
+    splits. A sliding window bounds the keys a block sees (the window and its tokens) whatever the context, so the
+    splits are fit to those tiles. The CTAs the wave model counts are the (query block, KV head) pairs that hold
+    rows: at most ``T * group // bm`` blocks plus one per request with tokens, so requests with no new token and
+    the short requests' empty blocks (which exit at once) are not counted."""
     c = collection
     group = num_q_heads // c.num_heads
-    m_blocks = -(-c.max_seq_length * group // bm)
+    m_blocks = query_blocks(c, num_q_heads, bm, num_tokens)
     if causal and m_blocks > 1:
         return m_blocks, 1
     key_tiles = -(-c.max_cache_length // bn)
     if window is not None:  # window + tokens - 1 keys, one tile more where they start inside one
-        key_tiles = min(key_tiles, -(-(window + c.max_seq_length - 1) // bn) + 1)
-    blocks = c.batch_size * m_blocks
-    if num_tokens is not None:  # sum_b ceil(n_b g / bm) <= T g / bm + (requests with n_b > 0)
-        blocks = min(blocks, num_tokens * group // bm + min(c.batch_size, num_tokens))
-    return m_blocks, num_splits(max(blocks, 1) * c.num_heads, key_tiles, slots)
+        key_tiles = min(key_tiles, -(-(window + longest_run(c, num_tokens) - 1) // bn) + 1)
+    # sum_b ceil(n_b g / bm) <= T g / bm + (requests with n_b > 0)
+    blocks = min(c.batch_size * m_blocks, num_tokens * group // bm + min(c.batch_size, num_tokens))
+    return m_blocks, num_splits(max(blocks, 1) * c.num_heads, key_tiles, slots,
+                                min(MAX_SPLITS, MAX_GRID_Y // c.num_heads))
 
 
-def num_splits(ctas: int, key_tiles: int, slots: int) -> int:
+def num_splits(ctas: int, key_tiles: int, slots: int, limit: int = MAX_SPLITS) -> int:
     """Key splits per (query block, KV head, request) by wave quantization: splitting ``key_tiles`` ``s`` ways makes
     ``ctas * s`` CTAs of ``ceil(key_tiles / s)`` tiles each, which run in ``ceil(ctas * s / slots)`` waves; the
     estimated time is waves x (tiles per CTA + ``SPLIT_COST`` for a CTA's prologue, epilogue and its share of the
-    combine). The fastest ``s`` wins (the smallest on a tie); every split keeps at least two tiles and no split is
-    empty (``(s - 1) * ceil(key_tiles / s) < key_tiles``)."""
+    combine). The fastest ``s`` up to ``limit`` wins (the smallest on a tie); every split keeps at least two tiles
+    and no split is empty (``(s - 1) * ceil(key_tiles / s) < key_tiles``)."""
     best, best_cost = 1, None
-    for s in range(1, min(MAX_SPLITS, key_tiles // 2) + 1):
+    for s in range(1, min(limit, key_tiles // 2) + 1):
         per = -(-key_tiles // s)
         if (s - 1) * per >= key_tiles:
             continue

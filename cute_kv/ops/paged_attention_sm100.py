@@ -26,13 +26,14 @@ def plan_sm100(collection, q, granularity: Optional[int], softcap: bool, sinks: 
                return_lse: bool) -> paths.KernelPath:
     """``PagedAttentionSm100``'s key for these arguments, or why the reference runs instead: head dims, page sizes
     or granules the kernel cannot tile (``sm100_config.supported``: fp8 caches need pages of 8+ rows that tile the
-    key tile)."""
-    from cute_kv.ops.paged_attention import OP, lut_vector
+    key tile), a grid past CUDA's limits (``paged_attention.grid_problem``)."""
+    from cute_kv.ops.paged_attention import OP, grid_problem, lut_vector, query_blocks
 
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    problem = supported(hq, h, d, p, kv_dtype_name, granularity)
+    problem = grid_problem(c.batch_size, h, query_blocks(c, hq, BM, q.shape[0])) or supported(
+        hq, h, d, p, kv_dtype_name, granularity)
     if not problem and q.shape[0] >= RAGGED_ROWS:
         problem = f"{q.shape[0]} query rows reach the TMA-store epilogue's ragged window shift (2^30 rows)"
     if problem:
@@ -45,12 +46,13 @@ def plan_sm100(collection, q, granularity: Optional[int], softcap: bool, sinks: 
 
 
 def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True,
-                       window: Optional[int] = None) -> tuple[int, int]:
+                       window: Optional[int] = None, *, num_tokens: int) -> tuple[int, int]:
     """``(m_blocks, splits)`` of ``paged_attention.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM,
-    a CTA takes all of its tensor memory)."""
+    a CTA takes all of its tensor memory) and the step's ``num_tokens``."""
     from cute_kv.ops.paged_attention import launch_shape
 
-    return launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window)
+    return launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window,
+                        num_tokens=num_tokens)
 
 
 def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
@@ -77,7 +79,7 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         if t == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape_sm100(c, hq, sm_count(q.device), causal, window)
+        m_blocks, splits = launch_shape_sm100(c, hq, sm_count(q.device), causal, window, num_tokens=t)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         o_part, lse_part = partials(splits, t, hq, d, q.device)
         lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d)[1][0]
