@@ -20,6 +20,7 @@ from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.rope import RopeConfig
 from cute_kv.reference.weights import Fp8Weight, Int4Weight
 from cute_kv.row_indices import PagedRowIndices
+from cute_kv.step_plan import StepPlan, plan_step
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "QKNorm",
     "RopeConfig",
     "StepInputs",
+    "StepPlan",
     "explain",
     "fused_qkv_matmul_kv_cache",
     "gather_kv",
@@ -55,6 +57,7 @@ __all__ = [
     "padded_lut_cols",
     "paged_attention",
     "parse_dtype",
+    "plan_step",
     "set_strict",
     "positions",
     "sparse_kv_index_remap",

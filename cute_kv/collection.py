@@ -275,12 +275,18 @@ class PagedKVCacheCollection:
                 f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {entry} names no page < {self.num_pages})"
             )
 
+    def unowned_pages(self, end: torch.Tensor, lut: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """bool ``[B, cols]``: the lookup entries below ``ceil(end[b] / P)`` (int64 ``end``) that are not pages; read
+        nothing on the host (``lut``: the table as int64, when the caller has it)."""
+        lut = self.lookup_table.to(torch.int64) if lut is None else lut
+        need = (end + self.page_size - 1) // self.page_size
+        cols = torch.arange(lut.shape[1], device=lut.device)
+        return (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
+
     def _first_unowned(self, end: torch.Tensor) -> Optional[tuple[int, int, int]]:
         """``(b, column, entry)`` of the first lookup entry below ``ceil(end[b] / P)`` that is not a page."""
         lut = self.lookup_table.to(torch.int64)
-        need = (end + self.page_size - 1) // self.page_size
-        cols = torch.arange(lut.shape[1], device=lut.device)
-        bad = (cols[None, :] < need[:, None]) & (lut >= self.num_pages)
+        bad = self.unowned_pages(end, lut)
         if not bool(bad.any()):
             return None
         b, j = (int(x) for x in bad.nonzero()[0])

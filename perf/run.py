@@ -44,6 +44,9 @@ BENCHMARKS = {
     "static": Benchmark("bench_static", False,
                         "ptxas/SASS figures of every kernel configuration, FA4's forward beside ours (no GPU)",
                         os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "static.json")),
+    "plan-step": Benchmark("bench_plan_step", False,
+                           "host us per store_kv / paged_attention call at Llama-3-8B decode (B=128): checked per "
+                           "call, validate=False, with a plan_step plan (CPU: launch path driven, nothing launched)"),
     "paged-attention": Benchmark("bench_paged_attention", True,
                                  "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA"),
     "mla-decode": Benchmark("bench_mla_decode", True,

@@ -216,3 +216,14 @@ def test_mla_decode_cpu_smoke_and_flashinfer_rows():
             fi_rows = torch.cat([pl.ckv[pages], pl.kpe[pages]], dim=-1).flatten(0, 1)[:n]
             ours = coll.get_key_cache(0).gather(b, 0, n)[:, 0]
             assert torch.equal(fi_rows.float(), ours.float())
+
+
+def test_plan_step_bench_runs_the_launch_paths_on_the_cpu(capsys):
+    import bench_plan_step
+
+    records = bench_plan_step.main(["--iters", "5"])
+    modes = {(r["op"], r["mode"]) for r in records}
+    assert modes == {(op, mode) for op in ("store_kv", "paged_attention")
+                     for mode in ("validate", "validate_false", "plan")} | {("plan_step", "validate")}
+    assert all(r["host_us"] > 0 and r["device"] == "cpu" and r["rows"] == 128 for r in records)
+    assert len(capsys.readouterr().out.splitlines()) == len(records)

@@ -57,6 +57,7 @@ from cute_kv.manager.prefix_cache import (DEFAULT_HASH_ALGORITHM, HASH_ALGORITHM
 from cute_kv.manager.slot_table import NO_STEP, SlotTable, ragged_columns
 from cute_kv.metadata import last_row_indices, padded_lut_cols
 from cute_kv.reference.ragged import positions
+from cute_kv.step_plan import StepPlan, plan_step
 from cute_kv.params import KVCacheParams, KVCacheStrategy
 
 
@@ -78,6 +79,12 @@ class StepInputs:
         if self.graph_buffers is not None:
             return self.graph_buffers.positions
         return tuple(positions(ro, c.cache_lengths) for ro, c in zip(self.input_row_offsets, self.collections))
+
+    def plan(self, device_index: int = 0, *, num_q_heads: Optional[int] = None) -> StepPlan:
+        """``cute_kv.plan_step`` of this step on ``devices[device_index]``, reading nothing: the manager built these
+        metadata on the host and they hold by construction (as its collections skip their scan)."""
+        return plan_step(self.collections[device_index], self.input_row_offsets[device_index],
+                         num_q_heads=num_q_heads, num_tokens=sum(self.new_token_counts), validate=False)
 
     @functools.cached_property
     def last_row_indices(self) -> tuple[torch.Tensor, ...]:

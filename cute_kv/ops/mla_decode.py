@@ -89,20 +89,18 @@ def launch_shape(collection, num_q_heads: int, slots: int, causal: bool = True, 
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import partials, sm_count, softmax_args, window_arg
+    from cute_kv.ops.paged_attention import launch_workspace, softmax_args, window_arg
 
-    _, _, hq, d, v_dim, _, _, softcap_on, _, _, rope_dim = key
+    d, softcap_on, rope_dim = key[3], key[7], key[10]
     attention_unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
-        t = q.shape[0]
-        if t == 0:  # a grid of zero CTAs is a launch error
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
+        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, window, num_tokens=t)
+        m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        o_part, lse_part = partials(splits, t, hq, v_dim, q.device)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         scales = c.scales if rope_dim else None

@@ -118,16 +118,14 @@ def launch_shape_sparse(num_tokens: int, num_q_heads: int, topk: int, slots: int
     return m_blocks, num_splits(num_tokens * m_blocks, -(-topk // key_tile(rope_dim)), max(slots // V_SPLIT, 1))
 
 
-def _run(unit, combine_unit, arch, q, out, lse, splits, launch_args, return_lse) -> None:
+def _run(unit, combine_unit, arch, q, out, lse, splits, o_part, lse_part, launch_args, return_lse) -> None:
     """Launch the kernel (``launch_args`` after ``q, out, o_part, lse_part, lse``: ``blocks, scales, ...``) and,
     with splits, the combine."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import partials, unused_partials
+    from cute_kv.ops.paged_attention import unused_partials
 
-    t, hq, _ = q.shape
-    d_v = out.shape[-1]
+    hq, d_v = q.shape[1], out.shape[-1]
     dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-    o_part, lse_part = partials(splits, t, hq, d_v, q.device)
     lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d_v)[1][0]
     compiled(*unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, *launch_args)
     if splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
@@ -139,20 +137,20 @@ def _run(unit, combine_unit, arch, q, out, lse, splits, launch_args, return_lse)
 @functools.lru_cache(maxsize=None)
 def launcher(key: tuple, arch: str) -> Callable:
     """Dense ``run(...)`` with ``paged_attention``'s launcher signature, for one compile-time key, built once."""
-    from cute_kv.ops.paged_attention import sm_count
+    from cute_kv.ops.paged_attention import launch_workspace
     from cute_kv.ops.paged_attention_sm100 import score_args
 
     _, _, hq, d, _, _, _, has_softcap, has_sinks, _, _, rope_dim = key
     unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
         if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), causal, num_tokens=q.shape[0])
+        m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
-        _run(unit, combine_unit, arch, q, out, lse, splits, (
+        _run(unit, combine_unit, arch, q, out, lse, splits, o_part, lse_part, (
             c.blocks, c.scales if rope_dim else None, input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
             c.lookup_table, None, None, sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits,
             c.batch_size, int(causal), score_scale, cap_log2), return_lse)
@@ -166,10 +164,10 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
     """Sparse ``run(q, collection, layer_idx, indices, *, topk_lengths, scale, softcap, sinks, out, lse)`` for one
     compile-time key (``plan_sparse``), built once; the op has checked the arguments and allocated ``out``
     ``[T, Hq, mla_v_dim]`` (and ``lse [T, Hq]`` float32 with ``return_lse``)."""
-    from cute_kv.ops.paged_attention import sm_count
+    from cute_kv.ops.paged_attention import partials, sm_count
     from cute_kv.ops.paged_attention_sm100 import score_args
 
-    _, _, hq, d, _, _, _, has_softcap, has_sinks, return_lse, has_lengths, rope_dim = key
+    _, _, hq, d, v_dim, _, _, has_softcap, has_sinks, return_lse, has_lengths, rope_dim = key
     unit, combine_unit = compile_units(key, arch)
 
     def run(q, collection, layer_idx, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None,
@@ -181,7 +179,7 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
         m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device), rope_dim)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         indices = indices if indices.stride(-1) == 1 else indices.contiguous()
-        _run(unit, combine_unit, arch, q, out, lse, splits, (
+        _run(unit, combine_unit, arch, q, out, lse, splits, *partials(splits, t, hq, v_dim, q.device), (
             collection.blocks, collection.scales if rope_dim else None, None, None, None, indices,
             topk_lengths.contiguous() if has_lengths else None, sinks.contiguous() if has_sinks else None, layer_idx,
             m_blocks, splits, t, 0, score_scale, cap_log2), return_lse)

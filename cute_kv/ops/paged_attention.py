@@ -14,6 +14,7 @@ from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_li
 from cute_kv.ops import mla_decode, mla_decode_sm100, paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
+from cute_kv.step_plan import signature
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "paged_attention"
@@ -27,7 +28,8 @@ SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue 
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
                     causal: bool = True, window: Optional[int] = None, softcap: Optional[float] = None,
                     sinks: Optional[torch.Tensor] = None, return_lse: bool = False, scale: Optional[float] = None,
-                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, validate: bool = True):
+                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, validate: bool = True,
+                    plan=None):
     """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``),
     or ``(out, lse)`` with ``return_lse``.
 
@@ -50,8 +52,21 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would not fill the GPU); other cases (a
     non-positive ``scale`` without soft-cap included), and CPU tensors, run the reference: on CUDA with a
     ``FallbackWarning`` (``cute_kv.explain`` says why). ``validate=False`` (for CUDA-graph capture) skips the
-    checks that read device values, as a torch.compile trace does (``store_kv``).
+    checks that read device values, as a torch.compile trace does (``store_kv``). ``plan`` (``cute_kv.plan_step``)
+    has checked the step and keeps the path, launch shape and split-KV partials chosen by the first call of the same
+    signature: the call reads no device value and allocates only its outputs (``store_kv``).
     """
+    if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
+        plan.check(OP, collection, input_row_offsets)
+        collection.check_layer(layer_idx)
+        d_v, run = plan.entry((OP, signature(q), causal, window, scale, softcap, signature(sinks), return_lse, mla_v_dim,
+                               signature(out)),
+                              lambda: _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
+                                               softcap, sinks, return_lse, mla_v_dim, out, plan))
+        out, lse = outputs(q, d_v, out, return_lse)
+        run(q, plan.offsets_bits, collection, layer_idx, causal=causal, window=window, scale=scale,
+            softcap=softcap or None, sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=return_lse)
+        return (out, lse) if return_lse else out
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
                  mla_v_dim, out, validate)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
@@ -77,6 +92,22 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
     run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
+
+
+def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
+             mla_v_dim, out, step) -> tuple[int, Callable]:
+    """The first call of a plan with this signature: checked (the step's values by the plan), routed, and its launch
+    sized once, split-KV partials included; ``(D_v, run)``."""
+    d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
+                 mla_v_dim, out, False)
+    step.check(OP, collection, input_row_offsets, q.shape[0])  # the shapes are the entry's key: once
+    softcap = softcap or None
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
+                                                                return_lse, mla_v_dim, window))
+    if path is None:
+        return d_v, reference.paged_attention
+    return d_v, functools.partial(_launcher(path.key, path.arch),
+                                  workspace=launch_workspace(path.key, q, collection, causal, window))
 
 
 def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = True, window: Optional[int] = None,
@@ -228,6 +259,24 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
     return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[10])
 
 
+def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, window: Optional[int]) -> tuple:
+    """``(m_blocks, splits, o_part, lse_part)`` of a launch of ``plan`` key ``key`` for the step of ``q``: its grid
+    (each kernel's ``launch_shape``) and split-KV ``partials`` over its value width. A launcher makes one per call,
+    a ``StepPlan`` once for all its layers (persistent partials)."""
+    from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100
+
+    c, (t, hq, d), slots = collection, q.shape, sm_count(q.device)
+    if key[0] == mla_decode.KEY:
+        shape, v_dim = mla_decode.launch_shape(c, hq, slots, causal, window, num_tokens=t), key[4]
+    elif key[0] == mla_decode_sm100.KEY:  # no window: the plan sends windowed calls to the reference
+        shape, v_dim = mla_decode_sm100.launch_shape(c, hq, slots, causal, num_tokens=t), key[4]
+    elif key[0] == "paged_attention_sm100":
+        shape, v_dim = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t), d
+    else:
+        shape, v_dim = launch_shape(c, hq, slots, BM, key_tile(d), causal, window, num_tokens=t), d
+    return (*shape, *partials(shape[1], t, hq, v_dim, q.device))
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
@@ -241,19 +290,16 @@ def _launcher(key: tuple, arch: str) -> Callable:
         return mla_decode_sm100.launcher(key, arch)
     from cute_kv.kernels.compile_cache import compiled
 
-    _, _, hq, h, d, _, _, _, softcap_on, _, return_lse, kv_dtype_name, granularity, e8m0 = key
-    bn = key_tile(d)
+    d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
     attention_unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
-        t = q.shape[0]
-        if t == 0:  # a grid of zero CTAs is a launch error
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
+        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape(c, hq, sm_count(q.device), BM, bn, causal, window, num_tokens=t)
+        m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        o_part, lse_part = partials(splits, t, hq, d, q.device)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,

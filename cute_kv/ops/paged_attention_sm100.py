@@ -68,20 +68,18 @@ def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) 
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import compile_units, partials, scales_arg, sm_count, unused_partials, window_arg
+    from cute_kv.ops.paged_attention import compile_units, launch_workspace, scales_arg, unused_partials, window_arg
 
     _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
     attention_unit, combine_unit = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False):
-        t = q.shape[0]
-        if t == 0:  # a grid of zero CTAs is a launch error
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
+        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits = launch_shape_sm100(c, hq, sm_count(q.device), causal, window, num_tokens=t)
+        m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        o_part, lse_part = partials(splits, t, hq, d, q.device)
         lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d)[1][0]
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,

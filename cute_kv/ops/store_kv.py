@@ -9,6 +9,7 @@ import torch
 from cute_kv import dtypes, reference
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import packed_heads
+from cute_kv.step_plan import signature
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "store_kv"
@@ -16,7 +17,7 @@ ROPE_AWARE_KEY = "paged_kv_store_rope_aware"  # plan keys of RopeAwareKVStore st
 
 
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, collection,
-             layer_idx: int, *, validate: bool = True) -> None:
+             layer_idx: int, *, validate: bool = True, plan=None) -> None:
     """Write new token ``i`` of request ``b`` (row ``ro[b] + i`` of ``k``/``v``) at position ``cache_lengths[b] + i``.
 
     ``k``, ``v``: ``[T, H, D]`` in the cache dtype; an fp8 cache takes bf16/fp16/fp32 and quantizes them
@@ -30,7 +31,17 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     each request's pages and lengths against the collection), so the caller guarantees the step fits the pages.
     Shapes, dtypes and devices are still checked. A torch.compile trace skips the same checks, so the default
     compiles with ``fullgraph=True``. CUDA calls that no kernel serves warn (``cute_kv.explain`` says why).
+
+    ``plan`` (``cute_kv.plan_step`` of this collection and these offsets) has checked the step: the call reads no
+    device value and reuses the path chosen by the first call of the same shapes (``validate`` is then moot).
     """
+    if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
+        plan.check(OP, collection, input_row_offsets)
+        collection.check_layer(layer_idx)
+        run = plan.entry((OP, signature(k), signature(v)), lambda: _planned(k, v, input_row_offsets, collection, layer_idx,
+                                                                   plan))
+        run(k, v, plan.offsets_bits, collection, layer_idx)
+        return
     _check(k, v, input_row_offsets, collection, layer_idx, validate)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     c = collection
@@ -47,6 +58,14 @@ def dispatch(k, v, input_row_offsets, collection, layer_idx) -> None:
     path = paths.route(OP, collection.device, lambda arch: plan(collection, k, arch))
     run = reference.store_kv if path is None else _launcher(path.key, path.arch)
     run(k, v, input_row_offsets, collection, layer_idx)
+
+
+def _planned(k, v, input_row_offsets, collection, layer_idx, step) -> Callable:
+    """The first call of a plan with these shapes: checked (the step's values by the plan), then routed."""
+    _check(k, v, input_row_offsets, collection, layer_idx, False)
+    step.check(OP, collection, input_row_offsets, k.shape[0])  # the shapes are the entry's key: once
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, k, arch))
+    return reference.store_kv if path is None else _launcher(path.key, path.arch)
 
 
 def explain(k, v, input_row_offsets, collection, layer_idx: int, *, validate: bool = True,

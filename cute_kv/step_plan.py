@@ -1,0 +1,99 @@
+"""``cute_kv.plan_step``: a step's checks and launch choices made once, then reused by every layer's op call.
+
+Per call, ``store_kv`` and ``paged_attention`` check the step's metadata (device reads: a host sync each on CUDA)
+and choose a kernel and its launch shape. The step is the same for every layer, so a ``StepPlan`` checks it once
+(one device read, none with ``validate=False`` where the caller built the metadata, as the block manager does) and
+keeps, per op and per layer-independent call signature (shapes, dtypes, flags), the chosen path, its launch shape
+and its split-KV partials. A call with ``plan=`` then reads no device value, allocates only its outputs and does not
+synchronise, so the partials are persistent buffers and the calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from cute_kv.validate import check_step, step_is_valid, uint32_bits
+
+
+class StepPlan:
+    """One step over one collection (``plan_step``): ``num_tokens`` rows (``T``), ``batch_size`` requests, and the
+    per-op launch choices its calls have made (``entry``). Ops given ``plan=`` refuse another collection or other
+    offsets, whose metadata the plan did not check."""
+
+    __slots__ = ("collection", "input_row_offsets", "offsets_bits", "num_tokens", "num_q_heads", "_entries")
+
+    def __init__(self, collection, input_row_offsets: torch.Tensor, num_tokens: int, num_q_heads: Optional[int]):
+        self.collection = collection
+        self.input_row_offsets = input_row_offsets
+        self.offsets_bits = uint32_bits(input_row_offsets)
+        self.num_tokens = num_tokens
+        self.num_q_heads = num_q_heads
+        self._entries: dict = {}
+
+    @property
+    def batch_size(self) -> int:
+        return self.collection.batch_size
+
+    def check(self, op: str, collection, input_row_offsets, num_tokens: Optional[int] = None) -> None:
+        """Raise ``ValueError`` unless a call of ``op`` is over this plan's step (host-only; ``num_tokens``: the
+        call's rows, checked where given)."""
+        if collection is not self.collection:
+            raise ValueError(f"{op}: plan was made for another collection (another step's metadata); build one "
+                             f"per step with cute_kv.plan_step(collection, input_row_offsets, ...)")
+        if input_row_offsets is not self.input_row_offsets:
+            raise ValueError(f"{op}: input_row_offsets is not the tensor the plan was made with; pass that one, or "
+                             f"plan this step again")
+        if num_tokens is not None and num_tokens != self.num_tokens:
+            raise ValueError(f"{op}: the call has {num_tokens} rows but the plan's step has {self.num_tokens}")
+
+    def entry(self, key: tuple, prepare: Callable[[], object]):
+        """What ``prepare()`` returned for ``key`` (an op and its layer-independent call signature), made on the
+        first call with it."""
+        found = self._entries.get(key)
+        if found is None:
+            found = self._entries[key] = prepare()
+        return found
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(batch={self.batch_size}, num_tokens={self.num_tokens}, num_q_heads={self.num_q_heads}, "
+                f"entries={len(self._entries)})")
+
+
+def signature(t) -> object:
+    """What the calls of a plan must share of a tensor argument for one check and one path to serve them all:
+    shape, strides, dtype, device and 16-byte alignment (a non-tensor: its type, for the first call to reject)."""
+    if not isinstance(t, torch.Tensor):
+        return t if t is None else type(t)
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
+def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optional[int] = None,
+              num_tokens: Optional[int] = None, validate: bool = True) -> StepPlan:
+    """Check a step once and return its ``StepPlan``, for ops called with ``plan=``.
+
+    ``num_tokens``: the step's rows ``T`` (``input_row_offsets[-1]``); without it, it is read with the checks.
+    ``num_q_heads``: the attention's query heads, when known (recorded; the ops check their own). The checks are
+    those of the per-call ops (``check_step``), all reduced on the metadata's device and read in one device-to-host
+    copy; an invalid step is then checked again as the ops do, for the message. ``validate=False`` reads nothing:
+    the caller guarantees the metadata (the block manager builds them), and must give ``num_tokens``.
+    """
+    if num_tokens is None:
+        if not validate:
+            raise ValueError("plan_step(validate=False) reads nothing: pass num_tokens (the step's rows)")
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0 or None, got {num_tokens!r}")
+    if num_q_heads is not None and (isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int)
+                                    or num_q_heads <= 0):
+        raise ValueError(f"num_q_heads must be a positive int or None, got {num_q_heads!r}")
+    # Dtype, shape and device first: they need no read (T only matters to the empty-batch check).
+    check_step(collection, input_row_offsets, num_tokens or 0, data_checks=False)
+    if validate:
+        rows, ok = step_is_valid(collection, input_row_offsets, num_tokens).tolist()  # the one device read
+        if num_tokens is None:
+            num_tokens = rows
+        if not ok:
+            check_step(collection, input_row_offsets, num_tokens)  # raises, naming what is wrong
+            raise AssertionError("step_is_valid and check_step disagree")  # unreachable: they test the same
+    return StepPlan(collection, input_row_offsets, num_tokens, num_q_heads)
