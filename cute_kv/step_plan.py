@@ -10,11 +10,15 @@ synchronise, so the partials are persistent buffers and the calls can be capture
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
 
-from cute_kv.validate import check_step, step_is_valid, uint32_bits
+from cute_kv.validate import check_step, step_summary, uint32_bits
+
+
+_MISSING = object()  # an entry may be None (the reference)
 
 
 class StepPlan:
@@ -22,14 +26,17 @@ class StepPlan:
     per-op launch choices its calls have made (``entry``). Ops given ``plan=`` refuse another collection or other
     offsets, whose metadata the plan did not check."""
 
-    __slots__ = ("collection", "input_row_offsets", "offsets_bits", "num_tokens", "num_q_heads", "_entries")
+    __slots__ = ("collection", "input_row_offsets", "offsets_bits", "num_tokens", "num_q_heads", "positions_end",
+                 "_entries")
 
-    def __init__(self, collection, input_row_offsets: torch.Tensor, num_tokens: int, num_q_heads: Optional[int]):
+    def __init__(self, collection, input_row_offsets: torch.Tensor, num_tokens: int, num_q_heads: Optional[int],
+                 positions_end: Optional[int] = None):
         self.collection = collection
         self.input_row_offsets = input_row_offsets
         self.offsets_bits = uint32_bits(input_row_offsets)
         self.num_tokens = num_tokens
         self.num_q_heads = num_q_heads
+        self.positions_end = positions_end
         self._entries: dict = {}
 
     @property
@@ -48,11 +55,18 @@ class StepPlan:
         if num_tokens is not None and num_tokens != self.num_tokens:
             raise ValueError(f"{op}: the call has {num_tokens} rows but the plan's step has {self.num_tokens}")
 
+    def check_positions(self, op: str, freqs_cis: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``freqs_cis`` has a row for every new token's position (known when the plan
+        checked the step; a ``validate=False`` plan's caller guarantees it, as a ``validate=False`` call's does)."""
+        if self.positions_end is not None and self.positions_end > freqs_cis.shape[0]:
+            raise ValueError(f"{op}: rope.freqs_cis has {freqs_cis.shape[0]} positions but the step reaches "
+                             f"position {self.positions_end - 1}")
+
     def entry(self, key: tuple, prepare: Callable[[], object]):
         """What ``prepare()`` returned for ``key`` (an op and its layer-independent call signature), made on the
         first call with it."""
-        found = self._entries.get(key)
-        if found is None:
+        found = self._entries.get(key, _MISSING)
+        if found is _MISSING:
             found = self._entries[key] = prepare()
         return found
 
@@ -61,12 +75,17 @@ class StepPlan:
                 f"entries={len(self._entries)})")
 
 
-def signature(t) -> object:
-    """What the calls of a plan must share of a tensor argument for one check and one path to serve them all:
-    shape, strides, dtype, device and 16-byte alignment (a non-tensor: its type, for the first call to reject)."""
-    if not isinstance(t, torch.Tensor):
-        return t if t is None else type(t)
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+def signature(x) -> object:
+    """What the calls of a plan must share of an argument for one check and one path to serve them all: a tensor's
+    shape, strides, dtype, device and 16-byte alignment; a dataclass's (``RopeConfig``, ``QKNorm``, quantized
+    weights) fields; a scalar's type and value; anything else its type, for the first call to reject."""
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return type(x), *(signature(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return type(x), x
+    return type(x)
 
 
 def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optional[int] = None,
@@ -90,10 +109,11 @@ def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optio
     # Dtype, shape and device first: they need no read (T only matters to the empty-batch check).
     check_step(collection, input_row_offsets, num_tokens or 0, data_checks=False)
     if validate:
-        rows, ok = step_is_valid(collection, input_row_offsets, num_tokens).tolist()  # the one device read
+        rows, ok, positions_end = step_summary(collection, input_row_offsets, num_tokens).tolist()  # one read
         if num_tokens is None:
             num_tokens = rows
         if not ok:
             check_step(collection, input_row_offsets, num_tokens)  # raises, naming what is wrong
-            raise AssertionError("step_is_valid and check_step disagree")  # unreachable: they test the same
+            raise AssertionError("step_summary and check_step disagree")  # unreachable: they test the same
+        return StepPlan(collection, input_row_offsets, num_tokens, num_q_heads, positions_end)
     return StepPlan(collection, input_row_offsets, num_tokens, num_q_heads)

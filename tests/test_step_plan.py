@@ -13,7 +13,7 @@ import cute_kv
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 from launch import ARCHS, as_cuda
-from test_launch_contracts import MLA, _batch, _paged_attention, _store_kv
+from test_launch_contracts import MLA, _batch, _fused_qkv, _paged_attention, _store_kv
 
 READ_METHODS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy}
@@ -149,7 +149,7 @@ def test_a_plan_serves_only_its_step(rng):
 
 # -- layer calls on the launch paths ----------------------------------------------------------------------------------
 
-OPS = {"store_kv": (_store_kv, 0), "paged_attention": (_paged_attention, 1)}
+OPS = {"store_kv": (_store_kv, 0), "paged_attention": (_paged_attention, 1), "fused_qkv": (_fused_qkv, 1)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -177,10 +177,11 @@ def test_a_planned_layer_call_reads_nothing_and_launches_as_per_call(op, step, k
     for a, b in zip(planned, per_call):
         assert a.key == b.key
         for name, value in b.values.items():
-            if isinstance(value, torch.Tensor):
-                assert value.shape == a.values[name].shape, name
-            else:
-                assert a.values[name] == value, name
+            for x, y in zip(tree_leaves(a.values[name]), tree_leaves(value), strict=True):
+                if isinstance(y, torch.Tensor):
+                    assert (x.shape, x.dtype) == (y.shape, y.dtype), name
+                else:
+                    assert x == y, name
     attention = [launch for launch in planned if "o_part" in launch.values]
     for first, second in zip(attention, attention[len(attention) // 2:]):
         assert first.values["o_part"] is second.values["o_part"]
@@ -243,3 +244,24 @@ def test_the_managers_step_plans_without_reading():
     mgr.commit()
     with pytest.raises(ValueError, match="committed or released"):
         cute_kv.store_kv(k, k, step.input_row_offsets[0], step.collections[0], 0, plan=plan)
+
+
+def test_the_plan_checks_rope_positions_from_its_one_read(rng):
+    # Request 2 runs no token: its 50 cached positions need no rope row.
+    pb, twin = (random_paged_batch([0, 37, 50, 9], [5, 1, 0, 3], num_heads=2, head_size=16, page_size=16,
+                                   generator=torch.Generator().manual_seed(0)) for _ in range(2))
+    plan = _plan(pb)
+    assert plan.positions_end == 38
+    hidden = torch.randn(9, 32, generator=rng).to(torch.bfloat16)
+    weight = torch.randn(4 * 16 + 2 * 2 * 16, 32, generator=rng).to(torch.bfloat16)
+    short = cute_kv.RopeConfig.from_theta(16, 37)
+    with pytest.raises(ValueError, match="reaches position 37"):
+        cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 0, rope=short)
+    with pytest.raises(ValueError, match="freqs_cis has 37 positions but the step reaches position 37"):
+        cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 0, rope=short,
+                                          plan=plan)
+    rope = cute_kv.RopeConfig.from_theta(16, 38)
+    q = cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 0, rope=rope,
+                                          plan=plan)
+    want = cute_kv.fused_qkv_matmul_kv_cache(hidden, twin.input_row_offsets, weight, twin.collection, 0, rope=rope)
+    assert torch.equal(q, want) and torch.equal(pb.collection.blocks, twin.collection.blocks)

@@ -15,6 +15,7 @@ from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.qkv import kv_columns, q_head_dim
 from cute_kv.reference.rope import RopeConfig
 from cute_kv.reference.weights import Fp8Weight, Int4Weight
+from cute_kv.step_plan import signature
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "fused_qkv_matmul_kv_cache"
@@ -23,7 +24,7 @@ OP = "fused_qkv_matmul_kv_cache"
 def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Tensor, weight, collection,
                               layer_idx: int, *, output: Optional[torch.Tensor] = None,
                               bias: Optional[torch.Tensor] = None, rope: Optional[RopeConfig] = None,
-                              qk_norm: Optional[QKNorm] = None, validate: bool = True) -> torch.Tensor:
+                              qk_norm: Optional[QKNorm] = None, validate: bool = True, plan=None) -> torch.Tensor:
     """``C = hidden @ weight^T (+ bias)``: returns Q = ``C[:, :q_dim]``, stores K and V of layer ``layer_idx``.
 
     ``hidden [T, K]`` (bf16/fp16/fp32; the cache dtype unless the cache is fp8) and ``bias [N_tot]`` in
@@ -41,7 +42,21 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     guarantees the step fits the pages and the table. Shapes, dtypes and devices are still checked; a torch.compile
     trace skips the same checks. Rows whose page entry is not a page of the cache are never written by the kernel.
     A RoPE position outside ``rope.freqs_cis`` reads no table row: the kernel makes the dims it rotates NaN.
+
+    ``plan`` (``cute_kv.plan_step``) has checked the step (RoPE positions included): the call reads no device value
+    and reuses the path chosen by the first call of the same signature (``store_kv``).
     """
+    if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
+        plan.check(OP, collection, input_row_offsets)
+        collection.check_layer(layer_idx)
+        path = plan.entry((OP, signature(hidden), signature(weight), signature(output), signature(bias),
+                           signature(rope), signature(qk_norm)),
+                          lambda: _planned(hidden, input_row_offsets, weight, collection, layer_idx, output, bias,
+                                           rope, qk_norm, plan))
+        if output is None:
+            output = hidden.new_empty((hidden.shape[0], weight.shape[0] - kv_columns(collection)))
+        _run(path, hidden, plan.offsets_bits, weight, collection, layer_idx, bias, rope, output, qk_norm)
+        return output
     _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate, qk_norm)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     if output is None:
@@ -86,7 +101,22 @@ def _norm_args(qk_norm) -> tuple:
 def dispatch(hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides); Q goes into
     ``output``."""
-    path = paths.route(OP, collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
+    _run(paths.route(OP, collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm)),
+         hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm)
+
+
+def _planned(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, qk_norm,
+             step) -> Optional[paths.KernelPath]:
+    """The first call of a plan with this signature: checked (the step's values by the plan), then routed."""
+    _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, False, qk_norm)
+    step.check(OP, collection, input_row_offsets, hidden.shape[0])  # the shapes are the entry's key: once
+    if rope is not None:
+        step.check_positions(OP, rope.freqs_cis)
+    return paths.route(OP, collection.device, lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))
+
+
+def _run(path, hidden, input_row_offsets, weight, collection, layer_idx, bias, rope, output, qk_norm) -> None:
+    """The kernel of ``path``, or the reference for None; Q goes into ``output``."""
     if path is None:
         reference.fused_qkv_matmul_kv_cache(hidden, input_row_offsets, weight, collection, layer_idx, bias=bias,
                                             rope=rope, output=output, qk_norm=qk_norm)
