@@ -29,7 +29,7 @@ CUDA_ONLY = {
     "paged_attention_sm100.py": ["launch_shape_sm100", "score_args", "launcher_sm100"],
     "mla_decode.py": ["compile_units", "launch_shape", "launcher"],
     "mla_decode_sm100.py": ["compile_units", "key_tile", "launch_shape", "launch_shape_sparse", "_run", "launcher",
-                            "launch_sparse", "_check_sparse"],
+                            "launch_sparse", "_check_sparse", "sparse_workspace"],
     "mla_prefill.py": ["compile_units", "_launcher"],
     "units.py": ["with_combine"],
     "vectors.py": ["heads_packed", "packed_heads"],

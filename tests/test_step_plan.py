@@ -13,7 +13,7 @@ import cute_kv
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 from launch import ARCHS, as_cuda
-from test_launch_contracts import MLA, _batch, _fused_qkv, _paged_attention, _store_kv
+from test_launch_contracts import MLA, _batch, _fused_qkv, _paged_attention, _sparse_mla, _store_kv
 
 READ_METHODS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy}
@@ -70,7 +70,9 @@ def _plan(pb, **kw):
 
 
 def _with_layer(args, layer):
-    return (*args[:-1], layer)
+    """An op call's arguments with another layer: every op takes ``layer_idx`` after the collection."""
+    at = next(i for i, a in enumerate(args) if isinstance(a, cute_kv.PagedKVCacheCollection)) + 1
+    return (*args[:at], layer, *args[at + 1:])
 
 
 # -- one check per step ----------------------------------------------------------------------------------------------
@@ -149,13 +151,16 @@ def test_a_plan_serves_only_its_step(rng):
 
 # -- layer calls on the launch paths ----------------------------------------------------------------------------------
 
-OPS = {"store_kv": (_store_kv, 0), "paged_attention": (_paged_attention, 1), "fused_qkv": (_fused_qkv, 1)}
+OPS = {"store_kv": (_store_kv, 0), "paged_attention": (_paged_attention, 1), "fused_qkv": (_fused_qkv, 1),
+       "sparse_mla": (_sparse_mla, 1)}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kind", ["bf16", "fp8-f32", *MLA])
-@pytest.mark.parametrize("step", ["decode-split", "ragged", "prefill"])
-@pytest.mark.parametrize("op", list(OPS))
+LAYER_CASES = [(op, step, kind, arch) for op in OPS for step in ("decode-split", "ragged", "prefill")
+               for kind in ("bf16", "fp8-f32", *MLA) for arch in ARCHS
+               if op != "sparse_mla" or (kind in MLA and arch == "sm_100a")]  # sparse MLA's kernel is SM100's
+
+
+@pytest.mark.parametrize("op, step, kind, arch", LAYER_CASES)
 def test_a_planned_layer_call_reads_nothing_and_launches_as_per_call(op, step, kind, arch, rng):
     """The second layer's call reads no value and allocates only its outputs (``out``, and ``lse`` when asked);
     every layer launches the kernels, grids and split-KV partials of the per-call path, the partials kept by the

@@ -164,28 +164,38 @@ def launch_sparse(key: tuple, arch: str) -> Callable:
     """Sparse ``run(q, collection, layer_idx, indices, *, topk_lengths, scale, softcap, sinks, out, lse)`` for one
     compile-time key (``plan_sparse``), built once; the op has checked the arguments and allocated ``out``
     ``[T, Hq, mla_v_dim]`` (and ``lse [T, Hq]`` float32 with ``return_lse``)."""
-    from cute_kv.ops.paged_attention import partials, sm_count
     from cute_kv.ops.paged_attention_sm100 import score_args
 
     _, _, hq, d, v_dim, _, _, has_softcap, has_sinks, return_lse, has_lengths, rope_dim = key
     unit, combine_unit = compile_units(key, arch)
 
     def run(q, collection, layer_idx, indices, *, topk_lengths=None, scale=None, softcap=None, sinks=None,
-            out=None, lse=None):
+            out=None, lse=None, workspace=None):
         _check_sparse(q, indices, topk_lengths, has_lengths, out)
         t = q.shape[0]
         if t == 0:
             return out
-        m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device), rope_dim)
+        m_blocks, splits, o_part, lse_part = workspace or sparse_workspace(key, q, indices)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         indices = indices if indices.stride(-1) == 1 else indices.contiguous()
-        _run(unit, combine_unit, arch, q, out, lse, splits, *partials(splits, t, hq, v_dim, q.device), (
+        _run(unit, combine_unit, arch, q, out, lse, splits, o_part, lse_part, (
             collection.blocks, collection.scales if rope_dim else None, None, None, None, indices,
             topk_lengths.contiguous() if has_lengths else None, sinks.contiguous() if has_sinks else None, layer_idx,
             m_blocks, splits, t, 0, score_scale, cap_log2), return_lse)
         return out
 
     return run
+
+
+def sparse_workspace(key: tuple, q: torch.Tensor, indices: torch.Tensor) -> tuple:
+    """``(m_blocks, splits, o_part, lse_part)`` of a sparse launch of ``plan_sparse`` key ``key``: its grid
+    (``launch_shape_sparse``) and split-KV partials over its value width. A launch makes one per call, a
+    ``StepPlan`` once for all its layers (``paged_attention.launch_workspace``)."""
+    from cute_kv.ops.paged_attention import partials, sm_count
+
+    t, hq = q.shape[:2]
+    m_blocks, splits = launch_shape_sparse(t, hq, indices.shape[1], sm_count(q.device), key[11])
+    return m_blocks, splits, *partials(splits, t, hq, key[4], q.device)
 
 
 def _check_sparse(q, indices, topk_lengths, has_lengths: bool, out) -> None:

@@ -9,6 +9,7 @@ import torch
 from cute_kv.ops import paths
 from cute_kv.ops.paged_attention import check_logits_and_output, outputs
 from cute_kv.reference import sparse_mla as reference
+from cute_kv.step_plan import signature
 from cute_kv.validate import check_activation, check_row_offsets, check_tensor, uint32_bits
 
 OP = "sparse_mla_attention"
@@ -19,7 +20,7 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
                          indices: torch.Tensor, *, mla_v_dim: int, scale: Optional[float] = None,
                          topk_lengths: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                          sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-                         out: Optional[torch.Tensor] = None, validate: bool = True):
+                         out: Optional[torch.Tensor] = None, validate: bool = True, plan=None):
     """Attention of each query token over the keys its ``indices`` select; returns ``[T, Hq, mla_v_dim]`` in
     ``q.dtype`` (or ``out``), or ``(out, lse)`` with ``return_lse``.
 
@@ -34,7 +35,23 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     ``validate=True`` rejects entries outside ``[-1, N*P)``, ``topk_lengths`` outside ``[0, topk]`` and bad
     ``input_row_offsets`` before anything runs. ``validate=False`` (CUDA-graph capture) skips those device reads;
     every entry outside ``[0, N*P)`` then still selects no key, and nothing outside the cache is read.
+
+    ``plan`` (``cute_kv.plan_step``) has checked the step's offsets and keeps the path, launch shape and split-KV
+    partials chosen by the first call of the same signature: the call reads no device value (the indices are not
+    checked, as with ``validate=False``) and allocates only its outputs (``paged_attention``).
     """
+    if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
+        plan.check(OP, collection, input_row_offsets)
+        collection.check_layer(layer_idx)
+        path, workspace = plan.entry(
+            (OP, signature(q), signature(indices), mla_v_dim, signature(scale), signature(topk_lengths),
+             signature(softcap), signature(sinks), return_lse, signature(out)),
+            lambda: _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths,
+                             softcap, sinks, return_lse, out, plan))
+        out, lse = outputs(q, mla_v_dim, out, return_lse)
+        _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap or None, sinks, out,
+             lse, workspace)
+        return (out, lse) if return_lse else out
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
            return_lse, out, validate)
     input_row_offsets = uint32_bits(input_row_offsets)
@@ -57,6 +74,29 @@ def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths,
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides)."""
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch,
                                                                 mla_v_dim, scale, softcap, sinks, lse is not None))
+    _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out, lse)
+
+
+def _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
+             return_lse, out, step) -> tuple:
+    """The first call of a plan with this signature: checked (the offsets by the plan), routed, its launch sized
+    once; ``(path, workspace)``, None for the reference."""
+    _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
+           return_lse, out, False)
+    step.check(OP, collection, input_row_offsets, q.shape[0])  # the shapes are the entry's key: once
+    path = paths.route(OP, collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch,
+                                                                mla_v_dim, scale, softcap or None, sinks,
+                                                                return_lse))
+    if path is None:
+        return None, None
+    from cute_kv.ops.mla_decode_sm100 import sparse_workspace
+
+    return path, sparse_workspace(path.key, q, indices)
+
+
+def _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out, lse,
+         workspace=None) -> None:
+    """The kernel of ``path`` (with ``workspace``: a plan's), or the reference for None."""
     if path is None:
         reference.sparse_mla_attention(q, collection, layer_idx, indices, mla_v_dim=mla_v_dim, scale=scale,
                                        topk_lengths=topk_lengths, softcap=softcap, sinks=sinks, out=out, lse=lse,
@@ -65,7 +105,8 @@ def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths,
     from cute_kv.ops import mla_decode_sm100
 
     mla_decode_sm100.launch_sparse(path.key, path.arch)(q, collection, layer_idx, indices, topk_lengths=topk_lengths,
-                                                        scale=scale, softcap=softcap, sinks=sinks, out=out, lse=lse)
+                                                        scale=scale, softcap=softcap, sinks=sinks, out=out, lse=lse,
+                                                        workspace=workspace)
 
 
 def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_dim: int,
