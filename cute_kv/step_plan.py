@@ -27,16 +27,17 @@ class StepPlan:
     offsets, whose metadata the plan did not check."""
 
     __slots__ = ("collection", "input_row_offsets", "offsets_bits", "num_tokens", "num_q_heads", "positions_end",
-                 "_entries")
+                 "lengths", "_entries")
 
     def __init__(self, collection, input_row_offsets: torch.Tensor, num_tokens: int, num_q_heads: Optional[int],
-                 positions_end: Optional[int] = None):
+                 positions_end: Optional[int] = None, lengths: Optional[list[tuple[int, int]]] = None):
         self.collection = collection
         self.input_row_offsets = input_row_offsets
         self.offsets_bits = uint32_bits(input_row_offsets)
         self.num_tokens = num_tokens
         self.num_q_heads = num_q_heads
         self.positions_end = positions_end
+        self.lengths = lengths  # (new tokens, keys) per request, when read
         self._entries: dict = {}
 
     @property
@@ -109,11 +110,13 @@ def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optio
     # Dtype, shape and device first: they need no read (T only matters to the empty-batch check).
     check_step(collection, input_row_offsets, num_tokens or 0, data_checks=False)
     if validate:
-        rows, ok, positions_end = step_summary(collection, input_row_offsets, num_tokens).tolist()  # one read
+        summary = step_summary(collection, input_row_offsets, num_tokens).tolist()  # the one read
+        (rows, ok, positions_end), b = summary[:3], collection.batch_size
         if num_tokens is None:
             num_tokens = rows
         if not ok:
             check_step(collection, input_row_offsets, num_tokens)  # raises, naming what is wrong
             raise AssertionError("step_summary and check_step disagree")  # unreachable: they test the same
-        return StepPlan(collection, input_row_offsets, num_tokens, num_q_heads, positions_end)
+        return StepPlan(collection, input_row_offsets, num_tokens, num_q_heads, positions_end,
+                        list(zip(summary[3:3 + b], summary[3 + b:])))
     return StepPlan(collection, input_row_offsets, num_tokens, num_q_heads)

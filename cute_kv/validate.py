@@ -165,22 +165,23 @@ def check_step(collection, input_row_offsets, total_rows: int, *, data_checks: b
 
 
 def step_summary(collection, input_row_offsets, total_rows: Optional[int]) -> torch.Tensor:
-    """int64 ``[3]`` on the metadata's device: the last offset; 1 if ``check_step`` passes for ``total_rows`` rows
-    (None: the last offset's) else 0; and one past the last position a new token takes (0 without tokens), which
-    RoPE tables must cover. Every check reduced on the device, nothing read on the host, so a caller reads all three
-    in one copy (``plan_step``); ``check_step`` then says what is wrong."""
+    """int64 ``[3 + 2B]`` on the metadata's device: the last offset; 1 if ``check_step`` passes for ``total_rows``
+    rows (None: the last offset's) else 0; one past the last position a new token takes (0 without tokens), which
+    RoPE tables must cover; then each request's new tokens and its keys (cached + new). Every check reduced on the
+    device, nothing read on the host, so a caller reads it all in one copy (``plan_step``); ``check_step`` then says
+    what is wrong."""
     c = collection
     ro = uint32_bits(input_row_offsets).to(torch.int64)
     last = ro[-1]
     ok = (ro[0] == 0) & (ro[1:] >= ro[:-1]).all()
     if total_rows is not None:
         ok = ok & (last == total_rows)
+    lengths = ro[1:] - ro[:-1]
+    ends = c.cache_lengths.to(torch.int64) + lengths
     positions_end = torch.zeros_like(last)
     if c.batch_size:
-        lengths = ro[1:] - ro[:-1]
-        ends = c.cache_lengths.to(torch.int64) + lengths
         top = ends.max()
         ok = (ok & (lengths.max() <= c.max_seq_length) & (top <= c.max_cache_length)
               & (top <= c.lookup_table.shape[1] * c.page_size) & ~c.unowned_pages(ends).any())
         positions_end = torch.where(lengths > 0, ends, 0).max()
-    return torch.stack([last, ok.to(torch.int64), positions_end])
+    return torch.cat([torch.stack([last, ok.to(torch.int64), positions_end]), lengths, ends])

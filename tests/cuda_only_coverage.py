@@ -30,7 +30,7 @@ CUDA_ONLY = {
     "mla_decode.py": ["compile_units", "launch_shape", "launcher"],
     "mla_decode_sm100.py": ["compile_units", "key_tile", "launch_shape", "launch_shape_sparse", "_run", "launcher",
                             "launch_sparse", "_check_sparse", "sparse_workspace"],
-    "mla_prefill.py": ["compile_units", "_launcher"],
+    "mla_prefill.py": ["compile_units", "_launcher", "prefill_workspace"],
     "units.py": ["with_combine"],
     "vectors.py": ["heads_packed", "packed_heads"],
 }

@@ -13,7 +13,8 @@ import cute_kv
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 from launch import ARCHS, as_cuda
-from test_launch_contracts import MLA, _batch, _fused_qkv, _paged_attention, _sparse_mla, _store_kv
+from test_launch_contracts import (MLA, _batch, _fused_qkv, _mla_prefill_args, _mla_prefill_kwargs,
+                                   _paged_attention, _sparse_mla, _store_kv)
 
 READ_METHODS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
                 torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy}
@@ -151,13 +152,19 @@ def test_a_plan_serves_only_its_step(rng):
 
 # -- layer calls on the launch paths ----------------------------------------------------------------------------------
 
+def _mla_prefill(pb, step, rng):
+    return cute_kv.mla_prefill, _mla_prefill_args(pb, step, rng), _mla_prefill_kwargs(pb, step)
+
+
+# Each op's call and what it allocates: its outputs (None: mla_prefill's up-projections and their products too).
 OPS = {"store_kv": (_store_kv, 0), "paged_attention": (_paged_attention, 1), "fused_qkv": (_fused_qkv, 1),
-       "sparse_mla": (_sparse_mla, 1)}
+       "sparse_mla": (_sparse_mla, 1), "mla_prefill": (_mla_prefill, None)}
 
 
 LAYER_CASES = [(op, step, kind, arch) for op in OPS for step in ("decode-split", "ragged", "prefill")
                for kind in ("bf16", "fp8-f32", *MLA) for arch in ARCHS
-               if op != "sparse_mla" or (kind in MLA and arch == "sm_100a")]  # sparse MLA's kernel is SM100's
+               if op not in ("sparse_mla", "mla_prefill") or kind in MLA
+               if op != "sparse_mla" or arch == "sm_100a"]  # sparse MLA's kernel is SM100's
 
 
 @pytest.mark.parametrize("op, step, kind, arch", LAYER_CASES)
@@ -177,7 +184,8 @@ def test_a_planned_layer_call_reads_nothing_and_launches_as_per_call(op, step, k
         with host_work() as work:
             fn(*_with_layer(args, 1), plan=plan, **kw)
     assert work.reads == [] and work.aten_reads == []
-    assert len(work.allocations) == num_outputs + kw.get("return_lse", False), work.allocations
+    if num_outputs is not None:
+        assert len(work.allocations) == num_outputs + kw.get("return_lse", False), work.allocations
     assert planned.kernels == per_call.kernels and planned.kernels
     for a, b in zip(planned, per_call):
         assert a.key == b.key

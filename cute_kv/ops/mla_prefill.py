@@ -47,6 +47,7 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
 from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS
 from cute_kv.ops import paths, units
+from cute_kv.step_plan import signature
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "mla_prefill"
@@ -69,14 +70,31 @@ class Route:
 
 def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: torch.Tensor, collection,
                 layer_idx: int, w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: Optional[float] = None,
-                causal: bool = True, out: Optional[torch.Tensor] = None, validate: bool = True) -> torch.Tensor:
+                causal: bool = True, out: Optional[torch.Tensor] = None, validate: bool = True,
+                plan=None) -> torch.Tensor:
     """MLA attention of ``q_nope [T, H, nope_dim]``, ``q_rope [T, H, rope_dim]`` over layer ``layer_idx`` of an MLA
     cache (KVD = 1: bf16/fp16/fp32, fp8 with scales, or rope-aware FP8); returns ``[T, H, v_dim]`` in q's dtype (or
     ``out``). ``w_uk [H, nope_dim, kv_lora_rank]``, ``w_uv [H, v_dim, kv_lora_rank]`` in q's dtype;
     ``kv_lora_rank + rope_dim`` is the cache's ``latent_dim``. Query ``i`` of request ``b`` sees keys ``j <=
     cache_lengths[b] + i`` (``causal``) of its request; this step's latent rows must be stored. ``scale`` defaults
     to ``1/sqrt(nope_dim + rope_dim)``. The path (decompressed or absorbed) is chosen per step: see the module.
-    ``validate=False`` skips the checks of ``input_row_offsets`` that read device values."""
+    ``validate=False`` skips the checks of ``input_row_offsets`` that read device values.
+
+    ``plan`` (``cute_kv.plan_step``) has checked the step and read its lengths (a ``validate=False`` plan: read on
+    the first call): the path, the temporary cache's layout and buffers, and the launch are chosen once for every
+    layer, whose call reads no device value (the decompressed path still allocates its up-projected operands)."""
+    if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
+        plan.check(OP, collection, input_row_offsets)
+        collection.check_layer(layer_idx)
+        v_dim, run = plan.entry((OP, signature(q_nope), signature(q_rope), signature(w_uk), signature(w_uv),
+                                 signature(scale), causal, signature(out)),
+                                lambda: _planned(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk,
+                                                 w_uv, scale, causal, out, plan))
+        if out is None:
+            out = torch.empty((*q_nope.shape[:2], v_dim), dtype=q_nope.dtype, device=q_nope.device)
+        if run is not None:
+            run(q_nope, q_rope, layer_idx, w_uk, w_uv, out)
+        return out
     v_dim = _check(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out,
                    validate)
     input_row_offsets = uint32_bits(input_row_offsets)
@@ -182,47 +200,102 @@ def dispatch(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_u
     """Checked arguments to the step's path, writing ``out``."""
     if q_nope.shape[0] == 0:
         return
-    c = collection
-    scale = 1.0 / math.sqrt(q_nope.shape[2] + q_rope.shape[2]) if scale is None else scale
-    lengths = step_lengths(input_row_offsets, c.cache_lengths)
-    route = plan(lengths, num_heads=q_nope.shape[1], kv_lora_rank=w_uk.shape[2], rope_dim=q_rope.shape[2],
-                 nope_dim=q_nope.shape[2], v_dim=w_uv.shape[1], dtype=dtype_name(q_nope.dtype),
-                 arch=paths.device_arch(c.device), causal=causal)
+    lengths = step_lengths(input_row_offsets, collection.cache_lengths)
+    _runner(q_nope, q_rope, input_row_offsets, collection, w_uk, w_uv, scale, causal, lengths)(
+        q_nope, q_rope, layer_idx, w_uk, w_uv, out)
+
+
+def _planned(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out,
+             step) -> tuple[int, Optional[Callable]]:
+    """The first call of a plan with this signature: checked (the step's values by the plan), then its path and
+    buffers chosen for every layer; ``(v_dim, run)``, no run for a step without tokens."""
+    v_dim = _check(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out, False)
+    step.check(OP, collection, input_row_offsets, q_nope.shape[0])  # the shapes are the entry's key: once
+    if q_nope.shape[0] == 0:
+        return v_dim, None
+    lengths = step.lengths if step.lengths is not None else step_lengths(input_row_offsets, collection.cache_lengths)
+    return v_dim, _runner(q_nope, q_rope, input_row_offsets, collection, w_uk, w_uv, scale, causal, lengths, step)
+
+
+def _runner(q_nope, q_rope, input_row_offsets, collection, w_uk, w_uv, scale, causal, lengths,
+            step=None) -> Callable:
+    """``run(q_nope, q_rope, layer_idx, w_uk, w_uv, out)`` for the step's path (``plan``), its temporary cache and
+    launch made here; with a ``StepPlan`` ``step``, the attention is planned too (``plan=``), so every layer reuses
+    them."""
+    c, (t, h, nope) = collection, q_nope.shape
+    scale = 1.0 / math.sqrt(nope + q_rope.shape[2]) if scale is None else scale
+    route = plan(lengths, num_heads=h, kv_lora_rank=w_uk.shape[2], rope_dim=q_rope.shape[2], nope_dim=nope,
+                 v_dim=w_uv.shape[1], dtype=dtype_name(q_nope.dtype), arch=paths.device_arch(c.device), causal=causal)
     if route.path == ABSORBED:
-        absorbed(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out)
-        return
-    q, tmp = decompressed_operands(q_nope, q_rope, c, layer_idx, w_uk, w_uv, lengths, route.head_dim)
+        def run(q_nope, q_rope, layer_idx, w_uk, w_uv, out):
+            absorbed(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out, step)
+
+        return run
+    tmp = temporary_cache(c, lengths, h, route.head_dim, q_nope.dtype, q_nope.device)
     if route.kernel is not None:
-        _launcher(route.kernel.key, route.kernel.arch)(q, input_row_offsets, tmp, scale, causal, out)
-        return
+        key, arch = route.kernel.key, route.kernel.arch
+        launch = functools.partial(_launcher(key, arch), workspace=None if step is None else prefill_workspace(
+            key, tmp.cache, t, q_nope.device, causal))
+
+        def run(q_nope, q_rope, layer_idx, w_uk, w_uv, out):
+            q = decompress(q_nope, q_rope, c, layer_idx, w_uk, w_uv, tmp)
+            launch(q, uint32_bits(input_row_offsets), tmp.cache, scale, causal, out)
+
+        return run
     from cute_kv.ops.paged_attention import paged_attention
+    from cute_kv.step_plan import plan_step
 
-    o = paged_attention(q, input_row_offsets, tmp, 0, causal=causal, scale=scale, validate=False)
-    out.copy_(o[..., :out.shape[2]])
+    sub = None if step is None else plan_step(tmp.cache, input_row_offsets, num_tokens=t, validate=False)
+
+    def run(q_nope, q_rope, layer_idx, w_uk, w_uv, out):
+        q = decompress(q_nope, q_rope, c, layer_idx, w_uk, w_uv, tmp)
+        o = paged_attention(q, input_row_offsets, tmp.cache, 0, causal=causal, scale=scale, validate=False, plan=sub)
+        out.copy_(o[..., :out.shape[2]])
+
+    return run
 
 
-def absorbed(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out) -> None:
-    """``W_UV (attention of [W_UK^T q_nope | q_rope] over the latent rows)``, the matmuls batched over heads."""
+def absorbed(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out,
+             step=None) -> None:
+    """``W_UV (attention of [W_UK^T q_nope | q_rope] over the latent rows)``, the matmuls batched over heads; the
+    attention planned by ``step`` when given."""
     from cute_kv.ops.paged_attention import paged_attention
 
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, r]
     q = torch.cat([q_lat.transpose(0, 1), q_rope], dim=2)
     o_lat = paged_attention(q, input_row_offsets, collection, layer_idx, causal=causal, scale=scale,
-                            mla_v_dim=w_uk.shape[2], validate=False)
+                            mla_v_dim=w_uk.shape[2], validate=False, plan=step)
     out.copy_(torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
 
 
 def decompressed_operands(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, lengths: list[tuple[int, int]],
                           head_dim: int):
-    """``(q [T, H, head_dim], temporary cache)``: q is ``[q_nope | q_rope | 0]``; the cache (``PAGE``-token pages,
-    KVD = 2, L = 1, H heads of ``head_dim``) holds each request's keys (requests with new tokens) on consecutive
-    pages, K rows ``[W_UK c_kv | k_rope | 0]`` and V rows ``[W_UV c_kv | unwritten]``, and zero rows past the keys
-    of a request's last page; the step's ``cache_lengths`` and this layout's lookup table."""
+    """``(q [T, H, head_dim], temporary cache)``: ``temporary_cache`` for the step, filled for ``layer_idx``
+    (``decompress``)."""
+    tmp = temporary_cache(collection, lengths, q_nope.shape[1], head_dim, q_nope.dtype, q_nope.device)
+    return decompress(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, tmp), tmp.cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Temporary:
+    """The decompressed path's temporary cache for one step (every layer refills it) and where its rows come from:
+    each temporary page's request ``owner``, the positions ``pos [pages, PAGE]`` its rows hold and the request's
+    ``keys``."""
+
+    cache: object
+    owner: torch.Tensor
+    pos: torch.Tensor
+    keys: torch.Tensor
+
+
+def temporary_cache(collection, lengths: list[tuple[int, int]], num_heads: int, head_dim: int, dtype,
+                    device) -> Temporary:
+    """The temporary cache (``PAGE``-token pages, KVD = 2, L = 1, H heads of ``head_dim``) holding each request's
+    keys (requests with new tokens) on consecutive pages, with the step's ``cache_lengths`` and this layout's lookup
+    table; its rows are left for ``decompress`` to write."""
     from cute_kv.collection import PagedKVCacheCollection
 
-    c, dev, dt = collection, q_nope.device, q_nope.dtype
-    t, h, nope = q_nope.shape
-    r, rope, v_dim = w_uk.shape[2], q_rope.shape[2], w_uv.shape[1]
+    c = collection
     owner, first, keys = [], [], []  # each temporary page's request, index among its pages, request's keys
     # Sized by the step's own lengths (the grid too), not the collection's maxima: they only bound them.
     max_seq_length = max(num_q for num_q, _ in lengths)
@@ -235,23 +308,32 @@ def decompressed_operands(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, len
             owner += [b] * pages
             first += range(pages)
             keys += [num_keys] * pages
-    owner_t, first_t, keys_t = torch.tensor([owner, first, keys], dtype=torch.int64).to(dev)
-    pos = first_t[:, None] * PAGE + torch.arange(PAGE, device=dev)
-    latent = _latent_rows(c, layer_idx, owner_t, pos, keys_t, dt)  # [pages * PAGE, r + rope]
-    blocks = torch.empty((len(owner), 2, 1, PAGE, h, head_dim), dtype=dt, device=dev)
+    owner_t, first_t, keys_t = torch.tensor([owner, first, keys], dtype=torch.int64).to(device)
+    pos = first_t[:, None] * PAGE + torch.arange(PAGE, device=device)
+    blocks = torch.empty((len(owner), 2, 1, PAGE, num_heads, head_dim), dtype=dtype, device=device)
+    tmp = PagedKVCacheCollection(blocks, c.cache_lengths, lut.to(device=device, dtype=torch.int32), max_seq_length,
+                                 max_cache_length, validate=False)
+    return Temporary(tmp, owner_t, pos, keys_t)
+
+
+def decompress(q_nope, q_rope, collection, layer_idx, w_uk, w_uv, tmp: Temporary) -> torch.Tensor:
+    """Write layer ``layer_idx``'s keys into ``tmp``: K rows ``[W_UK c_kv | k_rope | 0]`` and V rows ``[W_UV c_kv |
+    unwritten]``, zero rows past the keys of a request's last page; returns q, ``[q_nope | q_rope | 0]``."""
+    t, h, nope = q_nope.shape
+    r, rope, v_dim = w_uk.shape[2], q_rope.shape[2], w_uv.shape[1]
+    blocks = tmp.cache.blocks
+    pages, head_dim = blocks.shape[0], blocks.shape[-1]
+    latent = _latent_rows(collection, layer_idx, tmp.owner, tmp.pos, tmp.keys, q_nope.dtype)  # [pages*PAGE, r+rope]
     k, v = blocks[:, 0, 0], blocks[:, 1, 0]  # [pages, PAGE, H, head_dim]
-    shape = (len(owner), PAGE, h, -1)
+    shape = (pages, PAGE, h, -1)
     # c_kv [rows, r] times W^T [r, H*dim] (a transposed view: no copy of the weights): every head in one matmul.
     k[..., :nope] = torch.matmul(latent[:, :r], w_uk.flatten(0, 1).T).view(shape)
-    k[..., nope:nope + rope] = latent[:, None, r:].view(len(owner), PAGE, 1, rope)
+    k[..., nope:nope + rope] = latent[:, None, r:].view(pages, PAGE, 1, rope)
     k[..., nope + rope:] = 0  # q's padding is 0 too: the products are exactly 0
     # V's padding columns stay unwritten: an output column reads only its own V column, and out's padding columns
     # are sliced away (the SM100 kernel does not load them).
     v[..., :v_dim] = torch.matmul(latent[:, :r], w_uv.flatten(0, 1).T).view(shape)
-    q = torch.cat([q_nope, q_rope, q_nope.new_zeros((t, h, head_dim - nope - rope))], dim=2)
-    tmp = PagedKVCacheCollection(blocks, c.cache_lengths, lut.to(device=dev, dtype=torch.int32), max_seq_length,
-                                 max_cache_length, validate=False)
-    return q, tmp
+    return torch.cat([q_nope, q_rope, q_nope.new_zeros((t, h, head_dim - nope - rope))], dim=2)
 
 
 def _latent_rows(collection, layer_idx: int, owner: torch.Tensor, pos: torch.Tensor, num_keys: torch.Tensor,
@@ -281,25 +363,33 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
     return units.with_combine(key, kernel_class, key[1], key[2], key[14], key[10])
 
 
+def prefill_workspace(key: tuple, tmp, num_tokens: int, device, causal: bool) -> tuple:
+    """``(m_blocks, splits, o_part, lse_part)`` of the SM100 launch of ``key`` over the temporary cache ``tmp``
+    (``paged_attention.launch_workspace``)."""
+    from cute_kv.kernels.attention.sm100_config import key_tile
+    from cute_kv.ops.paged_attention import launch_shape, partials, sm_count
+
+    h, d, v_dim = key[2], key[4], key[14]
+    m_blocks, splits = launch_shape(tmp, h, sm_count(device), BM, key_tile(d, v_dim), causal, num_tokens=num_tokens)
+    return m_blocks, splits, *partials(splits, num_tokens, h, v_dim, device)
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
     """``run(q, input_row_offsets, tmp, scale, causal, out)`` for one compile-time key, built once: the SM100
     kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
-    from cute_kv.kernels.attention.sm100_config import VEC, key_tile
+    from cute_kv.kernels.attention.sm100_config import VEC
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import launch_shape, partials, sm_count, unused_partials
+    from cute_kv.ops.paged_attention import unused_partials
     from cute_kv.ops.paged_attention_sm100 import score_args
     from cute_kv.ops.vectors import heads_packed, packed_heads
 
     _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim = key
     attention_unit, combine_unit = compile_units(key, arch)
-    bn = key_tile(d, v_dim)
 
-    def run(q, input_row_offsets, tmp, scale, causal, out):
-        t = q.shape[0]
-        m_blocks, splits = launch_shape(tmp, h, sm_count(q.device), BM, bn, causal, num_tokens=t)
+    def run(q, input_row_offsets, tmp, scale, causal, out, workspace=None):
+        m_blocks, splits, o_part, lse_part = workspace or prefill_workspace(key, tmp, q.shape[0], q.device, causal)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        o_part, lse_part = partials(splits, t, h, v_dim, q.device)
         lse = unused_partials(q.device, h, v_dim)[1][0]
         score_scale, cap_log2 = score_args(d, scale, None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse, tmp.blocks, tmp.blocks,
