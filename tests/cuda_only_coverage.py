@@ -24,7 +24,7 @@ CUDA_ONLY = {
     "fused_qkv.py": ["_launcher", "latent_workspace", "compile_unit", "_with_bias", "_gemm", "_max_active_clusters",
                      "_device_max_active_clusters"],
     "paged_attention.py": ["compile_units", "_launcher", "softmax_args", "partials", "scales_arg", "launch_shape",
-                           "num_splits", "window_arg", "unused_partials", "sm_count", "_device_sm_count",
+                           "num_splits", "window_arg", "unused_partials", "unused_lse", "sm_count", "_device_sm_count",
                            "launch_workspace"],
     "paged_attention_sm100.py": ["launch_shape_sm100", "score_args", "launcher_sm100"],
     "mla_decode.py": ["compile_units", "launch_shape", "launcher"],

@@ -122,11 +122,11 @@ def _run(unit, combine_unit, arch, q, out, lse, splits, o_part, lse_part, launch
     """Launch the kernel (``launch_args`` after ``q, out, o_part, lse_part, lse``: ``blocks, scales, ...``) and,
     with splits, the combine."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import unused_partials
+    from cute_kv.ops.paged_attention import unused_lse
 
     hq, d_v = q.shape[1], out.shape[-1]
     dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-    lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d_v)[1][0]
+    lse_arg = lse if return_lse and splits == 1 else unused_lse(q.device, hq, d_v)
     compiled(*unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, *launch_args)
     if splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
         compiled(*combine_unit, arch)(dst, lse if return_lse else None, o_part, lse_part, splits)

@@ -380,7 +380,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
     from cute_kv.kernels.attention.sm100_config import VEC
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import unused_partials
+    from cute_kv.ops.paged_attention import unused_lse
     from cute_kv.ops.paged_attention_sm100 import score_args
     from cute_kv.ops.vectors import heads_packed, packed_heads
 
@@ -390,7 +390,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     def run(q, input_row_offsets, tmp, scale, causal, out, workspace=None):
         m_blocks, splits, o_part, lse_part = workspace or prefill_workspace(key, tmp, q.shape[0], q.device, causal)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        lse = unused_partials(q.device, h, v_dim)[1][0]
+        lse = unused_lse(q.device, h, v_dim)
         score_scale, cap_log2 = score_args(d, scale, None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse, tmp.blocks, tmp.blocks,
                                         input_row_offsets.contiguous(), tmp.cache_lengths.contiguous(),

@@ -414,6 +414,13 @@ def unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> tu
             torch.empty((1, 1, num_q_heads), dtype=torch.float32, device=device))
 
 
+@functools.lru_cache(maxsize=None)
+def unused_lse(device: torch.device, num_q_heads: int, head_dim: int) -> torch.Tensor:
+    """The SM100 kernels' placeholder ``lse [T, Hq]`` argument (never written): ``unused_partials``' one, made once
+    rather than indexed per call."""
+    return unused_partials(device, num_q_heads, head_dim)[1][0]
+
+
 def sm_count(device: torch.device) -> int:
     """SMs of ``device`` (of the GPU a ``paths.dry_run`` stands in)."""
     target = paths.dry_target()

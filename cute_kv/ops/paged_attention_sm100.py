@@ -68,7 +68,7 @@ def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) 
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import compile_units, launch_workspace, scales_arg, unused_partials, window_arg
+    from cute_kv.ops.paged_attention import compile_units, launch_workspace, scales_arg, unused_lse, window_arg
 
     _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
     attention_unit, combine_unit = compile_units(key, arch)
@@ -80,7 +80,7 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         c = collection
         m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        lse_arg = lse if return_lse and splits == 1 else unused_partials(q.device, hq, d)[1][0]
+        lse_arg = lse if return_lse and splits == 1 else unused_lse(q.device, hq, d)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
                                         input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
