@@ -1,7 +1,8 @@
 """``cute_kv.plan_step``: a step's checks and launch choices made once, then reused by every layer's op call.
 
-Per call, ``store_kv`` and ``paged_attention`` check the step's metadata (device reads: a host sync each on CUDA)
-and choose a kernel and its launch shape. The step is the same for every layer, so a ``StepPlan`` checks it once
+Per call, the ops (``store_kv``, ``fused_qkv_matmul_kv_cache``, ``paged_attention``, ``sparse_mla_attention``,
+``mla_prefill``) check the step's metadata (device reads: a host sync each on CUDA) and choose a kernel and its
+launch shape. The step is the same for every layer, so a ``StepPlan`` checks it once
 (one device read, none with ``validate=False`` where the caller built the metadata, as the block manager does) and
 keeps, per op and per layer-independent call signature (shapes, dtypes, flags), the chosen path, its launch shape
 and its split-KV partials. A call with ``plan=`` then reads no device value, allocates only its outputs and does not
@@ -44,9 +45,10 @@ class StepPlan:
     def batch_size(self) -> int:
         return self.collection.batch_size
 
-    def check(self, op: str, collection, input_row_offsets, num_tokens: Optional[int] = None) -> None:
+    def check(self, op: str, collection, input_row_offsets, num_tokens: Optional[int] = None,
+              num_q_heads: Optional[int] = None) -> None:
         """Raise ``ValueError`` unless a call of ``op`` is over this plan's step (host-only; ``num_tokens``: the
-        call's rows, checked where given)."""
+        call's rows, ``num_q_heads``: an attention's query heads, each checked where given)."""
         if collection is not self.collection:
             raise ValueError(f"{op}: plan was made for another collection (another step's metadata); build one "
                              f"per step with cute_kv.plan_step(collection, input_row_offsets, ...)")
@@ -55,6 +57,9 @@ class StepPlan:
                              f"plan this step again")
         if num_tokens is not None and num_tokens != self.num_tokens:
             raise ValueError(f"{op}: the call has {num_tokens} rows but the plan's step has {self.num_tokens}")
+        if None not in (num_q_heads, self.num_q_heads) and num_q_heads != self.num_q_heads:
+            raise ValueError(f"{op}: q has {num_q_heads} heads but the plan was made with num_q_heads="
+                             f"{self.num_q_heads}")
 
     def check_positions(self, op: str, freqs_cis: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``freqs_cis`` has a row for every new token's position (known when the plan
@@ -66,7 +71,10 @@ class StepPlan:
     def entry(self, key: tuple, prepare: Callable[[], object]):
         """What ``prepare()`` returned for ``key`` (an op and its layer-independent call signature), made on the
         first call with it."""
-        found = self._entries.get(key, _MISSING)
+        try:
+            found = self._entries.get(key, _MISSING)
+        except TypeError:  # an unhashable argument: the first call's checks reject it
+            return prepare()
         if found is _MISSING:
             found = self._entries[key] = prepare()
         return found
@@ -89,15 +97,22 @@ def signature(x) -> object:
     return type(x)
 
 
+def call_key(op: str, tensors: tuple, values: tuple) -> tuple:
+    """A plan entry's key: ``op``, the ``signature`` of each of ``tensors`` (tensors, dataclasses, None) and the
+    scalar ``values`` with their types (``True`` and ``1`` are equal keys but not equally valid arguments)."""
+    return op, *map(signature, tensors), values, tuple(map(type, values))
+
+
 def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optional[int] = None,
               num_tokens: Optional[int] = None, validate: bool = True) -> StepPlan:
     """Check a step once and return its ``StepPlan``, for ops called with ``plan=``.
 
     ``num_tokens``: the step's rows ``T`` (``input_row_offsets[-1]``); without it, it is read with the checks.
-    ``num_q_heads``: the attention's query heads, when known (recorded; the ops check their own). The checks are
-    those of the per-call ops (``check_step``), all reduced on the metadata's device and read in one device-to-host
-    copy; an invalid step is then checked again as the ops do, for the message. ``validate=False`` reads nothing:
-    the caller guarantees the metadata (the block manager builds them), and must give ``num_tokens``.
+    ``num_q_heads``: the attention's query heads, when known (attention calls with other heads are refused). The
+    checks are those of the per-call ops (``check_step``), all reduced on the metadata's device and read in one
+    device-to-host copy with the step's lengths (``mla_prefill`` sizes its temporary cache from them); an invalid
+    step is then checked again as the ops do, for the message. ``validate=False`` reads nothing: the caller
+    guarantees the metadata (the block manager builds them), and must give ``num_tokens``.
     """
     if num_tokens is None:
         if not validate:

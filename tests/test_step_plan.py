@@ -148,6 +148,12 @@ def test_a_plan_serves_only_its_step(rng):
         cute_kv.store_kv(k[:8], k[:8], ro, c, 0, plan=plan)
     with pytest.raises(ValueError, match="layer_idx must be in"):
         cute_kv.store_kv(k, k, ro, c, 2, plan=plan)
+    cute_kv.paged_attention(q, ro, c, 0, window=1, plan=plan)
+    for window in ([3], True):  # unhashable; equal to the planned 1 as a key, but a bool
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            cute_kv.paged_attention(q, ro, c, 0, window=window, plan=plan)
+    with pytest.raises(ValueError, match="q has 4 heads but the plan was made with num_q_heads=8"):
+        cute_kv.paged_attention(q, ro, c, 0, plan=_plan(pb, num_q_heads=8))
 
 
 # -- layer calls on the launch paths ----------------------------------------------------------------------------------

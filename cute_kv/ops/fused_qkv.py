@@ -15,7 +15,7 @@ from cute_kv.reference.norm import QKNorm
 from cute_kv.reference.qkv import kv_columns, q_head_dim
 from cute_kv.reference.rope import RopeConfig
 from cute_kv.reference.weights import Fp8Weight, Int4Weight
-from cute_kv.step_plan import signature
+from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "fused_qkv_matmul_kv_cache"
@@ -49,8 +49,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
         collection.check_layer(layer_idx)
-        path = plan.entry((OP, signature(hidden), signature(weight), signature(output), signature(bias),
-                           signature(rope), signature(qk_norm)),
+        path = plan.entry(call_key(OP, (hidden, weight, output, bias, rope, qk_norm), ()),
                           lambda: _planned(hidden, input_row_offsets, weight, collection, layer_idx, output, bias,
                                            rope, qk_norm, plan))
         if output is None:

@@ -47,7 +47,7 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
 from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS
 from cute_kv.ops import paths, units
-from cute_kv.step_plan import signature
+from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "mla_prefill"
@@ -86,8 +86,7 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: t
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
         collection.check_layer(layer_idx)
-        v_dim, run = plan.entry((OP, signature(q_nope), signature(q_rope), signature(w_uk), signature(w_uv),
-                                 signature(scale), causal, signature(out)),
+        v_dim, run = plan.entry(call_key(OP, (q_nope, q_rope, w_uk, w_uv, out), (scale, causal)),
                                 lambda: _planned(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk,
                                                  w_uv, scale, causal, out, plan))
         if out is None:
@@ -210,7 +209,7 @@ def _planned(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_u
     """The first call of a plan with this signature: checked (the step's values by the plan), then its path and
     buffers chosen for every layer; ``(v_dim, run)``, no run for a step without tokens."""
     v_dim = _check(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk, w_uv, scale, causal, out, False)
-    step.check(OP, collection, input_row_offsets, q_nope.shape[0])  # the shapes are the entry's key: once
+    step.check(OP, collection, input_row_offsets, *q_nope.shape[:2])  # the shapes are the entry's key: once
     if q_nope.shape[0] == 0:
         return v_dim, None
     lengths = step.lengths if step.lengths is not None else step_lengths(input_row_offsets, collection.cache_lengths)

@@ -14,7 +14,7 @@ from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_li
 from cute_kv.ops import mla_decode, mla_decode_sm100, paths, units
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_chunk, tile_geometry
-from cute_kv.step_plan import signature
+from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "paged_attention"
@@ -59,8 +59,7 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
         collection.check_layer(layer_idx)
-        d_v, run = plan.entry((OP, signature(q), causal, window, scale, softcap, signature(sinks), return_lse, mla_v_dim,
-                               signature(out)),
+        d_v, run = plan.entry(call_key(OP, (q, sinks, out), (causal, window, scale, softcap, return_lse, mla_v_dim)),
                               lambda: _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
                                                softcap, sinks, return_lse, mla_v_dim, out, plan))
         out, lse = outputs(q, d_v, out, return_lse)
@@ -100,7 +99,7 @@ def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
     sized once, split-KV partials included; ``(D_v, run)``."""
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
                  mla_v_dim, out, False)
-    step.check(OP, collection, input_row_offsets, q.shape[0])  # the shapes are the entry's key: once
+    step.check(OP, collection, input_row_offsets, *q.shape[:2])  # the shapes are the entry's key: once
     softcap = softcap or None
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
                                                                 return_lse, mla_v_dim, window))

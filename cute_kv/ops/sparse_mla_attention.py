@@ -9,7 +9,7 @@ import torch
 from cute_kv.ops import paths
 from cute_kv.ops.paged_attention import check_logits_and_output, outputs
 from cute_kv.reference import sparse_mla as reference
-from cute_kv.step_plan import signature
+from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_row_offsets, check_tensor, uint32_bits
 
 OP = "sparse_mla_attention"
@@ -44,8 +44,7 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
         plan.check(OP, collection, input_row_offsets)
         collection.check_layer(layer_idx)
         path, workspace = plan.entry(
-            (OP, signature(q), signature(indices), mla_v_dim, signature(scale), signature(topk_lengths),
-             signature(softcap), signature(sinks), return_lse, signature(out)),
+            call_key(OP, (q, indices, topk_lengths, sinks, out), (mla_v_dim, scale, softcap, return_lse)),
             lambda: _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths,
                              softcap, sinks, return_lse, out, plan))
         out, lse = outputs(q, mla_v_dim, out, return_lse)
@@ -83,7 +82,7 @@ def _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, sc
     once; ``(path, workspace)``, None for the reference."""
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
            return_lse, out, False)
-    step.check(OP, collection, input_row_offsets, q.shape[0])  # the shapes are the entry's key: once
+    step.check(OP, collection, input_row_offsets, *q.shape[:2])  # the shapes are the entry's key: once
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch,
                                                                 mla_v_dim, scale, softcap or None, sinks,
                                                                 return_lse))

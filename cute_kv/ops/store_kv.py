@@ -9,7 +9,7 @@ import torch
 from cute_kv import dtypes, reference
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import packed_heads
-from cute_kv.step_plan import signature
+from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "store_kv"
@@ -38,8 +38,8 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
         collection.check_layer(layer_idx)
-        run = plan.entry((OP, signature(k), signature(v)), lambda: _planned(k, v, input_row_offsets, collection, layer_idx,
-                                                                   plan))
+        run = plan.entry(call_key(OP, (k, v), ()),
+                         lambda: _planned(k, v, input_row_offsets, collection, layer_idx, plan))
         run(k, v, plan.offsets_bits, collection, layer_idx)
         return
     _check(k, v, input_row_offsets, collection, layer_idx, validate)
