@@ -74,9 +74,10 @@ def kernel_units(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple
         if path.key is not None:
             units.append(fused_qkv.compile_unit(dataclasses.replace(path.key, has_bias=model.qkv_bias), arch))
         for lut_vector in (True, False):  # both lookup-row load widths a step may take
-            path = paged_attention.plan(*_step(model, p, lut_vector), arch)
+            step = _step(model, p, lut_vector)
+            path = paged_attention.plan(*step, arch)
             if path.key is not None:
-                units += paged_attention.compile_units(path.key, arch)
+                units += paged_attention.backend(step[0], arch).compile_units(path.key, arch)
     return list({repr(key): (key, build) for key, build in units}.values())  # the combine serves every page size
 
 

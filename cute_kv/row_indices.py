@@ -51,3 +51,11 @@ class PagedRowIndices:
         if self.pair_cta and not self.is_leader:
             return self.get_row(offset + self.bn // 2)
         return self.get_row(offset)
+
+
+def lut_vector(collection, key_tile: int) -> bool:
+    """Whether the kernel may read the lookup table's rows in ``lut_chunk`` vectors (width, stride, alignment)."""
+    p = collection.page_size
+    chunk = lut_chunk(tile_geometry(key_tile, p)[1], key_tile, p)
+    lut = collection.lookup_table
+    return lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0

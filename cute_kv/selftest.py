@@ -632,7 +632,7 @@ def _serve(conn, device_name: str, runner: Callable, cache_dir: Optional[str]) -
     device = torch.device(device_name)
     flashinfer, info = None, {"device": str(device), "arch": None, "sm_count": None, "peer": None}
     if device.type == "cuda":
-        from cute_kv.ops.paged_attention import sm_count
+        from cute_kv.ops.splits import sm_count
 
         info.update(device=torch.cuda.get_device_name(device), arch=paths.device_arch(device),
                     sm_count=sm_count(device))

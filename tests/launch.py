@@ -38,7 +38,7 @@ from tvm_ffi._dtype import DataTypeCode
 from cute_kv.kernels import compile_cache
 from cute_kv.ops import paths
 from cute_kv.kernels.mla.sm100_config import V_SPLIT
-from cute_kv.ops.paged_attention import MAX_GRID_Y, MAX_GRID_Z
+from cute_kv.ops.splits import MAX_GRID_Y, MAX_GRID_Z
 
 # What each kernel's grid is made of: int arguments and tensor dims (``"name.shape[i]"``), by the jit class's name.
 GRID = {

@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_kv.collection import PagedKVCacheCollection
-from cute_kv.ops.paged_attention import MAX_GRID_Y, MAX_SPLITS, SPLIT_COST, launch_shape, num_splits, plan
+from cute_kv.ops.paged_attention import plan
+from cute_kv.ops.splits import MAX_GRID_Y, MAX_SPLITS, SPLIT_COST, launch_shape, num_splits
 from cute_kv.reference.batch import random_paged_batch
 
 H100_SMS = 132

@@ -21,7 +21,8 @@ import artifacts
 
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, tiling
-from cute_kv.ops.paged_attention import plan, window_arg
+from cute_kv.ops.paged_attention import plan
+from cute_kv.ops.paged_attention_sm90 import window_arg
 from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, score_args
 from cute_kv.reference.batch import random_paged_batch
 
@@ -534,6 +535,7 @@ def test_sm100_refuses_steps_past_the_store_window():
     pb = random_paged_batch([3], [1], num_heads=8, head_size=128, page_size=16, dtype=torch.bfloat16,
                             generator=torch.Generator().manual_seed(0))
     q = torch.empty(RAGGED_ROWS, 32, 128, dtype=torch.bfloat16, device="meta")
-    path = plan_sm100(pb.collection, q, None, False, False, False)
+    flags = dict(granularity=None, softcap=None, sinks=None, return_lse=False)
+    path = plan_sm100(pb.collection, q, "sm_100a", **flags)
     assert path.path == "reference" and "2^30" in path.reason
-    assert plan_sm100(pb.collection, q[: RAGGED_ROWS - 1], None, False, False, False).path == "kernel"
+    assert plan_sm100(pb.collection, q[: RAGGED_ROWS - 1], "sm_100a", **flags).path == "kernel"

@@ -471,7 +471,7 @@ def test_contract_rejects_a_tensor_made_on_the_host():
 def test_contract_catches_a_launcher_that_allocates_on_the_host(rng, monkeypatch):
     """End to end: split-KV partials allocated without ``device=`` are CPU tensors on a GPU, and the op fails on the
     contract."""
-    from cute_kv.ops import paged_attention
+    from cute_kv.ops import splits
 
     pb = _batch("mla-bf16", "decode-split")
     fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
@@ -481,7 +481,7 @@ def test_contract_catches_a_launcher_that_allocates_on_the_host(rng, monkeypatch
         return (torch.empty((splits, t, num_q_heads, head_dim), dtype=torch.float32),
                 torch.empty((splits, t, num_q_heads), dtype=torch.float32))
 
-    monkeypatch.setattr(paged_attention, "partials", partials)
+    monkeypatch.setattr(splits, "partials", partials)
     with pytest.raises(ContractError, match=re.escape("MLADecode: o_part was made on the host")):
         _run("sm_90a", fn, args, kwargs)
 
@@ -567,11 +567,11 @@ def test_loose_max_seq_length_launches_the_steps_grid(op, kind, arch):
 def test_contract_checks_the_grids_y_dimension(rng, monkeypatch):
     """The attention grid's y dimension is KV heads x splits, at most 65535: a split count past it fails the
     contract (2 KV heads x 32768 splits)."""
-    from cute_kv.ops import paged_attention
+    from cute_kv.ops import splits
 
     pb = _batch("bf16", "decode-split")
     fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
-    monkeypatch.setattr(paged_attention, "num_splits", lambda ctas, key_tiles, slots, limit: 32768)
+    monkeypatch.setattr(splits, "num_splits", lambda ctas, key_tiles, slots, limit: 32768)
     with pytest.raises(ContractError, match=re.escape(
             "PagedAttention: grid dimension y from self.num_kv_heads x num_splits is 65536, past CUDA's 65535")):
         _run("sm_90a", fn, args, kwargs)
@@ -580,13 +580,13 @@ def test_contract_checks_the_grids_y_dimension(rng, monkeypatch):
 def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch):
     """End to end: a launcher that stopped packing q's heads hands a strided q to a kernel compiled for packed
     heads, and the op fails on the contract."""
-    from cute_kv.ops import paged_attention
+    from cute_kv.ops import paged_attention_sm90
 
     pb = _batch("bf16", "ragged")
     fn, args, kwargs = _paged_attention(pb, "strided", rng)
     launches, _ = _run("sm_90a", fn, args, kwargs)
     assert launches.kernels == ["PagedAttention"]
-    monkeypatch.setattr(paged_attention, "packed_heads", lambda x, vec: x)
+    monkeypatch.setattr(paged_attention_sm90, "packed_heads", lambda x, vec: x)
     with pytest.raises(ContractError, match=re.escape("PagedAttention: q.strides[1] is 136, expected 128")):
         _run("sm_90a", fn, args, kwargs)
 

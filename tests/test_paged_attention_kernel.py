@@ -14,7 +14,7 @@ import torch
 import cute_kv
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.config import BM, key_tile
-from cute_kv.ops.paged_attention import launch_shape
+from cute_kv.ops.splits import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import bits, rel_err

@@ -76,7 +76,7 @@ def plan(collection, out: torch.Tensor, arch: str) -> paths.KernelPath:
     instead: fp8 caches, dtypes, page sizes and head dims it does not tile, misaligned tensors, more requests than
     its grid holds."""
     from cute_kv.kernels.cache.gather import DTYPES, HEAD_DIMS, PAGE_SIZES
-    from cute_kv.ops.paged_attention import MAX_GRID_Z
+    from cute_kv.ops.splits import MAX_GRID_Z
 
     c = collection
     name = dtypes.dtype_name(c.dtype)

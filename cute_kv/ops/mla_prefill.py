@@ -170,8 +170,8 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
          v_dim: int, dtype: str, arch: Optional[str], causal: bool = True) -> Route:
     """The step's path on ``arch`` (None: off CUDA) for ``lengths`` (``step_lengths``): the one of fewer FLOPs
     (decompressed on a tie), with the decompressed attention's dims as the kernel of ``arch`` runs them; the SM100
-    kernel only for a grid within CUDA's limits (``paged_attention.grid_problem``)."""
-    from cute_kv.ops.paged_attention import grid_problem
+    kernel only for a grid within CUDA's limits (``splits.grid_problem``)."""
+    from cute_kv.ops.splits import grid_problem
 
     qk = nope_dim + rope_dim
     native = arch is None or (arch == "sm_100a" and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
@@ -364,9 +364,9 @@ def compile_units(key: tuple, arch: str) -> list[tuple]:
 
 def prefill_workspace(key: tuple, tmp, num_tokens: int, device, causal: bool) -> tuple:
     """``(m_blocks, splits, o_part, lse_part)`` of the SM100 launch of ``key`` over the temporary cache ``tmp``
-    (``paged_attention.launch_workspace``)."""
+    (``paged_attention_sm90.launch_workspace``)."""
     from cute_kv.kernels.attention.sm100_config import key_tile
-    from cute_kv.ops.paged_attention import launch_shape, partials, sm_count
+    from cute_kv.ops.splits import launch_shape, partials, sm_count
 
     h, d, v_dim = key[2], key[4], key[14]
     m_blocks, splits = launch_shape(tmp, h, sm_count(device), BM, key_tile(d, v_dim), causal, num_tokens=num_tokens)
@@ -379,7 +379,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
     from cute_kv.kernels.attention.sm100_config import VEC
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import unused_lse
+    from cute_kv.ops.splits import unused_lse
     from cute_kv.ops.paged_attention_sm100 import score_args
     from cute_kv.ops.vectors import heads_packed, packed_heads
 

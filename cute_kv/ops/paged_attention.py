@@ -1,4 +1,7 @@
-"""``cute_kv.paged_attention``: causal / sliding-window attention of a ragged step over a paged KV cache."""
+"""``cute_kv.paged_attention``: causal / sliding-window attention of a ragged step over a paged KV cache.
+
+The op checks its arguments and what every attention kernel shares, then looks its backend up in the table
+``BACKENDS`` (by the cache kind and the arch: ``FAMILIES``) and hands it the call: plan, launch workspace, launcher."""
 
 from __future__ import annotations
 
@@ -10,19 +13,17 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, index_limits, key_tile, supported
-from cute_kv.ops import mla_decode, mla_decode_sm100, paths, units
-from cute_kv.ops.vectors import heads_packed, packed_heads
-from cute_kv.row_indices import lut_chunk, tile_geometry
+from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits
+from cute_kv.ops import mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
+from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
-OP = "paged_attention"
-LOG2E = math.log2(math.e)
-MAX_SPLITS = 32
-# CUDA's grid limits. The attention kernels' grid: (query blocks, KV heads x key splits, requests).
-MAX_GRID_X, MAX_GRID_Y, MAX_GRID_Z = 2**31 - 1, 65535, 65535
-SPLIT_COST = 1  # key tiles' worth of time a split adds: its prologue, epilogue and combine share
+# The kernel family of a cache kind (MLA or not) on an arch, and each family's backend.
+FAMILIES = {(False, "sm_90a"): Family.SM90_MHA, (False, "sm_100a"): Family.SM100_MHA,
+            (True, "sm_90a"): Family.SM90_MLA, (True, "sm_100a"): Family.SM100_MLA}
+BACKENDS = {b.family: b for b in (paged_attention_sm90.BACKEND, paged_attention_sm100.BACKEND, mla_decode.BACKEND,
+                                  mla_decode_sm100.BACKEND)}
 
 
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
@@ -88,7 +89,7 @@ def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale,
     ``lse`` if given)."""
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
                                                                 lse is not None, mla_v_dim, window))
-    run = reference.paged_attention if path is None else _launcher(path.key, path.arch)
+    run = reference.paged_attention if path is None else backend(collection, path.arch).launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
         sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
 
@@ -105,8 +106,9 @@ def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
                                                                 return_lse, mla_v_dim, window))
     if path is None:
         return d_v, reference.paged_attention
-    return d_v, functools.partial(_launcher(path.key, path.arch),
-                                  workspace=launch_workspace(path.key, q, collection, causal, window))
+    chosen = backend(collection, path.arch)
+    return d_v, functools.partial(chosen.launcher(path.key, path.arch),
+                                  workspace=chosen.launch_workspace(path.key, q, collection, causal, window))
 
 
 def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = True, window: Optional[int] = None,
@@ -189,11 +191,11 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
          sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
          window: Optional[int] = None) -> paths.KernelPath:
     """The kernel serving these arguments on ``arch`` (``PagedAttention`` on SM90, ``PagedAttentionSm100`` on
-    SM100, MLA caches: ``mla_decode.plan``) with its compile-time key, or why the reference runs instead: q in
-    another dtype than a 16-bit cache, head dims, page sizes or granules the kernel cannot tile (``attention/config.supported``,
-    ``attention/sm100_config.supported``), a misaligned cache or float32 scales, a cache past the kernels' int32
-    indices (``attention/config.index_limits``), a grid past CUDA's limits (``grid_problem``), a non-positive scale
-    without soft-cap."""
+    SM100, MLA caches: ``MLADecode``, ``MlaDecodeSm100``; each backend's ``plan``) with its compile-time key, or why
+    the reference runs instead: q in another dtype than a 16-bit cache, head dims, page sizes or granules the kernel
+    cannot tile (``attention/config.supported``, ``attention/sm100_config.supported``), a misaligned cache or float32
+    scales, a cache past the kernels' int32 indices (``attention/config.index_limits``), a grid past CUDA's limits
+    (``splits.grid_problem``), a non-positive scale without soft-cap."""
     c = collection
 
     def fallback(reason):
@@ -214,218 +216,14 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
     if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
         return fallback("the float32 scales are not 4-byte aligned")
-    if c.is_mla:
-        return mla_decode.plan(c, q, arch, mla_v_dim, softcap, sinks, return_lse, window, scale)
-    if arch == "sm_100a":
-        from cute_kv.ops.paged_attention_sm100 import plan_sm100
-
-        return plan_sm100(c, q, granularity, bool(softcap), sinks is not None, return_lse)
-    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    problem = grid_problem(c.batch_size, h, query_blocks(c, hq, BM, q.shape[0])) or supported(
-        hq, h, d, p, kv_dtype_name, granularity)
-    if problem:
-        return fallback(problem)
-    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
-           sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
-    return paths.kernel(OP, "PagedAttention", key, arch)
+    family = FAMILIES.get((c.is_mla, arch))
+    if family is None:  # plan asked directly for an arch without kernels (route and explain refuse it)
+        return fallback(f"{'MLA cache: ' if c.is_mla else ''}no attention kernel for {arch} yet")
+    return BACKENDS[family].plan(c, q, arch, granularity=granularity, scale=scale, softcap=softcap, sinks=sinks,
+                                 return_lse=return_lse, mla_v_dim=mla_v_dim, window=window)
 
 
-def lut_vector(collection, key_tile: int) -> bool:
-    """Whether the kernel may read the lookup table's rows in ``lut_chunk`` vectors (width, stride, alignment)."""
-    p = collection.page_size
-    chunk = lut_chunk(tile_geometry(key_tile, p)[1], key_tile, p)
-    lut = collection.lookup_table
-    return lut.shape[1] % chunk == 0 and lut.stride(0) % chunk == 0 and lut.data_ptr() % (4 * chunk) == 0
-
-
-def compile_units(key: tuple, arch: str) -> list[tuple]:
-    """``(compile key, build)`` of each kernel one ``plan`` key launches (the attention kernel, then the split-KV
-    combine): what the launcher compiles and ``prebuild`` compiles ahead."""
-    if key[0] == mla_decode.KEY:
-        return mla_decode.compile_units(key, arch)
-    if key[0] == mla_decode_sm100.KEY:
-        return mla_decode_sm100.compile_units(key, arch)
-    def kernel_class():
-        if key[0] == "paged_attention_sm100":
-            from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
-
-            return PagedAttentionSm100
-        from cute_kv.kernels.attention.sm90 import PagedAttention
-
-        return PagedAttention
-
-    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[10])
-
-
-def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, window: Optional[int]) -> tuple:
-    """``(m_blocks, splits, o_part, lse_part)`` of a launch of ``plan`` key ``key`` for the step of ``q``: its grid
-    (each kernel's ``launch_shape``) and split-KV ``partials`` over its value width. A launcher makes one per call,
-    a ``StepPlan`` once for all its layers (persistent partials)."""
-    from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100
-
-    c, (t, hq, d), slots = collection, q.shape, sm_count(q.device)
-    if key[0] == mla_decode.KEY:
-        shape, v_dim = mla_decode.launch_shape(c, hq, slots, causal, window, num_tokens=t), key[4]
-    elif key[0] == mla_decode_sm100.KEY:  # no window: the plan sends windowed calls to the reference
-        shape, v_dim = mla_decode_sm100.launch_shape(c, hq, slots, causal, num_tokens=t), key[4]
-    elif key[0] == "paged_attention_sm100":
-        shape, v_dim = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t), d
-    else:
-        shape, v_dim = launch_shape(c, hq, slots, BM, key_tile(d), causal, window, num_tokens=t), d
-    return (*shape, *partials(shape[1], t, hq, v_dim, q.device))
-
-
-@functools.lru_cache(maxsize=None)
-def _launcher(key: tuple, arch: str) -> Callable:
-    """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
-    if key[0] == "paged_attention_sm100":
-        from cute_kv.ops.paged_attention_sm100 import launcher_sm100
-
-        return launcher_sm100(key, arch)
-    if key[0] == mla_decode.KEY:
-        return mla_decode.launcher(key, arch)
-    if key[0] == mla_decode_sm100.KEY:
-        return mla_decode_sm100.launcher(key, arch)
-    from cute_kv.kernels.compile_cache import compiled
-
-    d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
-    attention_unit, combine_unit = compile_units(key, arch)
-
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
-        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
-            return (out, lse) if return_lse else out
-        c = collection
-        m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
-        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
-        sinks = None if sinks is None else sinks.contiguous()
-        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
-                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
-                                        scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, splits,
-                                        int(causal), window_arg(window), score_scale, softmax_scale_log2)
-        if splits > 1:
-            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, splits)
-        if dst is not out:
-            out.copy_(dst)
-        return (out, lse) if return_lse else out
-
-    return run
-
-
-def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
-    """The SM90 kernels' ``(score_scale, softmax_scale_log2)``: ``q.k`` is scaled inside the base-2 exponent, or,
-    soft-capped, by ``scale / softcap`` inside the tanh with ``softcap`` moved into the exponent's scale."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    return (scale / softcap, softcap * LOG2E) if softcap else (1.0, scale * LOG2E)
-
-
-def partials(splits: int, t: int, num_q_heads: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV partials ``O/l [splits, T, Hq, D]`` and base-2 ``lse [splits, T, Hq]`` (float32); one split writes
-    the output itself, but the kernel's signature still takes them."""
-    if splits == 1:
-        return unused_partials(device, num_q_heads, head_dim)
-    return (torch.empty((splits, t, num_q_heads, head_dim), dtype=torch.float32, device=device),
-            torch.empty((splits, t, num_q_heads), dtype=torch.float32, device=device))
-
-
-def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
-    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
-    if granularity is None:
-        return None
-    return scales.view(torch.uint8) if e8m0 else scales
-
-
-def longest_run(collection, num_tokens: int) -> int:
-    """The longest new-token run a launch is sized for: ``max_seq_length`` bounds it, but a collection may set that
-    loosely (up to 2**32 - 1), so the step's ``num_tokens`` (``T``) bounds it too."""
-    return min(collection.max_seq_length, num_tokens)
-
-
-def query_blocks(collection, num_q_heads: int, bm: int, num_tokens: int) -> int:
-    """Query blocks of ``bm`` packed rows per (request, KV head): the ``longest_run``'s rows of a GQA group."""
-    return -(-longest_run(collection, num_tokens) * (num_q_heads // collection.num_heads) // bm)
-
-
-def grid_problem(num_requests: int, num_kv_heads: int, m_blocks: int) -> Optional[str]:
-    """Why an attention grid of ``m_blocks`` query blocks, ``num_kv_heads`` x splits and ``num_requests`` would
-    pass CUDA's limits, or None (``launch_shape`` keeps the splits within ``MAX_GRID_Y``)."""
-    if num_requests > MAX_GRID_Z:
-        return f"{num_requests} requests exceed the kernels' grid (one z index per request, at most {MAX_GRID_Z})"
-    if num_kv_heads > MAX_GRID_Y:
-        return f"{num_kv_heads} KV heads exceed the kernels' grid (y indices per KV head, at most {MAX_GRID_Y})"
-    if m_blocks > MAX_GRID_X:
-        return f"{m_blocks} query blocks per request exceed the kernels' grid (at most {MAX_GRID_X} x indices)"
-    return None
-
-
-def launch_shape(collection, num_q_heads: int, slots: int, bm: int, bn: int, causal: bool = True,
-                 window: Optional[int] = None, *, num_tokens: int) -> tuple[int, int]:
-    """``(m_blocks, splits)``: ``query_blocks`` of ``bm`` packed rows per (request, KV head) for the step's
-    ``num_tokens`` (``T``), and key splits of ``bn``-key tiles for ``slots`` resident CTAs (``num_splits``), at
-    most ``MAX_GRID_Y`` per KV head and split together. A causal step of several query blocks does not split: its
-    blocks see different numbers of tiles, so a split count fit for the longest leaves the shortest with empty
-    splits. A sliding window bounds the keys a block sees (the window and its tokens) whatever the context, so the
-    splits are fit to those tiles. The CTAs the wave model counts are the (query block, KV head) pairs that hold
-    rows: at most ``T * group // bm`` blocks plus one per request with tokens, so requests with no new token and
-    the short requests' empty blocks (which exit at once) are not counted."""
-    c = collection
-    group = num_q_heads // c.num_heads
-    m_blocks = query_blocks(c, num_q_heads, bm, num_tokens)
-    if causal and m_blocks > 1:
-        return m_blocks, 1
-    key_tiles = -(-c.max_cache_length // bn)
-    if window is not None:  # window + tokens - 1 keys, one tile more where they start inside one
-        key_tiles = min(key_tiles, -(-(window + longest_run(c, num_tokens) - 1) // bn) + 1)
-    # sum_b ceil(n_b g / bm) <= T g / bm + (requests with n_b > 0)
-    blocks = min(c.batch_size * m_blocks, num_tokens * group // bm + min(c.batch_size, num_tokens))
-    return m_blocks, num_splits(max(blocks, 1) * c.num_heads, key_tiles, slots,
-                                min(MAX_SPLITS, MAX_GRID_Y // c.num_heads))
-
-
-def num_splits(ctas: int, key_tiles: int, slots: int, limit: int = MAX_SPLITS) -> int:
-    """Key splits per (query block, KV head, request) by wave quantization: splitting ``key_tiles`` ``s`` ways makes
-    ``ctas * s`` CTAs of ``ceil(key_tiles / s)`` tiles each, which run in ``ceil(ctas * s / slots)`` waves; the
-    estimated time is waves x (tiles per CTA + ``SPLIT_COST`` for a CTA's prologue, epilogue and its share of the
-    combine). The fastest ``s`` up to ``limit`` wins (the smallest on a tie); every split keeps at least two tiles
-    and no split is empty (``(s - 1) * ceil(key_tiles / s) < key_tiles``)."""
-    best, best_cost = 1, None
-    for s in range(1, min(limit, key_tiles // 2) + 1):
-        per = -(-key_tiles // s)
-        if (s - 1) * per >= key_tiles:
-            continue
-        cost = -(-ctas * s // slots) * (per + SPLIT_COST)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
-
-def window_arg(window: Optional[int]) -> int:
-    """The kernel's int32 ``window``: 0 for none; a wider window than int32 holds masks nothing more than 2^31-1."""
-    return 0 if window is None else min(window, 2**31 - 1)
-
-
-@functools.lru_cache(maxsize=None)
-def unused_partials(device: torch.device, num_q_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholder partials for single-split launches (never written), allocated once per device and shape."""
-    return (torch.empty((1, 1, num_q_heads, head_dim), dtype=torch.float32, device=device),
-            torch.empty((1, 1, num_q_heads), dtype=torch.float32, device=device))
-
-
-@functools.lru_cache(maxsize=None)
-def unused_lse(device: torch.device, num_q_heads: int, head_dim: int) -> torch.Tensor:
-    """The SM100 kernels' placeholder ``lse [T, Hq]`` argument (never written): ``unused_partials``' one, made once
-    rather than indexed per call."""
-    return unused_partials(device, num_q_heads, head_dim)[1][0]
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of ``device`` (of the GPU a ``paths.dry_run`` stands in)."""
-    target = paths.dry_target()
-    return _device_sm_count(device) if target is None else target.sm_count
-
-
-@functools.lru_cache(maxsize=None)
-def _device_sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def backend(collection, arch: str) -> Backend:
+    """The backend serving ``collection`` (MHA/GQA or MLA) on ``arch``: its plan, compile units, launch workspace
+    and launcher."""
+    return BACKENDS[FAMILIES[collection.is_mla, arch]]

@@ -1,7 +1,8 @@
-"""``paged_attention`` on SM100 (Blackwell): which calls ``PagedAttentionSm100`` serves, its key and launcher.
+"""``paged_attention`` on SM100 (Blackwell) over an MHA/GQA cache: which calls ``PagedAttentionSm100`` serves, its
+key, compile units, launch workspace and launcher (the SM100 MHA backend), and SM100's ``score_args``.
 
-The SM90 entry (``paged_attention.py``) checks what both archs share (dtypes, alignment, int32 limits) and hands
-``sm_100a`` calls here. The API flags (``softcap``, ``sinks``, ``return_lse``) are part of the compile key.
+``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands
+``sm_100a`` calls over MHA caches here. The API flags (``softcap``, ``sinks``, ``return_lse``) are part of the compile key.
 """
 
 from __future__ import annotations
@@ -14,44 +15,44 @@ import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile, supported, uses_gather4
-from cute_kv.ops import paths
+from cute_kv.ops import paths, splits, units
+from cute_kv.ops.attention_backends import OP, Backend, Family
+from cute_kv.ops.paged_attention_sm90 import scales_arg, window_arg
 from cute_kv.ops.vectors import heads_packed, packed_heads
+from cute_kv.row_indices import lut_vector
 
 LOG2E = math.log2(math.e)
 RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
 KEY = "paged_attention_sm100"
+KERNEL = "PagedAttentionSm100"
 
 
-def plan_sm100(collection, q, granularity: Optional[int], softcap: bool, sinks: bool,
-               return_lse: bool) -> paths.KernelPath:
+def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
+               sinks: Optional[torch.Tensor], return_lse: bool, **_) -> paths.KernelPath:
     """``PagedAttentionSm100``'s key for these arguments, or why the reference runs instead: head dims, page sizes
     or granules the kernel cannot tile (``sm100_config.supported``: fp8 caches need pages of 8+ rows that tile the
-    key tile), a grid past CUDA's limits (``paged_attention.grid_problem``)."""
-    from cute_kv.ops.paged_attention import OP, grid_problem, lut_vector, query_blocks
-
+    key tile), a grid past CUDA's limits (``splits.grid_problem``)."""
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    problem = grid_problem(c.batch_size, h, query_blocks(c, hq, BM, q.shape[0])) or supported(
+    problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, BM, q.shape[0])) or supported(
         hq, h, d, p, kv_dtype_name, granularity)
     if not problem and q.shape[0] >= RAGGED_ROWS:
         problem = f"{q.shape[0]} query rows reach the TMA-store epilogue's ragged window shift (2^30 rows)"
     if problem:
-        return paths.reference(OP, problem, "sm_100a")
+        return paths.reference(OP, problem, arch)
     bn = key_tile(d)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), softcap, sinks,
-           return_lse, kv_dtype_name, granularity, e8m0)  # gather4 reads one lookup entry per token
-    return paths.kernel(OP, "PagedAttentionSm100", key, "sm_100a")
+    key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), bool(softcap),
+           sinks is not None, return_lse, kv_dtype_name, granularity, e8m0)  # gather4 reads one lookup entry per token
+    return paths.kernel(OP, KERNEL, key, arch)
 
 
 def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True,
                        window: Optional[int] = None, *, num_tokens: int) -> tuple[int, int]:
-    """``(m_blocks, splits)`` of ``paged_attention.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM,
-    a CTA takes all of its tensor memory) and the step's ``num_tokens``."""
-    from cute_kv.ops.paged_attention import launch_shape
-
-    return launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window,
+    """``(m_blocks, splits)`` of ``splits.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM, a CTA
+    takes all of its tensor memory) and the step's ``num_tokens``."""
+    return splits.launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window,
                         num_tokens=num_tokens)
 
 
@@ -64,11 +65,28 @@ def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) 
     return scale * LOG2E, 1.0
 
 
+def compile_units(key: tuple, arch: str) -> list[tuple]:
+    """``(compile key, build)`` of ``PagedAttentionSm100`` for ``key`` and its split-KV combine."""
+    def kernel_class():
+        from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+        return PagedAttentionSm100
+
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[10])
+
+
+def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, window: Optional[int]) -> tuple:
+    """``(m_blocks, splits, o_part, lse_part)`` of a launch of ``key`` for the step of ``q``: its grid
+    (``launch_shape_sm100``) and split-KV partials over its head dim (``paged_attention_sm90.launch_workspace``)."""
+    t, hq, d = q.shape
+    shape = launch_shape_sm100(collection, hq, splits.sm_count(q.device), causal, window, num_tokens=t)
+    return (*shape, *splits.partials(shape[1], t, hq, d, q.device))
+
+
 @functools.lru_cache(maxsize=None)
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
     from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.paged_attention import compile_units, launch_workspace, scales_arg, unused_lse, window_arg
 
     _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
     attention_unit, combine_unit = compile_units(key, arch)
@@ -78,19 +96,22 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
             return (out, lse) if return_lse else out
         c = collection
-        m_blocks, splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
+        m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
         dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        lse_arg = lse if return_lse and splits == 1 else unused_lse(q.device, hq, d)
+        lse_arg = lse if return_lse and num_splits == 1 else splits.unused_lse(q.device, hq, d)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
                                         input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
                                         scales_arg(c.scales, granularity, e8m0),
-                                        sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, splits,
-                                        int(causal), window_arg(window), score_scale, cap_log2)
-        if splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
-            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, splits)
+                                        sinks.contiguous() if has_sinks else None, layer_idx, m_blocks,
+                                        num_splits, int(causal), window_arg(window), score_scale, cap_log2)
+        if num_splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
+            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, num_splits)
         if dst is not out:
             out.copy_(dst)
         return (out, lse) if return_lse else out
 
     return run
+
+
+BACKEND = Backend(Family.SM100_MHA, KERNEL, plan_sm100, compile_units, launcher_sm100, launch_workspace)

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from cute_kv.ops import paths
+from cute_kv.ops.mla_decode_sm100 import SPARSE
 from cute_kv.ops.paged_attention import check_logits_and_output, outputs
 from cute_kv.reference import sparse_mla as reference
 from cute_kv.step_plan import call_key
@@ -88,9 +89,7 @@ def _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, sc
                                                                 return_lse))
     if path is None:
         return None, None
-    from cute_kv.ops.mla_decode_sm100 import sparse_workspace
-
-    return path, sparse_workspace(path.key, q, indices)
+    return path, SPARSE.launch_workspace(path.key, q, indices)
 
 
 def _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out, lse,
@@ -101,11 +100,8 @@ def _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale
                                        topk_lengths=topk_lengths, softcap=softcap, sinks=sinks, out=out, lse=lse,
                                        return_lse=lse is not None)
         return
-    from cute_kv.ops import mla_decode_sm100
-
-    mla_decode_sm100.launch_sparse(path.key, path.arch)(q, collection, layer_idx, indices, topk_lengths=topk_lengths,
-                                                        scale=scale, softcap=softcap, sinks=sinks, out=out, lse=lse,
-                                                        workspace=workspace)
+    SPARSE.launcher(path.key, path.arch)(q, collection, layer_idx, indices, topk_lengths=topk_lengths, scale=scale,
+                                         softcap=softcap, sinks=sinks, out=out, lse=lse, workspace=workspace)
 
 
 def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_dim: int,
@@ -124,14 +120,11 @@ def plan(collection, q, indices, topk_lengths, arch: str, mla_v_dim: int, scale:
          softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
          return_lse: bool = False) -> paths.KernelPath:
     """The kernel serving these checked arguments on ``arch`` (``MlaDecodeSm100`` in sparse mode on ``sm_100a``:
-    ``mla_decode_sm100.plan_sparse``), or why the reference runs instead. Host values only."""
+    the ``SPARSE`` backend's ``plan_sparse``), or why the reference runs instead. Host values only."""
     if arch != "sm_100a":
         return paths.reference(OP, f"no sparse MLA kernel on {arch} yet (gather4 is SM100's)", arch)
-    from cute_kv.ops import mla_decode_sm100
-
-    return mla_decode_sm100.plan_sparse(collection, q, indices, arch, mla_v_dim=mla_v_dim, scale=scale,
-                                        topk_lengths=topk_lengths, softcap=softcap, sinks=sinks,
-                                        return_lse=return_lse)
+    return SPARSE.plan(collection, q, indices, arch, mla_v_dim=mla_v_dim, scale=scale, topk_lengths=topk_lengths,
+                       softcap=softcap, sinks=sinks, return_lse=return_lse)
 
 
 def _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,

@@ -1,7 +1,7 @@
 """Which key tiles a CTA of the attention kernels walks: the tiles any of its packed query rows may see (causal,
 sliding window), and its split's share of them; each row's key range and which tiles need no mask; and how a packed
 query row is loaded. Written once for the SM90 (MHA and MLA) and SM100 kernels; the host's plan
-replay (tests/test_attention_model.py) and split count (``ops/paged_attention.launch_shape``) follow it."""
+replay (tests/test_attention_model.py) and split count (``ops/splits.launch_shape``) follow it."""
 
 from __future__ import annotations
 

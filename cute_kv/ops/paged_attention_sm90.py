@@ -1,0 +1,115 @@
+"""``paged_attention`` on SM90 (Hopper) over an MHA/GQA cache: which calls ``PagedAttention`` serves, its key,
+compile units, launch workspace and launcher (the SM90 MHA backend), and the kernel arguments the other attention
+launchers share (``scales_arg``, ``window_arg``, SM90's ``softmax_args``).
+
+``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands
+``sm_90a`` calls over MHA caches here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import torch
+
+from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.attention.config import BM, FP8, VEC, key_tile, supported
+from cute_kv.ops import paths, splits, units
+from cute_kv.ops.attention_backends import OP, Backend, Family
+from cute_kv.ops.vectors import heads_packed, packed_heads
+from cute_kv.row_indices import lut_vector
+
+LOG2E = math.log2(math.e)
+KERNEL = "PagedAttention"
+
+
+def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
+         sinks: Optional[torch.Tensor], return_lse: bool, **_) -> paths.KernelPath:
+    """``PagedAttention``'s key for these arguments, or why the reference runs instead: head dims, page sizes or
+    granules the kernel cannot tile (``attention/config.supported``), a grid past CUDA's limits
+    (``splits.grid_problem``)."""
+    c = collection
+    q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
+    hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
+    problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, BM, q.shape[0])) or supported(
+        hq, h, d, p, kv_dtype_name, granularity)
+    if problem:
+        return paths.reference(OP, problem, arch)
+    e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
+           sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
+    return paths.kernel(OP, KERNEL, key, arch)
+
+
+def compile_units(key: tuple, arch: str) -> list[tuple]:
+    """``(compile key, build)`` of ``PagedAttention`` for ``key`` and its split-KV combine."""
+    def kernel_class():
+        from cute_kv.kernels.attention.sm90 import PagedAttention
+
+        return PagedAttention
+
+    return units.with_combine(key, kernel_class, key[1], key[2], key[4], key[10])
+
+
+def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, window: Optional[int]) -> tuple:
+    """``(m_blocks, splits, o_part, lse_part)`` of a launch of ``key`` for the step of ``q``: its grid
+    (``splits.launch_shape``) and split-KV partials over its head dim. A launcher makes one per call, a
+    ``StepPlan`` once for all its layers (persistent partials)."""
+    t, hq, d = q.shape
+    shape = splits.launch_shape(collection, hq, splits.sm_count(q.device), BM, key_tile(d), causal, window,
+                                num_tokens=t)
+    return (*shape, *splits.partials(shape[1], t, hq, d, q.device))
+
+
+@functools.lru_cache(maxsize=None)
+def launcher(key: tuple, arch: str) -> Callable:
+    """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
+    from cute_kv.kernels.compile_cache import compiled
+
+    d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
+    attention_unit, combine_unit = compile_units(key, arch)
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
+        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
+            return (out, lse) if return_lse else out
+        c = collection
+        m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
+        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
+        sinks = None if sinks is None else sinks.contiguous()
+        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
+                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
+                                        scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits,
+                                        int(causal), window_arg(window), score_scale, softmax_scale_log2)
+        if num_splits > 1:
+            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, num_splits)
+        if dst is not out:
+            out.copy_(dst)
+        return (out, lse) if return_lse else out
+
+    return run
+
+
+def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
+    """The SM90 kernels' ``(score_scale, softmax_scale_log2)``: ``q.k`` is scaled inside the base-2 exponent, or,
+    soft-capped, by ``scale / softcap`` inside the tanh with ``softcap`` moved into the exponent's scale."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return (scale / softcap, softcap * LOG2E) if softcap else (1.0, scale * LOG2E)
+
+
+def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
+    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
+    if granularity is None:
+        return None
+    return scales.view(torch.uint8) if e8m0 else scales
+
+
+def window_arg(window: Optional[int]) -> int:
+    """The kernel's int32 ``window``: 0 for none; a wider window than int32 holds masks nothing more than 2^31-1."""
+    return 0 if window is None else min(window, 2**31 - 1)
+
+
+BACKEND = Backend(Family.SM90_MHA, KERNEL, plan, compile_units, launcher, launch_workspace)
