@@ -11,7 +11,8 @@ from cute_kv.ops.merge_attention_states import merge_attention_states
 from cute_kv.ops.mla_prefill import mla_prefill
 from cute_kv.ops.paged_attention import paged_attention
 from cute_kv.ops.sparse_mla_attention import sparse_kv_index_remap, sparse_mla_attention
-from cute_kv.ops.paths import FallbackError, FallbackWarning, KernelPath, explain, set_strict
+from cute_kv.ops.explain import explain
+from cute_kv.ops.paths import FallbackError, FallbackWarning, KernelPath, set_strict
 from cute_kv.ops.store_kv import store_kv
 from cute_kv.paged_cache import PagedKVCache
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig, KVCacheStrategy

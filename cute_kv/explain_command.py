@@ -51,7 +51,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cute_kv.ops.paths import explain
+    from cute_kv.ops.explain import explain
 
     try:
         name, params = inspect.cache_params(args, layers=1)

@@ -183,20 +183,3 @@ def planned(op: str, device, arch: Optional[str], plan: Callable[[str], KernelPa
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch must be one of {SUPPORTED_ARCHS} or None (the tensors' device), got {arch!r}")
     return plan(arch)
-
-
-def explain(op, *args, arch: Optional[str] = None, **kwargs) -> KernelPath:
-    """Which path ``op(*args, **kwargs)`` takes and why, without running it (the arguments are checked as the op
-    checks them).
-
-    ``op`` is an entry point (``cute_kv.paged_attention``) or its name (``"paged_attention"``). ``arch``
-    (``"sm_90a"`` / ``"sm_100a"``) asks what a GPU of that arch would run, on any machine: tensors may then be on
-    the CPU. Without it, the tensors' device decides (off CUDA: the reference).
-    """
-    from cute_kv.ops import fused_qkv, gather_kv, paged_attention, sparse_mla_attention, store_kv
-
-    modules = {m.OP: m for m in (store_kv, fused_qkv, paged_attention, gather_kv, sparse_mla_attention)}
-    name = op if isinstance(op, str) else getattr(op, "__name__", None)
-    if name not in modules:
-        raise ValueError(f"op must be one of {sorted(modules)} (or the function itself), got {op!r}")
-    return modules[name].explain(*args, arch=arch, **kwargs)
