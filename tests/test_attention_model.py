@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.config import BM, key_tile
-from cute_kv.ops.paged_attention_sm90 import window_arg
+from cute_kv.ops.kernel_args import window_arg
 from cute_kv.ops.splits import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 

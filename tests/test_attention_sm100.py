@@ -22,8 +22,8 @@ import artifacts
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, tiling
 from cute_kv.ops.paged_attention import plan
-from cute_kv.ops.paged_attention_sm90 import window_arg
-from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, score_args
+from cute_kv.ops.kernel_args import score_args, window_arg
+from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err

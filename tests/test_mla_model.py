@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from cute_kv import reference as ref
 from cute_kv.kernels.mla.config import BM, BN, supported
 from cute_kv.ops.mla_decode import launch_shape
-from cute_kv.ops.paged_attention_sm90 import window_arg
+from cute_kv.ops.kernel_args import window_arg
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err

@@ -263,7 +263,7 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
 
     from cute_kv.kernels.attention.sm100_config import BM, key_tile
     from cute_kv.ops.splits import launch_shape
-    from cute_kv.ops.paged_attention_sm100 import score_args
+    from cute_kv.ops.kernel_args import score_args
 
     spec = (64, 64, dict(head_size=128, dtype=torch.bfloat16), 2e-2)  # kv_lora_rank 64 + rope 64; K 128 + 64, V 128
     pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, spec, cached=[0, 300, 2], new=[130, 1, 40], nope=128, v=128)

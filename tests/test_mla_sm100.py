@@ -34,7 +34,7 @@ from cute_kv import reference as ref
 from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, O_COLS, SMEM_PER_CTA, TMEM_COLUMNS, V_SPLIT, tiling
 from cute_kv.ops import mla_decode_sm100
 from cute_kv.ops.paged_attention import plan
-from cute_kv.ops.paged_attention_sm100 import score_args
+from cute_kv.ops.kernel_args import score_args
 from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import random_paged_batch
 

@@ -71,3 +71,15 @@ def test_ops_modules_import_no_cycle():
     assert "splits" in graph["paged_attention_sm90"]  # and their imports
     cycle = find_cycle(graph)
     assert not cycle, " -> ".join(cycle)
+
+
+def test_attention_backends_import_only_shared_helpers():
+    """Each kernel family's module is reached from its op entry and calls down: no op entry, no other family."""
+    from cute_kv.ops import paged_attention
+
+    families = {b.launcher.__module__.rsplit(".", 1)[1] for b in paged_attention.BACKENDS.values()}
+    assert families == {"paged_attention_sm90", "paged_attention_sm100", "mla_decode", "mla_decode_sm100"}
+    graph = import_graph()
+    entries = {"paged_attention", "sparse_mla_attention", "mla_prefill", "explain"}
+    for name in families:
+        assert not graph[name] & (entries | families), (name, graph[name] & (entries | families))

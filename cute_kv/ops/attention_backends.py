@@ -3,9 +3,10 @@
 
 A backend's ``plan(collection, q, arch, **arguments)`` gives its ``paths.KernelPath`` (the kernel's compile-time key,
 or why the reference runs), ``compile_units(key, arch)`` the kernels that key launches (``prebuild`` compiles them
-ahead), ``launcher(key, arch)`` the ``run(...)`` built once per key, and ``launch_workspace(key, q, ...)`` a launch's grid
-and split-KV partials (made per call, or once by a ``StepPlan``). Family modules import this one and ``splits``, never
-each other's op entry, so the ``ops`` modules import no cycle.
+ahead), ``launcher(key, arch)`` the ``run(...)`` built once per key, and ``launch_workspace(key, q, ...)`` a
+launch's grid and split-KV partials (made per call, or once by a ``StepPlan``). Family modules import this one and
+shared helpers (``splits``, ``kernel_args``, ``units``, ``vectors``, ``paths``), never an op entry or each other: the
+``ops`` modules import no cycle (``tests/test_ops_imports.py``).
 """
 
 from __future__ import annotations

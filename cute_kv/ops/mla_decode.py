@@ -2,10 +2,10 @@
 compile-time key, compile units, launch workspace and launcher (the SM90 MLA backend).
 
 ``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands
-``sm_90a`` calls over MLA caches here, rope-aware FP8 caches (``[padded_depth e4m3 | rope_dim bf16]`` rows, one float32 scale per token) among
-them: their q is ``latent_dim = padded_depth + rope_dim`` wide and the kernel dequantizes each key tile. The grid is
-(64-row blocks of packed (token, head) rows, key splits, requests); a split-KV launch merges its float32 partials
-with ``AttentionCombine`` over the ``v_dim`` value columns.
+``sm_90a`` calls over MLA caches here, rope-aware FP8 caches (``[padded_depth e4m3 | rope_dim bf16]`` rows, one
+float32 scale per token) among them: their q is ``latent_dim = padded_depth + rope_dim`` wide and the kernel
+dequantizes each key tile. The grid is (64-row blocks of packed (token, head) rows, key splits, requests); a split-KV
+launch merges its float32 partials with ``AttentionCombine`` over the ``v_dim`` value columns.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.config import BM, BN, VEC, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.paged_attention_sm90 import softmax_args, window_arg
+from cute_kv.ops.kernel_args import softmax_args, window_arg
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_vector
 

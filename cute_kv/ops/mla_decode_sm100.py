@@ -18,7 +18,7 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, V_SPLIT, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.paged_attention_sm100 import score_args
+from cute_kv.ops.kernel_args import score_args
 from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode_sm100"

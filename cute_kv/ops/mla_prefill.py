@@ -380,7 +380,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.kernels.attention.sm100_config import VEC
     from cute_kv.kernels.compile_cache import compiled
     from cute_kv.ops.splits import unused_lse
-    from cute_kv.ops.paged_attention_sm100 import score_args
+    from cute_kv.ops.kernel_args import score_args
     from cute_kv.ops.vectors import heads_packed, packed_heads
 
     _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim = key

@@ -1,14 +1,14 @@
 """``paged_attention`` on SM100 (Blackwell) over an MHA/GQA cache: which calls ``PagedAttentionSm100`` serves, its
-key, compile units, launch workspace and launcher (the SM100 MHA backend), and SM100's ``score_args``.
+key, compile units, launch workspace and launcher (the SM100 MHA backend).
 
 ``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands
-``sm_100a`` calls over MHA caches here. The API flags (``softcap``, ``sinks``, ``return_lse``) are part of the compile key.
+``sm_100a`` calls over MHA caches here. The API flags (``softcap``, ``sinks``, ``return_lse``) are part of the
+compile key.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional
 
 import torch
@@ -17,11 +17,10 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile, supported, uses_gather4
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.paged_attention_sm90 import scales_arg, window_arg
+from cute_kv.ops.kernel_args import scales_arg, score_args, window_arg
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_vector
 
-LOG2E = math.log2(math.e)
 RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
 KEY = "paged_attention_sm100"
 KERNEL = "PagedAttentionSm100"
@@ -54,15 +53,6 @@ def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = 
     takes all of its tensor memory) and the step's ``num_tokens``."""
     return splits.launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window,
                         num_tokens=num_tokens)
-
-
-def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
-    """``(score_scale, cap_log2)``: base-2 logits are ``score_scale * q.k``, or with a soft-cap ``c``,
-    ``cap_log2 * tanh(score_scale * q.k)`` (``c * tanh(scale * q.k / c)`` in base 2)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if softcap:
-        return scale / softcap, softcap * LOG2E
-    return scale * LOG2E, 1.0
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:

@@ -1,6 +1,5 @@
 """``paged_attention`` on SM90 (Hopper) over an MHA/GQA cache: which calls ``PagedAttention`` serves, its key,
-compile units, launch workspace and launcher (the SM90 MHA backend), and the kernel arguments the other attention
-launchers share (``scales_arg``, ``window_arg``, SM90's ``softmax_args``).
+compile units, launch workspace and launcher (the SM90 MHA backend).
 
 ``paged_attention.plan`` checks what every attention kernel shares (dtypes, alignment, int32 limits) and hands
 ``sm_90a`` calls over MHA caches here.
@@ -9,7 +8,6 @@ launchers share (``scales_arg``, ``window_arg``, SM90's ``softmax_args``).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional
 
 import torch
@@ -18,10 +16,10 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, FP8, VEC, key_tile, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
+from cute_kv.ops.kernel_args import scales_arg, softmax_args, window_arg
 from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_vector
 
-LOG2E = math.log2(math.e)
 KERNEL = "PagedAttention"
 
 
@@ -91,25 +89,6 @@ def launcher(key: tuple, arch: str) -> Callable:
         return (out, lse) if return_lse else out
 
     return run
-
-
-def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
-    """The SM90 kernels' ``(score_scale, softmax_scale_log2)``: ``q.k`` is scaled inside the base-2 exponent, or,
-    soft-capped, by ``scale / softcap`` inside the tanh with ``softcap`` moved into the exponent's scale."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    return (scale / softcap, softcap * LOG2E) if softcap else (1.0, scale * LOG2E)
-
-
-def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
-    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
-    if granularity is None:
-        return None
-    return scales.view(torch.uint8) if e8m0 else scales
-
-
-def window_arg(window: Optional[int]) -> int:
-    """The kernel's int32 ``window``: 0 for none; a wider window than int32 holds masks nothing more than 2^31-1."""
-    return 0 if window is None else min(window, 2**31 - 1)
 
 
 BACKEND = Backend(Family.SM90_MHA, KERNEL, plan, compile_units, launcher, launch_workspace)

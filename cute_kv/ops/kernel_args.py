@@ -1,0 +1,39 @@
+"""The scalar and scale arguments the attention kernels take, made the same way by every launcher: the logits'
+scales (SM90's ``softmax_args``, SM100's ``score_args``), the fp8 scales and the sliding window."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+LOG2E = math.log2(math.e)
+
+
+def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
+    """The SM90 kernels' ``(score_scale, softmax_scale_log2)``: ``q.k`` is scaled inside the base-2 exponent, or,
+    soft-capped, by ``scale / softcap`` inside the tanh with ``softcap`` moved into the exponent's scale."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    return (scale / softcap, softcap * LOG2E) if softcap else (1.0, scale * LOG2E)
+
+
+def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:
+    """``(score_scale, cap_log2)``: base-2 logits are ``score_scale * q.k``, or with a soft-cap ``c``,
+    ``cap_log2 * tanh(score_scale * q.k)`` (``c * tanh(scale * q.k / c)`` in base 2)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 1.0
+
+
+def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
+    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
+    if granularity is None:
+        return None
+    return scales.view(torch.uint8) if e8m0 else scales
+
+
+def window_arg(window: Optional[int]) -> int:
+    """The kernel's int32 ``window``: 0 for none; a wider window than int32 holds masks nothing more than 2^31-1."""
+    return 0 if window is None else min(window, 2**31 - 1)
