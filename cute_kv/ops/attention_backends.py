@@ -4,9 +4,10 @@
 A backend's ``plan(collection, q, arch, **arguments)`` gives its ``paths.KernelPath`` (the kernel's compile-time key,
 or why the reference runs), ``compile_units(key, arch)`` the kernels that key launches (``prebuild`` compiles them
 ahead), ``launcher(key, arch)`` the ``run(...)`` built once per key, and ``launch_workspace(key, q, ...)`` a
-launch's grid and split-KV partials (made per call, or once by a ``StepPlan``). Family modules import this one and
-shared helpers (``splits``, ``kernel_args``, ``units``, ``vectors``, ``paths``), never an op entry or each other: the
-``ops`` modules import no cycle (``tests/test_ops_imports.py``).
+launch's grid and split-KV partials (made per call, or once by a ``StepPlan``); the sparse backend's take the op's
+``indices`` as well (``mla_decode_sm100.plan_sparse``, ``launch_sparse``, ``sparse_workspace``). Family modules
+import this one and shared helpers (``splits``, ``kernel_args``, ``units``, ``vectors``, ``paths``), never an op entry
+or each other: the ``ops`` modules import no cycle (``tests/test_ops_imports.py``).
 """
 
 from __future__ import annotations
