@@ -26,7 +26,7 @@ CUDA_ONLY = {
     "paged_attention_sm90.py": ["compile_units", "launch_workspace", "launcher"],
     "kernel_args.py": ["softmax_args", "score_args", "scales_arg", "window_arg"],
     "splits.py": ["partials", "launch_shape", "num_splits", "unused_partials", "unused_lse", "sm_count",
-                  "_device_sm_count"],
+                  "_device_sm_count", "launch_and_combine"],
     "paged_attention_sm100.py": ["compile_units", "launch_workspace", "launch_shape_sm100", "launcher_sm100"],
     "mla_decode.py": ["compile_units", "launch_shape", "launch_workspace", "launcher"],
     "mla_decode_sm100.py": ["compile_units", "key_tile", "launch_shape", "launch_shape_sparse", "_run", "launcher",

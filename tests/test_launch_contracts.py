@@ -489,13 +489,13 @@ def test_contract_catches_a_launcher_that_allocates_on_the_host(rng, monkeypatch
 def test_sources_catch_a_launcher_that_passes_another_tensor(rng, monkeypatch):
     """A kernel parameter named for one of the op's tensors must hold it: a q the contract cannot tell from the op's
     (same shape, dtype and strides, here a fresh one) fails the source check."""
-    from cute_kv.ops import paged_attention_sm100
+    from cute_kv.ops import splits
 
     pb = _batch("bf16", "ragged")
     fn, args, kwargs = _paged_attention(pb, "ragged", rng)
     launches, _ = _run("sm_100a", fn, args, kwargs)
     _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
-    monkeypatch.setattr(paged_attention_sm100, "packed_heads", lambda x, vec: torch.zeros_like(x))
+    monkeypatch.setattr(splits, "packed_heads", lambda x, vec: torch.zeros_like(x))
     launches, _ = _run("sm_100a", fn, args, kwargs)
     with pytest.raises(AssertionError, match=re.escape("PagedAttentionSm100.q does not hold the op's q")):
         _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
@@ -580,13 +580,13 @@ def test_contract_checks_the_grids_y_dimension(rng, monkeypatch):
 def test_contract_catches_a_launcher_that_skips_its_preparation(rng, monkeypatch):
     """End to end: a launcher that stopped packing q's heads hands a strided q to a kernel compiled for packed
     heads, and the op fails on the contract."""
-    from cute_kv.ops import paged_attention_sm90
+    from cute_kv.ops import splits
 
     pb = _batch("bf16", "ragged")
     fn, args, kwargs = _paged_attention(pb, "strided", rng)
     launches, _ = _run("sm_90a", fn, args, kwargs)
     assert launches.kernels == ["PagedAttention"]
-    monkeypatch.setattr(paged_attention_sm90, "packed_heads", lambda x, vec: x)
+    monkeypatch.setattr(splits, "packed_heads", lambda x, vec: x)
     with pytest.raises(ContractError, match=re.escape("PagedAttention: q.strides[1] is 136, expected 128")):
         _run("sm_90a", fn, args, kwargs)
 

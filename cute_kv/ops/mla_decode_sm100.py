@@ -19,7 +19,6 @@ from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, V_SPLIT, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.ops.kernel_args import score_args
-from cute_kv.ops.vectors import heads_packed, packed_heads
 
 KEY = "mla_decode_sm100"
 KERNEL = "MlaDecodeSm100"
@@ -126,16 +125,11 @@ def launch_shape_sparse(num_tokens: int, num_q_heads: int, topk: int, slots: int
 def _run(unit, combine_unit, arch, q, out, lse, num_splits, o_part, lse_part, launch_args, return_lse) -> None:
     """Launch the kernel (``launch_args`` after ``q, out, o_part, lse_part, lse``: ``blocks, scales, ...``) and,
     with splits, the combine."""
-    from cute_kv.kernels.compile_cache import compiled
-
     hq, d_v = q.shape[1], out.shape[-1]
-    dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse_arg = lse if return_lse and num_splits == 1 else splits.unused_lse(q.device, hq, d_v)
-    compiled(*unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, *launch_args)
-    if num_splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
-        compiled(*combine_unit, arch)(dst, lse if return_lse else None, o_part, lse_part, num_splits)
-    if dst is not out:
-        out.copy_(dst)
+    # With splits the combine merges the splits' base-2 lse into the natural-log lse as well.
+    splits.launch_and_combine((unit, combine_unit), arch, q, out, VEC, (o_part, lse_part, lse_arg), launch_args,
+                              num_splits, o_part, lse_part, lse if return_lse else None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -378,26 +378,18 @@ def _launcher(key: tuple, arch: str) -> Callable:
     """``run(q, input_row_offsets, tmp, scale, causal, out)`` for one compile-time key, built once: the SM100
     kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
     from cute_kv.kernels.attention.sm100_config import VEC
-    from cute_kv.kernels.compile_cache import compiled
-    from cute_kv.ops.splits import unused_lse
     from cute_kv.ops.kernel_args import score_args
-    from cute_kv.ops.vectors import heads_packed, packed_heads
+    from cute_kv.ops.splits import launch_and_combine, unused_lse
 
     _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim = key
-    attention_unit, combine_unit = compile_units(key, arch)
+    units = compile_units(key, arch)
 
     def run(q, input_row_offsets, tmp, scale, causal, out, workspace=None):
         m_blocks, splits, o_part, lse_part = workspace or prefill_workspace(key, tmp, q.shape[0], q.device, causal)
-        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        lse = unused_lse(q.device, h, v_dim)
         score_scale, cap_log2 = score_args(d, scale, None)
-        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse, tmp.blocks, tmp.blocks,
-                                        input_row_offsets.contiguous(), tmp.cache_lengths.contiguous(),
-                                        tmp.lookup_table, None, None, 0, m_blocks, splits, int(causal), 0, score_scale,
-                                        cap_log2)
-        if splits > 1:
-            compiled(*combine_unit, arch)(dst, None, o_part, lse_part, splits)
-        if dst is not out:
-            out.copy_(dst)
+        launch_and_combine(units, arch, q, out, VEC, (o_part, lse_part, unused_lse(q.device, h, v_dim)),
+                           (tmp.blocks, tmp.blocks, input_row_offsets.contiguous(), tmp.cache_lengths.contiguous(),
+                            tmp.lookup_table, None, None, 0, m_blocks, splits, int(causal), 0, score_scale, cap_log2),
+                           splits, o_part, lse_part, None)
 
     return run

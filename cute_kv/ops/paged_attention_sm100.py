@@ -18,7 +18,6 @@ from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile, supported,
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.ops.kernel_args import scales_arg, score_args, window_arg
-from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_vector
 
 RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
@@ -76,10 +75,8 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 @functools.lru_cache(maxsize=None)
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
-    from cute_kv.kernels.compile_cache import compiled
-
     _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
-    attention_unit, combine_unit = compile_units(key, arch)
+    units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
             sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
@@ -87,18 +84,14 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
             return (out, lse) if return_lse else out
         c = collection
         m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
-        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         lse_arg = lse if return_lse and num_splits == 1 else splits.unused_lse(q.device, hq, d)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
-        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, o_part, lse_part, lse_arg, c.blocks, c.blocks,
-                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
-                                        scales_arg(c.scales, granularity, e8m0),
-                                        sinks.contiguous() if has_sinks else None, layer_idx, m_blocks,
-                                        num_splits, int(causal), window_arg(window), score_scale, cap_log2)
-        if num_splits > 1:  # the combine merges the splits' base-2 lse into the natural-log lse as well
-            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, num_splits)
-        if dst is not out:
-            out.copy_(dst)
+        # With splits the combine merges the splits' base-2 lse into the natural-log lse as well.
+        splits.launch_and_combine(
+            units, arch, q, out, VEC, (o_part, lse_part, lse_arg),
+            (c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
+             scales_arg(c.scales, granularity, e8m0), sinks.contiguous() if has_sinks else None, layer_idx, m_blocks,
+             num_splits, int(causal), window_arg(window), score_scale, cap_log2), num_splits, o_part, lse_part, lse)
         return (out, lse) if return_lse else out
 
     return run

@@ -17,7 +17,6 @@ from cute_kv.kernels.attention.config import BM, FP8, VEC, key_tile, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.ops.kernel_args import scales_arg, softmax_args, window_arg
-from cute_kv.ops.vectors import heads_packed, packed_heads
 from cute_kv.row_indices import lut_vector
 
 KERNEL = "PagedAttention"
@@ -64,10 +63,8 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 @functools.lru_cache(maxsize=None)
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
-    from cute_kv.kernels.compile_cache import compiled
-
     d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
-    attention_unit, combine_unit = compile_units(key, arch)
+    units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
             sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
@@ -75,17 +72,13 @@ def launcher(key: tuple, arch: str) -> Callable:
             return (out, lse) if return_lse else out
         c = collection
         m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
-        dst = out if heads_packed(out, VEC) else torch.empty_like(out, memory_format=torch.contiguous_format)
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
-        compiled(*attention_unit, arch)(packed_heads(q, VEC), dst, lse, o_part, lse_part, sinks, c.blocks, c.blocks,
-                                        input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
-                                        scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits,
-                                        int(causal), window_arg(window), score_scale, softmax_scale_log2)
-        if num_splits > 1:
-            compiled(*combine_unit, arch)(dst, lse, o_part, lse_part, num_splits)
-        if dst is not out:
-            out.copy_(dst)
+        splits.launch_and_combine(
+            units, arch, q, out, VEC, (lse, o_part, lse_part),
+            (sinks, c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
+             scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal), window_arg(window),
+             score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
         return (out, lse) if return_lse else out
 
     return run

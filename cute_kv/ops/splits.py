@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from cute_kv.ops import paths
+from cute_kv.ops.vectors import heads_packed, packed_heads
 
 MAX_SPLITS = 32
 # CUDA's grid limits. The attention kernels' grid: (query blocks, KV heads x key splits, requests).
@@ -113,3 +114,19 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_and_combine(units: tuple, arch: str, q: torch.Tensor, out: torch.Tensor, vec: int, lse_args: tuple,
+                       args: tuple, num_splits: int, o_part, lse_part, combine_lse) -> None:
+    """The attention unit of ``units`` (``(attention, combine)`` compile units) launched as ``(q packed, dst,
+    *lse_args, *args)`` and, with splits, the combine of its partials into ``combine_lse``; ``dst`` is ``out`` when
+    its heads are packed, else a packed copy written back."""
+    from cute_kv.kernels.compile_cache import compiled
+
+    attention_unit, combine_unit = units
+    dst = out if heads_packed(out, vec) else torch.empty_like(out, memory_format=torch.contiguous_format)
+    compiled(*attention_unit, arch)(packed_heads(q, vec), dst, *lse_args, *args)
+    if num_splits > 1:
+        compiled(*combine_unit, arch)(dst, combine_lse, o_part, lse_part, num_splits)
+    if dst is not out:
+        out.copy_(dst)
