@@ -257,11 +257,21 @@ def _sm90_roles(module, fp8: bool) -> dict:
 
 
 def _sm100_roles(module, fp8: bool) -> dict:
-    """Our SM100 attention kernels: the softmax warpgroup, the MMA and load warps; fp8: the converter warpgroup."""
+    """Our SM100 MLA kernel: the softmax warpgroup, the MMA and load warps; fp8: the converter warpgroup."""
     roles = {"softmax": Role(_warps(0, module.SOFTMAX_THREADS // 32)), "mma": Role((module.MMA_WARP,)),
              "load": Role((module.LOAD_WARP,))}
     if fp8:
         roles["convert"] = Role(module.CONVERT_WARPS)
+    return roles
+
+
+def _attention_sm100_roles(k: attention_sm100.PagedAttentionSm100) -> dict:
+    """``PagedAttentionSm100``: a softmax warpgroup per Q tile, the correction warpgroup, the MMA and load warps;
+    fp8: the converter warpgroup."""
+    roles = {"softmax": Role(k.softmax_warps), "correction": Role(_warps(k.correction_warp, 4)),
+             "mma": Role((k.mma_warp,)), "load": Role((k.load_warp,))}
+    if k.kv_fp8:
+        roles["convert"] = Role(attention_sm100.CONVERT_WARPS)
     return roles
 
 
@@ -306,12 +316,12 @@ FAMILIES = [
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
            roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8)),
     Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),
-           # Warps in roles (softmax, MMA, load; fp8: converters); all of tensor memory and the DSL-sized rings:
-           # one CTA per SM.
+           # Warps in roles (softmax, correction, MMA, load; fp8: converters); all of tensor memory and the
+           # DSL-sized rings: one CTA per SM.
            # S blocks: QK over the head dim, PV over the value dim.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
-           roles=lambda k: _sm100_roles(attention_sm100, k.kv_fp8)),
+           roles=_attention_sm100_roles),
     Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
            head_dim=lambda k: (k.latent_dim + k.v_dim) // 2, roles=lambda k: _sm90_roles(mla_sm90, bool(k.rope_dim))),

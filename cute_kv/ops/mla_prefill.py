@@ -45,7 +45,7 @@ import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
-from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS
+from cute_kv.kernels.attention.sm100_config import VALUE_DIMS, cta_rows
 from cute_kv.ops import paths, units
 from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
@@ -189,7 +189,8 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
     # The temporary cache has the step's requests, a KV head per query head and its longest run; a grid past CUDA's
     # limits leaves the attention to paged_attention, whose plan takes the reference (with the reason).
     if native and arch is not None and not grid_problem(len(lengths), num_heads,
-                                                        -(-max((n for n, _ in lengths), default=0) // BM)):
+                                                        -(-max((n for n, _ in lengths), default=0)
+                                                          // cta_rows(qk, v_dim))):
         key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim)
         kernel = paths.kernel(OP, "PagedAttentionSm100", key, arch)
     return Route(path, total, head_dim, kernel)
@@ -369,7 +370,8 @@ def prefill_workspace(key: tuple, tmp, num_tokens: int, device, causal: bool) ->
     from cute_kv.ops.splits import launch_shape, partials, sm_count
 
     h, d, v_dim = key[2], key[4], key[14]
-    m_blocks, splits = launch_shape(tmp, h, sm_count(device), BM, key_tile(d, v_dim), causal, num_tokens=num_tokens)
+    m_blocks, splits = launch_shape(tmp, h, sm_count(device), cta_rows(d, v_dim), key_tile(d, v_dim), causal,
+                                    num_tokens=num_tokens)
     return m_blocks, splits, *partials(splits, num_tokens, h, v_dim, device)
 
 

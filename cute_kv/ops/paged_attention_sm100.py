@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.sm100_config import BM, VEC, key_tile, supported, uses_gather4
+from cute_kv.kernels.attention.sm100_config import FP8, VEC, cta_rows, key_tile, supported, uses_gather4
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.ops.kernel_args import scales_arg, score_args, window_arg
@@ -33,7 +33,8 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, BM, q.shape[0])) or supported(
+    rows = cta_rows(d, kv_fp8=kv_dtype_name == FP8)
+    problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, rows, q.shape[0])) or supported(
         hq, h, d, p, kv_dtype_name, granularity)
     if not problem and q.shape[0] >= RAGGED_ROWS:
         problem = f"{q.shape[0]} query rows reach the TMA-store epilogue's ragged window shift (2^30 rows)"
@@ -49,9 +50,11 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
 def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True,
                        window: Optional[int] = None, *, num_tokens: int) -> tuple[int, int]:
     """``(m_blocks, splits)`` of ``splits.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM, a CTA
-    takes all of its tensor memory) and the step's ``num_tokens``."""
-    return splits.launch_shape(collection, num_q_heads, slots, BM, key_tile(collection.head_size), causal, window,
-                        num_tokens=num_tokens)
+    takes all of its tensor memory; ``sm100_config.cta_rows`` packed rows a CTA) and the step's ``num_tokens``."""
+    d = collection.head_size
+    rows = cta_rows(d, kv_fp8=dtype_name(collection.dtype) == FP8)
+    return splits.launch_shape(collection, num_q_heads, slots, rows, key_tile(d), causal, window,
+                               num_tokens=num_tokens)
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:

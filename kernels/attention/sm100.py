@@ -79,25 +79,31 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
-from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
-                                                      rescale_o, row_add, row_normalizer, scale_scores,
-                                                      softmax_pipelines, write_lse)
-from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp2_scores, o_copies,
+                                                      rescale_o, row_add, row_normalizer, scale_scores, update_max,
+                                                      write_lse)
+from cute_kv.kernels.attention.sm100_config import BM, FP8, SLOTS, TMEM_COLUMNS, VEC, supported, tiling
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 from cute_kv.kernels.quant import granule_scale
 
-SOFTMAX_THREADS = 128  # warps 0-3
-MMA_WARP = 4
-LOAD_WARP = 5
-CONVERT_WARPS = (8, 9, 10, 11)  # fp8 caches only: dequantize the K/V ring into the MMA's 16-bit tiles
+# Warps: a softmax warpgroup per Q tile (0-3, 4-7), then the correction warpgroup, then the MMA warp, the load warp
+# and two idle warps; fp8 caches (one Q tile) add the converter warpgroup, which dequantizes the K/V ring into the
+# MMA's 16-bit tiles.
+CONVERT_WARPS = (12, 13, 14, 15)
 CONVERT_THREADS = 32 * len(CONVERT_WARPS)
-# fp8: three warpgroups (warps 6-7 idle) share the register file unevenly; ptxas sizes a 384-thread kernel at 168.
-# setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release of their launch 168:
-# the three targets may sum to 3 * 168 = 504 at most (512 leaves the softmax's inc waiting forever).
-FP8_REGS = {"softmax": 240, "mma_load": 152, "convert": 112}
+# Registers per thread of each role (setmaxnreg), by (Q tiles, fp8 cache). ptxas sizes a CTA of 512 threads at 128 a
+# thread, of 384 at 168; setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release
+# of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
+# softmax's inc waiting forever). The softmax holds a row of S (BN floats) and its P; the correction a 32-column
+# piece of O; the MMA / load warps little.
+REGS = {(2, False): {"softmax": 184, "correction": 88, "other": 56},
+        (1, False): {"softmax": 240, "correction": 136, "other": 128},
+        (1, True): {"softmax": 208, "correction": 88, "other": 96, "convert": 112}}
+RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
+EXP2_EMULATION = 5  # of every 5 pairs of a middle 32-score piece, 2 by exp2 on the FMA pipe (head dims <= 128)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
-EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
+EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
@@ -125,7 +131,7 @@ class PagedAttentionSm100:
     with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, and ``v_dim`` (None: the head dim): values are
     the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide.
 
-    An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 8-11) into one
+    An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 12-15) into one
     16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
     that reads it completes, the V tile once the PV MMA completes.
     """
@@ -142,11 +148,15 @@ class PagedAttentionSm100:
         self.kv_fp8 = kv_dtype_name == FP8
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else LOAD_WARP + 1)  # 384 or 192
         self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
         self.v_dim = v_dim or head_dim
         self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim)
-        self.bn, self.stages = self.plan.bn, self.plan.stages
+        self.bn, self.stages, self.q_tiles = self.plan.bn, self.plan.stages, self.plan.q_tiles
+        self.softmax_warps = tuple(range(4 * self.q_tiles))
+        self.correction_warp = 4 * self.q_tiles  # the first of its warpgroup
+        self.mma_warp, self.load_warp = self.correction_warp + 4, self.correction_warp + 5
+        self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else self.correction_warp + 8)  # 512 or 384
+        self.exp2_emulation = EXP2_EMULATION if head_dim <= 128 else 0
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -202,7 +212,7 @@ class PagedAttentionSm100:
                  cache_lengths: cute.Tensor, lookup_table: cute.Tensor, scales: Optional[cute.Tensor],
                  sinks: Optional[cute.Tensor], layer_idx: Int32, m_blocks: Int32, num_splits: Int32, causal: Int32,
                  window: Int32, score_scale: Float32, cap_log2: Float32, stream: cuda.CUstream):
-        """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Logits in base 2 are
+        """``m_blocks``: ``ceil(max_seq_len * group / plan.rows)``; ``window`` 0: none. Logits in base 2 are
         ``score_scale * q.k`` (``scale * log2 e``), or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``
         (``score_scale = scale / c``, ``cap_log2 = c * log2 e``). ``sinks``: float32 ``[Hq]`` (natural log units).
         ``scales``: an fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
@@ -232,7 +242,7 @@ class PagedAttentionSm100:
             k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
             v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
         rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
-        grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
+        grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])  # m_blocks of plan.rows rows
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
         # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_v, g_v, tma_o, g_out, q, out, o_part,
@@ -263,29 +273,34 @@ class PagedAttentionSm100:
                rows_per_page: Int32, oob_row: Int32, num_splits: Int32, causal: Int32, window: Int32,
                score_scale: Float32, cap_log2: Float32):
         dt, d, dv, bn, group, stages = self.dtype, self.head_dim, self.v_dim, self.bn, self.group, self.stages
-        tidx, _, _ = cute.arch.thread_idx()
+        tiles = self.q_tiles
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
         q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
-        m0 = m_block * BM
+        m0 = m_block * self.plan.rows
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             cache_len = Int32(cache_lengths[b])
             num_keys = cache_len + seq_len
             first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
-                                              BM, self.bn, self.group)
+                                              self.plan.rows, self.bn, self.group)
 
             smem = SmemAllocator()
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
-            s_bars = smem.allocate_array(cutlass.Int64, 2)  # S's full barriers: nothing releases S (see the module)
-            p_bars = smem.allocate_array(cutlass.Int64, 2)
+            s_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # S full: nothing releases S (see the module)
+            scale_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # O's factors of a slot's tile handed over
+            p_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # P written and O rescaled: the PV MMA may run
+            o_bars = smem.allocate_array(cutlass.Int64, tiles)  # a Q tile's PV done: O stable
+            stats_bars = smem.allocate_array(cutlass.Int64, tiles)  # a Q tile's final max and sum handed over
             k_bars = smem.allocate_array(cutlass.Int64, 2)  # fp8: dequantized K and V tiles
             v_bars = smem.allocate_array(cutlass.Int64, 2)
+            s_scale = smem.allocate_tensor(Float32, cute.make_layout((BM, SLOTS)), byte_alignment=16)
+            s_stats = smem.allocate_tensor(Float32, cute.make_layout((BM, 2, tiles)), byte_alignment=16)
             s_rows = None
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
-            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
+            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d, stages=tiles)
             ring_k_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
             ring_v_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, dv, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
@@ -321,11 +336,20 @@ class PagedAttentionSm100:
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
                     consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
                     cta_layout_vmnk=one_cta, defer_sync=True)
-            s_full, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS, s_released=False)
+            # Hand-offs of the tile loop, each an array of plain mbarriers (module docstring): the MMA's commits
+            # (S full, PV done), the softmax's arrivals (factors, P; final statistics), the correction's (O).
+            mma_agent = (pipeline.PipelineOp.TCGen05Mma, pipeline.CooperativeGroup(thread))
+            s_full = pipeline.MbarrierArray(barrier_storage=s_bars, num_stages=SLOTS, agent=mma_agent)
+            o_done = pipeline.MbarrierArray(barrier_storage=o_bars, num_stages=tiles, agent=mma_agent)
+            rows_agent = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(thread, BM))
+            scale_full = pipeline.MbarrierArray(barrier_storage=scale_bars, num_stages=SLOTS, agent=rows_agent)
+            stats_full = pipeline.MbarrierArray(barrier_storage=stats_bars, num_stages=tiles, agent=rows_agent)
+            p_ready = pipeline.MbarrierArray(barrier_storage=p_bars, num_stages=SLOTS, agent=(
+                pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(thread, 2 * BM)))  # softmax + correction
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
                                                                             num_threads=self.threads),
-                                 allocator_warp_id=MMA_WARP)
+                                 allocator_warp_id=self.mma_warp)
             tmem.allocate(TMEM_COLUMNS)
             self.load_q(s_q, q, q_start, seq_len, m0, kv_head)
             cute.arch.mbarrier_init_fence()
@@ -337,16 +361,16 @@ class PagedAttentionSm100:
 
             thr_qk = tiled_mma_qk.get_slice(0)
             thr_pv = tiled_mma_pv.get_slice(0)
-            # TMEM: S tiles at columns [0, BN) and [BN, 2 BN), O at [2 BN, 2 BN + D_v).
-            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, bn)), 2))
+            # TMEM: S slots at columns [0, BN) and [BN, 2 BN), Q tile t's O at [2 BN + t D_v, 2 BN + (t+1) D_v).
+            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, bn)), SLOTS))
             t_s = cute.make_tensor(tmem_ptr, t_s.layout)
             t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, dv)))
             t_o = cute.make_tensor(tmem_ptr + self.o_col, t_o.layout)
 
-            # Each role sets its register budget first thing in its own branch (fp8: three warpgroups), so ptxas
-            # allocates each branch under its own limit.
-            if warp_idx == LOAD_WARP:
-                self.set_registers("mma_load")
+            # Each role sets its register budget first thing in its own branch, so ptxas allocates each branch
+            # under its own limit.
+            if warp_idx == self.load_warp:
+                self.set_registers("other")
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -359,36 +383,52 @@ class PagedAttentionSm100:
                                        ring_v, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
-            if warp_idx == MMA_WARP:
-                self.set_registers("mma_load")
+            if warp_idx == self.mma_warp:
+                self.set_registers("other")
                 self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_vt, t_s, t_o, kv_pipe, s_full,
-                         p_pipe, k_pipe, v_pipe, n_tiles)
+                         p_ready, o_done, k_pipe, v_pipe, n_tiles)
+            if warp_idx > self.load_warp and warp_idx < self.load_warp + 3:
+                self.set_registers("other")  # the idle warps of the MMA / load warpgroup
             if cutlass.const_expr(self.kv_fp8):
-                if warp_idx > LOAD_WARP and warp_idx < CONVERT_WARPS[0]:
-                    self.set_registers("mma_load")  # idle warps of the MMA / load warpgroup
                 if warp_idx >= CONVERT_WARPS[0]:
                     self.set_registers("convert")
                     self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, s_rows,
                                  lookup_table, first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
-            if warp_idx < SOFTMAX_THREADS // 32:
+            if warp_idx >= self.correction_warp and warp_idx < self.correction_warp + 4:
+                self.set_registers("correction")
+                self.correction(t_o, s_v, s_scale, s_stats, scale_full, p_ready, o_done, stats_full, first_tile,
+                                n_tiles, num_keys)
+                for t in cutlass.range_constexpr(tiles):
+                    stats_full.wait(t, 0)
+                    row_max = s_stats[cute.arch.thread_idx()[0] % BM, 0, t]
+                    row_sum = s_stats[cute.arch.thread_idx()[0] % BM, 1, t]
+                    if n_tiles > 0:
+                        o_done.wait(t, (n_tiles - 1) % 2)  # the last PV MMA of the tile is done: O is final
+                        tmem_fence_after_sync()
+                    self.epilogue(self.o_tile(t_o, t), row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o,
+                                  g_out, s_q[None, None, t], q_start, seq_len, m0 + t * BM, kv_head, split,
+                                  num_splits)
+            if warp_idx < self.correction_warp:
                 self.set_registers("softmax")
-                row_max, row_sum = self.softmax(t_s, t_o, s_v, s_full, p_pipe, first_tile, n_tiles, m0, seq_len,
-                                                cache_len, num_keys, causal, window, score_scale, cap_log2)
-                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o, g_out, s_q, q_start,
-                              seq_len, m0, kv_head, split, num_splits)
+                self.softmax(warp_idx // 4, t_s, s_scale, s_stats, s_full, scale_full, p_ready, stats_full,
+                             first_tile, n_tiles, m0 + warp_idx // 4 * BM, seq_len, cache_len, num_keys, causal,
+                             window, score_scale, cap_log2)
             tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
             cute.arch.sync_threads()
             tmem_fence_after_sync()  # ... and the dealloc after it
             tmem.free(tmem_ptr)
 
     def set_registers(self, role: str):
-        """fp8 kernels (384 threads, 168 registers each as launched): move registers to the softmax warpgroup."""
-        if self.kv_fp8:
-            regs = FP8_REGS[role]
-            if role == "softmax":
-                cute.arch.setmaxregister_increase(regs)
-            else:
-                cute.arch.setmaxregister_decrease(regs)
+        """Moves registers from the MMA / load warpgroup (and the converter) to the softmax warpgroups (``REGS``)."""
+        regs = REGS[self.q_tiles, self.kv_fp8][role]
+        if role == "softmax":
+            cute.arch.setmaxregister_increase(regs)
+        else:
+            cute.arch.setmaxregister_decrease(regs)
+
+    def o_tile(self, t_o: cute.Tensor, tile: int) -> cute.Tensor:
+        """Q tile ``tile``'s O accumulator: ``D_v`` TMEM columns after the previous tile's."""
+        return cute.make_tensor(t_o.iterator + tile * self.v_dim, t_o.layout)
 
     @cute.jit
     def load_tile(self, pipe: pipeline.PipelineTmaUmma, prod: pipeline.PipelineState, tile: Int32,
@@ -452,11 +492,16 @@ class PagedAttentionSm100:
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
             thr_pv: cute.ThrMma, s_q: cute.Tensor, s_k: cute.Tensor, s_vt: cute.Tensor,
             t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe: pipeline.PipelineTmaUmma, s_full: pipeline.MbarrierArray,
-            p_pipe: pipeline.PipelineAsyncUmma, k_pipe: Optional[pipeline.PipelineAsyncUmma],
-            v_pipe: Optional[pipeline.PipelineAsyncUmma], n_tiles: Int32):
-        """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (so QK_j runs during softmax j-1).
-        K and V come from the ring, or with an fp8 cache from the converter's 16-bit tiles (``k_pipe``, ``v_pipe``;
-        each released by the commit of the MMA that reads it)."""
+            p_ready: pipeline.MbarrierArray, o_done: pipeline.MbarrierArray,
+            k_pipe: Optional[pipeline.PipelineAsyncUmma], v_pipe: Optional[pipeline.PipelineAsyncUmma],
+            n_tiles: Int32):
+        """MMA warp: the QK and PV of every (key tile, Q tile) pair, a QK two pairs ahead of its PV: with two Q
+        tiles ``PV(j-1, t)`` then ``QK(j, t)`` for t = 0, 1 (S slot t), so one Q tile's MMAs run while the other's
+        softmax reads its S; with one Q tile ``PV(j-2)`` then ``QK(j)`` (S slot j % 2), so QK_j runs while the
+        softmax reads S_{j-1}. K and V come from the ring, or with an fp8 cache from the converter's 16-bit tiles
+        (``k_pipe``, ``v_pipe``; each released by the commit of the MMA that reads it)."""
+        tiles = self.q_tiles
+        lag = SLOTS // tiles  # key tiles between a pair's QK and its PV
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         # P as the PV MMA's A operand in TMEM (K-major, two 16-bit values per column), at its S tile's upper half. The
@@ -466,63 +511,70 @@ class PagedAttentionSm100:
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        p_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)  # fp8: the 16-bit tiles
         v_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        for j in cutlass.range(n_tiles + 1, unroll=1):
-            if j < n_tiles:
-                k_stage = kv_read.index
-                if cutlass.const_expr(self.kv_fp8):
-                    k_stage = Int32(0)
-                    k_pipe.consumer_wait(k_read)
-                else:
-                    kv_pipe.consumer_wait(kv_read)
-                # S[j % 2] last held P_{j-2}, read by the PV MMA issued before this one: the MMAs run in issue
-                # order (beyond the ISA's same-accumulator pairs: see the module), so S has no empty barrier (the
-                # softmax read S_{j-2} before handing P_{j-2} over).
-                acc_s = t_s[None, None, None, s_write.index]
-                for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
-                    tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, k_stage], acc_s)
-                s_full.arrive(s_write.index, None, tcgen05.CtaGroup.ONE)  # the QK MMAs' commit: S written
-                if cutlass.const_expr(self.kv_fp8):
-                    k_pipe.consumer_release(k_read)  # on completion: the converter may write the next K
-                    k_read.advance()
-                s_write.advance()
-                kv_read.advance()
-            if j > 0:
-                v_stage = kv_done.index
-                if cutlass.const_expr(self.kv_fp8):
-                    v_stage = Int32(0)
-                    v_pipe.consumer_wait(v_read)
-                p_pipe.consumer_wait(p_read)  # P of tile j-1 written, O rescaled
-                tmem_fence_after_sync()  # ... by the softmax's tcgen05.st, ordered before the MMA reads them
-                t_rp_j = cute.make_tensor(t_rp.iterator + self.p_col((j + 1) % 2) * (32 // self.dtype.width),
-                                          t_rp.layout)  # (the A fragment counts 16-bit elements)
-                tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, j > 1)  # the first tile's PV starts O
-                for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
-                    cute.gemm(tiled_mma_pv, t_o, t_rp_j[None, None, kb], t_rv[None, None, kb, v_stage], t_o)
-                    tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-                p_pipe.consumer_release(p_read)  # on completion: O final for this tile
-                if cutlass.const_expr(self.kv_fp8):
-                    v_pipe.consumer_release(v_read)  # on completion: the converter may write the next V
-                    v_read.advance()
-                else:
-                    kv_pipe.consumer_release(kv_done)  # on completion: K/V stage free
-                p_read.advance()
-                kv_done.advance()
+        for j in cutlass.range(n_tiles + lag, unroll=1):
+            for t in cutlass.range_constexpr(tiles):
+                if j >= lag:  # PV of (j - lag, t): P in slot t + (j - lag) % lag, its barrier's use (j - lag) // lag
+                    jp = j - lag
+                    slot = t + jp % lag
+                    v_stage = kv_done.index
+                    if cutlass.const_expr(self.kv_fp8):
+                        v_stage = Int32(0)
+                        if t == 0:
+                            v_pipe.consumer_wait(v_read)
+                    p_ready.wait(slot, jp // lag % 2)  # P of the pair written, O rescaled
+                    tmem_fence_after_sync()  # ... by the softmax's and correction's tcgen05.st, before the MMA
+                    t_rp_j = cute.make_tensor(t_rp.iterator + self.p_col(slot) * (32 // self.dtype.width),
+                                              t_rp.layout)  # (the A fragment counts 16-bit elements)
+                    acc_o = self.o_tile(t_o, t)
+                    tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, jp > 0)  # the first tile's PV starts O
+                    for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
+                        cute.gemm(tiled_mma_pv, acc_o, t_rp_j[None, None, kb], t_rv[None, None, kb, v_stage], acc_o)
+                        tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
+                    o_done.arrive(t, None, tcgen05.CtaGroup.ONE)  # on completion: O stable (rescale, epilogue)
+                    if t == tiles - 1:  # the key tile's last PV: its V (and K) free
+                        if cutlass.const_expr(self.kv_fp8):
+                            v_pipe.consumer_release(v_read)
+                            v_read.advance()
+                        else:
+                            kv_pipe.consumer_release(kv_done)
+                        kv_done.advance()
+                if j < n_tiles:  # QK of (j, t) into slot t + j % lag
+                    k_stage = kv_read.index
+                    if cutlass.const_expr(self.kv_fp8):
+                        k_stage = Int32(0)
+                        if t == 0:
+                            k_pipe.consumer_wait(k_read)
+                    elif t == 0:
+                        kv_pipe.consumer_wait(kv_read)
+                    # The slot last held P of the pair two before, read by the PV MMA issued before this one: the
+                    # MMAs run in issue order (beyond the ISA's same-accumulator pairs: see the module), so S has
+                    # no empty barrier (the softmax read that S before handing its P over).
+                    slot = t + j % lag
+                    acc_s = t_s[None, None, None, slot]
+                    for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
+                        tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb, t], t_rk[None, None, kb, k_stage], acc_s)
+                    s_full.arrive(slot, None, tcgen05.CtaGroup.ONE)  # the QK MMAs' commit: S written
+                    if t == tiles - 1:
+                        if cutlass.const_expr(self.kv_fp8):
+                            k_pipe.consumer_release(k_read)  # on completion: the converter may write the next K
+                            k_read.advance()
+                        kv_read.advance()
 
     @cute.jit
-    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_v: cute.Tensor,
-                s_full: pipeline.MbarrierArray, p_pipe: pipeline.PipelineAsyncUmma, first_tile: Int32,
-                n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
-                window: Int32, score_scale: Float32, cap_log2: Float32):
-        """Softmax warpgroup: row ``tidx`` of every S tile -> P; rescales O's row. Returns ``(row_max, row_sum)``
-        (base 2) after waiting for the last PV MMA."""
-        bn = self.bn
-        tidx, _, _ = cute.arch.thread_idx()
-        tok = (m0 + tidx) // self.group
+    def softmax(self, tile: Int32, t_s: cute.Tensor, s_scale: cute.Tensor, s_stats: cute.Tensor,
+                s_full: pipeline.MbarrierArray, scale_full: pipeline.MbarrierArray, p_ready: pipeline.MbarrierArray,
+                stats_full: pipeline.MbarrierArray, first_tile: Int32, n_tiles: Int32, m0: Int32, seq_len: Int32,
+                cache_len: Int32, num_keys: Int32, causal: Int32, window: Int32, score_scale: Float32,
+                cap_log2: Float32):
+        """Softmax warpgroup of Q tile ``tile`` (packed rows from ``m0``): row ``tidx % 128`` of each of its S tiles
+        -> P, in place in TMEM; O's factor of the tile to the correction warpgroup (``s_scale``) as soon as the row
+        max is known; the final ``(row_max, row_sum)`` (base 2) to ``s_stats``."""
+        bn, lag = self.bn, SLOTS // self.q_tiles
+        row = cute.arch.thread_idx()[0] % BM
+        tok = (m0 + row) // self.group
         pos = cache_len + tok
         row_end = num_keys
         if causal != 0:
@@ -535,7 +587,7 @@ class PagedAttentionSm100:
 
         s_tile = t_s[(None, None), 0, 0, 0]
         load_s = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)),
-                                                            Float32), s_tile).get_slice(tidx)
+                                                            Float32), s_tile).get_slice(row)
         t_s_src = load_s.partition_S(s_tile)
         cols = load_s.partition_D(cute.make_identity_tensor((BM, bn)))  # (row, key) of each S register
         scores = cute.make_rmem_tensor(cols.shape, Float32)
@@ -543,7 +595,7 @@ class PagedAttentionSm100:
         p_tile = cute.make_tensor(s_tile.iterator + self.p_col(0),
                                   cute.composition(s_tile.layout, cute.make_layout((BM, self.p_cols))))
         store_p = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_STORE_COLUMNS)), Float32), p_tile).get_slice(tidx)
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_STORE_COLUMNS)), Float32), p_tile).get_slice(row)
         t_p_dst = store_p.partition_D(p_tile)
         packed = cute.make_rmem_tensor(store_p.partition_S(cute.make_identity_tensor((BM, self.p_cols))).shape,
                                        Float32)
@@ -551,16 +603,13 @@ class PagedAttentionSm100:
 
         row_max = NEG_INF
         row_sum = Float32(0.0)
-        s_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-        p_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * bn
-            s_full.wait(s_read.index, s_read.phase)
+            slot = tile + j % lag
+            s_full.wait(slot, j // lag % 2)
             tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
-            buf = s_read.index
-            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + buf * self.s_cols, t_s_src.layout), scores)
+            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + slot * self.s_cols, t_s_src.layout), scores)
             cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
-            s_read.advance()
 
             scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
@@ -574,31 +623,54 @@ class PagedAttentionSm100:
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
                     if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
                         scores[c] = NEG_INF
-            new_max, corr = exp_scores(scores, row_max)
+            new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD)
+            s_scale[row, slot] = corr  # the correction warpgroup rescales O meanwhile
+            scale_full.arrive(slot, None)
+            exp2_scores(scores, ref, self.exp2_emulation)
             row_sum = row_add(scores, row_sum * corr)
             row_max = new_max
             to_16bit(scores, probs)  # one cvt per pair
-            # P_j's columns are free (P_{j-2}'s PV precedes QK_j) and P_{j-1}'s PV may still run: no wait.
-            cute.copy(store_p, packed, cute.make_tensor(t_p_dst.iterator + buf * self.s_cols, t_p_dst.layout))
-
-            p_pipe.producer_acquire(p_write)  # the PV MMA of tile j-1 is done: O stable
-            tmem_fence_after_sync()  # ... and ordered before this thread's tcgen05.ld/st of O
-            if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
-                if tile_base + bn > num_keys:
-                    self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
-            # O changes only where a row's max moved; the TMEM copies are warp-wide, so a warp skips the
-            # rescale only when none of its rows moved (exact: the skipped factor is 1).
-            if j > 0:
-                if cute.arch.vote_any_sync(corr != 1.0):
-                    rescale_o(t_o, corr, self.v_dim)
-            cute.arch.fence_view_async_tmem_store()  # P and O in TMEM, zeroed V rows in shared memory: the MMA
-            cute.arch.fence_view_async_shared()  # reads them next
+            # The slot's P columns are free (the PV of the pair two before precedes this QK): no wait.
+            cute.copy(store_p, packed, cute.make_tensor(t_p_dst.iterator + slot * self.s_cols, t_p_dst.layout))
+            cute.arch.fence_view_async_tmem_store()  # P in TMEM: the MMA reads it next
             tmem_fence_before_sync()
-            p_pipe.producer_commit(p_write)
-            p_write.advance()
-        p_pipe.producer_acquire(p_write)  # the last PV MMA is done: O is final
-        tmem_fence_after_sync()
-        return row_max, row_sum
+            p_ready.arrive(slot, None)
+        s_stats[row, 0, tile] = row_max
+        s_stats[row, 1, tile] = row_sum
+        stats_full.arrive(tile, None)
+
+    @cute.jit
+    def correction(self, t_o: cute.Tensor, s_v: cute.Tensor, s_scale: cute.Tensor, s_stats: cute.Tensor,
+                   scale_full: pipeline.MbarrierArray, p_ready: pipeline.MbarrierArray,
+                   o_done: pipeline.MbarrierArray, stats_full: pipeline.MbarrierArray, first_tile: Int32,
+                   n_tiles: Int32, num_keys: Int32):
+        """Correction warpgroup: per (key tile, Q tile) pair, O's row ``tidx % 128`` *= the softmax's factor once
+        the previous PV is done, skipped by a warp none of whose rows moved (the factor is exactly 1: the softmax's
+        threshold makes that the common case); with a 16-bit ring it also zeroes the key tile's V rows past the
+        request's keys before the first PV reads them. Then hands the pair to the MMA (``p_ready``, with the
+        softmax's P)."""
+        lag = SLOTS // self.q_tiles
+        row = cute.arch.thread_idx()[0] % BM
+        for j in cutlass.range(n_tiles, unroll=1):
+            tile_base = (first_tile + j) * self.bn
+            for t in cutlass.range_constexpr(self.q_tiles):
+                slot = t + j % lag
+                scale_full.wait(slot, j // lag % 2)
+                corr = s_scale[row, slot]
+                if cutlass.const_expr(not self.kv_fp8 and t == 0):  # (the converter writes those rows as zeros)
+                    # The stage's TMA has landed: the S of the same tile, which the softmax read, came from it.
+                    if tile_base + self.bn > num_keys:
+                        self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
+                    cute.arch.fence_view_async_shared()  # the zeroed V rows before the MMA reads them
+                if j > 0:
+                    o_done.wait(t, (j - 1) % 2)  # the previous PV of this Q tile is done: O stable
+                    tmem_fence_after_sync()
+                    # The TMEM copies are warp-wide: a warp skips the rescale only when none of its rows moved.
+                    if cute.arch.vote_any_sync(corr != 1.0):
+                        rescale_o(self.o_tile(t_o, t), corr, self.v_dim)
+                    cute.arch.fence_view_async_tmem_store()
+                tmem_fence_before_sync()
+                p_ready.arrive(slot, None)
 
     @cute.jit
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,
@@ -684,13 +756,12 @@ class PagedAttentionSm100:
 
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32):
-        """Zero V rows ``[first_row, BN)`` of ``stage``: past the request's keys (P is 0 there, but 0 * NaN is not).
-        The stage's TMA has landed: the S of the same tile, read before, was computed from it."""
+        """Zero V rows ``[first_row, BN)`` of ``stage`` (the correction warpgroup): past the request's keys (P is 0
+        there, but 0 * NaN is not)."""
         chunks = self.v_dim // VEC
-        tidx, _, _ = cute.arch.thread_idx()
         zeros = cute.make_rmem_tensor((VEC,), self.dtype)
         zeros.fill(0.0)
-        for idx in cutlass.range(tidx, self.bn * chunks, SOFTMAX_THREADS, unroll=1):
+        for idx in cutlass.range(cute.arch.thread_idx()[0] % BM, self.bn * chunks, BM, unroll=1):
             if idx // chunks >= first_row:
                 cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
 
@@ -699,11 +770,11 @@ class PagedAttentionSm100:
                  out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
                  tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor, q_start: Int32,
                  seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
-        """Row ``tidx``: ``O / l`` to ``out`` (one split) or to this split's float32 partial with its base-2 lse. The
-        sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one).
-        ``out`` rows go through ``s_o`` (Q's tile, free: the last PV completed after the last QK) and TMA stores when
+        """Row ``tidx % 128`` of the Q tile from packed row ``m0`` (the correction warpgroup): ``O / l`` to ``out``
+        (one split) or to this split's float32 partial with its base-2 lse. The sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one).
+        ``out`` rows go through ``s_o`` (the Q tile's, free: its last PV completed after its last QK) and TMA stores when
         the group divides BM (``store_o``), else straight from the thread."""
-        tidx, _, _ = cute.arch.thread_idx()
+        tidx = cute.arch.thread_idx()[0] % BM
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
         top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
@@ -737,8 +808,8 @@ class PagedAttentionSm100:
         tokens), over the request's ragged window (rows past it are dropped), and waits until they have read shared
         memory, so the tile outlives them (the CTA's last barrier follows)."""
         cute.arch.fence_view_async_shared()  # this thread's row (generic stores) before the TMA reads it
-        pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=SOFTMAX_THREADS).arrive_and_wait()
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+        pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=BM).arrive_and_wait()
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.correction_warp:
             window = tma_tiles.packed_ragged_window(g_out, q_start, seq_len)[None, None, None, kv_head]
             width, group = self.o_box_width, self.group
             with cute.arch.elect_one():  # one thread issues, commits and waits for its bulk group
@@ -753,12 +824,15 @@ class PagedAttentionSm100:
 
     @cute.jit
     def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32):
-        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time (all warps); rows past the
-        request are 0. Made visible to the MMA (async proxy) before the CTA's first barrier."""
+        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tiles (row r in tile ``r // 128``), 16 bytes at a time
+        (all warps); rows past the request are 0. Made visible to the MMA (async proxy) before the CTA's first
+        barrier."""
         d, group = self.head_dim, self.group
         chunks = d // VEC
         tidx, _, _ = cute.arch.thread_idx()
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
-        for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):
-            copy_q_chunk(q, s_q, vals, idx // chunks, idx % chunks, m0, q_start, seq_len, kv_head, group)
+        for idx in cutlass.range(tidx, self.plan.rows * chunks, self.threads, unroll=1):
+            r = idx // chunks
+            copy_q_chunk(q, s_q[None, None, r // BM], vals, r % BM, idx % chunks, m0 + r // BM * BM, q_start,
+                         seq_len, kv_head, group)
         cute.arch.fence_view_async_shared()

@@ -1,6 +1,6 @@
 """Softmax-warpgroup device helpers shared by the SM100 attention kernels (``sm100.PagedAttentionSm100`` and the
-MLA kernel ``mla/sm100.MlaDecodeSm100``): thread ``t`` of the softmax warpgroup owns row ``t`` of O in tensor
-memory (TMEM lane ``t``). The kernels differ in how many O columns a CTA holds (the MHA head dim; MLA's value
+MLA kernel ``mla/sm100.MlaDecodeSm100``): thread ``t`` of a warpgroup owns row ``t % 128`` of O in tensor
+memory (TMEM lane ``t % 128``; a warp reaches only its 32 lanes of the 128, ``warp % 4``). The kernels differ in how many O columns a CTA holds (the MHA head dim; MLA's value
 half), which the callers pass. Also the fp8 converter's row dequantization (``dequantize_row``), which both use."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import tcgen05
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kv.kernels.attention.config import BM, VEC
 
@@ -24,7 +26,7 @@ O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
 def o_copies(t_o: cute.Tensor):
     """This thread's row of O in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source, destination, register
     shape); piece ``i`` is the source / destination iterator moved by ``i * O_CHUNK``."""
-    tidx, _, _ = cute.arch.thread_idx()
+    tidx = cute.arch.thread_idx()[0] % BM
     piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
     load = tcgen05.make_tmem_copy(cute.make_copy_atom(
         tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
@@ -84,16 +86,75 @@ def exp_scores(scores: cute.Tensor, row_max: Float32):
     """The online softmax's step over this thread's (masked) row of S, in place: ``p = 2^(s - new max)``. Returns
     ``(new_max, corr)``, ``corr = 2^(row_max - new_max)`` the factor of the running sum and of O. The sum is the
     caller's (the kernels reduce it differently)."""
+    new_max, ref, corr = update_max(scores, row_max, 0.0)
+    exp2_scores(scores, ref, 0)
+    return new_max, corr
+
+
+@cute.jit
+def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constexpr[float]):
+    """The row's new running max over this tile of (masked) base-2 logits: ``(new_max, ref, corr)``, the scores'
+    exponent reference ``ref`` (the max, 0 while nothing is visible) and ``corr = 2^(row_max - ref)``. With
+    ``threshold`` > 0 a max that moved up by at most ``threshold`` is not taken (FA4's ``rescale_threshold``): the row
+    keeps its old reference and ``corr`` is exactly 1, so O needs no rescale; ``p`` then reaches ``2^threshold`` at
+    most, and the final ``O / l`` uses the same reference for both, so the result is unchanged."""
     new_max = row_reduce(scores, row_max, cute.arch.fmax)
+    if cutlass.const_expr(threshold > 0.0):
+        if new_max - row_max <= Float32(threshold):  # false while row_max is -inf (inf or NaN)
+            new_max = row_max
     ref = new_max
     if new_max == NEG_INF:
         ref = Float32(0.0)  # nothing visible yet: every p and the correction are 0
     corr = cute.math.exp2(row_max - ref, fastmath=True)
-    for c in cutlass.range(0, cute.size(scores), 2, unroll_full=True):
+    return new_max, ref, corr
+
+
+@cute.jit
+def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[int]):
+    """``p = 2^(s - ref)`` over the row in place, two scores an instruction for the subtraction. With ``emulate`` n
+    > 0, of every ``n`` pairs of a 32-score piece the last two go to ``exp2_fma`` on the FMA pipe instead of the MUFU
+    (4 results a cycle per SM sub-partition, against 64 FMA lanes' worth); the first and last pieces stay on the
+    MUFU, whose latency they fill (FA4's ``ex2_emu_freq``)."""
+    pieces = cute.size(scores) // 32
+    for c in cutlass.range_constexpr(0, cute.size(scores), 2):
         scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
-        scores[c] = cute.math.exp2(scores[c], fastmath=True)
-        scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-    return new_max, corr
+        piece = c // 32
+        if cutlass.const_expr(emulate > 0 and 0 < piece < pieces - 1 and (c % 32) // 2 % emulate >= emulate - 2):
+            scores[c], scores[c + 1] = exp2_fma(scores[c], scores[c + 1])
+        else:
+            scores[c] = cute.math.exp2(scores[c], fastmath=True)
+            scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
+
+
+# 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
+EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
+ROUND_SHIFT = float(2**23 + 2**22)  # x + this, rounded down, holds floor(x) in its low mantissa bits
+
+
+def exp2_fma(x: Float32, y: Float32):
+    """``(2^x, 2^y)`` on the FMA pipe, for x, y <= 0 (clamped at -127): floor by a rounded-down add of
+    ``ROUND_SHIFT``, ``2^frac`` by ``EXP2_POLY`` in f32x2 Horner steps, the floor added to the exponent bits."""
+    lo = Float32(-127.0)
+    xy = (cute.arch.fmax(x, lo), cute.arch.fmax(y, lo))
+    shifted = cute.arch.add_packed_f32x2(xy, (ROUND_SHIFT, ROUND_SHIFT), rnd="rm")
+    floors = cute.arch.sub_packed_f32x2(shifted, (ROUND_SHIFT, ROUND_SHIFT))
+    frac = cute.arch.sub_packed_f32x2(xy, floors)
+    c = EXP2_POLY
+    poly = (Float32(c[3]), Float32(c[3]))
+    for k in (2, 1, 0):
+        poly = cute.arch.fma_packed_f32x2(poly, frac, (Float32(c[k]), Float32(c[k])))
+    return _add_exponent(shifted[0], poly[0]), _add_exponent(shifted[1], poly[1])
+
+
+@dsl_user_op
+def _add_exponent(shifted: Float32, mantissa: Float32, *, loc=None, ip=None) -> Float32:
+    """``mantissa * 2^floor``: the floor (low bits of ``shifted``) shifted into the exponent field and added as an
+    integer (``shl`` and ``add.s32``, no float op)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(shifted).ir_value(loc=loc, ip=ip), Float32(mantissa).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 s, m, e;\nmov.b32 s, $1;\nmov.b32 m, $2;\nshl.b32 e, s, 23;\nadd.s32 e, e, m;\n"
+        "mov.b32 $0, e;\n}", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit

@@ -1,16 +1,18 @@
 """``PagedAttentionSm100``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
 
-A CTA owns 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row) and walks key tiles of ``BN``
-keys. Tensor memory holds two S tiles (QK of tile j+1 runs while the softmax reads tile j), each tile's P (16-bit,
-the PV MMA's A operand) over the upper half of its S, and the O accumulator: ``2 * BN + D_v <= 512`` columns, so one
-CTA per SM. Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's decompressed heads: K of
-nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first ``D_v`` are read). At
-192 / 128 one 48 KiB Q tile leaves room for two 128-key K+V stages (2 x 80 KiB; 209 KiB in all) and O takes 128 of
-the 512 columns (384 used). FA4's forward at this pair instead keeps two Q tiles (96 KiB, two softmax warpgroups:
-each K/V tile serves 256 rows) and O twice (all 512 columns), so its K and V share a ring of three tile slots,
-alternating 48 and 32 KiB ones; one Q tile here keeps this kernel's single softmax warpgroup and its 128-row grid.
-Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any page size: pages
-that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
+A CTA owns ``q_tiles`` (1 or 2) tiles of 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row, one
+softmax warpgroup each) and walks key tiles of ``BN`` keys; each K/V tile serves all of the CTA's rows. Tensor memory
+holds two S tiles (each Q tile's own with two Q tiles, FA4's plan: one Q tile's softmax runs while the other's QK
+and PV are on the tensor core; with one Q tile QK of key tile j+1 runs while the softmax reads tile j), each tile's P
+(16-bit, the PV MMA's A operand) over the upper half of its S, and one O accumulator per Q tile: ``2 * BN + q_tiles *
+D_v <= 512`` columns, so one CTA per SM. Two Q tiles where that and two K/V stages fit: 16-bit caches with ``D_v = D
+<= 128`` (D = 128: 2 x 128 + 2 x 128 = all 512 columns). One Q tile otherwise: head dim 256 (64-key tiles: 2 x 64 +
+2 x 256 = 640 columns), K of 192 / V of 128 (two 48 KiB Q tiles and two 80 KiB K+V stages are 256 KiB; FA4 there
+shares one ring of alternating K and V slots), and fp8 caches (their converter warpgroup would make five warpgroups:
+under 104 registers a thread). Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's
+decompressed heads: K of nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first
+``D_v`` are read). Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any
+page size: pages that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from typing import Optional
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, HEAD_DIMS, VEC, head_problem  # noqa: F401
 
 # BM: 128 packed query rows per CTA, the tcgen05.mma M (one TMEM lane each), as on SM90 (two warpgroups of 64).
-TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
+TMEM_COLUMNS = 512  # all of an SM's tensor memory: two S tiles + an O per Q tile
 SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
 RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahead of the kernel's buffers
+SLOTS = 2  # S / P tiles in TMEM
+# Barriers besides the K/V ring's full/empty pairs: S full, O's correction factors handed over and P / O ready per S
+# slot; PV done and the final row statistics per Q tile; fp8's dequantized K and V tiles (full, empty each).
+BARRIERS = 3 * SLOTS + 2 * 2 + 4
 VALUE_DIMS = {192: 128}  # head dim -> the narrower value dim it also takes (DeepSeek MLA prefill: 128 + 64 / 128)
 
 
@@ -42,6 +48,7 @@ class Sm100Tiling:
     stage_bytes: int
     v_dim: int
     mma_tiles: int = 0
+    q_tiles: int = 1
 
     @property
     def smem(self) -> int:
@@ -49,8 +56,13 @@ class Sm100Tiling:
 
     @property
     def tmem_columns(self) -> int:
-        """Columns used: S tiles at ``[0, 2*bn)`` (P in the upper half of each), O at ``[2*bn, 2*bn + D_v)``."""
-        return 2 * self.bn + self.v_dim
+        """Columns used: S tiles at ``[0, 2*bn)`` (P in the upper half of each), Q tile t's O at ``2*bn + t*D_v``."""
+        return SLOTS * self.bn + self.q_tiles * self.v_dim
+
+    @property
+    def rows(self) -> int:
+        """Packed query rows a CTA owns."""
+        return self.q_tiles * BM
 
 
 def key_tile(head_dim: int, v_dim: Optional[int] = None) -> int:
@@ -61,23 +73,43 @@ def key_tile(head_dim: int, v_dim: Optional[int] = None) -> int:
     return 128 if two_stages <= SMEM_PER_CTA else 64
 
 
-def fixed_bytes(bn: int, stages: int, gather4: bool) -> int:
-    """Barriers (K/V ring full/empty, S x2, P, dequantized K and V) and, for gather4, one int32 row per key per
-    stage, rounded up to the 1024-byte alignment of the tiles that follow."""
-    used = RESERVED_BYTES + 8 * (2 * stages + 4 + 2 + 4) + (4 * bn * stages if gather4 else 0)
+def fixed_bytes(bn: int, stages: int, gather4: bool, tiles: int = 1) -> int:
+    """Barriers (``BARRIERS`` and the K/V ring's), a float32 per row of each S slot (O's correction factor, softmax
+    -> correction warpgroup) and two per row of each of the ``tiles`` Q tiles (the final max and sum) and, for
+    gather4, one int32 row per key per stage, rounded up to the 1024-byte alignment of the tiles that follow."""
+    used = (RESERVED_BYTES + 8 * (2 * stages + BARRIERS) + 4 * BM * (SLOTS + 2 * tiles)
+            + (4 * bn * stages if gather4 else 0))
     return -(-used // 1024) * 1024
 
 
+def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False) -> int:
+    """Q tiles a CTA takes (see the module): two where their O accumulators fit tensor memory beside the two S tiles
+    and two K/V stages fit shared memory beside them, with a 16-bit cache; else one."""
+    v_dim = v_dim or head_dim
+    if kv_fp8:
+        return 1
+    bn = key_tile(head_dim, v_dim)
+    smem = fixed_bytes(bn, 2, True, 2) + 2 * BM * head_dim * 2 + 2 * bn * (head_dim + v_dim) * 2
+    return 2 if SLOTS * bn + 2 * v_dim <= TMEM_COLUMNS and smem <= SMEM_PER_CTA else 1
+
+
+def cta_rows(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False) -> int:
+    """Packed query rows per CTA (the grid's ``m_blocks`` count blocks of these)."""
+    return q_tiles(head_dim, v_dim, kv_fp8) * BM
+
+
 def tiling(head_dim: int, page_size: int, kv_fp8: bool = False, v_dim: Optional[int] = None) -> Sm100Tiling:
-    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to Q (and, for fp8, one 16-bit K and V tile)."""
+    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to the Q tiles (and, for fp8, one 16-bit K and V
+    tile)."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
     gather4 = uses_gather4(page_size, bn)
-    q_bytes, stage_bytes = BM * head_dim * 2, bn * (head_dim + v_dim) * (1 if kv_fp8 else 2)
+    tiles = q_tiles(head_dim, v_dim, kv_fp8)
+    q_bytes, stage_bytes = tiles * BM * head_dim * 2, bn * (head_dim + v_dim) * (1 if kv_fp8 else 2)
     mma_tiles = bn * (head_dim + v_dim) * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
-        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4), q_bytes, stage_bytes, v_dim,
-                           mma_tiles)
+        plan = Sm100Tiling(bn, stages, gather4, fixed_bytes(bn, stages, gather4, tiles), q_bytes, stage_bytes, v_dim,
+                           mma_tiles, tiles)
         if plan.smem <= SMEM_PER_CTA:
             assert plan.tmem_columns <= TMEM_COLUMNS
             return plan
