@@ -97,15 +97,15 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
 # softmax's inc waiting forever). The softmax holds a row of S (BN floats) and its P; the correction a 32-column
 # piece of O; the MMA / load warps little.
-REGS = {(2, False): {"softmax": 184, "correction": 88, "other": 56},
+REGS = {(2, False): {"softmax": 192, "correction": 56, "other": 72},
         (1, False): {"softmax": 240, "correction": 136, "other": 128},
         (1, True): {"softmax": 208, "correction": 88, "other": 96, "convert": 112}}
 RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
-EXP2_EMULATION = 5  # of every 5 pairs of a middle 32-score piece, 2 by exp2 on the FMA pipe (head dims <= 128)
+EXP2_EMULATION = 10  # of every 10 pairs of a middle 32-score piece, 2 by exp2 on the FMA pipe (head dims <= 128)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
+P_STORE_COLUMNS = 16  # P columns per tcgen05.st (32 scores): a piece's scores die once it is stored
 SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
 
@@ -591,15 +591,18 @@ class PagedAttentionSm100:
         t_s_src = load_s.partition_S(s_tile)
         cols = load_s.partition_D(cute.make_identity_tensor((BM, bn)))  # (row, key) of each S register
         scores = cute.make_rmem_tensor(cols.shape, Float32)
-        # P goes back to TMEM over the upper half of its S tile: the thread's row, 16-bit pairs in 32-bit columns.
-        p_tile = cute.make_tensor(s_tile.iterator + self.p_col(0),
-                                  cute.composition(s_tile.layout, cute.make_layout((BM, self.p_cols))))
+        # P goes back to TMEM over the upper half of its S tile: the thread's row, 16-bit pairs in 32-bit columns,
+        # one piece of P_STORE_COLUMNS columns (2 x P_STORE_COLUMNS scores) at a time.
+        p_piece = cute.make_tensor(s_tile.iterator + self.p_col(0),
+                                   cute.composition(s_tile.layout, cute.make_layout((BM, P_STORE_COLUMNS))))
         store_p = tcgen05.make_tmem_copy(cute.make_copy_atom(
-            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_STORE_COLUMNS)), Float32), p_tile).get_slice(row)
-        t_p_dst = store_p.partition_D(p_tile)
-        packed = cute.make_rmem_tensor(store_p.partition_S(cute.make_identity_tensor((BM, self.p_cols))).shape,
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(P_STORE_COLUMNS)), Float32), p_piece).get_slice(row)
+        t_p_dst = store_p.partition_D(p_piece)
+        packed = cute.make_rmem_tensor(store_p.partition_S(cute.make_identity_tensor((BM, P_STORE_COLUMNS))).shape,
                                        Float32)
-        probs = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype), scores.layout)
+        piece = 2 * P_STORE_COLUMNS  # scores a P piece holds
+        probs = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype), cute.make_layout(piece))
+        flat = cute.make_tensor(scores.iterator, cute.make_layout(cute.size(scores)))  # register c: key c
 
         row_max = NEG_INF
         row_sum = Float32(0.0)
@@ -611,7 +614,10 @@ class PagedAttentionSm100:
             cute.copy(load_s, cute.make_tensor(t_s_src.iterator + slot * self.s_cols, t_s_src.layout), scores)
             cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
 
-            scale_scores(scores, score_scale, self.softcap, cap_log2)
+            exp_scale = score_scale  # raw scores: the scale is folded into the max and the exponent's FMA
+            if cutlass.const_expr(self.softcap):
+                scale_scores(scores, score_scale, True, cap_log2)
+                exp_scale = Float32(1.0)
             masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
             if tile_base < row_begin:
                 masked = Int32(1)
@@ -623,15 +629,22 @@ class PagedAttentionSm100:
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
                     if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
                         scores[c] = NEG_INF
-            new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD)
+            new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD, exp_scale)
             s_scale[row, slot] = corr  # the correction warpgroup rescales O meanwhile
             scale_full.arrive(slot, None)
-            exp2_scores(scores, ref, self.exp2_emulation)
-            row_sum = row_add(scores, row_sum * corr)
+            # Piece by piece: 2^(s - ref) (FMA-emulated in part of the middle pieces, whose MUFU latency the others
+            # fill), the row sum, P rounded and stored: a piece's float32 scores die once its P is in TMEM. The
+            # slot's P columns are free (the PV of the pair two before precedes this QK): no wait.
+            row_sum = row_sum * corr
+            pieces = bn // piece
+            for i in cutlass.range_constexpr(pieces):
+                vals = cute.local_tile(flat, (piece,), (i,))
+                exp2_scores(vals, ref, self.exp2_emulation if 0 < i < pieces - 1 else 0, exp_scale)
+                row_sum = row_add(vals, row_sum)
+                to_16bit(vals, probs)  # one cvt per pair
+                cute.copy(store_p, packed, cute.make_tensor(
+                    t_p_dst.iterator + slot * self.s_cols + i * P_STORE_COLUMNS, t_p_dst.layout))
             row_max = new_max
-            to_16bit(scores, probs)  # one cvt per pair
-            # The slot's P columns are free (the PV of the pair two before precedes this QK): no wait.
-            cute.copy(store_p, packed, cute.make_tensor(t_p_dst.iterator + slot * self.s_cols, t_p_dst.layout))
             cute.arch.fence_view_async_tmem_store()  # P in TMEM: the MMA reads it next
             tmem_fence_before_sync()
             p_ready.arrive(slot, None)

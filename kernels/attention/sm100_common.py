@@ -86,19 +86,24 @@ def exp_scores(scores: cute.Tensor, row_max: Float32):
     """The online softmax's step over this thread's (masked) row of S, in place: ``p = 2^(s - new max)``. Returns
     ``(new_max, corr)``, ``corr = 2^(row_max - new_max)`` the factor of the running sum and of O. The sum is the
     caller's (the kernels reduce it differently)."""
-    new_max, ref, corr = update_max(scores, row_max, 0.0)
-    exp2_scores(scores, ref, 0)
+    new_max, ref, corr = update_max(scores, row_max, 0.0, None)
+    exp2_scores(scores, ref, 0, None)
     return new_max, corr
 
 
 @cute.jit
-def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constexpr[float]):
-    """The row's new running max over this tile of (masked) base-2 logits: ``(new_max, ref, corr)``, the scores'
-    exponent reference ``ref`` (the max, 0 while nothing is visible) and ``corr = 2^(row_max - ref)``. With
+def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constexpr[float], scale):
+    """The row's new running max over this tile of (masked) logits: ``(new_max, ref, corr)`` in base 2, the scores'
+    exponent reference ``ref`` (the max, 0 while nothing is visible) and ``corr = 2^(row_max - ref)``. ``scale``:
+    the scores are raw, ``scale`` (> 0) times them the base-2 logits (None: they are base-2 logits). With
     ``threshold`` > 0 a max that moved up by at most ``threshold`` is not taken (FA4's ``rescale_threshold``): the row
     keeps its old reference and ``corr`` is exactly 1, so O needs no rescale; ``p`` then reaches ``2^threshold`` at
     most, and the final ``O / l`` uses the same reference for both, so the result is unchanged."""
-    new_max = row_reduce(scores, row_max, cute.arch.fmax)
+    new_max = row_max
+    if cutlass.const_expr(scale is None):
+        new_max = row_reduce(scores, row_max, cute.arch.fmax)
+    else:
+        new_max = cute.arch.fmax(row_max, row_reduce(scores, NEG_INF, cute.arch.fmax) * scale)
     if cutlass.const_expr(threshold > 0.0):
         if new_max - row_max <= Float32(threshold):  # false while row_max is -inf (inf or NaN)
             new_max = row_max
@@ -110,16 +115,18 @@ def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constex
 
 
 @cute.jit
-def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[int]):
-    """``p = 2^(s - ref)`` over the row in place, two scores an instruction for the subtraction. With ``emulate`` n
-    > 0, of every ``n`` pairs of a 32-score piece the last two go to ``exp2_fma`` on the FMA pipe instead of the MUFU
-    (4 results a cycle per SM sub-partition, against 64 FMA lanes' worth); the first and last pieces stay on the
-    MUFU, whose latency they fill (FA4's ``ex2_emu_freq``)."""
-    pieces = cute.size(scores) // 32
+def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[int], scale):
+    """``p = 2^(scale * s - ref)`` over the row in place (``scale`` None: ``2^(s - ref)``), one f32x2 FMA (or
+    subtraction) for two scores. With ``emulate`` n > 0, the last two of every ``n`` pairs go to ``exp2_fma`` on
+    the FMA pipe instead of the MUFU (4 results a cycle per SM sub-partition, against 64 FMA lanes' worth; FA4's
+    ``ex2_emu_freq``)."""
     for c in cutlass.range_constexpr(0, cute.size(scores), 2):
-        scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
-        piece = c // 32
-        if cutlass.const_expr(emulate > 0 and 0 < piece < pieces - 1 and (c % 32) // 2 % emulate >= emulate - 2):
+        if cutlass.const_expr(scale is None):
+            scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
+        else:
+            scores[c], scores[c + 1] = cute.arch.fma_packed_f32x2((scores[c], scores[c + 1]), (scale, scale),
+                                                                  (-ref, -ref))
+        if cutlass.const_expr(emulate > 0 and c // 2 % emulate >= emulate - 2):
             scores[c], scores[c + 1] = exp2_fma(scores[c], scores[c + 1])
         else:
             scores[c] = cute.math.exp2(scores[c], fastmath=True)
