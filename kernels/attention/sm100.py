@@ -70,10 +70,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, Uint8, Uint32
-from cutlass._mlir.dialects import nvvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
@@ -97,7 +97,7 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
 # softmax's inc waiting forever). The softmax holds a row of S (BN floats) and its P; the correction a 32-column
 # piece of O; the MMA / load warps little.
-REGS = {(2, False): {"softmax": 192, "correction": 56, "other": 72},
+REGS = {(2, False): {"softmax": 184, "correction": 80, "other": 64},
         (1, False): {"softmax": 240, "correction": 136, "other": 128},
         (1, True): {"softmax": 208, "correction": 88, "other": 96, "convert": 112}}
 RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
@@ -122,6 +122,16 @@ def tmem_fence_after_sync(*, loc=None, ip=None):
     """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the
     synchronization it just completed (an mbarrier wait, a barrier), so they see the TMEM the other side wrote."""
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cta_index(*, loc=None, ip=None):
+    """``(%ctaid.x, %ctaid.y, %ctaid.z)`` read anew (volatile): a role derives the CTA's coordinates in its own
+    branch, where values shared with the prologue would stay live into the branches of low register budgets
+    (setmaxnreg) and be spilled."""
+    return tuple(Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %ctaid.{axis};", "=r", has_side_effects=True,
+                                       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+                 for axis in "xyz")
 
 
 class PagedAttentionSm100:
@@ -281,10 +291,10 @@ class PagedAttentionSm100:
         m0 = m_block * self.plan.rows
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            cache_len = Int32(cache_lengths[b])
-            num_keys = cache_len + seq_len
-            first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
-                                              self.plan.rows, self.bn, self.group)
+            # Each role works out the CTA's coordinates and keys in its own branch (``keys``; names of its own, not
+            # the prologue's, which the DSL would carry out of the branch): values live from here into the branches
+            # of low register budgets (setmaxnreg) would be spilled.
+            keys = (cache_lengths, seq_len, causal, window, num_splits)
 
             smem = SmemAllocator()
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
@@ -357,34 +367,31 @@ class PagedAttentionSm100:
             tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
             tmem_fence_after_sync()
             tmem.relinquish_alloc_permit()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
 
             thr_qk = tiled_mma_qk.get_slice(0)
             thr_pv = tiled_mma_pv.get_slice(0)
-            # TMEM: S slots at columns [0, BN) and [BN, 2 BN), Q tile t's O at [2 BN + t D_v, 2 BN + (t+1) D_v).
-            t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, bn)), SLOTS))
-            t_s = cute.make_tensor(tmem_ptr, t_s.layout)
-            t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, dv)))
-            t_o = cute.make_tensor(tmem_ptr + self.o_col, t_o.layout)
 
             # Each role sets its register budget first thing in its own branch, so ptxas allocates each branch
             # under its own limit.
             if warp_idx == self.load_warp:
                 self.set_registers("other")
+                _, b_, kv_head_, _, _, num_keys, first_tile, n_tiles = self.keys(*keys)
                 cpasync.prefetch_descriptor(tma_k)
                 cpasync.prefetch_descriptor(tma_v)
                 prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for _ in cutlass.range(n_tiles, unroll=1):
                     if cutlass.const_expr(self.gather4):
                         self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
-                                         ring_v, s_rows, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                                         ring_v, s_rows, lookup_table, b_, kv_head_, num_keys, rows_per_page, oob_row)
                     else:
                         self.load_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring_k, tma_v, g_v,
-                                       ring_v, lookup_table, b, kv_head, num_keys, rows_per_page, oob_row)
+                                       ring_v, lookup_table, b_, kv_head_, num_keys, rows_per_page, oob_row)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == self.mma_warp:
                 self.set_registers("other")
+                n_tiles = self.keys(*keys)[7]
+                t_s, t_o = self.tmem_tensors(tmem, thr_qk, thr_pv)
                 self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_k, s_vt, t_s, t_o, kv_pipe, s_full,
                          p_ready, o_done, k_pipe, v_pipe, n_tiles)
             if warp_idx > self.load_warp and warp_idx < self.load_warp + 3:
@@ -392,10 +399,13 @@ class PagedAttentionSm100:
             if cutlass.const_expr(self.kv_fp8):
                 if warp_idx >= CONVERT_WARPS[0]:
                     self.set_registers("convert")
+                    _, b_, kv_head_, _, _, num_keys, first_tile, n_tiles = self.keys(*keys)
                     self.convert(kv_pipe, k_pipe, v_pipe, ring_k, ring_v, s_k, s_v, k_scales, v_scales, s_rows,
-                                 lookup_table, first_tile, n_tiles, b, kv_head, num_keys, rows_per_page, oob_row)
+                                 lookup_table, first_tile, n_tiles, b_, kv_head_, num_keys, rows_per_page, oob_row)
             if warp_idx >= self.correction_warp and warp_idx < self.correction_warp + 4:
                 self.set_registers("correction")
+                row0, _, kv_head_, split_, _, num_keys, first_tile, n_tiles = self.keys(*keys)
+                t_o = self.tmem_tensors(tmem, thr_qk, thr_pv)[1]
                 self.correction(t_o, s_v, s_scale, s_stats, scale_full, p_ready, o_done, stats_full, first_tile,
                                 n_tiles, num_keys)
                 for t in cutlass.range_constexpr(tiles):
@@ -406,17 +416,41 @@ class PagedAttentionSm100:
                         o_done.wait(t, (n_tiles - 1) % 2)  # the last PV MMA of the tile is done: O is final
                         tmem_fence_after_sync()
                     self.epilogue(self.o_tile(t_o, t), row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o,
-                                  g_out, s_q[None, None, t], q_start, seq_len, m0 + t * BM, kv_head, split,
+                                  g_out, s_q[None, None, t], q_start, seq_len, row0 + t * BM, kv_head_, split_,
                                   num_splits)
             if warp_idx < self.correction_warp:
                 self.set_registers("softmax")
+                row0, _, _, _, cache_len, num_keys, first_tile, n_tiles = self.keys(*keys)
+                t_s = self.tmem_tensors(tmem, thr_qk, thr_pv)[0]
                 self.softmax(warp_idx // 4, t_s, s_scale, s_stats, s_full, scale_full, p_ready, stats_full,
-                             first_tile, n_tiles, m0 + warp_idx // 4 * BM, seq_len, cache_len, num_keys, causal,
+                             first_tile, n_tiles, row0 + warp_idx // 4 * BM, seq_len, cache_len, num_keys, causal,
                              window, score_scale, cap_log2)
             tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
             cute.arch.sync_threads()
             tmem_fence_after_sync()  # ... and the dealloc after it
-            tmem.free(tmem_ptr)
+            tmem.free(tmem.retrieve_ptr(Float32))
+
+    @cute.jit
+    def keys(self, cache_lengths: cute.Tensor, seq_len: Int32, causal: Int32, window: Int32, num_splits: Int32):
+        """``(m0, b, kv_head, split, cache_len, num_keys, first_tile, n_tiles)``: the CTA's first packed row, request,
+        KV head and split (``cta_index``), the request's keys and the key tiles this CTA's split walks."""
+        m_block, head_split, b = cta_index()
+        m0 = m_block * self.plan.rows
+        kv_head = head_split % self.num_kv_heads
+        split = head_split // self.num_kv_heads
+        cache_len = Int32(cache_lengths[b])
+        num_keys = cache_len + seq_len
+        first_tile, n_tiles = split_tiles(m0, seq_len, cache_len, num_keys, causal, window, split, num_splits,
+                                          self.plan.rows, self.bn, self.group)
+        return m0, b, kv_head, split, cache_len, num_keys, first_tile, n_tiles
+
+    def tmem_tensors(self, tmem: TmemAllocator, thr_qk: cute.ThrMma, thr_pv: cute.ThrMma):
+        """``(S slots, O)`` in tensor memory, from the allocation's address (read where a role needs it, like
+        ``keys``): S slots at columns [0, BN) and [BN, 2 BN), Q tile t's O at [2 BN + t D_v, 2 BN + (t+1) D_v)."""
+        ptr = tmem.retrieve_ptr(Float32)
+        t_s = thr_qk.make_fragment_C(cute.append(thr_qk.partition_shape_C((BM, self.bn)), SLOTS))
+        t_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BM, self.v_dim)))
+        return cute.make_tensor(ptr, t_s.layout), cute.make_tensor(ptr + self.o_col, t_o.layout)
 
     def set_registers(self, role: str):
         """Moves registers from the MMA / load warpgroup (and the converter) to the softmax warpgroups (``REGS``)."""
@@ -514,15 +548,14 @@ class PagedAttentionSm100:
         k_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)  # fp8: the 16-bit tiles
         v_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for j in cutlass.range(n_tiles + lag, unroll=1):
-            for t in cutlass.range_constexpr(tiles):
+            for t in cutlass.range(tiles, unroll=1):  # a loop, not unrolled: one set of live descriptors
                 if j >= lag:  # PV of (j - lag, t): P in slot t + (j - lag) % lag, its barrier's use (j - lag) // lag
                     jp = j - lag
                     slot = t + jp % lag
                     v_stage = kv_done.index
-                    if cutlass.const_expr(self.kv_fp8):
+                    if cutlass.const_expr(self.kv_fp8):  # (one Q tile)
                         v_stage = Int32(0)
-                        if t == 0:
-                            v_pipe.consumer_wait(v_read)
+                        v_pipe.consumer_wait(v_read)
                     p_ready.wait(slot, jp // lag % 2)  # P of the pair written, O rescaled
                     tmem_fence_after_sync()  # ... by the softmax's and correction's tcgen05.st, before the MMA
                     t_rp_j = cute.make_tensor(t_rp.iterator + self.p_col(slot) * (32 // self.dtype.width),
@@ -542,10 +575,9 @@ class PagedAttentionSm100:
                         kv_done.advance()
                 if j < n_tiles:  # QK of (j, t) into slot t + j % lag
                     k_stage = kv_read.index
-                    if cutlass.const_expr(self.kv_fp8):
+                    if cutlass.const_expr(self.kv_fp8):  # (one Q tile)
                         k_stage = Int32(0)
-                        if t == 0:
-                            k_pipe.consumer_wait(k_read)
+                        k_pipe.consumer_wait(k_read)
                     elif t == 0:
                         kv_pipe.consumer_wait(kv_read)
                     # The slot last held P of the pair two before, read by the PV MMA issued before this one: the
