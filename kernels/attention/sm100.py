@@ -95,8 +95,8 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # Registers per thread of each role (setmaxnreg), by (Q tiles, fp8 cache). ptxas sizes a CTA of 512 threads at 128 a
 # thread, of 384 at 168; setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
-# softmax's inc waiting forever). The softmax holds a row of S (BN floats) and its P; the correction a 32-column
-# piece of O; the MMA / load warps little.
+# softmax's inc waiting forever). The softmax holds a row of S (BN floats) and a piece of P; the correction a
+# 32-column piece of O; the MMA / load warps little. Two Q tiles: the split ptxas measured without spills.
 REGS = {(2, False): {"softmax": 184, "correction": 80, "other": 64},
         (1, False): {"softmax": 240, "correction": 136, "other": 128},
         (1, True): {"softmax": 208, "correction": 88, "other": 96, "convert": 112}}
@@ -160,7 +160,7 @@ class PagedAttentionSm100:
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
         self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
         self.v_dim = v_dim or head_dim
-        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim)
+        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim, softcap)
         self.bn, self.stages, self.q_tiles = self.plan.bn, self.plan.stages, self.plan.q_tiles
         self.softmax_warps = tuple(range(4 * self.q_tiles))
         self.correction_warp = 4 * self.q_tiles  # the first of its warpgroup
@@ -406,9 +406,8 @@ class PagedAttentionSm100:
                 self.set_registers("correction")
                 row0, _, kv_head_, split_, _, num_keys, first_tile, n_tiles = self.keys(*keys)
                 t_o = self.tmem_tensors(tmem, thr_qk, thr_pv)[1]
-                self.correction(t_o, s_v, s_scale, s_stats, scale_full, p_ready, o_done, stats_full, first_tile,
-                                n_tiles, num_keys)
-                for t in cutlass.range_constexpr(tiles):
+                self.correction(t_o, s_v, s_scale, scale_full, p_ready, o_done, first_tile, n_tiles, num_keys)
+                for t in cutlass.range(tiles, unroll=1):  # one copy of the epilogue's code
                     stats_full.wait(t, 0)
                     row_max = s_stats[cute.arch.thread_idx()[0] % BM, 0, t]
                     row_sum = s_stats[cute.arch.thread_idx()[0] % BM, 1, t]
@@ -685,10 +684,9 @@ class PagedAttentionSm100:
         stats_full.arrive(tile, None)
 
     @cute.jit
-    def correction(self, t_o: cute.Tensor, s_v: cute.Tensor, s_scale: cute.Tensor, s_stats: cute.Tensor,
+    def correction(self, t_o: cute.Tensor, s_v: cute.Tensor, s_scale: cute.Tensor,
                    scale_full: pipeline.MbarrierArray, p_ready: pipeline.MbarrierArray,
-                   o_done: pipeline.MbarrierArray, stats_full: pipeline.MbarrierArray, first_tile: Int32,
-                   n_tiles: Int32, num_keys: Int32):
+                   o_done: pipeline.MbarrierArray, first_tile: Int32, n_tiles: Int32, num_keys: Int32):
         """Correction warpgroup: per (key tile, Q tile) pair, O's row ``tidx % 128`` *= the softmax's factor once
         the previous PV is done, skipped by a warp none of whose rows moved (the factor is exactly 1: the softmax's
         threshold makes that the common case); with a 16-bit ring it also zeroes the key tile's V rows past the

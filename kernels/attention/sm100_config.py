@@ -6,7 +6,7 @@ holds two S tiles (each Q tile's own with two Q tiles, FA4's plan: one Q tile's 
 and PV are on the tensor core; with one Q tile QK of key tile j+1 runs while the softmax reads tile j), each tile's P
 (16-bit, the PV MMA's A operand) over the upper half of its S, and one O accumulator per Q tile: ``2 * BN + q_tiles *
 D_v <= 512`` columns, so one CTA per SM. Two Q tiles where that and two K/V stages fit: 16-bit caches with ``D_v = D
-<= 128`` (D = 128: 2 x 128 + 2 x 128 = all 512 columns). One Q tile otherwise: head dim 256 (64-key tiles: 2 x 64 +
+<= 128`` (D = 128: 2 x 128 + 2 x 128 = all 512 columns), unless registers do not (``q_tiles``). One Q tile otherwise: head dim 256 (64-key tiles: 2 x 64 +
 2 x 256 = 640 columns), K of 192 / V of 128 (two 48 KiB Q tiles and two 80 KiB K+V stages are 256 KiB; FA4 there
 shares one ring of alternating K and V slots), and fp8 caches (their converter warpgroup would make five warpgroups:
 under 104 registers a thread). Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's
@@ -82,29 +82,35 @@ def fixed_bytes(bn: int, stages: int, gather4: bool, tiles: int = 1) -> int:
     return -(-used // 1024) * 1024
 
 
-def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False) -> int:
+def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, page_size: Optional[int] = None,
+            softcap: bool = False) -> int:
     """Q tiles a CTA takes (see the module): two where their O accumulators fit tensor memory beside the two S tiles
-    and two K/V stages fit shared memory beside them, with a 16-bit cache; else one."""
+    and two K/V stages fit shared memory beside them, with a 16-bit cache, tiled page loads and no soft-cap; else
+    one. Two Q tiles leave 512 registers per thread-slot across the four warpgroups (the softmax's 184 twice,
+    ``sm100.REGS``): soft-cap's tanh in the softmax and gather4's row resolution in the load warp measured spills
+    there (ptxas), so those keep one Q tile."""
     v_dim = v_dim or head_dim
-    if kv_fp8:
-        return 1
     bn = key_tile(head_dim, v_dim)
-    smem = fixed_bytes(bn, 2, True, 2) + 2 * BM * head_dim * 2 + 2 * bn * (head_dim + v_dim) * 2
+    if kv_fp8 or softcap or (page_size is not None and uses_gather4(page_size, bn)):
+        return 1
+    smem = fixed_bytes(bn, 2, False, 2) + 2 * BM * head_dim * 2 + 2 * bn * (head_dim + v_dim) * 2
     return 2 if SLOTS * bn + 2 * v_dim <= TMEM_COLUMNS and smem <= SMEM_PER_CTA else 1
 
 
-def cta_rows(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False) -> int:
+def cta_rows(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, page_size: Optional[int] = None,
+             softcap: bool = False) -> int:
     """Packed query rows per CTA (the grid's ``m_blocks`` count blocks of these)."""
-    return q_tiles(head_dim, v_dim, kv_fp8) * BM
+    return q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap) * BM
 
 
-def tiling(head_dim: int, page_size: int, kv_fp8: bool = False, v_dim: Optional[int] = None) -> Sm100Tiling:
+def tiling(head_dim: int, page_size: int, kv_fp8: bool = False, v_dim: Optional[int] = None,
+           softcap: bool = False) -> Sm100Tiling:
     """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to the Q tiles (and, for fp8, one 16-bit K and V
     tile)."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
     gather4 = uses_gather4(page_size, bn)
-    tiles = q_tiles(head_dim, v_dim, kv_fp8)
+    tiles = q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap)
     q_bytes, stage_bytes = tiles * BM * head_dim * 2, bn * (head_dim + v_dim) * (1 if kv_fp8 else 2)
     mma_tiles = bn * (head_dim + v_dim) * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
