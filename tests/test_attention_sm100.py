@@ -1,10 +1,11 @@
 """``PagedAttentionSm100``: which calls it serves (host), its plan replayed in PyTorch (no GPU), what it compiles to for
 sm_100a (PTX and ptxas), and the kernel against the reference on a B200 (``gpu``, skipped elsewhere).
 
-The plan replay walks the grid the host launches (``launch_shape_sm100``, 128 packed rows, the head dim's key tile)
-and does per CTA what ``kernels/attention/sm100.py`` does: the split's tile range, per-row masks, soft-cap, the
-base-2 online softmax with the kernel's guards, P rounded to 16 bits, O rescaled before each ``P V``, the sink in
-split 0's denominator, and the split merge. It is checked against a float64 dense oracle written here (soft-cap and
+The plan replay walks the grid the host launches (``launch_shape_sm100``, ``cta_rows`` packed rows: one or two
+128-row Q tiles, the head dim's key tile) and does per CTA what ``kernels/attention/sm100.py`` does: the split's tile
+range, per-row masks, soft-cap, the base-2 online softmax with the kernel's guards (a row max that rose by at most
+``RESCALE_THRESHOLD`` not taken), exp2 by the FMA polynomial where the kernel emulates it, P rounded to 16 bits, O
+rescaled before each ``P V``, the sink in split 0's denominator, and the split merge. It is checked against a float64 dense oracle written here (soft-cap and
 sinks as the API defines them) and against ``reference.paged_attention``.
 """
 
@@ -20,7 +21,8 @@ from hypothesis import strategies as st
 import artifacts
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, tiling
+from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, EXP2_POLY, RESCALE_THRESHOLD, TMEM_COLUMNS,
+                                                    cta_rows, key_tile, tiling)
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args, window_arg
 from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100
@@ -99,13 +101,24 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
     plan = tiling(head_dim, page_size, kv_fp8)
     assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
-    assert plan.tmem_columns <= TMEM_COLUMNS  # S x2 and O
-    # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory: one more stage at D = 128.
-    assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 3 + kv_fp8, 384),
-                                                          256: (64, 2 + kv_fp8, 384)}[head_dim]
+    assert plan.tmem_columns == 2 * plan.bn + plan.q_tiles * head_dim <= TMEM_COLUMNS  # S x2 and an O per Q tile
+    # Two Q tiles (FA4's plan) with 16-bit tiled pages up to D = 128; one at D = 256 (2 x 64 + 2 x 256 columns is
+    # past 512), for fp8 (the converter's warpgroup) and gather4 pages (registers).
+    assert plan.q_tiles == (2 if head_dim <= 128 and not kv_fp8 and not plan.gather4 else 1)
+    assert plan.rows == plan.q_tiles * BM == cta_rows(head_dim, None, kv_fp8, page_size)
+    # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory.
+    stages = {64: 4, 128: 2 + 2 * kv_fp8 - (kv_fp8 and plan.gather4), 256: 2 + kv_fp8}[head_dim]
+    assert (plan.bn, plan.stages) == ({64: 128, 128: 128, 256: 64}[head_dim], stages)
     assert plan.mma_tiles == (2 * plan.bn * head_dim * 2 if kv_fp8 else 0)  # the dequantized K and V
-    # Ahead of the 1024-aligned tiles: the barriers, and the gather4 row arrays (int32 per key per stage).
-    assert plan.fixed >= 64 + 8 * (2 * plan.stages + 6) + (4 * plan.bn * plan.stages if plan.gather4 else 0)
+    # Ahead of the 1024-aligned tiles: the barriers, O's factors and the row statistics (float32 rows), and the
+    # gather4 row arrays (int32 per key per stage).
+    assert plan.fixed >= 64 + 8 * (2 * plan.stages + 14) + 4 * BM * (2 + 2 * plan.q_tiles) + (
+        4 * plan.bn * plan.stages if plan.gather4 else 0)
+
+
+def test_sm100_soft_cap_takes_one_q_tile():
+    assert cta_rows(128) == 2 * BM and cta_rows(128, softcap=True) == BM
+    assert tiling(128, 16, softcap=True).q_tiles == 1
 
 
 def test_sm100_decode_splits_fill_the_gpu():
@@ -121,26 +134,58 @@ def test_sm100_decode_splits_fill_the_gpu():
 
 # -- plan replay --------------------------------------------------------------------------------------------------
 
-def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window,
-              score_scale, cap_log2, softcap, sinks, bn):
-    """One CTA: ``(rows, live, O/l [BM, D], lse (log2) [BM])`` for its packed rows."""
-    num_keys = cache_len + seq_len
-    m0 = m_block * BM
-    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, BM, group, seq_len, cache_len, causal, window, bn, split,
-                                                         splits)
+def exp2_fma(x):
+    """The kernel's FMA exp2 (``sm100_common.exp2_fma``) in float64: ``2^floor(x)`` times ``EXP2_POLY`` at the
+    fraction, x clamped at -127. Its floor goes into the exponent field as an integer: at -127 the field is 0, so the
+    value is the subnormal ``(poly - 1) 2^-126``, and exactly 0 for x <= -127 (the fraction 0, the polynomial 1)."""
+    x = x.clamp_min(-127.0)
+    floor = torch.floor(x)
+    frac = x - floor
+    poly = torch.zeros_like(x)
+    for c in reversed(EXP2_POLY):
+        poly = poly * frac + c
+    return torch.where(floor == -127, (poly - 1) * 2.0**-126, torch.ldexp(poly, floor.to(torch.int64)))
 
-    toks = torch.tensor([(m0 + r) // group for r in range(BM)])
-    heads = torch.tensor([kv_head * group + (m0 + r) % group for r in range(BM)])
+
+def test_sm100_fma_exp2_error():
+    """The FMA exp2's polynomial is within 8.8e-5 of 2^x (relative) over the exponents P takes (masked -inf: 0)."""
+    x = torch.linspace(-126.0, RESCALE_THRESHOLD, 200001, dtype=torch.float64)
+    assert ((exp2_fma(x) / torch.exp2(x) - 1).abs().max() < 8.8e-5).item()
+    assert exp2_fma(torch.tensor([NEG_INF, -127.0, -300.0], dtype=torch.float64)).eq(0).all()
+
+
+def emulated_columns(bn, emulate):
+    """Key columns of a tile whose exp2 the kernel computes by ``exp2_fma``: in 32-score pieces other than the first
+    and last, the last two of every ``emulate`` pairs."""
+    cols = torch.zeros(bn, dtype=torch.bool)
+    pieces = bn // 32
+    for c in range(0, bn, 2):
+        if emulate and 0 < c // 32 < pieces - 1 and (c % 32) // 2 % emulate >= emulate - 2:
+            cols[c:c + 2] = True
+    return cols
+
+
+def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window,
+              score_scale, cap_log2, softcap, sinks, bn, rows, emulate):
+    """One CTA of ``rows`` packed rows: ``(rows, live, O/l [rows, D], lse (log2) [rows])``."""
+    num_keys = cache_len + seq_len
+    m0 = m_block * rows
+    tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, rows, group, seq_len, cache_len, causal, window, bn,
+                                                         split, splits)
+
+    toks = torch.tensor([(m0 + r) // group for r in range(rows)])
+    heads = torch.tensor([kv_head * group + (m0 + r) % group for r in range(rows)])
     live = toks < seq_len
-    qr = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
+    qr = torch.zeros(rows, q.shape[-1], dtype=torch.float64)
     qr[live] = q[q_start + toks[live], heads[live]].double()
     pos = cache_len + toks
     row_end = torch.where(live, torch.clamp(pos + 1, max=num_keys) if causal else torch.full_like(pos, num_keys), 0)
     row_begin = pos - window + 1 if window > 0 else torch.zeros_like(pos)
 
-    row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
-    row_sum = torch.zeros(BM, dtype=torch.float64)
-    acc = torch.zeros(BM, q.shape[-1], dtype=torch.float64)
+    row_max = torch.full((rows,), NEG_INF, dtype=torch.float64)
+    row_sum = torch.zeros(rows, dtype=torch.float64)
+    acc = torch.zeros(rows, q.shape[-1], dtype=torch.float64)
+    fma_cols = emulated_columns(bn, emulate)
     for j, t in enumerate(range(first_tile, first_tile + n_tiles)):
         keys = torch.arange(t * bn, (t + 1) * bn)
         kt = torch.zeros(bn, q.shape[-1], dtype=torch.float64)
@@ -153,9 +198,11 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
             x = cap_log2 * torch.tanh(x)
         x = x.masked_fill((keys[None, :] < row_begin[:, None]) | (keys[None, :] >= row_end[:, None]), NEG_INF)
         new_max = torch.maximum(row_max, x.max(dim=1).values)
+        new_max = torch.where(new_max - row_max <= RESCALE_THRESHOLD, row_max, new_max)  # (false from -inf)
         ref_max = torch.where(new_max == NEG_INF, 0.0, new_max)
         corr = torch.exp2(row_max - ref_max)
         p = torch.exp2(x - ref_max[:, None])
+        p[:, fma_cols] = exp2_fma(x[:, fma_cols] - ref_max[:, None])
         row_sum = row_sum * corr + p.sum(dim=1)
         if j > 0:
             acc = acc * corr[:, None]  # O rescaled in TMEM before the PV MMA adds this tile
@@ -180,9 +227,11 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     h = c.num_heads
     group = hq // h
     bn = key_tile(d)
+    block = cta_rows(d, None, c.dtype == FP8, c.page_size, bool(softcap))
+    emulate = EXP2_EMULATION if d <= 128 else 0
     score_scale, cap_log2 = score_args(d, scale, softcap)
     win = window_arg(window)
-    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t)
+    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t, softcap=bool(softcap))
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
@@ -190,13 +239,13 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
         k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
         v = pb.dense(1, layer, b, cache_len + n).to(q.dtype)
         for m_block in range(m_blocks):
-            if m_block * BM >= n * group:
+            if m_block * block >= n * group:
                 continue  # the CTA has no rows
             for kv_head in range(h):
                 for split in range(splits):
                     toks, heads, live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head, split,
                                                           splits, group, causal, win, score_scale, cap_log2,
-                                                          bool(softcap), sinks, bn)
+                                                          bool(softcap), sinks, bn, block, emulate)
                     rows = offsets[b] + toks[live]
                     o_part[split, rows, heads[live]] = o[live]
                     lse_part[split, rows, heads[live]] = lse[live]
@@ -270,7 +319,9 @@ def test_sm100_plan_matches_the_api(lengths, page_size, group, head_dim, causal,
     assert rel_err(got, want) < 1e-2
     assert torch.equal(got_lse == NEG_INF, want_lse == NEG_INF)
     finite = want_lse != NEG_INF
-    assert (got_lse[finite] - want_lse[finite]).abs().max().item() < 1e-6 if finite.any() else True
+    # The FMA exp2 (head dims <= 128) is within 8.8e-5 of 2^x: the sum, and so 2^lse, within that.
+    tol = math.log2(1 + 8.8e-5) if head_dim <= 128 else 1e-6
+    assert (got_lse[finite] - want_lse[finite]).abs().max().item() < tol if finite.any() else True
     if softcap is None and sink is None:
         plain = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, causal=causal, window=window)
         assert rel_err(got, plain.double()) < 1e-2

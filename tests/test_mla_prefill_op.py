@@ -261,7 +261,7 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
     from plan_replay import merge_splits_zero_empty, poisoned_partials
     from test_attention_sm100 import B200_SMS, model_cta
 
-    from cute_kv.kernels.attention.sm100_config import BM, key_tile
+    from cute_kv.kernels.attention.sm100_config import BM, cta_rows, key_tile
     from cute_kv.ops.splits import launch_shape
     from cute_kv.ops.kernel_args import score_args
 
@@ -274,6 +274,7 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
     assert route.kernel is not None and route.head_dim == 192
     q, tmp = op.decompressed_operands(q_nope, q_rope, c, 1, w_uk, w_uv, lengths, route.head_dim)
     bn = key_tile(192, 128)
+    assert cta_rows(192, 128) == BM  # one Q tile (module sm100_config)
     m_blocks, splits = launch_shape(tmp, HEADS, B200_SMS, BM, bn, True, num_tokens=q.shape[0])
     splits = force_splits or splits
     score_scale, cap_log2 = score_args(192, 0.1, None)
@@ -286,7 +287,8 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
             for head in range(HEADS if m_block * BM < n else 0):
                 for split in range(splits):
                     toks, heads, live, o, lse = model_cta(q, k, v, offsets[b], n, num_keys - n, m_block, head, split,
-                                                          splits, 1, True, 0, score_scale, cap_log2, False, None, bn)
+                                                          splits, 1, True, 0, score_scale, cap_log2, False, None, bn,
+                                                          BM, 0)
                     o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
                     lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
     got = merge_splits_zero_empty(o_part, lse_part)[0][..., :128]  # (V's other columns are unwritten: any value)
@@ -295,13 +297,14 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
 
 
 def test_sm100_value_dims():
-    """K of 192 with V of 128: two 128-key stages (Q 48 KiB + 2 x 80 KiB), O in 128 TMEM columns; the other widths
-    and an fp8 cache are refused by name."""
+    """K of 192 with V of 128: one Q tile and two 128-key stages (Q 48 KiB + 2 x 80 KiB), O in 128 TMEM columns; the
+    other widths and an fp8 cache are refused by name."""
     from cute_kv.kernels.attention.sm100_config import SMEM_PER_CTA, TMEM_COLUMNS, key_tile, supported, tiling
 
     plan = tiling(192, op.PAGE, False, 128)
     assert (plan.bn, plan.stages, plan.gather4, plan.stage_bytes) == (128, 2, False, 128 * 320 * 2)
-    assert plan.smem == 1024 + 128 * 192 * 2 + 2 * 128 * 320 * 2 == 214016 <= SMEM_PER_CTA
+    assert plan.q_tiles == 1  # two 48 KiB Q tiles leave no room for two stages
+    assert plan.smem == 3072 + 128 * 192 * 2 + 2 * 128 * 320 * 2 == 216064 <= SMEM_PER_CTA
     assert plan.tmem_columns == 2 * 128 + 128 <= TMEM_COLUMNS
     assert key_tile(192, 128) == 128 and key_tile(256) == 64 and key_tile(128) == 128
     assert supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=128) is None
@@ -318,7 +321,7 @@ def test_sm100_192_128_ptx():
                                      "sm_100a")
     kernel, *_ = build()
     assert (kernel.head_dim, kernel.v_dim, kernel.bn, kernel.stages, kernel.gather4) == (192, 128, 128, 2, False)
-    assert kernel.plan.tmem_columns == 384 and kernel.plan.smem == 214016
+    assert kernel.plan.tmem_columns == 384 and kernel.plan.smem == 216064
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
     mma = r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*"
     assert len(re.findall(mma + r"%rd\d+,\s*%rd\d+,", ptx)) == 192 // 16  # QK over the 192 head dims

@@ -82,7 +82,8 @@ from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp2_scores, o_copies,
                                                       rescale_o, row_add, row_normalizer, scale_scores, update_max,
                                                       write_lse)
-from cute_kv.kernels.attention.sm100_config import BM, FP8, SLOTS, TMEM_COLUMNS, VEC, supported, tiling
+from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, FP8, RESCALE_THRESHOLD, SLOTS, TMEM_COLUMNS,
+                                                      VEC, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 from cute_kv.kernels.quant import granule_scale
@@ -100,8 +101,6 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 REGS = {(2, False): {"softmax": 184, "correction": 80, "other": 64},
         (1, False): {"softmax": 240, "correction": 136, "other": 128},
         (1, True): {"softmax": 208, "correction": 88, "other": 96, "convert": 112}}
-RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
-EXP2_EMULATION = 10  # of every 10 pairs of a middle 32-score piece, 2 by exp2 on the FMA pipe (head dims <= 128)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -696,15 +695,16 @@ class PagedAttentionSm100:
         row = cute.arch.thread_idx()[0] % BM
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * self.bn
-            for t in cutlass.range_constexpr(self.q_tiles):
+            for t in cutlass.range(self.q_tiles, unroll=1):  # one copy of the rescale's code
                 slot = t + j % lag
                 scale_full.wait(slot, j // lag % 2)
                 corr = s_scale[row, slot]
-                if cutlass.const_expr(not self.kv_fp8 and t == 0):  # (the converter writes those rows as zeros)
+                if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
                     # The stage's TMA has landed: the S of the same tile, which the softmax read, came from it.
-                    if tile_base + self.bn > num_keys:
-                        self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
-                    cute.arch.fence_view_async_shared()  # the zeroed V rows before the MMA reads them
+                    if t == 0:
+                        if tile_base + self.bn > num_keys:
+                            self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
+                        cute.arch.fence_view_async_shared()  # the zeroed V rows before the MMA reads them
                 if j > 0:
                     o_done.wait(t, (j - 1) % 2)  # the previous PV of this Q tile is done: O stable
                     tmem_fence_after_sync()

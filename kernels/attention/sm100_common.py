@@ -16,6 +16,7 @@ from cutlass.cute.nvgpu import tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kv.kernels.attention.config import BM, VEC
+from cute_kv.kernels.attention.sm100_config import EXP2_POLY
 
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
@@ -133,8 +134,6 @@ def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[in
             scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
 
 
-# 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
-EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
 ROUND_SHIFT = float(2**23 + 2**22)  # x + this, rounded down, holds floor(x) in its low mantissa bits
 
 
