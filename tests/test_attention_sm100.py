@@ -102,12 +102,13 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
     assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
     assert plan.tmem_columns == 2 * plan.bn + plan.q_tiles * head_dim <= TMEM_COLUMNS  # S x2 and an O per Q tile
-    # Two Q tiles (FA4's plan) with 16-bit tiled pages up to D = 128; one at D = 256 (2 x 64 + 2 x 256 columns is
-    # past 512), for fp8 (the converter's warpgroup) and gather4 pages (registers).
-    assert plan.q_tiles == (2 if head_dim <= 128 and not kv_fp8 and not plan.gather4 else 1)
+    # Two Q tiles (FA4's plan) with 16-bit pages of 16+ rows up to D = 128; one at D = 256 (2 x 64 + 2 x 256 columns
+    # is past 512), for fp8 (the converter's warpgroup), gather4 and 16 page slots a tile (registers).
+    assert plan.q_tiles == (2 if head_dim <= 128 and not kv_fp8 and page_size == 128 else 1)
     assert plan.rows == plan.q_tiles * BM == cta_rows(head_dim, None, kv_fp8, page_size)
     # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory.
-    stages = {64: 4, 128: 2 + 2 * kv_fp8 - (kv_fp8 and plan.gather4), 256: 2 + kv_fp8}[head_dim]
+    stages = {64: 4, 128: 4 if kv_fp8 else 2, 256: 2 + kv_fp8}[head_dim] + (
+        head_dim == 128 and page_size == 8 and not kv_fp8) - (head_dim == 128 and plan.gather4 and kv_fp8)
     assert (plan.bn, plan.stages) == ({64: 128, 128: 128, 256: 64}[head_dim], stages)
     assert plan.mma_tiles == (2 * plan.bn * head_dim * 2 if kv_fp8 else 0)  # the dequantized K and V
     # Ahead of the 1024-aligned tiles: the barriers, O's factors and the row statistics (float32 rows), and the
@@ -116,9 +117,12 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
         4 * plan.bn * plan.stages if plan.gather4 else 0)
 
 
-def test_sm100_soft_cap_takes_one_q_tile():
-    assert cta_rows(128) == 2 * BM and cta_rows(128, softcap=True) == BM
-    assert tiling(128, 16, softcap=True).q_tiles == 1
+def test_sm100_q_tiles_where_registers_allow():
+    """Two Q tiles at D = 128, pages of 16+ rows, groups of 2-128 dividing 128; one with soft-cap, a group of 1 or
+    one not dividing 128 (``q_tiles``: measured spills)."""
+    assert cta_rows(128, page_size=16, group=4) == 2 * BM and cta_rows(128, page_size=16, softcap=True) == BM
+    assert cta_rows(128, page_size=16, group=1) == cta_rows(128, page_size=16, group=6) == BM
+    assert tiling(128, 16, softcap=True).q_tiles == 1 and tiling(128, 16, group=4).q_tiles == 2
 
 
 def test_sm100_decode_splits_fill_the_gpu():
@@ -227,7 +231,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     h = c.num_heads
     group = hq // h
     bn = key_tile(d)
-    block = cta_rows(d, None, c.dtype == FP8, c.page_size, bool(softcap))
+    block = cta_rows(d, None, c.dtype == FP8, c.page_size, bool(softcap), group)
     emulate = EXP2_EMULATION if d <= 128 else 0
     score_scale, cap_log2 = score_args(d, scale, softcap)
     win = window_arg(window)
@@ -374,7 +378,7 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
 @pytest.mark.compile
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:5])) + ("-flags" if c[5:] else ""))
 def test_sm100_ptx(case, tmp_path):
-    from cute_kv.kernels.attention.sm100 import FP8_REGS, PagedAttentionSm100
+    from cute_kv.kernels.attention.sm100 import REGS, PagedAttentionSm100
 
     kernel = PagedAttentionSm100(*case[:5], **(case[5] if case[5:] else {}))
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
@@ -391,9 +395,10 @@ def test_sm100_ptx(case, tmp_path):
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x16.b32") == bn // 32
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == d // 32
     # P never goes through shared memory: the only shared stores are Q's staging, V rows zeroed past the keys (16-bit
-    # rings), the dequantized tiles (fp8), gather4's row numbers and O's rows staged for the TMA store (D/8 each).
+    # rings), the dequantized tiles (fp8), gather4's row numbers, O's rows staged for the TMA store (D/8 each), and
+    # the float32 row values the softmax hands the correction warpgroup (O's factor; the final max and sum).
     stores = re.findall(r"st\.shared\S*", ptx)
-    assert len(stores) == 2 + kernel.kv_fp8 + kernel.gather4 + (d // 8 if kernel.tma_store else 0), stores
+    assert len(stores) == 5 + kernel.kv_fp8 + kernel.gather4 + (d // 8 if kernel.tma_store else 0), stores
     # O: with a group dividing the 128-row tile, D/64 TMA stores of (64 columns, group heads, 128/group tokens) boxes
     # over the request's ragged window (token coordinate shifted by 2^30, so rows past the request are dropped), one
     # thread issuing and waiting for their reads; split partials (float32), and O for other groups, by the threads'
@@ -405,33 +410,37 @@ def test_sm100_ptx(case, tmp_path):
     shifts = [int(c) for c in re.findall(r"add\.s32\s+%r\d+,\s*%r\d+,\s*(\d+);", ptx)]  # 2^30 - (first token)
     assert any(2**30 - BM <= c <= 2**30 for c in shifts) == kernel.tma_store
     assert ptx.count("st.global.v4") == d * 4 // 16 + (0 if kernel.tma_store else d * 2 // 16)
-    # TMEM handed between threads is fenced on both sides of the sync: before the allocation's barrier, P/O's hand-
-    # over and the dealloc's barrier; after those barriers, the S wait, the O waits (rescale, epilogue) and the
-    # MMA's wait for P.
-    assert ptx.count("tcgen05.fence::before_thread_sync") == 3
+    # TMEM handed between threads is fenced on both sides of the sync: before the allocation's barrier, the
+    # softmax's hand-over of P and the correction's of O, and the dealloc's barrier; after those barriers, the S
+    # wait, the O waits (rescale, epilogue) and the MMA's wait for P and O.
+    assert ptx.count("tcgen05.fence::before_thread_sync") == 4
     assert ptx.count("tcgen05.fence::after_thread_sync") == 6
     assert ptx.count("tcgen05.wait::ld") >= 1 and ptx.count("tcgen05.wait::st") >= 1
     # TMEM allocated once (512 columns), relinquished, freed once.
     assert len(re.findall(r"tcgen05\.alloc\.cta_group::1", ptx)) == 1
     assert len(re.findall(r"tcgen05\.dealloc\.cta_group::1", ptx)) == 1
     assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
-    # S full, P consumed (O stable), K/V stage free (fp8: the 16-bit K tile after QK, V after PV): MMA completions
+    # S full, PV done (O stable), K/V stage free (fp8: the 16-bit K tile after QK, V after PV): MMA completions
     # signalled by tcgen05.commit, so a stage is never refilled while an MMA may read it.
     assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == (4 if kernel.kv_fp8 else 3)
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
     # Every pipeline wait is on a phase its loop carries: a wait on a constant parity inside a tile loop (a state
-    # the loop does not carry) passes once, then deadlocks or lets a buffer be rewritten while an MMA reads it.
+    # the loop does not carry) passes once, then deadlocks or lets a buffer be rewritten while an MMA reads it. The
+    # one exception: each Q tile's final row statistics, a barrier of one phase per CTA.
     waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
-    assert waits and all(w.startswith("%r") for w in waits), waits
-    if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk; registers moved to the softmax
+    assert waits and [w for w in waits if not w.startswith("%r")] == ["0"], waits
+    # Registers move from the MMA / load warpgroup (its idle warps too), the correction warpgroup and the converter
+    # to the softmax warpgroups: one setmaxnreg per role's branch.
+    regs = REGS[kernel.q_tiles, kernel.kv_fp8]
+    assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs['softmax']}", ptx)) == 1
+    assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4 + kernel.kv_fp8  # load, MMA, idle, correction, converter
+    assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
+    if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk
         assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 4
-        assert len(re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240", ptx)) == 1
-        assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4  # load, MMA, idle, converter branches
-        assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
         # The converter's branch waits on the ring, its K and V tiles in the loop, then on the MMA's last releases
         # of K and V (their tails): no tcgen05.commit arrives on the CTA's shared memory after it exits.
-        converter = ptx[ptx.index(f"setmaxnreg.dec.sync.aligned.u32 \t{FP8_REGS['convert']}"):
-                        ptx.index("setmaxnreg.inc")]
+        start = ptx.index(f"setmaxnreg.dec.sync.aligned.u32 \t{regs['convert']}")
+        converter = ptx[start:ptx.index("setmaxnreg", start + 1)]
         assert converter.count("mbarrier.try_wait") == 5
         # A ring stage is released by one lane of each converter warp (PipelineTmaAsync's signalling lane): its
         # empty barriers count 4 arrivals (128 would never complete once the ring wraps).
@@ -464,10 +473,13 @@ def test_sm100_ptx(case, tmp_path):
         boxes = d * kernel.kv_dtype.width // 8 // kernel.ring_swizzle
         assert len(re.findall(r"cp\.async\.bulk\.tensor\.[23]d\.shared::cta\.global\.tile\.", ptx)) == 2 * slots * boxes
         assert "gather4" not in ptx
-    # Softmax: one ex2 per score; tanh only with the soft-cap.
+    # Softmax: one ex2 per score, or the FMA exp2 (one rounded-down f32x2 add a pair) where emulated; tanh only with
+    # the soft-cap.
     flags = case[5] if case[5:] else {}
     assert ptx.count("tanh.approx.f32") == (bn if flags.get("softcap") else 0)
-    assert ptx.count("ex2.approx.ftz.f32") >= bn
+    emulated = int(emulated_columns(bn, kernel.exp2_emulation).sum())
+    assert ptx.count("add.rm.f32x2") == emulated // 2 and emulated == (8 if d <= 128 else 0)
+    assert ptx.count("ex2.approx.ftz.f32") >= bn - emulated
     assert not re.search(r"wgmma|mma\.sync", ptx)
     ptx_file = tmp_path / "k.ptx"
     ptx_file.write_text(ptx)
@@ -475,12 +487,11 @@ def test_sm100_ptx(case, tmp_path):
                           text=True, check=True).stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in info
     assert "C7508" not in info  # setmaxnreg applied, not ignored
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    assert regs <= min(255, 65536 // kernel.threads)  # one CTA per SM; measured 128-208
-    if kernel.kv_fp8:  # setmaxnreg.inc draws only on what the CTA's other warpgroups release of their launch count
-        targets = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-        per_group = {int(n) for _, n in targets}  # softmax inc; MMA/load (and idle) dec; converter dec
-        assert len(per_group) == 3 and sum(per_group) <= kernel.threads // 128 * regs
+    launch = int(re.search(r"Used (\d+) registers", info).group(1))
+    assert launch <= min(255, 65536 // kernel.threads)  # one CTA per SM; measured 128 (512 threads), 168 (384)
+    # setmaxnreg.inc draws only on what the CTA's other warpgroups release of their launch count.
+    assert sum(regs[role] * (kernel.q_tiles if role == "softmax" else 1) for role in regs) <= (
+        kernel.threads // 128 * launch)
 
 
 # -- GPU (B200) ----------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    rows = cta_rows(d, None, kv_dtype_name == FP8, p, bool(softcap))
+    rows = cta_rows(d, None, kv_dtype_name == FP8, p, bool(softcap), hq // h)
     problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, rows, q.shape[0])) or supported(
         hq, h, d, p, kv_dtype_name, granularity)
     if not problem and q.shape[0] >= RAGGED_ROWS:
@@ -52,7 +52,8 @@ def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = 
     """``(m_blocks, splits)`` of ``splits.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM, a CTA
     takes all of its tensor memory; ``sm100_config.cta_rows`` packed rows a CTA) and the step's ``num_tokens``."""
     d = collection.head_size
-    rows = cta_rows(d, None, dtype_name(collection.dtype) == FP8, collection.page_size, softcap)
+    rows = cta_rows(d, None, dtype_name(collection.dtype) == FP8, collection.page_size, softcap,
+                    num_q_heads // collection.num_heads)
     return splits.launch_shape(collection, num_q_heads, slots, rows, key_tile(d), causal, window,
                                num_tokens=num_tokens)
 

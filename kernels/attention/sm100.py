@@ -100,7 +100,7 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # 32-column piece of O; the MMA / load warps little. Two Q tiles: the split ptxas measured without spills.
 REGS = {(2, False): {"softmax": 184, "correction": 80, "other": 64},
         (1, False): {"softmax": 240, "correction": 136, "other": 128},
-        (1, True): {"softmax": 208, "correction": 88, "other": 96, "convert": 112}}
+        (1, True): {"softmax": 184, "correction": 96, "other": 120, "convert": 112}}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -159,7 +159,7 @@ class PagedAttentionSm100:
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
         self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
         self.v_dim = v_dim or head_dim
-        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim, softcap)
+        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim, softcap, num_q_heads // num_kv_heads)
         self.bn, self.stages, self.q_tiles = self.plan.bn, self.plan.stages, self.plan.q_tiles
         self.softmax_warps = tuple(range(4 * self.q_tiles))
         self.correction_warp = 4 * self.q_tiles  # the first of its warpgroup

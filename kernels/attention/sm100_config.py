@@ -87,34 +87,38 @@ def fixed_bytes(bn: int, stages: int, gather4: bool, tiles: int = 1) -> int:
 
 
 def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, page_size: Optional[int] = None,
-            softcap: bool = False) -> int:
+            softcap: bool = False, group: Optional[int] = None) -> int:
     """Q tiles a CTA takes (see the module): two where their O accumulators fit tensor memory beside the two S tiles
-    and two K/V stages fit shared memory beside them, with a 16-bit cache, tiled page loads and no soft-cap; else
-    one. Two Q tiles leave 512 registers per thread-slot across the four warpgroups (the softmax's 184 twice,
-    ``sm100.REGS``): soft-cap's tanh in the softmax and gather4's row resolution in the load warp measured spills
-    there (ptxas), so those keep one Q tile."""
+    and two K/V stages fit shared memory beside them, with a 16-bit cache; else one. Two Q tiles leave 512
+    registers per thread-slot across the four warpgroups (the softmax's 184 twice, ``sm100.REGS``), and ptxas
+    measured spills there with soft-cap's tanh (softmax), gather4 or over 8 page slots per key tile (load warp),
+    and O by the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
-    if kv_fp8 or softcap or (page_size is not None and uses_gather4(page_size, bn)):
+    if kv_fp8 or softcap:
+        return 1
+    if page_size is not None and (uses_gather4(page_size, bn) or bn // page_size > 8):
+        return 1
+    if group is not None and (group == 1 or BM % group):
         return 1
     smem = fixed_bytes(bn, 2, False, 2) + 2 * BM * head_dim * 2 + 2 * bn * (head_dim + v_dim) * 2
     return 2 if SLOTS * bn + 2 * v_dim <= TMEM_COLUMNS and smem <= SMEM_PER_CTA else 1
 
 
 def cta_rows(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, page_size: Optional[int] = None,
-             softcap: bool = False) -> int:
+             softcap: bool = False, group: Optional[int] = None) -> int:
     """Packed query rows per CTA (the grid's ``m_blocks`` count blocks of these)."""
-    return q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap) * BM
+    return q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap, group) * BM
 
 
 def tiling(head_dim: int, page_size: int, kv_fp8: bool = False, v_dim: Optional[int] = None,
-           softcap: bool = False) -> Sm100Tiling:
+           softcap: bool = False, group: Optional[int] = None) -> Sm100Tiling:
     """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to the Q tiles (and, for fp8, one 16-bit K and V
     tile)."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
     gather4 = uses_gather4(page_size, bn)
-    tiles = q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap)
+    tiles = q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap, group)
     q_bytes, stage_bytes = tiles * BM * head_dim * 2, bn * (head_dim + v_dim) * (1 if kv_fp8 else 2)
     mma_tiles = bn * (head_dim + v_dim) * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
