@@ -8,8 +8,10 @@ FA4's paged forward beside our attention for the same shapes. CPU only: ptxas, n
 Columns (``static.py`` says how each is measured): registers per thread, spill stores/loads (bytes), shared memory
 per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA-wide + named +
 mbarrier) and LDS/STS in the whole kernel; instructions and waits of the main loop, its instructions per
-64x64 block of S (attention), instructions of the softmax loop, tensor-memory columns (tcgen05) and the warp roles'
-register targets (setmaxnreg).
+64x64 block of S (attention), instructions of the softmax loop (longest and shortest way through one iteration: one S
+tile of one softmax warpgroup on SM100, the O rescale or mask skipped on the short way) and its MUFU.EX2 (the rest of
+the tile's exponentials on the FMA pipe), tensor-memory columns (tcgen05) and the warp roles' register targets
+(setmaxnreg).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ COLUMNS = [  # (header, record key or function, width)
      f"{r['loop_barrier_waits'] - r['loop_cta_barriers'] - r['loop_named_barriers']}" or None, 9),
     ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6),
     ("/S64min", "instructions_per_s_block_shortest", 7), ("softmax", "softmax_loop_instructions", 7),
+    ("smxmin", "softmax_loop_instructions_shortest", 6), ("smxEX2", "softmax_loop_ex2", 6),
     ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]
 

@@ -1,46 +1,57 @@
 """``PagedAttentionSm100`` (Blackwell): FlashAttention over a paged KV cache with ``tcgen05.mma`` and tensor memory.
 
-Same problem and grid as the SM90 kernel (``sm90.py``): a CTA is (block of ``BM`` = 128 packed query rows, KV
-head, split, request); packed row ``i*group + g`` is token ``i``, query head ``kv_head*group + g`` (pack-GQA), so
-decode fills M with the heads of a KV head and prefill with tokens. Warp roles:
+Same problem as the SM90 kernel (``sm90.py``), FA4's plan: a CTA is (block of ``q_tiles`` x 128 packed query
+rows, KV head, split, request); packed row ``i*group + g`` is token ``i``, query head ``kv_head*group + g``
+(pack-GQA), so decode fills M with the heads of a KV head and prefill with tokens. Two Q tiles where tensor memory,
+shared memory and registers allow (``sm100_config.q_tiles``), so each K/V tile serves 256 rows and one Q tile's
+softmax runs while the tensor core works on the other's. Warp roles:
 
-* warps 0-3, the softmax warpgroup: thread ``t`` owns packed row ``t`` (TMEM lane ``t``). Per key tile it reads its
-  row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the keys), optionally soft-caps it, runs
-  the online softmax in base 2 with no cross-thread reduction, writes P (16-bit) back to TMEM over the upper half of
-  its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory), zeroes V rows past
-  the request's keys, and rescales its row of O in TMEM (``tcgen05.ld``/``st``) before the MMA warp adds ``P V``.
-  At the end it divides O by the row sum (adding the sink's term) and writes the output (by TMA, see below), or a
-  split's partial.
-* warp 4, the MMA warp: ``S[j % 2] = Q K_j^T`` as soon as K/V tile j lands, then ``O += P_{j-1} V_{j-1}`` once the
-  softmax has handed P over (``tcgen05.mma`` with A in TMEM), so the QK of one tile overlaps the softmax of the
-  previous one. It owns the TMEM allocation (all 512 columns, so it starts at column 0: two S/P tiles and O).
-* warp 5, the load warp: K and V tiles into a ``stages``-deep ring, straight in the MMA's swizzled layout. Pages
-  that tile the key tile: ``populate`` names the tile's page rows, one TMA per page slot. Other pages (under 8 rows,
-  or not dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4
-  rows each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
+* a softmax warpgroup per Q tile (warps 0-3, 4-7): thread ``t`` owns packed row ``t % 128`` of its tile (TMEM lane
+  ``t % 128``). Per key tile it reads its row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the
+  keys), optionally soft-caps it, takes the row max in base 2 with no cross-thread reduction and hands O's factor to
+  the correction warpgroup at once (a max that rose by at most ``RESCALE_THRESHOLD`` is not taken: the factor is
+  exactly 1), then per 32 scores: ``2^(scale s - max)`` (two of every ten pairs of the middle pieces by a polynomial
+  on the FMA pipe, the rest on the MUFU), the row sum, and P (16-bit) written back to TMEM over the upper half of its
+  S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory). At the end it hands
+  its row's max and sum over.
+* the correction warpgroup: per (key tile, Q tile) it rescales the row of O in TMEM by the softmax's factor once the
+  previous PV is done (a warp skips it when none of its rows moved), zeroes V rows past the request's keys, and
+  hands O to the MMA warp with the softmax's P; at the end it divides O by the row sum (adding the sink's term) and
+  writes the output (by TMA, see below), or a split's partial.
+* the MMA warp: per (key tile j, Q tile t) ``S = Q_t K_j^T`` as soon as K/V tile j lands, and ``O_t += P V`` two
+  pairs later (``tcgen05.mma`` with A in TMEM): with two Q tiles ``PV(j-1, 0), QK(j, 0), PV(j-1, 1), QK(j, 1)``, so
+  the tensor core works on one Q tile while the other's softmax runs; with one ``PV(j-2), QK(j)`` into two S slots,
+  so QK_j runs during the softmax of j-1. It owns the TMEM allocation (all 512 columns, so it starts at column 0:
+  two S/P slots and an O per Q tile).
+* the load warp: K and V tiles into a ``stages``-deep ring, straight in the MMA's swizzled layout. Pages that tile
+  the key tile: ``populate`` names the tile's page rows, one TMA per page slot. Other pages (under 8 rows, or not
+  dividing the tile): the lanes resolve each token's row into a shared row array and gather4 TMAs fetch 4 rows
+  each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
 
-* fp8 caches add warps 8-11, the converter warpgroup: each ring stage is dequantized (``x * scale`` of the value's
-  granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read; the three warpgroups
-  rebalance registers with ``setmaxnreg`` (softmax 240, MMA/load 152, converter 112).
+* fp8 caches (one Q tile) add warps 12-15, the converter warpgroup: each ring stage is dequantized (``x * scale`` of
+  the value's granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read.
 
-Hand-offs are mbarrier pipelines: K/V ring (TMA -> MMA; a stage is released by ``tcgen05.commit`` after the PV MMA
-that last reads it, so a stage is never overwritten while an MMA may still read it), S (MMA -> softmax, two
-buffers; S[j % 2] is free again for QK_{j+2} because the PV MMA that reads P_j there is issued before it and the
-tensor core runs one thread's MMAs in issue order: S has full barriers only, no "empty" side. FA4 relies on the
-same; the PTX ISA promises that order only between MMAs of the same accumulator and shape, which PV and QK are not,
-so an ISA-strict schedule would wait for PV_j's commit before QK_{j+2}), P (softmax -> MMA: its "empty"
-arrival is the commit of the PV MMA, which says O is stable for the next rescale and, after the last tile, for the
-epilogue).
+The warpgroups rebalance registers with ``setmaxnreg`` (``REGS``). Hand-offs are mbarriers: K/V ring (TMA -> MMA;
+a stage is released by ``tcgen05.commit`` after the PV MMA that last reads it, so a stage is never overwritten
+while an MMA may still read it), S full per slot (MMA -> softmax; a slot is free again for the QK two pairs later
+because the PV MMA that reads its P is issued before it and the tensor core runs one thread's MMAs in issue order:
+S has full barriers only, no "empty" side. FA4 relies on the same; the PTX ISA promises that order only between
+MMAs of the same accumulator and shape, which PV and QK are not, so an ISA-strict schedule would wait for the PV's
+commit before the next QK into its slot), O's factor per slot (softmax -> correction, a float32 per row in shared
+memory; reused two pairs later, after the PV that waited for the correction's read), P and O ready per slot
+(softmax and correction -> MMA, 256 arrivals), PV done per Q tile (MMA commit -> correction: O stable for the next
+rescale and, after the last tile, for the epilogue), and the final row statistics per Q tile (softmax ->
+correction, one phase).
 TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
 (``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait), as the PTX memory
-model asks: TMEM allocation, S (QK commit -> softmax loads), P and O (softmax stores -> PV MMA), O (PV commit ->
-softmax rescale / epilogue loads), and the dealloc.
+model asks: TMEM allocation, S (QK commit -> softmax loads), P and O (softmax and correction stores -> PV MMA), O
+(PV commit -> correction's rescale / epilogue loads), and the dealloc.
 
 Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a split writes ``O/l`` and
 ``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
 ``return_lse`` a single split writes ``lse`` (natural log) itself.
 
-The epilogue stages O (16-bit, one split) in Q's shared-memory tile and one thread stores it with D / 64 TMA stores
+The epilogue stages O (16-bit, one split) in its Q tile's shared memory and one thread stores it with D / 64 TMA stores
 when the group divides BM: a tile's packed rows are (token, head) pairs, a token's group heads contiguous in ``out``,
 so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
 clips only at its tensor map's bounds, so the map is the ragged window (``tma_tiles.create_packed_ragged_store``:
@@ -49,15 +60,13 @@ and are dropped, never written into the next request's rows. Other groups, and s
 ``o_part``), leave by the threads' 16-byte stores (a thread's row is contiguous).
 
 No 2-CTA MMA (``cta_group::2``, M = 256 over a CTA pair, each CTA holding half of each K and V tile): it halves a
-CTA's K/V shared-memory traffic and stage size, which pays when the MMAs are fed too slowly. Here they are not: a
-128-key tile at D = 128 is 16 MMAs (8 QK of K = 16, 8 PV) of 128 x 128 x 16, 4 MFLOP each way, about 1024 cycles
-of an SM's tensor core (B200 dense 16-bit: ~8K FLOP a cycle an SM), while each softmax warp, one per
-sub-partition, spends 1024 cycles on its 128 x 32 exponentials alone (MUFU: 4 a cycle a sub-partition) within ~1700
-instructions of its loop body (static SASS, masked path included): the softmax bounds the tile, with the K/V ring 3
-stages deep (2 at D = 256, 16-bit) and the TMA ahead of it. Decode gains nothing either: a KV head's query rows
-fill at most one 128-row tile, and the K/V bytes from HBM are the same. TMEM does not limit it (each CTA of a pair
-keeps its 128 lanes: the same 2 x BN + D columns); what 2-CTA would need first is the softmax's throughput (two
-softmax warpgroups over two Q tiles, so one's exponentials overlap the other's MMAs).
+CTA's K/V shared-memory traffic and stage size, which pays when the MMAs are fed too slowly. A 128-key tile at D =
+128 is 16 MMAs per Q tile (8 QK of K = 16, 8 PV) of 128 x 128 x 16, about 1024 cycles of an SM's tensor core (B200
+dense 16-bit: ~8K FLOP a cycle an SM), and its 128 x 128 exponentials take the MUFU as long (16 a cycle an SM): the
+two Q tiles' softmax warpgroups keep the MUFU (and, for a fifth of the middle pieces, the FMA pipe) busy while the
+tensor core works on the other tile, with the K/V ring 2 stages deep and the TMA ahead of it. Decode gains nothing
+either: a KV head's query rows fill at most one 128-row tile, and the K/V bytes from HBM are the same. TMEM does not
+limit it (each CTA of a pair keeps its 128 lanes).
 """
 
 from __future__ import annotations
