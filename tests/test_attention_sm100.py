@@ -118,11 +118,12 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
 
 
 def test_sm100_q_tiles_where_registers_allow():
-    """Two Q tiles at D = 128, pages of 16+ rows, groups of 2-128 dividing 128; one with soft-cap, a group of 1 or
-    one not dividing 128 (``q_tiles``: measured spills)."""
-    assert cta_rows(128, page_size=16, group=4) == 2 * BM and cta_rows(128, page_size=16, softcap=True) == BM
-    assert cta_rows(128, page_size=16, group=1) == cta_rows(128, page_size=16, group=6) == BM
-    assert tiling(128, 16, softcap=True).q_tiles == 1 and tiling(128, 16, group=4).q_tiles == 2
+    """Two Q tiles at D = 128 with up to 8 TMAs per K tile (pages of 32+ rows; 16+ at D = 64), groups of 2-128
+    dividing 128; one with soft-cap, a group of 1 or one not dividing 128 (``q_tiles``: measured spills)."""
+    assert cta_rows(128, page_size=32, group=4) == cta_rows(64, page_size=16, group=4) == 2 * BM
+    assert cta_rows(128, page_size=16, group=4) == cta_rows(128, page_size=32, softcap=True) == BM
+    assert cta_rows(128, page_size=32, group=1) == cta_rows(128, page_size=32, group=6) == BM
+    assert tiling(128, 32, softcap=True).q_tiles == 1 and tiling(128, 32, group=4).q_tiles == 2
 
 
 def test_sm100_decode_splits_fill_the_gpu():

@@ -91,13 +91,14 @@ def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, pa
     """Q tiles a CTA takes (see the module): two where their O accumulators fit tensor memory beside the two S tiles
     and two K/V stages fit shared memory beside them, with a 16-bit cache; else one. Two Q tiles leave 512
     registers per thread-slot across the four warpgroups (the softmax's 184 twice, ``sm100.REGS``), and ptxas
-    measured spills there with soft-cap's tanh (softmax), gather4 or over 8 page slots per key tile (load warp),
-    and O by the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile."""
+    measured spills there with soft-cap's tanh (softmax), gather4 or over 8 TMAs per K tile (load warp), and O by
+    the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
     if kv_fp8 or softcap:
         return 1
-    if page_size is not None and (uses_gather4(page_size, bn) or bn // page_size > 8):
+    # The load warp's TMAs per K tile: page slots x 128-byte swizzle boxes of a row.
+    if page_size is not None and (uses_gather4(page_size, bn) or max(bn // page_size, 1) * head_dim * 2 // 128 > 8):
         return 1
     if group is not None and (group == 1 or BM % group):
         return 1
