@@ -8,12 +8,13 @@ softmax runs while the tensor core works on the other's. Warp roles:
 
 * a softmax warpgroup per Q tile (warps 0-3, 4-7): thread ``t`` owns packed row ``t % 128`` of its tile (TMEM lane
   ``t % 128``). Per key tile it reads its row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the
-  keys), optionally soft-caps it, takes the row max in base 2 with no cross-thread reduction and hands O's factor to
-  the correction warpgroup at once (a max that rose by at most ``RESCALE_THRESHOLD`` is not taken: the factor is
-  exactly 1), then per 32 scores: ``2^(scale s - max)`` (two of every ten pairs of the middle pieces by a polynomial
-  on the FMA pipe, the rest on the MUFU), the row sum, and P (16-bit) written back to TMEM over the upper half of its
-  S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory). At the end it hands
-  its row's max and sum over.
+  keys: only in the loops over the tiles the mask cuts for some row, the middle loop has no mask code), optionally
+  soft-caps it, takes the row max in base 2 with no cross-thread reduction and hands O's factor to the correction
+  warpgroup at once (a max that rose by at most ``RESCALE_THRESHOLD`` is not taken: the factor is exactly 1), then
+  per 32 scores: ``2^(scale s - max)`` (with one Q tile and D <= 128, two of every ten pairs of the middle pieces by a
+  polynomial on the FMA pipe, the rest on the MUFU), the row sum, and P (16-bit) written back to TMEM over the upper
+  half of its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory). At the
+  end it hands its row's max and sum over.
 * the correction warpgroup: per (key tile, Q tile) it rescales the row of O in TMEM by the softmax's factor once the
   previous PV is done (a warp skips it when none of its rows moved), zeroes V rows past the request's keys, and
   hands O to the MMA warp with the softmax's P; at the end it divides O by the row sum (adding the sink's term) and
@@ -63,8 +64,7 @@ No 2-CTA MMA (``cta_group::2``, M = 256 over a CTA pair, each CTA holding half o
 CTA's K/V shared-memory traffic and stage size, which pays when the MMAs are fed too slowly. A 128-key tile at D =
 128 is 16 MMAs per Q tile (8 QK of K = 16, 8 PV) of 128 x 128 x 16, about 1024 cycles of an SM's tensor core (B200
 dense 16-bit: ~8K FLOP a cycle an SM), and its 128 x 128 exponentials take the MUFU as long (16 a cycle an SM): the
-two Q tiles' softmax warpgroups keep the MUFU (and, for a fifth of the middle pieces, the FMA pipe) busy while the
-tensor core works on the other tile, with the K/V ring 2 stages deep and the TMA ahead of it. Decode gains nothing
+two Q tiles' softmax warpgroups keep the MUFU busy while the tensor core works on the other tile, with the K/V ring 2 stages deep and the TMA ahead of it. Decode gains nothing
 either: a KV head's query rows fill at most one 128-row tile, and the K/V bytes from HBM are the same. TMEM does not
 limit it (each CTA of a pair keeps its 128 lanes).
 """
@@ -106,10 +106,11 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # thread, of 384 at 168; setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
 # softmax's inc waiting forever). The softmax holds a row of S (BN floats) and a piece of P; the correction a
-# 32-column piece of O; the MMA / load warps little. Two Q tiles: the split ptxas measured without spills.
+# 32-column piece of O; the MMA / load warps little. The splits ptxas measured without spills; at two Q tiles the
+# softmax has no registers left for the FMA exp2's constants (``exp2_emulation`` 0 there).
 REGS = {(2, False): {"softmax": 184, "correction": 80, "other": 64},
         (1, False): {"softmax": 240, "correction": 136, "other": 128},
-        (1, True): {"softmax": 184, "correction": 96, "other": 120, "convert": 112}}
+        (1, True): {"softmax": 200, "correction": 80, "other": 120, "convert": 112}}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -174,7 +175,7 @@ class PagedAttentionSm100:
         self.correction_warp = 4 * self.q_tiles  # the first of its warpgroup
         self.mma_warp, self.load_warp = self.correction_warp + 4, self.correction_warp + 5
         self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else self.correction_warp + 8)  # 512 or 384
-        self.exp2_emulation = EXP2_EMULATION if head_dim <= 128 else 0
+        self.exp2_emulation = EXP2_EMULATION if head_dim <= 128 and self.q_tiles == 1 else 0
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -643,21 +644,60 @@ class PagedAttentionSm100:
         probs = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype), cute.make_layout(piece))
         flat = cute.make_tensor(scores.iterator, cute.make_layout(cute.size(scores)))  # register c: key c
 
+        # Three loops over the split's tiles: those the mask cuts for some live row of the warpgroup (the window's
+        # start), those every live row sees whole (no mask code at all), those the mask cuts again (the causal
+        # edge, the keys' end). Padding rows take the middle loop's unmasked values, never stored.
+        tok_lo = m0 // self.group
+        tok_hi = cutlass.min((cutlass.min(m0 + BM, seq_len * self.group) - 1) // self.group, seq_len - 1)
+        whole_end = num_keys
+        if causal != 0:
+            whole_end = cutlass.min(cache_len + tok_lo + 1, num_keys)
+        whole_begin = Int32(0)
+        if window > 0:
+            whole_begin = cutlass.max(cache_len + tok_hi - window + 1, 0)
+        first_whole = cutlass.min(cutlass.max((whole_begin + bn - 1) // bn - first_tile, 0), n_tiles)
+        end_whole = cutlass.min(cutlass.max(whole_end // bn - first_tile, first_whole), n_tiles)
         row_max = NEG_INF
         row_sum = Float32(0.0)
-        for j in cutlass.range(n_tiles, unroll=1):
-            tile_base = (first_tile + j) * bn
-            slot = tile + j % lag
-            s_full.wait(slot, j // lag % 2)
-            tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
-            cute.copy(load_s, cute.make_tensor(t_s_src.iterator + slot * self.s_cols, t_s_src.layout), scores)
-            cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
+        copies = (load_s, t_s_src, scores, cols, flat, store_p, packed, probs, t_p_dst)
+        bars = (s_scale, s_full, scale_full, p_ready)
+        for j in cutlass.range(first_whole, unroll=1):
+            row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin, row_end,
+                                                 copies, bars, score_scale, cap_log2)
+        for j in cutlass.range(first_whole, end_whole, unroll=1):
+            row_max, row_sum = self.softmax_tile(False, j, row_max, row_sum, tile, first_tile, row_begin, row_end,
+                                                 copies, bars, score_scale, cap_log2)
+        for j in cutlass.range(end_whole, n_tiles, unroll=1):
+            row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin, row_end,
+                                                 copies, bars, score_scale, cap_log2)
+        s_stats[row, 0, tile] = row_max
+        s_stats[row, 1, tile] = row_sum
+        stats_full.arrive(tile, None)
 
-            exp_scale = score_scale  # raw scores: the scale is folded into the max and the exponent's FMA
-            if cutlass.const_expr(self.softcap):
-                scale_scores(scores, score_scale, True, cap_log2)
-                exp_scale = Float32(1.0)
-            masked = Int32(0)  # the row's window cuts this tile (most tiles of a long context are whole)
+    @cute.jit
+    def softmax_tile(self, mask: cutlass.Constexpr[bool], j: Int32, row_max: Float32, row_sum: Float32, tile: Int32,
+                     first_tile: Int32, row_begin: Int32, row_end: Int32, copies: tuple, bars: tuple,
+                     score_scale: Float32, cap_log2: Float32):
+        """One S tile (``j`` of the split) of the softmax warpgroup's row: returns the running ``(row_max, row_sum)``.
+        ``mask``: the row's ``[row_begin, row_end)`` cuts the tile for some row (else no mask code)."""
+        load_s, t_s_src, scores, cols, flat, store_p, packed, probs, t_p_dst = copies
+        s_scale, s_full, scale_full, p_ready = bars
+        bn, lag = self.bn, SLOTS // self.q_tiles
+        row = cute.arch.thread_idx()[0] % BM
+        piece = 2 * P_STORE_COLUMNS
+        tile_base = (first_tile + j) * bn
+        slot = tile + j % lag
+        s_full.wait(slot, j // lag % 2)
+        tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
+        cute.copy(load_s, cute.make_tensor(t_s_src.iterator + slot * self.s_cols, t_s_src.layout), scores)
+        cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
+
+        exp_scale = score_scale  # raw scores: the scale is folded into the max and the exponent's FMA
+        if cutlass.const_expr(self.softcap):
+            scale_scores(scores, score_scale, True, cap_log2)
+            exp_scale = Float32(1.0)
+        if cutlass.const_expr(mask):
+            masked = Int32(0)  # the row's window cuts this tile (its other rows' may, this one's not)
             if tile_base < row_begin:
                 masked = Int32(1)
             if tile_base + bn > row_end:
@@ -668,28 +708,26 @@ class PagedAttentionSm100:
                 for c in cutlass.range(cute.size(scores), unroll_full=True):
                     if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
                         scores[c] = NEG_INF
-            new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD, exp_scale)
-            s_scale[row, slot] = corr  # the correction warpgroup rescales O meanwhile
-            scale_full.arrive(slot, None)
-            # Piece by piece: 2^(s - ref) (FMA-emulated in part of the middle pieces, whose MUFU latency the others
-            # fill), the row sum, P rounded and stored: a piece's float32 scores die once its P is in TMEM. The
-            # slot's P columns are free (the PV of the pair two before precedes this QK): no wait.
-            row_sum = row_sum * corr
-            pieces = bn // piece
-            for i in cutlass.range_constexpr(pieces):
-                vals = cute.local_tile(flat, (piece,), (i,))
-                exp2_scores(vals, ref, self.exp2_emulation if 0 < i < pieces - 1 else 0, exp_scale)
-                row_sum = row_add(vals, row_sum)
-                to_16bit(vals, probs)  # one cvt per pair
-                cute.copy(store_p, packed, cute.make_tensor(
-                    t_p_dst.iterator + slot * self.s_cols + i * P_STORE_COLUMNS, t_p_dst.layout))
-            row_max = new_max
-            cute.arch.fence_view_async_tmem_store()  # P in TMEM: the MMA reads it next
-            tmem_fence_before_sync()
-            p_ready.arrive(slot, None)
-        s_stats[row, 0, tile] = row_max
-        s_stats[row, 1, tile] = row_sum
-        stats_full.arrive(tile, None)
+        new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD, exp_scale)
+        s_scale[row, slot] = corr  # the correction warpgroup rescales O meanwhile
+        scale_full.arrive(slot, None)
+        # Piece by piece: 2^(s - ref) (FMA-emulated in part of the middle pieces, whose MUFU latency the others
+        # fill), the row sum, P rounded and stored: a piece's float32 scores die once its P is in TMEM. The
+        # slot's P columns are free (the PV of the pair two before precedes this QK): no wait.
+        row_sum = row_sum * corr
+        pieces = bn // piece
+        for i in cutlass.range_constexpr(pieces):
+            vals = cute.local_tile(flat, (piece,), (i,))
+            exp2_scores(vals, ref, self.exp2_emulation if 0 < i < pieces - 1 else 0, exp_scale)
+            row_sum = row_add(vals, row_sum)
+            to_16bit(vals, probs)  # one cvt per pair
+            cute.copy(store_p, packed, cute.make_tensor(
+                t_p_dst.iterator + slot * self.s_cols + i * P_STORE_COLUMNS, t_p_dst.layout))
+        row_max = new_max
+        cute.arch.fence_view_async_tmem_store()  # P in TMEM: the MMA reads it next
+        tmem_fence_before_sync()
+        p_ready.arrive(slot, None)
+        return row_max, row_sum
 
     @cute.jit
     def correction(self, t_o: cute.Tensor, s_v: cute.Tensor, s_scale: cute.Tensor,
