@@ -102,15 +102,17 @@ from cute_kv.kernels.quant import granule_scale
 # MMA's 16-bit tiles.
 CONVERT_WARPS = (12, 13, 14, 15)
 CONVERT_THREADS = 32 * len(CONVERT_WARPS)
-# Registers per thread of each role (setmaxnreg), by (Q tiles, fp8 cache). ptxas sizes a CTA of 512 threads at 128 a
+# Registers per thread of each role (setmaxnreg), by (Q tiles, fp8 cache, soft-cap). ptxas sizes a CTA of 512 threads at 128 a
 # thread, of 384 at 168; setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
 # softmax's inc waiting forever). The softmax holds a row of S (BN floats) and a piece of P; the correction a
 # 32-column piece of O; the MMA / load warps little. The splits ptxas measured without spills; at two Q tiles the
 # softmax has no registers left for the FMA exp2's constants (``exp2_emulation`` 0 there).
-REGS = {(2, False): {"softmax": 184, "correction": 80, "other": 64},
-        (1, False): {"softmax": 240, "correction": 136, "other": 128},
-        (1, True): {"softmax": 200, "correction": 80, "other": 120, "convert": 112}}
+REGS = {(2, False, False): {"softmax": 184, "correction": 80, "other": 64},
+        (1, False, False): {"softmax": 240, "correction": 136, "other": 128},
+        (1, False, True): {"softmax": 240, "correction": 136, "other": 128},
+        (1, True, False): {"softmax": 200, "correction": 80, "other": 120, "convert": 112},
+        (1, True, True): {"softmax": 184, "correction": 96, "other": 120, "convert": 112}}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -462,7 +464,7 @@ class PagedAttentionSm100:
 
     def set_registers(self, role: str):
         """Moves registers from the MMA / load warpgroup (and the converter) to the softmax warpgroups (``REGS``)."""
-        regs = REGS[self.q_tiles, self.kv_fp8][role]
+        regs = REGS[self.q_tiles, self.kv_fp8, self.softcap][role]
         if role == "softmax":
             cute.arch.setmaxregister_increase(regs)
         else:
@@ -661,15 +663,20 @@ class PagedAttentionSm100:
         row_sum = Float32(0.0)
         copies = (load_s, t_s_src, scores, cols, flat, store_p, packed, probs, t_p_dst)
         bars = (s_scale, s_full, scale_full, p_ready)
-        for j in cutlass.range(first_whole, unroll=1):
-            row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin, row_end,
-                                                 copies, bars, score_scale, cap_log2)
-        for j in cutlass.range(first_whole, end_whole, unroll=1):
-            row_max, row_sum = self.softmax_tile(False, j, row_max, row_sum, tile, first_tile, row_begin, row_end,
-                                                 copies, bars, score_scale, cap_log2)
-        for j in cutlass.range(end_whole, n_tiles, unroll=1):
-            row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin, row_end,
-                                                 copies, bars, score_scale, cap_log2)
+        if cutlass.const_expr(self.softcap):  # one loop: tanh's registers leave none for three copies (ptxas)
+            for j in cutlass.range(n_tiles, unroll=1):
+                row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin,
+                                                     row_end, copies, bars, score_scale, cap_log2)
+        else:
+            for j in cutlass.range(first_whole, unroll=1):
+                row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin,
+                                                     row_end, copies, bars, score_scale, cap_log2)
+            for j in cutlass.range(first_whole, end_whole, unroll=1):
+                row_max, row_sum = self.softmax_tile(False, j, row_max, row_sum, tile, first_tile, row_begin,
+                                                     row_end, copies, bars, score_scale, cap_log2)
+            for j in cutlass.range(end_whole, n_tiles, unroll=1):
+                row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin,
+                                                     row_end, copies, bars, score_scale, cap_log2)
         s_stats[row, 0, tile] = row_max
         s_stats[row, 1, tile] = row_sum
         stats_full.arrive(tile, None)
