@@ -1,7 +1,7 @@
 """``PagedAttentionSm100``: which calls it serves (host), its plan replayed in PyTorch (no GPU), what it compiles to for
 sm_100a (PTX and ptxas), and the kernel against the reference on a B200 (``gpu``, skipped elsewhere).
 
-The plan replay walks the grid the host launches (``launch_shape_sm100``, ``cta_rows`` packed rows: one or two
+The plan replay walks the grid the host launches (``launch_shape_sm100``, ``step_q_tiles``: one or two
 128-row Q tiles, the head dim's key tile) and does per CTA what ``kernels/attention/sm100.py`` does: the split's tile
 range, per-row masks, soft-cap, the base-2 online softmax with the kernel's guards (a row max that rose by at most
 ``RESCALE_THRESHOLD`` not taken), exp2 by the FMA polynomial where the kernel emulates it, P rounded to 16 bits, O
@@ -22,10 +22,10 @@ import artifacts
 
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, EXP2_POLY, RESCALE_THRESHOLD, TMEM_COLUMNS,
-                                                    cta_rows, key_tile, tiling)
+                                                    key_tile, q_tiles, tiling)
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args, window_arg
-from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100
+from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, step_q_tiles
 from cute_kv.reference.batch import random_paged_batch
 
 from numerics import rel_err
@@ -55,7 +55,7 @@ def _plan_key(collection, q, softcap=None, sinks=None, return_lse=False):
 
 def test_sm100_serves_16_bit_paged_caches():
     assert _key() == ("paged_attention_sm100", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "bfloat16",
-                      None, False)
+                      None, False, None, 1)
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
     assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
@@ -73,11 +73,11 @@ FP8 = torch.float8_e4m3fn
 
 def test_sm100_serves_fp8_caches():
     fp8 = {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 32}
-    assert _key(fp8)[11:] == ("float8_e4m3fn", 32, False)
+    assert _key(fp8)[11:14] == ("float8_e4m3fn", 32, False)
     assert _key({**fp8, "page_size": 4})[5] == 4  # gather4 into the fp8 ring, the converter reads its row array
     assert _key({"dtype": FP8, "page_size": 48})[5] == 48
-    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:] == ("float8_e4m3fn", 32, True)
-    assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
+    assert _key({**fp8, "scale_dtype": torch.float8_e8m0fnu})[11:14] == ("float8_e4m3fn", 32, True)
+    assert _key({"dtype": FP8})[11:14] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
     assert _key({**fp8, "page_size": 8}, torch.float16)[1] == "float16"  # q in any 16-bit dtype
 
 
@@ -105,7 +105,7 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
     # Two Q tiles (FA4's plan) with 16-bit pages of 16+ rows up to D = 128; one at D = 256 (2 x 64 + 2 x 256 columns
     # is past 512), for fp8 (the converter's warpgroup), gather4 and 16 page slots a tile (registers).
     assert plan.q_tiles == (2 if head_dim <= 128 and not kv_fp8 and page_size == 128 else 1)
-    assert plan.rows == plan.q_tiles * BM == cta_rows(head_dim, None, kv_fp8, page_size)
+    assert plan.rows == plan.q_tiles * BM == q_tiles(head_dim, None, kv_fp8, page_size) * BM
     # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory.
     stages = {64: 4, 128: 4 if kv_fp8 else 2, 256: 2 + kv_fp8}[head_dim] + (
         head_dim == 128 and page_size == 8 and not kv_fp8) - (head_dim == 128 and plan.gather4 and kv_fp8)
@@ -120,10 +120,32 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
 def test_sm100_q_tiles_where_registers_allow():
     """Two Q tiles at D = 128 with up to 8 TMAs per K tile (pages of 32+ rows; 16+ at D = 64), groups of 2-128
     dividing 128; one with soft-cap, a group of 1 or one not dividing 128 (``q_tiles``: measured spills)."""
-    assert cta_rows(128, page_size=32, group=4) == cta_rows(64, page_size=16, group=4) == 2 * BM
-    assert cta_rows(128, page_size=16, group=4) == cta_rows(128, page_size=32, softcap=True) == BM
-    assert cta_rows(128, page_size=32, group=1) == cta_rows(128, page_size=32, group=6) == BM
+    assert q_tiles(128, page_size=32, group=4) == q_tiles(64, page_size=16, group=4) == 2
+    assert q_tiles(128, page_size=16, group=4) == q_tiles(128, page_size=32, softcap=True) == 1
+    assert q_tiles(128, page_size=32, group=1) == q_tiles(128, page_size=32, group=6) == 1
     assert tiling(128, 32, softcap=True).q_tiles == 1 and tiling(128, 32, group=4).q_tiles == 2
+    # A step's packed rows that fit one tile take one, and D = 128 its third K/V stage back.
+    assert q_tiles(128, page_size=32, group=4, rows=BM) == 1 and q_tiles(128, page_size=32, group=4, rows=BM + 1) == 2
+    assert (tiling(128, 32, group=4, tiles=1).stages, tiling(128, 32, group=4).stages) == (3, 2)
+    with pytest.raises(ValueError, match=r"q_tiles must be 1 for .* got 2"):
+        tiling(128, 32, softcap=True, tiles=2)
+
+
+@pytest.mark.parametrize("new, tiles", [([1, 1], 1), ([32, 1], 1), ([33, 1], 2), ([300, 0], 2)])
+def test_sm100_q_tiles_per_step(new, tiles):
+    """The Q-tile count is the step's, in the key and the grid alike: a decode step (or any whose longest run packs
+    into 128 rows: 32 tokens x a group of 4) takes one tile, a longer prefill two; the kernel of the key has them."""
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+    pb = random_paged_batch([700, 30], new, num_heads=2, head_size=128, page_size=32,
+                            generator=torch.Generator().manual_seed(0))
+    c = pb.collection
+    q = torch.zeros(pb.total_rows, 8, 128, dtype=torch.bfloat16)
+    key = _plan_key(c, q)
+    assert key[15] == step_q_tiles(c, 8, pb.total_rows, False) == tiles
+    assert PagedAttentionSm100(*key[1:]).q_tiles == tiles
+    m_blocks = launch_shape_sm100(c, 8, B200_SMS, num_tokens=pb.total_rows, tiles=key[15])[0]
+    assert m_blocks == -(-max(new) * 4 // (tiles * BM))
 
 
 def test_sm100_decode_splits_fill_the_gpu():
@@ -232,11 +254,12 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     h = c.num_heads
     group = hq // h
     bn = key_tile(d)
-    block = cta_rows(d, None, c.dtype == FP8, c.page_size, bool(softcap), group)
+    tiles = step_q_tiles(c, hq, t, bool(softcap))
+    block = tiles * BM
     emulate = EXP2_EMULATION if d <= 128 and block == BM else 0
     score_scale, cap_log2 = score_args(d, scale, softcap)
     win = window_arg(window)
-    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t, softcap=bool(softcap))
+    m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t, tiles=tiles)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()

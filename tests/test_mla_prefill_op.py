@@ -109,7 +109,7 @@ def test_route_per_step():
     prefill = op.plan([(4096, 4096), (0, 9000)], arch="sm_100a", **kw)
     assert prefill.path == op.DECOMPRESSED and prefill.head_dim == 192
     assert prefill.kernel.kernel == "PagedAttentionSm100" and prefill.kernel.key == (
-        op.KEY, "bfloat16", 128, 128, 192, op.PAGE, 2, True, False, False, False, "bfloat16", None, False, 128)
+        op.KEY, "bfloat16", 128, 128, 192, op.PAGE, 2, True, False, False, False, "bfloat16", None, False, 128, 1)
     sm90 = op.plan([(4096, 4096)], arch="sm_90a", **kw)
     assert (sm90.path, sm90.head_dim, sm90.kernel) == (op.DECOMPRESSED, 256, None)  # paged_attention plans it
     decode = op.plan([(1, 4096)] * 64, arch="sm_100a", **kw)
@@ -261,7 +261,7 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
     from plan_replay import merge_splits_zero_empty, poisoned_partials
     from test_attention_sm100 import B200_SMS, model_cta
 
-    from cute_kv.kernels.attention.sm100_config import BM, cta_rows, key_tile
+    from cute_kv.kernels.attention.sm100_config import BM, key_tile
     from cute_kv.ops.splits import launch_shape
     from cute_kv.ops.kernel_args import score_args
 
@@ -274,7 +274,7 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
     assert route.kernel is not None and route.head_dim == 192
     q, tmp = op.decompressed_operands(q_nope, q_rope, c, 1, w_uk, w_uv, lengths, route.head_dim)
     bn = key_tile(192, 128)
-    assert cta_rows(192, 128) == BM  # one Q tile (module sm100_config)
+    assert route.kernel.key[15] == 1  # one Q tile (module sm100_config)
     m_blocks, splits = launch_shape(tmp, HEADS, B200_SMS, BM, bn, True, num_tokens=q.shape[0])
     splits = force_splits or splits
     score_scale, cap_log2 = score_args(192, 0.1, None)

@@ -45,7 +45,7 @@ import torch
 
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
-from cute_kv.kernels.attention.sm100_config import VALUE_DIMS, cta_rows
+from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS, q_tiles
 from cute_kv.ops import paths, units
 from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
@@ -186,12 +186,14 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
             total[path] += f
     path = DECOMPRESSED if total[DECOMPRESSED] <= total[ABSORBED] else ABSORBED
     kernel = None
-    # The temporary cache has the step's requests, a KV head per query head and its longest run; a grid past CUDA's
-    # limits leaves the attention to paged_attention, whose plan takes the reference (with the reason).
-    if native and arch is not None and not grid_problem(len(lengths), num_heads,
-                                                        -(-max((n for n, _ in lengths), default=0)
-                                                          // cta_rows(qk, v_dim))):
-        key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim)
+    # The temporary cache has the step's requests, a KV head per query head (a group of 1) and its longest run; a
+    # grid past CUDA's limits leaves the attention to paged_attention, whose plan takes the reference (with the
+    # reason). The key's Q tiles size the host's grid too (prefill_workspace).
+    longest = max((n for n, _ in lengths), default=0)
+    tiles = q_tiles(qk, v_dim, page_size=PAGE, group=1, rows=longest)
+    if native and arch is not None and not grid_problem(len(lengths), num_heads, -(-longest // (tiles * BM))):
+        key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim,
+               tiles)
         kernel = paths.kernel(OP, "PagedAttentionSm100", key, arch)
     return Route(path, total, head_dim, kernel)
 
@@ -369,8 +371,8 @@ def prefill_workspace(key: tuple, tmp, num_tokens: int, device, causal: bool) ->
     from cute_kv.kernels.attention.sm100_config import key_tile
     from cute_kv.ops.splits import launch_shape, partials, sm_count
 
-    h, d, v_dim = key[2], key[4], key[14]
-    m_blocks, splits = launch_shape(tmp, h, sm_count(device), cta_rows(d, v_dim), key_tile(d, v_dim), causal,
+    h, d, v_dim, tiles = key[2], key[4], key[14], key[15]
+    m_blocks, splits = launch_shape(tmp, h, sm_count(device), tiles * BM, key_tile(d, v_dim), causal,
                                     num_tokens=num_tokens)
     return m_blocks, splits, *partials(splits, num_tokens, h, v_dim, device)
 
@@ -383,7 +385,7 @@ def _launcher(key: tuple, arch: str) -> Callable:
     from cute_kv.ops.kernel_args import score_args
     from cute_kv.ops.splits import launch_and_combine, unused_lse
 
-    _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim = key
+    _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim, _ = key
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, tmp, scale, causal, out, workspace=None):

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.sm100_config import FP8, VEC, cta_rows, key_tile, supported, uses_gather4
+from cute_kv.kernels.attention.sm100_config import BM, FP8, VEC, key_tile, q_tiles, supported, uses_gather4
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.ops.kernel_args import scales_arg, score_args, window_arg
@@ -33,8 +33,8 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     c = collection
     q_dtype_name, kv_dtype_name = dtype_name(q.dtype), dtype_name(c.dtype)
     hq, h, d, p = q.shape[1], c.num_heads, c.head_size, c.page_size
-    rows = cta_rows(d, None, kv_dtype_name == FP8, p, bool(softcap), hq // h)
-    problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, rows, q.shape[0])) or supported(
+    tiles = step_q_tiles(c, hq, q.shape[0], bool(softcap))
+    problem = splits.grid_problem(c.batch_size, h, splits.query_blocks(c, hq, tiles * BM, q.shape[0])) or supported(
         hq, h, d, p, kv_dtype_name, granularity)
     if not problem and q.shape[0] >= RAGGED_ROWS:
         problem = f"{q.shape[0]} query rows reach the TMA-store epilogue's ragged window shift (2^30 rows)"
@@ -42,20 +42,28 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
         return paths.reference(OP, problem, arch)
     bn = key_tile(d)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
+    # gather4 reads one lookup entry per token; None: values as wide as the head dim.
     key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), bool(softcap),
-           sinks is not None, return_lse, kv_dtype_name, granularity, e8m0)  # gather4 reads one lookup entry per token
+           sinks is not None, return_lse, kv_dtype_name, granularity, e8m0, None, tiles)
     return paths.kernel(OP, KERNEL, key, arch)
 
 
+def step_q_tiles(collection, num_q_heads: int, num_tokens: int, softcap: bool) -> int:
+    """Q tiles a CTA takes for a step of ``num_tokens`` (``sm100_config.q_tiles`` over the step's most packed rows
+    per request and KV head): one for a decode step, two for a prefill past 128 packed rows where the kernel allows."""
+    c = collection
+    group = num_q_heads // c.num_heads
+    return q_tiles(c.head_size, None, dtype_name(c.dtype) == FP8, c.page_size, softcap, group,
+                   splits.longest_run(c, num_tokens) * group)
+
+
 def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True,
-                       window: Optional[int] = None, *, num_tokens: int, softcap: bool = False) -> tuple[int, int]:
+                       window: Optional[int] = None, *, num_tokens: int, tiles: int) -> tuple[int, int]:
     """``(m_blocks, splits)`` of ``splits.launch_shape`` for this kernel's tiles (``slots``: one CTA per SM, a CTA
-    takes all of its tensor memory; ``sm100_config.cta_rows`` packed rows a CTA) and the step's ``num_tokens``."""
-    d = collection.head_size
-    rows = cta_rows(d, None, dtype_name(collection.dtype) == FP8, collection.page_size, softcap,
-                    num_q_heads // collection.num_heads)
-    return splits.launch_shape(collection, num_q_heads, slots, rows, key_tile(d), causal, window,
-                               num_tokens=num_tokens)
+    takes all of its tensor memory; ``tiles`` x 128 packed rows a CTA: the key's Q tiles) and the step's
+    ``num_tokens``."""
+    return splits.launch_shape(collection, num_q_heads, slots, tiles * BM, key_tile(collection.head_size), causal,
+                               window, num_tokens=num_tokens)
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
@@ -73,14 +81,14 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
     (``launch_shape_sm100``) and split-KV partials over its head dim (``paged_attention_sm90.launch_workspace``)."""
     t, hq, d = q.shape
     shape = launch_shape_sm100(collection, hq, splits.sm_count(q.device), causal, window, num_tokens=t,
-                               softcap=key[8])
+                               tiles=key[15])
     return (*shape, *splits.partials(shape[1], t, hq, d, q.device))
 
 
 @functools.lru_cache(maxsize=None)
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
-    _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key
+    _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0, _, _ = key
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,

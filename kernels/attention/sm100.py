@@ -3,8 +3,9 @@
 Same problem as the SM90 kernel (``sm90.py``), FA4's plan: a CTA is (block of ``q_tiles`` x 128 packed query
 rows, KV head, split, request); packed row ``i*group + g`` is token ``i``, query head ``kv_head*group + g``
 (pack-GQA), so decode fills M with the heads of a KV head and prefill with tokens. Two Q tiles where tensor memory,
-shared memory and registers allow (``sm100_config.q_tiles``), so each K/V tile serves 256 rows and one Q tile's
-softmax runs while the tensor core works on the other's. Warp roles:
+shared memory and registers allow (``sm100_config.q_tiles``) and the step packs over 128 rows (the host's choice,
+part of the key), so each K/V tile serves 256 rows and one Q tile's softmax runs while the tensor core works on the
+other's. Warp roles:
 
 * a softmax warpgroup per Q tile (warps 0-3, 4-7): thread ``t`` owns packed row ``t % 128`` of its tile (TMEM lane
   ``t % 128``). Per key tile it reads its row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the
@@ -150,7 +151,9 @@ class PagedAttentionSm100:
     lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, an fp8 cache:
     ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
     with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, and ``v_dim`` (None: the head dim): values are
-    the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide.
+    the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide,
+    and ``q_tiles`` (None: as many as ``sm100_config.q_tiles`` allows; the host takes one for a step whose packed
+    rows fit one tile).
 
     An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 12-15) into one
     16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
@@ -160,7 +163,7 @@ class PagedAttentionSm100:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
                  return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
-                 e8m0_scales: bool = False, v_dim: Optional[int] = None):
+                 e8m0_scales: bool = False, v_dim: Optional[int] = None, q_tiles: Optional[int] = None):
         kv_dtype_name = kv_dtype_name or dtype_name
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity, v_dim)
         if problem:
@@ -171,7 +174,7 @@ class PagedAttentionSm100:
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
         self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
         self.v_dim = v_dim or head_dim
-        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim, softcap, num_q_heads // num_kv_heads)
+        self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim, softcap, num_q_heads // num_kv_heads, q_tiles)
         self.bn, self.stages, self.q_tiles = self.plan.bn, self.plan.stages, self.plan.q_tiles
         self.softmax_warps = tuple(range(4 * self.q_tiles))
         self.correction_warp = 4 * self.q_tiles  # the first of its warpgroup

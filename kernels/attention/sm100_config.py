@@ -87,15 +87,18 @@ def fixed_bytes(bn: int, stages: int, gather4: bool, tiles: int = 1) -> int:
 
 
 def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, page_size: Optional[int] = None,
-            softcap: bool = False, group: Optional[int] = None) -> int:
+            softcap: bool = False, group: Optional[int] = None, rows: Optional[int] = None) -> int:
     """Q tiles a CTA takes (see the module): two where their O accumulators fit tensor memory beside the two S tiles
     and two K/V stages fit shared memory beside them, with a 16-bit cache; else one. Two Q tiles leave 512
     registers per thread-slot across the four warpgroups (the softmax's 184 twice, ``sm100.REGS``), and ptxas
     measured spills there with soft-cap's tanh (softmax), gather4 or over 8 TMAs per K tile (load warp), and O by
-    the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile."""
+    the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile. ``rows``, a step's most
+    packed rows per (request, KV head), keeps one Q tile where they fit it (a decode step: ``group <= 128`` rows),
+    so no CTA runs a second tile of padding (FA4: ``q_stage = 2 if seqlen_q_packgqa > tile_m else 1``) and D = 128
+    keeps its third K/V stage; None: any step."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
-    if kv_fp8 or softcap:
+    if kv_fp8 or softcap or (rows is not None and rows <= BM):
         return 1
     # The load warp's TMAs per K tile: page slots x 128-byte swizzle boxes of a row.
     if page_size is not None and (uses_gather4(page_size, bn) or max(bn // page_size, 1) * head_dim * 2 // 128 > 8):
@@ -106,20 +109,19 @@ def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, pa
     return 2 if SLOTS * bn + 2 * v_dim <= TMEM_COLUMNS and smem <= SMEM_PER_CTA else 1
 
 
-def cta_rows(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, page_size: Optional[int] = None,
-             softcap: bool = False, group: Optional[int] = None) -> int:
-    """Packed query rows per CTA (the grid's ``m_blocks`` count blocks of these)."""
-    return q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap, group) * BM
-
-
 def tiling(head_dim: int, page_size: int, kv_fp8: bool = False, v_dim: Optional[int] = None,
-           softcap: bool = False, group: Optional[int] = None) -> Sm100Tiling:
-    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to the Q tiles (and, for fp8, one 16-bit K and V
-    tile)."""
+           softcap: bool = False, group: Optional[int] = None, tiles: Optional[int] = None) -> Sm100Tiling:
+    """The deepest K/V ring (2 to ``MAX_STAGES``) that fits next to ``tiles`` Q tiles (None: as many as
+    ``q_tiles`` allows; the host picks per step) and, for fp8, one 16-bit K and V tile."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
     gather4 = uses_gather4(page_size, bn)
-    tiles = q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap, group)
+    most = q_tiles(head_dim, v_dim, kv_fp8, page_size, softcap, group)
+    if tiles is None:
+        tiles = most
+    elif tiles not in range(1, most + 1):
+        raise ValueError(f"q_tiles must be {' or '.join(map(str, range(1, most + 1)))} for this head dim, page size, "
+                         f"cache, soft-cap and group (sm100_config.q_tiles), got {tiles}")
     q_bytes, stage_bytes = tiles * BM * head_dim * 2, bn * (head_dim + v_dim) * (1 if kv_fp8 else 2)
     mma_tiles = bn * (head_dim + v_dim) * 2 if kv_fp8 else 0
     for stages in range(MAX_STAGES, 1, -1):
