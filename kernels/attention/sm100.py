@@ -12,10 +12,10 @@ other's. Warp roles:
   keys: only in the loops over the tiles the mask cuts for some row, the middle loop has no mask code), optionally
   soft-caps it, takes the row max in base 2 with no cross-thread reduction and hands O's factor to the correction
   warpgroup at once (a max that rose by at most ``RESCALE_THRESHOLD`` is not taken: the factor is exactly 1), then
-  per 32 scores: ``2^(scale s - max)`` (with one Q tile and D <= 128, two of every ten pairs of the middle pieces by a
-  polynomial on the FMA pipe, the rest on the MUFU), the row sum, and P (16-bit) written back to TMEM over the upper
-  half of its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes through shared memory). At the
-  end it hands its row's max and sum over.
+  per 32 scores: ``2^(scale s - max)`` (with one Q tile and D <= 128, 2 of the 16 pairs of each middle piece by a
+  polynomial on the FMA pipe, 1/16 of a 128-key row; the rest on the MUFU), the row sum, and P (16-bit) written
+  back to TMEM over the upper half of its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes
+  through shared memory). At the end it hands its row's max and sum over.
 * the correction warpgroup: per (key tile, Q tile) it rescales the row of O in TMEM by the softmax's factor once the
   previous PV is done (a warp skips it when none of its rows moved), zeroes V rows past the request's keys, and
   hands O to the MMA warp with the softmax's P; at the end it divides O by the row sum (adding the sink's term) and

@@ -118,9 +118,9 @@ def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constex
 @cute.jit
 def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[int], scale):
     """``p = 2^(scale * s - ref)`` over the row in place (``scale`` None: ``2^(s - ref)``), one f32x2 FMA (or
-    subtraction) for two scores. With ``emulate`` n > 0, the last two of every ``n`` pairs go to ``exp2_fma`` on
-    the FMA pipe instead of the MUFU (4 results a cycle per SM sub-partition, against 64 FMA lanes' worth; FA4's
-    ``ex2_emu_freq``)."""
+    subtraction) for two scores. With ``emulate`` n > 0, the last two of every ``n`` pairs (n = 10 over a 32-score
+    piece: pairs 8 and 9 of its 16) go to ``exp2_fma`` on the FMA pipe instead of the MUFU (4 results a cycle per
+    SM sub-partition, against 64 FMA lanes' worth; FA4's ``ex2_emu_freq``)."""
     for c in cutlass.range_constexpr(0, cute.size(scores), 2):
         if cutlass.const_expr(scale is None):
             scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))

@@ -32,7 +32,9 @@ SLOTS = 2  # S / P tiles in TMEM
 # slot; PV done and the final row statistics per Q tile; fp8's dequantized K and V tiles (full, empty each).
 BARRIERS = 3 * SLOTS + 2 * 2 + 4
 RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
-EXP2_EMULATION = 10  # of every 10 pairs of a middle 32-score piece, 2 by exp2 on the FMA pipe (one Q tile, D <= 128)
+# The last 2 of every 10 pairs of a middle 32-score piece by exp2 on the FMA pipe (one Q tile, D <= 128): of its 16
+# pairs that is pairs 8 and 9, 1/8 of the middle pieces' exponentials, 1/16 of a 128-key row's.
+EXP2_EMULATION = 10
 # 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
 EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
 VALUE_DIMS = {192: 128}  # head dim -> the narrower value dim it also takes (DeepSeek MLA prefill: 128 + 64 / 128)
