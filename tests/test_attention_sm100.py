@@ -13,6 +13,7 @@ import math
 import re
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -179,6 +180,34 @@ def test_sm100_fma_exp2_error():
     x = torch.linspace(-126.0, RESCALE_THRESHOLD, 200001, dtype=torch.float64)
     assert ((exp2_fma(x) / torch.exp2(x) - 1).abs().max() < 8.8e-5).item()
     assert exp2_fma(torch.tensor([NEG_INF, -127.0, -300.0], dtype=torch.float64)).eq(0).all()
+
+
+def test_sm100_fma_exp2_bits():
+    """The kernel's FMA exp2 bit for bit in float32 (numpy): the clamp, the floor by an add rounded down
+    (``add.rm``) of ``ROUND_SHIFT``, the f32x2 Horner FMAs, then ``shl 23`` of the shifted sum's bits added to the
+    polynomial's (``add.s32``): 0 at -127 and below, exact powers of two, within 1e-4 of 2^x from -126 up to past
+    the lagging max's +8 and up to the top of its range (x < 128)."""
+    from cute_kv.kernels.attention.sm100_common import ROUND_SHIFT
+
+    def add_rm(a, b):  # float32 a + b rounded toward -inf (exact in float64 first)
+        exact = a.astype(np.float64) + b
+        near = exact.astype(np.float32)
+        return np.where(near.astype(np.float64) > exact, np.nextafter(near, np.float32(-np.inf)), near)
+
+    def kernel_exp2(x):
+        x = np.maximum(np.float32(x), np.float32(-127.0))
+        shifted = add_rm(x, ROUND_SHIFT)
+        frac = x - (shifted - np.float32(ROUND_SHIFT))
+        poly = np.full_like(x, EXP2_POLY[3])
+        for c in EXP2_POLY[2::-1]:  # an FMA rounds once
+            poly = (poly.astype(np.float64) * frac + c).astype(np.float32)
+        return ((shifted.view(np.uint32) << np.uint32(23)) + poly.view(np.uint32)).view(np.float32)
+
+    assert (kernel_exp2([-np.inf, -128.0, -127.0]) == 0).all()
+    assert (kernel_exp2([0.0, 8.0, -126.0, 127.0]) == np.float32([1.0, 256.0, 2.0**-126, 2.0**127])).all()
+    x = np.concatenate([np.linspace(-126, RESCALE_THRESHOLD + 1, 200001, dtype=np.float32),
+                        np.float32([100.5, 127.9])])
+    assert np.abs(kernel_exp2(x) / np.exp2(x.astype(np.float64)) - 1).max() < 1e-4
 
 
 def emulated_columns(bn, emulate):

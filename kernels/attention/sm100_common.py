@@ -138,8 +138,10 @@ ROUND_SHIFT = float(2**23 + 2**22)  # x + this, rounded down, holds floor(x) in 
 
 
 def exp2_fma(x: Float32, y: Float32):
-    """``(2^x, 2^y)`` on the FMA pipe, for x, y <= 0 (clamped at -127): floor by a rounded-down add of
-    ``ROUND_SHIFT``, ``2^frac`` by ``EXP2_POLY`` in f32x2 Horner steps, the floor added to the exponent bits."""
+    """``(2^x, 2^y)`` on the FMA pipe for x, y in [-127, 128) (the lagging row max lets them reach
+    ``RESCALE_THRESHOLD``, +8): floor by a rounded-down add of ``ROUND_SHIFT``, ``2^frac`` by ``EXP2_POLY`` in f32x2
+    Horner steps, the floor added to the exponent bits (field 1-254 for floors -126 to 127). Inputs are clamped at
+    -127, where the field is 0 and the result exactly 0; from -127 to -126 it stays under 2^-126."""
     lo = Float32(-127.0)
     xy = (cute.arch.fmax(x, lo), cute.arch.fmax(y, lo))
     shifted = cute.arch.add_packed_f32x2(xy, (ROUND_SHIFT, ROUND_SHIFT), rnd="rm")
