@@ -138,6 +138,7 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("float16", 32, 2, 256, 64, 2, True),
     ("bfloat16", 8, 2, 128, 4, 2, False),  # gather4
     ("bfloat16", 64, 8, 128, 32, 2, True, True, True, True),  # soft-cap, sinks, lse
+    ("bfloat16", 64, 8, 128, 32, 2, True, False, True, True),  # two Q tiles with sinks and lse (correction WG)
     ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", 32),
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", 32),  # fp8 by gather4

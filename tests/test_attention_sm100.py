@@ -415,6 +415,7 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 8, 2, 64, 16),
     ("float16", 32, 2, 256, 64),
     ("bfloat16", 64, 8, 128, 32, {"softcap": True, "sinks": True, "return_lse": True}),
+    ("bfloat16", 64, 8, 128, 32, {"sinks": True, "return_lse": True}),  # two Q tiles: the correction WG's epilogue
     ("bfloat16", 8, 2, 128, 4),  # gather4
     ("bfloat16", 8, 2, 64, 8),  # 16 TMAs of 8 rows per K tile
     ("float16", 16, 2, 256, 48),  # gather4: a page that does not tile the 64-key tile
