@@ -124,6 +124,9 @@ def test_sm100_q_tiles_where_registers_allow():
     assert q_tiles(128, page_size=32, group=4) == q_tiles(64, page_size=16, group=4) == 2
     assert q_tiles(128, page_size=16, group=4) == q_tiles(128, page_size=32, softcap=True) == 1
     assert q_tiles(128, page_size=32, group=1) == q_tiles(128, page_size=32, group=6) == 1
+    # Pages that tile the key tile (gather4 keeps one) and, at D = 64, 16+ rows (pages of 8 are 16 TMAs); groups to 128.
+    assert q_tiles(128, page_size=48, group=4) == q_tiles(64, page_size=8, group=4) == 1
+    assert q_tiles(128, page_size=256, group=4) == q_tiles(128, page_size=32, group=128) == 2
     assert tiling(128, 32, softcap=True).q_tiles == 1 and tiling(128, 32, group=4).q_tiles == 2
     # A step's packed rows that fit one tile take one, and D = 128 its third K/V stage back.
     assert q_tiles(128, page_size=32, group=4, rows=BM) == 1 and q_tiles(128, page_size=32, group=4, rows=BM + 1) == 2
