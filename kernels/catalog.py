@@ -130,6 +130,12 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 4, 128, 64, 2, False),  # lookup entries read one by one
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
+    # Head dims of 16-bit caches whose rows take 32- and 64-byte swizzles (80, Phi-3's 96) and 64-key tiles (192),
+    # and MLA prefill's decompressed heads: K of 192, V of 128 (PV's N and O at 128).
+    ("bfloat16", 32, 8, 80, 16, 2, True),
+    ("bfloat16", 32, 8, 96, 64, 2, True),
+    ("bfloat16", 16, 2, 192, 128, 2, True),
+    ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
 ]
 ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling the key tile take gather4
     ("bfloat16", 32, 8, 128, 128, 2, True),
@@ -143,6 +149,10 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", 32),  # fp8 by gather4
     # MLA prefill's decompressed heads (``cute_kv.mla_prefill``): K of 192, V of 128, 128 heads, 128-token pages.
     ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
+    # head dims 80 (32-byte swizzle, O in 16-column pieces), 96 by gather4 (64-byte swizzle), 192 (64-key tiles)
+    ("bfloat16", 32, 8, 80, 16, 2, True),
+    ("bfloat16", 8, 2, 96, 4, 2, False),
+    ("bfloat16", 16, 2, 192, 64, 2, True),
 ]
 MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse, rope_dim])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
@@ -161,7 +171,8 @@ MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-ca
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, True, 64),
     ("float16", 64, 576, 512, 3, True, True, True, True, False, 64),
 ]
-COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256), ("bfloat16", 128, 512)]
+COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 80), ("bfloat16", 32, 128), ("bfloat16", 32, 256),
+                 ("bfloat16", 128, 512)]  # 80: 6 rows of 20 threads a CTA, 8 idle
 
 
 def _smem_bound(threads: int, smem: int) -> int:
@@ -302,7 +313,8 @@ FAMILIES = [
     Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), ("sm_100a",),
            lambda k: Plan(k.threads, None, 1), build=lambda k: k.build(), roles=_w4_sm100_roles),
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
-           _attention_plan, head_dim=lambda k: k.head_dim,
+           # S blocks: QK over the head dim, PV over the value dim.
+           _attention_plan, head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
            roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8)),
     Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),

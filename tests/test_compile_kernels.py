@@ -147,7 +147,10 @@ def test_attention_config_names_the_kernel_dtypes():
 
 def test_paged_attention_rejects_what_it_cannot_tile():
     assert attention_supported(32, 8, 128, 16) is None
-    assert "head_dim must be one of" in attention_supported(32, 8, 96, 16)
+    assert "head_dim must be one of" in attention_supported(32, 8, 112, 16)
+    assert "float8_e4m3fn cache head_dim must be one of" in attention_supported(32, 8, 96, 16, "float8_e4m3fn")
+    assert "v_dim (96) must equal head_dim" in attention_supported(32, 8, 128, 16, v_dim=96)
+    assert "needs a 16-bit cache" in attention_supported(32, 8, 192, 16, "float8_e4m3fn", v_dim=128)
     assert "multiple of the KV heads" in attention_supported(12, 8, 128, 16)
     assert "exceeds the 128-row tile" in attention_supported(256, 1, 128, 16)
     assert "page_size (8)" in attention_supported(32, 8, 128, 8)
@@ -156,7 +159,7 @@ def test_paged_attention_rejects_what_it_cannot_tile():
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "float8_e4m3fn", 48)
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "bfloat16", 16)
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        PagedAttention("bfloat16", 8, 8, 80, 16)
+        PagedAttention("bfloat16", 8, 8, 112, 16)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -247,7 +250,8 @@ def test_paged_attention_fp8_scales_ptx(case):
     assert "mul.ftz" not in ptx  # 2^-127 is a float32 subnormal: it must not flush to 0
 
 
-@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c) > 10], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c) > 10 and c[10]],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_paged_attention_fp8_release_after_barrier(case):
     """The producer warpgroup's fp8 staging stage is released only after the named barrier that ends every thread's
     reads of it: after a tile's last conversion only V's 16-bit stage is committed, then the barrier, then the

@@ -40,9 +40,9 @@ Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a 
 ``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
 ``return_lse`` a single split writes ``lse`` (natural log) itself.
 
-The epilogue stages O (16-bit, one split) in Q's shared-memory tile and one thread stores it with D / 64 TMA stores
-when the group divides BM: a tile's packed rows are (token, head) pairs, a token's group heads contiguous in ``out``,
-so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
+The epilogue stages O (16-bit, one split) in Q's shared-memory tile and one thread stores it with a TMA store per
+swizzle row (64 columns; 32 at head dim 96, 16 at 80) when the group divides BM: a tile's packed rows are (token,
+head) pairs, a token's group heads contiguous in ``out``, so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
 clips only at its tensor map's bounds, so the map is the ragged window (``tma_tiles.create_packed_ragged_store``:
 base shifted back 2^30 tokens, the request's end as an extra coordinate): rows past the request fall out of bounds
 and are dropped, never written into the next request's rows. Other groups, and split partials (float32 rows of
@@ -79,7 +79,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
-from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
+from cute_kv.kernels.attention.config import ring_swizzle
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, dequantize_row, exp_scores, o_chunk, o_copies,
                                                       rescale_o, row_add, row_normalizer, scale_scores,
                                                       softmax_pipelines, write_lse)
 from cute_kv.kernels.attention.sm100_config import BM, FP8, TMEM_COLUMNS, VEC, supported, tiling
@@ -100,7 +101,6 @@ TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q sta
 EPILOGUE_BARRIER_ID = 2  # named barrier of the softmax warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st: x32 stores measured 16 more registers per thread (208 vs 192)
-SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
 
 @dsl_user_op
@@ -143,8 +143,12 @@ class PagedAttentionSm100:
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
         self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else LOAD_WARP + 1)  # 384 or 192
-        self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
         self.v_dim = v_dim or head_dim
+        # K-major swizzle (bytes) of the 16-bit tiles (Q, O staged in it, dequantized K and V) and of the ring as
+        # loaded, by the row's width (``config.ring_swizzle``); K and V rows alike (every ``VALUE_DIMS`` pair's do)
+        self.swizzle = ring_swizzle(head_dim, False)
+        self.ring_swizzle = ring_swizzle(head_dim, self.kv_fp8)
+        assert ring_swizzle(self.v_dim, self.kv_fp8) == self.ring_swizzle
         self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim)
         self.bn, self.stages = self.plan.bn, self.plan.stages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
@@ -161,7 +165,8 @@ class PagedAttentionSm100:
         self.o_col = 2 * self.bn  # first TMEM column of O
         # O leaves by TMA stores of (group heads, BM / group tokens, 64 columns) boxes when the group divides BM.
         self.tma_store = BM % self.group == 0
-        self.o_box_width = SWIZZLE * 8 // self.dtype.width
+        self.o_box_width = self.swizzle * 8 // self.dtype.width
+        self.o_chunk = o_chunk(self.v_dim)
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -225,7 +230,7 @@ class PagedAttentionSm100:
             tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, dv, self.ring_swizzle)
         tma_o = g_out = None
         if cutlass.const_expr(self.tma_store):
-            tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, SWIZZLE)
+            tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, self.swizzle)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
@@ -285,7 +290,7 @@ class PagedAttentionSm100:
             s_rows = None
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
-            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
+            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d, self.swizzle)
             ring_k_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
             ring_v_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, dv, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
@@ -295,8 +300,8 @@ class PagedAttentionSm100:
                                           swizzle=ring_v_layout.inner)
             s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles
             if cutlass.const_expr(self.kv_fp8):
-                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
-                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, stages=1)
+                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=1)
+                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, self.swizzle, stages=1)
                 s_k = smem.allocate_tensor(dt, k_layout.outer, byte_alignment=1024, swizzle=k_layout.inner)
                 s_v = smem.allocate_tensor(dt, v_layout.outer, byte_alignment=1024, swizzle=v_layout.inner)
             # V as the PV MMA's B operand: (D_v, BN) with D_v contiguous (MN-major), the same bytes.
@@ -707,11 +712,12 @@ class PagedAttentionSm100:
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
         top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
-        load, _, src, _, shape = o_copies(t_o)
+        chunk = self.o_chunk
+        load, _, src, _, shape = o_copies(t_o, chunk)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
-        for i in cutlass.range_constexpr(self.v_dim // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+        for i in cutlass.range_constexpr(self.v_dim // chunk):
+            cute.copy(load, cute.make_tensor(src.iterator + i * chunk, src.layout), vals)
             for e in cutlass.range_constexpr(0, cute.size(vals), 2):
                 vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (inv, inv))
             if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
@@ -719,11 +725,11 @@ class PagedAttentionSm100:
             if num_splits == 1:
                 res.store(vals.load().to(self.dtype))
                 if cutlass.const_expr(self.tma_store):  # every row: the TMA drops those past the request
-                    cute.autovec_copy(res, cute.local_tile(s_o[tidx, None], (O_CHUNK,), (i,)))
+                    cute.autovec_copy(res, cute.local_tile(s_o[tidx, None], (chunk,), (i,)))
                 elif tok < seq_len:
-                    cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (O_CHUNK,), (i,)))
+                    cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (chunk,), (i,)))
             elif tok < seq_len:
-                cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (O_CHUNK,), (i,)))
+                cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (chunk,), (i,)))
         if cutlass.const_expr(self.tma_store):
             if num_splits == 1:
                 self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, HEAD_DIMS, VEC, head_problem  # noqa: F401
+from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, HEAD_DIMS, VALUE_DIMS, VEC,  # noqa: F401
+                                               head_problem)
 
 # BM: 128 packed query rows per CTA, the tcgen05.mma M (one TMEM lane each), as on SM90 (two warpgroups of 64).
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: S double buffer + O
 SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
 RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahead of the kernel's buffers
-VALUE_DIMS = {192: 128}  # head dim -> the narrower value dim it also takes (DeepSeek MLA prefill: 128 + 64 / 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +99,7 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
     if page_size is None:
         return "the SM100 kernel reads paged caches"
-    if v_dim is not None and v_dim != head_dim:
-        if VALUE_DIMS.get(head_dim) != v_dim:
-            return (f"v_dim ({v_dim}) must equal head_dim ({head_dim}) or be one of the (head_dim, v_dim) pairs "
-                    f"{sorted(VALUE_DIMS.items())}")
-        if kv_dtype_name == FP8:
-            return f"a v_dim narrower than head_dim needs a 16-bit cache, got {FP8}"
-        head_dim = v_dim  # the pair is checked: what else head_problem checks (heads, no granules) is as for D_v
-    problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
+    problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity, v_dim)
     if problem:
         return problem
     if page_size < 1:

@@ -106,7 +106,9 @@ class PagedAttention:
     dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, the optional features (soft-cap,
     sinks, writing the natural-log ``lse``), and an fp8 cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over
     ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
-    uint8 bits).
+    uint8 bits), and ``v_dim`` (None: the head dim): values are the first ``v_dim`` dims of the V rows
+    (``config.VALUE_DIMS``: K of 192, V of 128), the PV MMA's N and O are ``v_dim`` wide. Every tile is swizzled by
+    its row's width (``config.ring_swizzle``: 32 bytes at head dim 80, 64 at 96, 128 otherwise).
 
     An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
     granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
@@ -115,10 +117,10 @@ class PagedAttention:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
                  sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
-                 granularity: Optional[int] = None, e8m0_scales: bool = False):
+                 granularity: Optional[int] = None, e8m0_scales: bool = False, v_dim: Optional[int] = None):
         self.kv_fp8 = kv_dtype_name == FP8
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
-                            granularity)
+                            granularity, v_dim)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -127,15 +129,18 @@ class PagedAttention:
         self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 else PRODUCER_REGS
         self.consumer_regs = CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.v_dim = v_dim or head_dim
         self.group = num_q_heads // num_kv_heads
         # Q by TMA when the group divides a warpgroup's 64 rows (power-of-two groups up to 64); else thread copies
         self.q_tma = WG_ROWS % self.group == 0
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.plan = tiling(head_dim, self.kv_fp8)
+        self.plan = tiling(head_dim, self.kv_fp8, self.v_dim)
         self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
-        self.swizzle = ring_swizzle(head_dim, False)
-        self.load_swizzle = ring_swizzle(head_dim, self.kv_fp8)  # of the tiles TMA writes
+        self.swizzle = ring_swizzle(head_dim, False)  # of Q (and O staged in it) and the K ring
+        self.v_swizzle = ring_swizzle(self.v_dim, False)
+        # of the tiles TMA writes: K's and V's (an fp8 cache has V as wide as K)
+        self.load_swizzles = (ring_swizzle(head_dim, self.kv_fp8), ring_swizzle(self.v_dim, self.kv_fp8))
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
@@ -148,14 +153,14 @@ class PagedAttention:
         return self.plan.smem
 
     def fake_args(self) -> tuple:
-        dt, d, hq, h = self.dtype, self.head_dim, self.num_q_heads, self.num_kv_heads
+        dt, d, dv, hq, h = self.dtype, self.head_dim, self.v_dim, self.num_q_heads, self.num_kv_heads
         t = cute.sym_int32()
         row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
         q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
-        out = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        out = make_fake_tensor(dt, (t, hq, dv), stride=(row(), dv, 1), assumed_align=16)
         lse = make_fake_compact_tensor(Float32, (t, hq), stride_order=(1, 0), assumed_align=4) if self.return_lse \
             else None
-        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, d),
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, dv),
                                           stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
                                             stride_order=(2, 1, 0), assumed_align=4)
@@ -195,18 +200,18 @@ class PagedAttention:
         unused and ``softmax_scale_log2 = scale * log2(e)``; with soft-cap ``c``, ``score_scale = scale / c`` (S
         becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive. ``scales``:
         the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
-        dt, d, bn = self.dtype, self.head_dim, self.bn
+        dt, d, dv, bn = self.dtype, self.head_dim, self.v_dim, self.bn
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                          (1, 1, 1), (WG_ROWS, bn))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                         (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM)
+                                                         (1, 1, 1), (WG_ROWS, dv), warpgroup.OperandSource.RMEM)
         tma_q = g_q = None
         if cutlass.const_expr(self.q_tma):
             tma_q, g_q = self.q_tma_tile(q)
         k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzle)
-        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
-                                                  self.load_swizzle)
+        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzles[0])
+        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, dv,
+                                                  self.load_swizzles[1])
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
@@ -225,7 +230,7 @@ class PagedAttention:
         t, hq, d = q.shape
         packed = cute.make_tensor(q.iterator, cute.make_layout(((hq, t), d), stride=((d, q.stride[0]), 1)))
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), packed,
-                                           tma_tiles.smem_tile_layout(self.dtype, WG_ROWS, d),
+                                           tma_tiles.smem_tile_layout(self.dtype, WG_ROWS, d, self.swizzle),
                                            ((self.group, WG_ROWS // self.group), d))
 
     # -- device ----------------------------------------------------------------------------------
@@ -238,7 +243,7 @@ class PagedAttention:
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32,
                num_splits: Int32, causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
-        dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
+        dt, d, dv, bn, group, stages = self.dtype, self.head_dim, self.v_dim, self.bn, self.group, self.stages
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
@@ -274,18 +279,19 @@ class PagedAttention:
                             cute.arch.mbarrier_init(mbars_q, 1)
                             cute.arch.mbarrier_init(mbars_q + 1, 1)
                         cute.arch.mbarrier_init_fence()
-                sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
-                ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
+                # one (64, D) tile per warpgroup
+                sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, self.swizzle, stages=2)
+                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
+                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, self.v_swizzle, stages=stages)
                 s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-                s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
-                s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+                s_k = smem.allocate_tensor(dt, k_layout.outer, byte_alignment=1024, swizzle=k_layout.inner)
+                s_v = smem.allocate_tensor(dt, v_layout.outer, byte_alignment=1024, swizzle=v_layout.inner)
 
-                stage_bytes = bn * d * dt.width // 8
                 one = cute.make_layout((1, 1, 1, 1))
                 consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
                 if cutlass.const_expr(self.kv_fp8):
                     # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
-                    ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
+                    ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzles[0],
                                                               stages=self.fp8_stages)
                     ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
                                                    swizzle=ring8_layout.inner)
@@ -306,11 +312,11 @@ class PagedAttention:
                     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
                     pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
                                                               producer_group=producer, consumer_group=consumers,
-                                                              tx_count=stage_bytes, cta_layout_vmnk=one,
+                                                              tx_count=bn * d * dt.width // 8, cta_layout_vmnk=one,
                                                               defer_sync=True)
                     pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
                                                               producer_group=producer, consumer_group=consumers,
-                                                              tx_count=stage_bytes, cta_layout_vmnk=one)
+                                                              tx_count=bn * dv * dt.width // 8, cta_layout_vmnk=one)
                     # (the last create's sync publishes every barrier's init)
                 if warp_idx < 4:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -464,7 +470,7 @@ class PagedAttention:
                 causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32, score_scale: Float32,
                 softmax_scale_log2: Float32):
         """One consumer warpgroup: rows ``m0 + 64*wg ..`` of the block."""
-        d, bn, group = self.head_dim, self.bn, self.group
+        d, dv, bn, group = self.head_dim, self.v_dim, self.bn, self.group
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         rows0 = m0 + wg * WG_ROWS
         s_q_wg = s_q[None, None, wg]
@@ -481,11 +487,11 @@ class PagedAttention:
         # spills the page-16 and fp8 producers.
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q if cutlass.const_expr(d <= 128) else s_q_wg))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
-        s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
+        s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_ROWS, bn)))
         t_rq, t_rk, t_rv = (pinned_descriptors(t) for t in (t_rq, t_rk, t_rv))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, d)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, dv)), Float32)
         acc_o.fill(0.0)
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, bn)), Float32)
         # (row, key) of each S register, and the key range of each of the thread's rows
@@ -666,8 +672,7 @@ class PagedAttention:
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32, ctidx: Int32):
         """Both consumer warpgroups zero V rows ``[first_row, BN)`` of ``stage`` (past the request's keys)."""
-        d = self.head_dim
-        chunks = d // VEC
+        chunks = self.v_dim // VEC
         zeros = cute.make_rmem_tensor((VEC,), self.dtype)
         zeros.fill(0.0)
         cute.arch.barrier(barrier_id=int(Barrier.STALE_V), number_of_threads=2 * WG_THREADS)
@@ -684,8 +689,9 @@ class PagedAttention:
                  sinks: Optional[cute.Tensor], q_start: Int32, seq_len: Int32, rows0: Int32, kv_head: Int32,
                  split: Int32, num_splits: Int32, tidx: Int32, wg: Int32):
         """Rows' sums over the quad, the sink (split 0 only), ``O / l`` and the base-2 ``lse``; then the output through
-        the warpgroup's Q tile (its wgmmas are done with it) in 16-byte stores, or the float32 partial."""
-        d, group = self.head_dim, self.group
+        the warpgroup's Q tile (its wgmmas are done with it; O in its first ``v_dim`` columns) in 16-byte stores, or
+        the float32 partial."""
+        dv, group = self.v_dim, self.group
         n_rows = cute.size(row_max)
         inv = cute.make_rmem_tensor((n_rows,), Float32)
         lse2 = cute.make_rmem_tensor((n_rows,), Float32)
@@ -697,16 +703,17 @@ class PagedAttention:
             inv[r], lse2[r] = softmax.finish_row(softmax.quad_sum(row_sum[r]), row_max[r] * softmax_scale_log2, sink,
                                                  self.sinks)
         softmax.rescale_rows(acc_o, inv)
-        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d))))
+        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, dv))))
         o_mn = softmax.mn_view(acc_o)
         if num_splits == 1:
             o_16 = cute.make_rmem_tensor(acc_o.shape, self.dtype)
             o_16.store(acc_o.load().to(self.dtype))
             # every warp of the warpgroup is past its last QK wgmma (the only reader of these Q rows)
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
-            thr_pv.partition_C(s_q).store(o_16.load())
+            s_o = cute.local_tile(s_q, (WG_ROWS, dv), (0, 0))
+            thr_pv.partition_C(s_o).store(o_16.load())
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
-            self.store_rows(s_q, out, q_start, seq_len, rows0, kv_head, tidx)
+            self.store_rows(s_o, out, q_start, seq_len, rows0, kv_head, tidx)
             if cutlass.const_expr(self.return_lse):
                 self.store_lse(lse, lse2, o_coords, Float32(math.log(2.0)), q_start, seq_len, rows0, kv_head, tidx)
         else:
@@ -728,8 +735,8 @@ class PagedAttention:
                    kv_head: Int32, tidx: Int32):
         """Staged 16-bit O rows to their (token, head) rows of ``out``, 16 bytes a thread at a time. Rows are walked
         from the last: with ``load_q``'s walk the compiler would keep its addresses live (spilled) through the loop."""
-        d, group = self.head_dim, self.group
-        chunks = d // VEC
+        group = self.group
+        chunks = self.v_dim // VEC
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
             idx = tidx + j * WG_THREADS
