@@ -13,6 +13,7 @@ tile or split ranges shows as a mismatch.
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,6 +204,21 @@ def test_plan_at_tile_and_block_boundaries():
     for window, splits in ((None, None), (None, 3), (1, None), (128, 2)):
         want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, window=window)
         assert rel_err(model_attention(q, pb, 0, window=window, force_splits=splits)[0], want.float()) < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 192])
+def test_plan_at_the_narrow_and_wide_head_dims(head_dim):
+    """Head dims 80 and 96 (128-key tiles) and 192 (64-key tiles, ``key_tile``), split and not, over pages that
+    hold several tiles or several pages a tile."""
+    gen = torch.Generator().manual_seed(head_dim)
+    for page_size, splits in ((16, None), (128, 3)):
+        pb = random_paged_batch([300, 64, 0], [1, 17, 70], num_heads=2, head_size=head_dim, page_size=page_size,
+                                dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(pb.total_rows, 8, head_dim, generator=gen).to(torch.bfloat16)
+        want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, return_lse=True)
+        got, lse = model_attention(q, pb, 0, force_splits=splits)
+        assert rel_err(got, want.float()) < 1e-2
+        assert (lse - want_lse.double()).abs().max() < 1e-3
 
 
 def test_plan_over_fp8_caches():

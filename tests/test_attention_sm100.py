@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 import artifacts
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, tiling
+from cute_kv.kernels.attention.config import FP8_HEAD_DIMS
+from cute_kv.kernels.attention.sm100_config import BM, TMEM_COLUMNS, key_tile, supported, tiling
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args, window_arg
 from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100
@@ -56,6 +57,7 @@ def test_sm100_serves_16_bit_paged_caches():
                       None, False)
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
+    assert [_key({"head_size": d})[4] for d in (80, 96, 192)] == [80, 96, 192]
     assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
     assert _key({"page_size": 8})[5] == 8  # one 8-row TMA per page slot
     assert _key({"page_size": 4})[5] == 4  # smaller pages: gather4
@@ -84,7 +86,8 @@ def test_sm100_serves_fp8_caches():
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_dtype": torch.float16},
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
-    {"cache": {"head_size": 96}},
+    {"cache": {"head_size": 112}},
+    {"cache": {"dtype": FP8, "head_size": 96}},  # an fp8 converter warpgroup covers rows of 64, 128, 256 only
     {"q_heads": 3},
     {"cache": {"num_heads": 1}, "q_heads": 256},  # a GQA group larger than the 128-row tile
 ], ids=lambda c: "-".join(f"{k}={v if not isinstance(v, torch.Tensor) else tuple(v.shape)}" for k, v in c.items()))
@@ -94,14 +97,19 @@ def test_sm100_leaves_the_rest_to_the_reference(case):
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("page_size", [4, 8, 128])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
 def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
+    if kv_fp8 and head_dim not in FP8_HEAD_DIMS:
+        assert "head_dim must be one of" in supported(8, 2, head_dim, page_size, "float8_e4m3fn")
+        return
     plan = tiling(head_dim, page_size, kv_fp8)
     assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
     assert plan.tmem_columns <= TMEM_COLUMNS  # S x2 and O
     # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory: one more stage at D = 128.
-    assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 128: (128, 3 + kv_fp8, 384),
+    # 192 / 192: two 128-key stages (192 KiB) would not fit beside Q's 48 KiB, so 64-key tiles as at 256.
+    assert (plan.bn, plan.stages, plan.tmem_columns) == {64: (128, 4, 320), 80: (128, 4, 336), 96: (128, 4, 352),
+                                                          128: (128, 3 + kv_fp8, 384), 192: (64, 3, 320),
                                                           256: (64, 2 + kv_fp8, 384)}[head_dim]
     assert plan.mma_tiles == (2 * plan.bn * head_dim * 2 if kv_fp8 else 0)  # the dequantized K and V
     # Ahead of the 1024-aligned tiles: the barriers, and the gather4 row arrays (int32 per key per stage).
@@ -318,6 +326,17 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 12, 2, 128, 16),  # a group of 6 does not divide the 128-row tile: O by per-thread stores
     ("bfloat16", 2, 2, 64, 128),  # group 1: boxes of 128 tokens
 ]
+
+
+@pytest.mark.compile
+def test_sm100_head_dim_80_moves_all_of_o():
+    """At D = 80 O leaves tensor memory in 16-column pieces, 5 a pass (the rescale's and the epilogue's: pieces of 32
+    would drop columns 64-79), and shared memory by 5 TMA stores of a 32-byte swizzle row (16 columns) each."""
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+    ptx = artifacts.compiled(PagedAttentionSm100("bfloat16", 32, 8, 80, 16, 2, True), "sm_100a").ptx
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 2 * 5
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.5d\.global\.shared::cta", ptx)) == 5
 
 
 @pytest.mark.compile

@@ -252,6 +252,24 @@ def test_launch_contract(op, kind, step, arch, rng):
     _check_sources(launches, _sources(pb, op, args, kwargs))
 
 
+@pytest.mark.parametrize("arch, head_dim", [("sm_90a", 80), ("sm_100a", 96)])
+def test_paged_attention_head_dim_launch_contract(arch, head_dim, rng):
+    """A head dim off the powers of two on each arch (a 32- or 64-byte swizzle), on a split decode step: the kernel
+    and the combine of its splits (whose rows of ``head_dim / 4`` threads leave a CTA's last threads idle) launch
+    with what their entries accept."""
+    cached, new = STEPS["decode-split"]
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=32, dtype=torch.bfloat16,
+                            generator=torch.Generator().manual_seed(0))
+    fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
+    del kwargs["window"]  # every key: the 700-key request splits
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    assert "AttentionCombine" in launches.kernels
+    _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", ["bf16", "fp8-f32", "fp8-e8m0", "mla-bf16", "rope-aware"])
 @pytest.mark.parametrize("weight_kind", ["int4", "fp8"])
