@@ -2,7 +2,7 @@
 
 The first command to run on a GPU. The grid (``GRID``) reaches every kernel of the catalog (``kernels/catalog.py``)
 of both archs: the KV stores (rope-aware FP8 rows included), the fused QKV projection (bias, QK-norm, heads of 256,
-int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, pages 16/64/128,
+int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, 16-bit caches also 80/96/192, pages 16/64/128,
 window, soft-cap, sinks, LSE, fp8 caches with each scale kind, split-KV and its combine), MLA decode, both routes
 of ``mla_prefill``, sparse MLA (SM100) and the gather. ``--quick`` runs ``QUICK``, one case per kernel family.
 
@@ -134,6 +134,8 @@ GRID = [
     ("fused_qkv_matmul_kv_cache", ("mla rope-aware",), (64,), (576,), BOTH, ("latent-norm",)),
     ("paged_attention", ("bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8"), PAGES, (64, 128, 256), BOTH,
      ("",)),
+    ("paged_attention", ("bf16",), PAGES, (80, 96, 192), BOTH, ("",)),  # 32- and 64-byte swizzles, 64-key tiles
+    ("paged_attention", ("bf16",), (16,), (80,), ("split",), ("",)),  # the combine's rows of 20 threads
     ("paged_attention", ("bf16",), (16,), (128,), BOTH, ("window", "softcap", "sinks", "lse")),
     ("paged_attention", ("bf16", "fp8 f32 scales"), (16,), (128,), ("split",), ("",)),
     ("paged_attention", ("mla", "mla rope-aware"), (16, 64), (576,), (*BOTH, "split"), ("",)),  # MLA decode

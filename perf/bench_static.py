@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--kernels", nargs="*", default=[], help="substrings of kernel family names (default: all)")
     ap.add_argument("--archs", nargs="+", default=["sm_90a", "sm_100a"])
     ap.add_argument("--no-peers", action="store_true", help="leave out FA4 (default: included when installed)")
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 80, 96, 128, 192, 256])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--modes", nargs="+", default=["decode", "prefill"])
     ap.add_argument("--keep", help="folder for each kernel's PTX and SASS")

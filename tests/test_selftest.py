@@ -69,7 +69,7 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     attention = [c for c in all_cases if c.op == "paged_attention"]
     assert {c.cache for c in attention} == {"bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8", "mla",
                                             "mla rope-aware"}
-    assert {c.head_size for c in attention if not c.cache.startswith("mla")} == {64, 128, 256}
+    assert {c.head_size for c in attention if not c.cache.startswith("mla")} == {64, 80, 96, 128, 192, 256}
     assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse"}
     assert {c.cache for c in attention if c.step == "split"} == {"bf16", "fp8 f32 scales", "mla", "mla rope-aware"}
     assert {c.cache for c in all_cases if c.op == "store_kv"} == {"bf16", "fp16", "fp32", "fp8 f32 scales", "mla",
