@@ -138,7 +138,7 @@ def test_kernel_serves_16_bit_and_fp8_caches():
     {"cache": {"num_heads": 1, "is_mla": True}},
     {"q_dtype": torch.float16},  # q in another dtype than the bf16 cache
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
-    {"cache": {"head_size": 96}},
+    {"cache": {"head_size": 112}},
     {"cache": {"page_size": 8}},
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_heads": 3},

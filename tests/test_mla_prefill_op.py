@@ -80,15 +80,15 @@ def test_path_flops_are_the_reference_counts_over_visible_pairs():
     assert op.path_flops(0, 500, True, qk_dim=192, pv_dim=128, **DS) == {op.ABSORBED: 0, op.DECOMPRESSED: 0}
 
 
-@pytest.mark.parametrize("arch,threshold", [("sm_100a", 171), ("sm_90a", 228), (None, 171)])
+@pytest.mark.parametrize("arch,threshold", [("sm_100a", 171), ("sm_90a", 187), (None, 171)])
 def test_chunk_threshold(arch, threshold):
     """Chunks over a long context (all pairs: ``causal=False``) go decompressed from the documented size on: 171
-    new tokens at 192/128 (SM100, and the CPU's rule), 228 with Q/K/V padded to 256 (SM90)."""
+    new tokens at 192/128 (SM100, and the CPU's rule), 187 with V padded to 192 (SM90)."""
     s = 1 << 20  # 1/T - 1/S ~ 1/T
     route = lambda t: op.plan([(t, s)], dtype="bfloat16", arch=arch, causal=False, **DS)  # noqa: E731
     assert route(threshold).path == op.DECOMPRESSED
     assert route(threshold - 1).path == op.ABSORBED
-    assert route(threshold).head_dim == (256 if arch == "sm_90a" else 192)
+    assert route(threshold).head_dim == 192
 
 
 def test_documented_figures():
@@ -99,9 +99,9 @@ def test_documented_figures():
 
     assert tflop("sm_100a", 4096, 4096) == (1.51, 4.81)
     assert tflop("sm_100a", 512, 4096) == (0.31, 0.60)
-    assert tflop("sm_90a", 4096, 4096) == (2.34, 4.81)
-    assert tflop("sm_90a", 512, 4096) == (0.41, 0.60)
-    assert tflop("sm_90a", 128, 4096) == (0.21, 0.15)
+    assert tflop("sm_90a", 4096, 4096) == (1.79, 4.81)
+    assert tflop("sm_90a", 512, 4096) == (0.34, 0.60)
+    assert tflop("sm_90a", 128, 4096) == (0.19, 0.15)
 
 
 def test_route_per_step():
@@ -111,7 +111,7 @@ def test_route_per_step():
     assert prefill.kernel.kernel == "PagedAttentionSm100" and prefill.kernel.key == (
         op.KEY, "bfloat16", 128, 128, 192, op.PAGE, 2, True, False, False, False, "bfloat16", None, False, 128)
     sm90 = op.plan([(4096, 4096)], arch="sm_90a", **kw)
-    assert (sm90.path, sm90.head_dim, sm90.kernel) == (op.DECOMPRESSED, 256, None)  # paged_attention plans it
+    assert (sm90.path, sm90.head_dim, sm90.kernel) == (op.DECOMPRESSED, 192, None)  # paged_attention plans it
     decode = op.plan([(1, 4096)] * 64, arch="sm_100a", **kw)
     assert decode.path == op.ABSORBED and decode.kernel == prefill.kernel  # (what a decompressed run would launch)
     # A step decides as a whole: a 4k prompt saves 1.65 TFLOP decompressed (causal), a decode row beside it over 4k
@@ -308,7 +308,8 @@ def test_sm100_value_dims():
     assert "v_dim (64)" in supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=64)
     assert "v_dim (64)" in supported(8, 8, 128, op.PAGE, "bfloat16", v_dim=64)
     assert "16-bit cache" in supported(8, 8, 192, op.PAGE, "float8_e4m3fn", v_dim=128)
-    assert "head_dim must be" in supported(8, 8, 192, op.PAGE, "bfloat16")  # 192 only with its narrower values
+    assert supported(8, 8, 192, op.PAGE, "bfloat16") is None  # 192 / 192 too, in 64-key tiles
+    assert "head_dim must be" in supported(8, 8, 160, op.PAGE, "bfloat16")
 
 
 @pytest.mark.compile

@@ -22,10 +22,10 @@ shapes (H = 128, r = 512, rope 64, nope = v = 128; per request, all pairs):
   against 278,528). Decompressed wins for ``1/T - 1/S < 196,608 / 33,554,432 = 1/170.7``: chunks of about 171 new
   tokens or more (any fresh prompt: ``T = S``). 4k prefill: 1.51 TFLOP against 4.81 (3.2x fewer); 512 new over
   4k keys: 0.31 against 0.60 (1.9x).
-* SM90: the SM90 kernel takes head dims 64/128/256 with values as wide as keys, so Q and K are zero-padded to 256
-  and V to 256 (output sliced): ``qk + pv = 512``, 131,072 FLOPs a pair. Still decompressed for ``1/T - 1/S <
-  147,456 / 33,554,432 = 1/227.6``: chunks of about 228 new tokens or more. 4k prefill: 2.34 TFLOP against 4.81
-  (2.1x fewer); 512 new over 4k keys: 0.41 against 0.60 (1.5x); 128 new over 4k keys: absorbed (0.15 against 0.21).
+* SM90: this route runs the SM90 kernel with values as wide as keys, so V is zero-padded to 192 (output sliced):
+  ``qk + pv = 384``, 98,304 FLOPs a pair. Still decompressed for ``1/T - 1/S < 180,224 / 33,554,432 = 1/186.2``:
+  chunks of about 187 new tokens or more. 4k prefill: 1.79 TFLOP against 4.81 (2.7x fewer); 512 new over 4k keys:
+  0.34 against 0.60 (1.8x); 128 new over 4k keys: absorbed (0.15 against 0.19).
 * Other head dims: padded to the smallest kernel head dim that holds ``nope + rope`` and ``v`` (or unpadded, for
   the reference). CPU tensors take the SM100 rule (``qk + pv = nope + rope + v``) and the reference attention.
 
