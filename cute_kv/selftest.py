@@ -2,9 +2,10 @@
 
 The first command to run on a GPU. The grid (``GRID``) reaches every kernel of the catalog (``kernels/catalog.py``)
 of both archs: the KV stores (rope-aware FP8 rows included), the fused QKV projection (bias, QK-norm, heads of 256,
-int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, 16-bit caches also 80/96/192, pages 16/64/128,
-window, soft-cap, sinks, LSE, fp8 caches with each scale kind, split-KV and its combine), MLA decode, both routes
-of ``mla_prefill``, sparse MLA (SM100) and the gather. ``--quick`` runs ``QUICK``, one case per kernel family.
+int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, 16-bit caches also
+80/96/192, pages 16/64/128, window, soft-cap, sinks, LSE, fp8 caches with each scale kind, split-KV and its
+combine), MLA decode, both routes of ``mla_prefill``, sparse MLA (SM100) and the gather. ``--quick`` runs
+``QUICK``, one case per kernel family.
 
 Each case is a decode or ragged step (requests with 0 and 1 new tokens, an empty cache, pages crossed) on shuffled
 pages with fresh random inputs, run by the op and by its reference on twin batches: the outputs start as NaN (a row

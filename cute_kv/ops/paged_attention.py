@@ -49,13 +49,13 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
     chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
 
-    An MHA/GQA cache (bf16/fp16, or fp8 e4m3 read by bf16/fp16 q) with head_dim 64/128/256 runs ``PagedAttention``
-    on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would not fill the GPU); other cases (a
-    non-positive ``scale`` without soft-cap included), and CPU tensors, run the reference: on CUDA with a
-    ``FallbackWarning`` (``cute_kv.explain`` says why). ``validate=False`` (for CUDA-graph capture) skips the
-    checks that read device values, as a torch.compile trace does (``store_kv``). ``plan`` (``cute_kv.plan_step``)
-    has checked the step and keeps the path, launch shape and split-KV partials chosen by the first call of the same
-    signature: the call reads no device value and allocates only its outputs (``store_kv``).
+    An MHA/GQA cache (bf16/fp16 with head_dim 64/80/96/128/192/256, or fp8 e4m3 read by bf16/fp16 q with head_dim
+    64/128/256) runs ``PagedAttention`` on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would
+    not fill the GPU); other cases (a non-positive ``scale`` without soft-cap included), and CPU tensors, run the
+    reference: on CUDA with a ``FallbackWarning`` (``cute_kv.explain`` says why). ``validate=False`` (for CUDA-graph
+    capture) skips the checks that read device values, as a torch.compile trace does (``store_kv``). ``plan``
+    (``cute_kv.plan_step``) has checked the step and keeps the path, launch shape and split-KV partials chosen by the
+    first call of the same signature: the call reads no device value and allocates only its outputs (``store_kv``).
     """
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
