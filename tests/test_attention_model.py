@@ -33,10 +33,11 @@ LOG2E = math.log2(math.e)
 
 
 def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale,
-              softcap, sinks):
+              softcap, sinks, bn=None):
     """One CTA: ``(rows [(token, head)], live, O/l [rows, D], lse (log2) [rows])`` for its packed rows; O is None
-    for a split with no key tile, which writes its lse (-inf) alone."""
-    bm, bn = BM, key_tile(q.shape[-1])
+    for a split with no key tile, which writes its lse (-inf) alone. ``bn``: the key tile (default: of values as
+    wide as the head dim)."""
+    bm, bn = BM, bn or key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
     m0 = m_block * bm
     tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, bm, group, seq_len, cache_len, causal, window, bn, split,

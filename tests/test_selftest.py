@@ -88,15 +88,16 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     assert selftest.cases(ops=["sparse_mla_attention"], arch="sm_90a") == []
 
 
-# The catalog family each compile key's kernel belongs to (``kernels/catalog.py``), per arch: SM100's mla_prefill
-# runs PagedAttentionSm100 at 192/128.
+# The catalog family each compile key's kernel belongs to (``kernels/catalog.py``), per arch: mla_prefill runs
+# PagedAttention (SM90) or PagedAttentionSm100 at 192/128.
 FAMILY = {
     "paged_kv_store": "paged_kv_store", "paged_kv_store_rope_aware": "paged_kv_store_rope_aware",
     "paged_kv_gather": "paged_kv_gather", "attention_combine": "attention_combine",
     ("fused_qkv_gemm", "sm_90a"): "fused_qkv_gemm_90", ("fused_qkv_gemm", "sm_100a"): "fused_qkv_gemm_100",
     "fused_qkv_gemm_w4": "fused_qkv_gemm_w4_90", "fused_qkv_gemm_w4_sm100": "fused_qkv_gemm_w4_100",
     "paged_attention": "paged_attention_sm90", "paged_attention_sm100": "paged_attention_sm100",
-    "mla_prefill_sm100": "paged_attention_sm100", "mla_decode": "mla_decode_sm90",
+    "mla_prefill_sm90": "paged_attention_sm90", "mla_prefill_sm100": "paged_attention_sm100",
+    "mla_decode": "mla_decode_sm90",
     "mla_decode_sm100": "mla_decode_sm100",
 }
 
