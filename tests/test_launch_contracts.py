@@ -376,20 +376,17 @@ def test_gather_kv_of_an_empty_cache_launches_nothing(arch):
     assert not launches and out.shape == (2, 0, 2, 128)
 
 
-def test_mla_v_dim_the_combine_cannot_merge_takes_the_reference(rng):
-    """``MLADecode`` takes ``mla_v_dim`` 384, the split-KV combine does not (a row's 96 threads do not tile its
-    CTA): the plan refuses it before any launch instead of a split step raising after the attention launch, with
-    ``out`` unwritten."""
+def test_mla_v_dim_whose_rows_do_not_tile_the_combine_cta(rng):
+    """``MLADecode`` at ``mla_v_dim`` 384 splits a decode step and the combine merges it (a row's 96 threads: one row
+    a CTA, its last 32 threads idle), as at the widths whose rows tile its 128 threads."""
     pb = _batch("mla-bf16", "decode-split")
     q = torch.randn(pb.total_rows, MLA_HQ, RANK + ROPE, generator=rng).to(torch.bfloat16)
-    args, kwargs = (q, pb.input_row_offsets, pb.collection, 1), {"mla_v_dim": 384}
-    launches, fallbacks = _run("sm_90a", cute_kv.paged_attention, args, kwargs)
-    assert not launches and fallbacks
-    path = cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_90a", **kwargs)
-    assert path.path == paths.REFERENCE and "mla_v_dim (384): the split-KV combine" in path.reason
-    for v_dim in (128, 256, 512):  # the widths it merges keep the kernel, splits and all
-        launches, _ = _run("sm_90a", cute_kv.paged_attention, args, {"mla_v_dim": v_dim})
-        assert launches.kernels == ["MLADecode", "AttentionCombine"]
+    args = (q, pb.input_row_offsets, pb.collection, 1)
+    for v_dim in (128, 256, 384, 512):
+        launches, fallbacks = _run("sm_90a", cute_kv.paged_attention, args, {"mla_v_dim": v_dim})
+        assert not fallbacks and launches.kernels == ["MLADecode", "AttentionCombine"]
+        _check_launches(cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_90a", mla_v_dim=v_dim), launches,
+                        fallbacks, pb.total_rows)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
