@@ -641,9 +641,9 @@ class PagedAttention:
     def load_q_tma(self, tma_q: cute.CopyAtom, g_q: cute.Tensor, s_q: cute.Tensor, mbars_q: cute.Pointer,
                    q_start: Int32, m0: Int32, kv_head: Int32):
         """Producer warp: each consumer warpgroup's 64 packed rows (``64 / group`` tokens from ``m0 / group``, the
-        KV head's ``group`` heads) on its own barrier, one box per 128 bytes of the head dim (the swizzle's width).
-        Tokens past the request are the next requests' (their S rows are masked on masked tiles, and a row's O,
-        never stored for them, depends on its own S row only) or, past ``T``, zeros."""
+        KV head's ``group`` heads) on its own barrier, one box per swizzle row of the head dim (128 bytes; 64 at 96,
+        32 at 80). Tokens past the request are the next requests' (their S rows are masked on masked tiles, and a
+        row's O, never stored for them, depends on its own S row only) or, past ``T``, zeros."""
         group, tokens = self.group, WG_ROWS // self.group
         for wg in cutlass.range_constexpr(2):
             origin = cute.domain_offset(((kv_head * group, q_start + (m0 + wg * WG_ROWS) // group), 0), g_q)
