@@ -210,15 +210,15 @@ class PagedAttention:
             tma_q, g_q = self.q_tma_tile(q)
         k_rows = self.k_op.row_view(k_src, layer_idx)
         tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzles[0])
-        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, dv,
-                                                  self.load_swizzles[1])
+        tma_v, g_v, v_slot = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy,
+                                                       dv, self.load_swizzles[1])
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
             v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, g_q, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part,
-                    lse_part, sinks, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, g_q, tma_k, g_k, tma_v, g_v, s_slot, v_slot, q, out, lse,
+                    o_part, lse_part, sinks, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
                     self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, score_scale,
                     softmax_scale_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -238,7 +238,8 @@ class PagedAttention:
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_q: Optional[cute.CopyAtom],
                g_q: Optional[cute.Tensor], tma_k: cute.CopyAtom, g_k: cute.Tensor, tma_v: cute.CopyAtom,
-               g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor, out: cute.Tensor,
+               g_v: cute.Tensor, s_slot: cute.ComposedLayout, v_slot: cute.ComposedLayout, q: cute.Tensor,
+               out: cute.Tensor,
                lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32,
@@ -329,8 +330,8 @@ class PagedAttention:
                                          oob_row, last_tile, n_tiles, warp_idx)
                     else:
                         if warp_idx == 0:
-                            self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
-                                         kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+                            self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, v_slot, lookup_table,
+                                         b, kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     wg = warp_idx // 4 - 1
@@ -352,19 +353,21 @@ class PagedAttention:
     @cute.jit
     def produce(self, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync, tma_k: cute.CopyAtom,
                 g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_v: cute.Tensor,
-                s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32, kv_head: Int32,
-                num_keys: Int32, rows_per_page: Int32, oob_row: Int32, first_tile: Int32, last_tile: Int32,
-                n_tiles: Int32):
-        """Warp 0: K then V of each tile, last to first. The next tile's lookup entries are read right after this
-        tile's copies are issued, so their latency hides behind the wait for a free stage."""
+                s_slot: cute.ComposedLayout, v_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32,
+                kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32, first_tile: Int32,
+                last_tile: Int32, n_tiles: Int32):
+        """Warp 0: K then V of each tile, last to first, in boxes of K's and V's widths (``s_slot``, ``v_slot``). The
+        next tile's lookup entries are read right after this tile's copies are issued, so their latency hides behind
+        the wait for a free stage."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         if n_tiles > 0:
             self.k_op.populate(rows, lookup_table, b, last_tile * self.bn, num_keys, rows_per_page, oob_row)
         for i in cutlass.range(n_tiles, unroll=1):
-            for pipe, g_rows, ring, atom in ((pipe_k, g_k, s_k, tma_k), (pipe_v, g_v, s_v, tma_v)):
+            for pipe, g_rows, ring, atom, slot in ((pipe_k, g_k, s_k, tma_k, s_slot),
+                                                   (pipe_v, g_v, s_v, tma_v, v_slot)):
                 pipe.producer_acquire(state)
-                self.copy_tile(atom, g_rows, ring, s_slot, rows, state.index, kv_head,
+                self.copy_tile(atom, g_rows, ring, slot, rows, state.index, kv_head,
                                pipe.producer_get_barrier(state))
                 pipe.producer_commit(state)
             if i + 1 < n_tiles:
