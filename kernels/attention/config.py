@@ -24,9 +24,8 @@ MAX_STAGES = 4
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """One CTA's plan: ``bn`` keys a tile, ``stages`` 16-bit K and V tiles (V ``D_v`` wide) in their rings (what
-    the MMAs read),
-    ``fp8_stages`` fp8 K+V tiles as loaded (an fp8 cache; dequantized into the 16-bit rings), beside the two
-    warpgroups' Q tiles (reused for their O) and the barriers (bytes, ``smem``)."""
+    the MMAs read), ``fp8_stages`` fp8 K+V tiles as loaded (an fp8 cache; dequantized into the 16-bit rings), beside
+    the two warpgroups' Q tiles (reused for their O) and the barriers (bytes, ``smem``)."""
 
     bn: int
     stages: int
