@@ -91,6 +91,16 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     return None
 
 
+def strided_problem(strided: bool, page_size: Optional[int], granularity: Optional[int]) -> Optional[str]:
+    """Why a kernel cannot read strided K/V planes (``operand.KVCacheMHAOperand``), or None: they are paged and
+    carry no scales (fp8 scales follow MAX's compact ``[N, KVD, L, P, H, G]`` geometry)."""
+    if strided and page_size is None:
+        return "strided K/V planes must be paged"
+    if strided and granularity:
+        return "strided K/V planes carry no scales: a scaled fp8 cache must be compact"
+    return None
+
+
 COMBINE_THREADS = 128  # AttentionCombine's CTA
 F32_VEC = 4  # float32 per 16-byte load
 

@@ -50,7 +50,8 @@ from cutlass.memory import SmemAllocator
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
-from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
+from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, strided_problem, supported,
+                                              tiling)
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
@@ -106,7 +107,8 @@ class PagedAttention:
     dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, the optional features (soft-cap,
     sinks, writing the natural-log ``lse``), and an fp8 cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over
     ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
-    uint8 bits).
+    uint8 bits). ``strided``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
+    (``KVCacheMHAOperand``).
 
     An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
     granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
@@ -115,10 +117,10 @@ class PagedAttention:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
                  sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
-                 granularity: Optional[int] = None, e8m0_scales: bool = False):
+                 granularity: Optional[int] = None, e8m0_scales: bool = False, strided: bool = False):
         self.kv_fp8 = kv_dtype_name == FP8
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
-                            granularity)
+                            granularity) or strided_problem(strided, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -139,8 +141,8 @@ class PagedAttention:
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
-            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
-            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, strided)
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, strided)
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -168,9 +170,7 @@ class PagedAttention:
             k_src, v_src, lut = cache(), cache(), None
         else:
             kvd, p = self.kv_dim, self.page_size
-            k_src = v_src = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
-                cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
-                h * d, d, 1), assumed_align=16)
+            k_src = v_src = self.k_op.fake_source(self.kv_dtype, h, d, kvd)
             if self.granularity:
                 g = d // self.granularity
                 scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
