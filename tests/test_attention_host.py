@@ -185,7 +185,7 @@ def test_index_limits_bound_what_the_kernel_indexes():
     pitch = kvd * layers * p
     fits = (2**31 - 1 - p) // pitch + 1  # the most pages whose last row is < 2^31 - 1
     assert (fits - 1) * pitch + p <= 2**31 - 1 < fits * pitch + p
-    assert index_limits(fits, kvd, layers, p, 4096) is None
-    assert "int32 TMA coordinates" in index_limits(fits + 1, kvd, layers, p, 4096)
-    assert "max_cache_length" in index_limits(8, kvd, layers, p, 2**31 - 1)
+    assert index_limits(fits, pitch, p, 4096) is None
+    assert "int32 TMA coordinates" in index_limits(fits + 1, pitch, p, 4096)
+    assert "max_cache_length" in index_limits(8, pitch, p, 2**31 - 1)
     assert ((fits - 1) * pitch + p) * 8 * 8 > 2**31  # H=8, G=8 scales per row: past int32, served (64-bit index)

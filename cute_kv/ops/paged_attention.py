@@ -13,7 +13,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits
+from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, strided_problem
 from cute_kv.ops import mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.step_plan import call_key
@@ -195,7 +195,10 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     the reference runs instead: q in another dtype than a 16-bit cache, head dims, page sizes or granules the kernel
     cannot tile (``attention/config.supported``, ``attention/sm100_config.supported``), a misaligned cache or float32
     scales, a cache past the kernels' int32 indices (``attention/config.index_limits``), a grid past CUDA's limits
-    (``splits.grid_problem``), a non-positive scale without soft-cap."""
+    (``splits.grid_problem``), a non-positive scale without soft-cap, a scaled fp8 cache in a strided layout
+    (``attention/config.strided_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
+    FlashInfer's NHD / HND, separate K and V) take the MHA kernels' strided variants, which read the K and V planes
+    in place."""
     c = collection
 
     def fallback(reason):
@@ -208,12 +211,18 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
         return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
         return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernels need them equal")
-    if c.blocks.data_ptr() % 16:
+    if c.is_compact and c.blocks.data_ptr() % 16:
         return fallback("blocks is not 16-byte aligned")
-    problem = index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
+    if not c.is_compact and (c.key_blocks.data_ptr() % 16 or c.value_blocks.data_ptr() % 16):
+        return fallback("the K or V plane is not 16-byte aligned")
+    problem = index_limits(c.num_pages, c.row_pitch, c.page_size, c.max_cache_length)
     if problem:
         return fallback(problem)
     granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
+    if not c.is_mla:  # the MLA backends say why they read only compact caches
+        problem = strided_problem(not c.is_compact, c.page_size, granularity)
+        if problem:
+            return fallback(problem)
     if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
         return fallback("the float32 scales are not 4-byte aligned")
     family = FAMILIES.get((c.is_mla, arch))

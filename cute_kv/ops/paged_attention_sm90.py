@@ -16,10 +16,11 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, FP8, VEC, key_tile, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import scales_arg, softmax_args, window_arg
+from cute_kv.ops.kernel_args import kv_sources, scales_arg, softmax_args, window_arg
 from cute_kv.row_indices import lut_vector
 
 KERNEL = "PagedAttention"
+COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds PagedAttention's ``strided``
 
 
 def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
@@ -37,7 +38,7 @@ def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optio
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
            sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
-    return paths.kernel(OP, KERNEL, key, arch)
+    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (True,), arch)
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
@@ -64,6 +65,7 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
+    strided = len(key) > COMPACT_KEY
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
@@ -76,7 +78,7 @@ def launcher(key: tuple, arch: str) -> Callable:
         sinks = None if sinks is None else sinks.contiguous()
         splits.launch_and_combine(
             units, arch, q, out, VEC, (lse, o_part, lse_part),
-            (sinks, c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
+            (sinks, *kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
              scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal), window_arg(window),
              score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
         return (out, lse) if return_lse else out

@@ -113,12 +113,13 @@ def combine_problem(v_dim: int) -> Optional[str]:
     return None
 
 
-def index_limits(num_pages: int, kv_dim: int, num_layers: int, page_size: int, max_cache_length: int) -> Optional[str]:
+def index_limits(num_pages: int, row_pitch: int, page_size: int, max_cache_length: int) -> Optional[str]:
     """Why the kernel's int32 indices cannot reach this cache, or None. TMA row coordinates are int32: the row view
-    of a plane has ``(N-1)*KVD*L*P + P`` rows, and one past them (the zero-filled row of a tile slot past the keys)
-    must be an int32 too; key positions and counts are int32. Scales are indexed in 64 bits (``row * H * G``
+    of a plane has ``(N-1)*row_pitch + P`` rows (``row_pitch``: rows from one page to the next, ``KVD*L*P`` in
+    MAX's layout, ``sN / sP`` in a strided one), and one past them (the zero-filled row of a tile slot past the
+    keys) must be an int32 too; key positions and counts are int32. Scales are indexed in 64 bits (``row * H * G``
     passes 2^31 first)."""
-    rows = (num_pages - 1) * kv_dim * num_layers * page_size + page_size
+    rows = (num_pages - 1) * row_pitch + page_size
     if rows > 2**31 - 1:
         return f"the cache's {rows} rows per (K or V, layer) plane exceed int32 TMA coordinates"
     if max_cache_length > 2**31 - 1 - max(map(key_tile, HEAD_DIMS)):  # a tile past the keys stays int32
