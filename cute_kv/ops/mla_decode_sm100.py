@@ -41,6 +41,8 @@ def _problem(collection, q, scale, softcap, mla_v_dim) -> Optional[str]:
         return problem
     if c.num_heads != 1:
         return f"an MLA cache has one latent head, got {c.num_heads}"
+    if not c.is_compact:
+        return "a strided cache: the MLA kernel reads MAX's compact blocks"
     if c.blocks.data_ptr() % 16:
         return "blocks is not 16-byte aligned"
     if c.rope_dim is not None and c.scales.data_ptr() % 4:

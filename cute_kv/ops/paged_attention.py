@@ -74,8 +74,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                          layer_idx, c.max_seq_length, c.max_cache_length,
+        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
+                                          c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                           c.quantization_granularity, causal, window, scale, softcap, sinks,
                                           mla_v_dim, out, lse, c.rope_dim)
     else:  # eager: skip the op's dispatcher (host time)
@@ -208,6 +208,8 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
         return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
         return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernels need them equal")
+    if not c.is_compact:
+        return fallback("a strided cache: the attention kernels read MAX's compact blocks")
     if c.blocks.data_ptr() % 16:
         return fallback("blocks is not 16-byte aligned")
     problem = index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
