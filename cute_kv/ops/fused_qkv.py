@@ -64,7 +64,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         w, *w_quant = _weight_args(weight)
         torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
-            hidden, input_row_offsets, w, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
+            hidden, input_row_offsets, w, c.traced_blocks(OP), c.cache_lengths, c.lookup_table, c.scales, bias,
             None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
             None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
             c.quantization_granularity, *w_quant, *_norm_args(qk_norm), c.rope_dim)
@@ -238,6 +238,8 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
         return fallback(f"hidden is {dtype_name}; the kernel takes {' or '.join(sorted(DTYPES))}")
     if hidden.shape[1] == 0:
         return fallback("hidden has no columns (K = 0)")
+    if not c.is_compact:
+        return fallback("a strided cache: the epilogue writes MAX's compact blocks")
     if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.blocks.data_ptr() % 16:
         return fallback("hidden, weight and blocks need row-major, 16-byte aligned rows")
     if rope is not None and not rows_aligned(rope.freqs_cis):

@@ -88,6 +88,8 @@ def plan(collection, out: torch.Tensor, arch: str) -> paths.KernelPath:
     if c.page_size not in PAGE_SIZES or c.head_size not in HEAD_DIMS:
         return paths.reference(OP, f"page_size {c.page_size} / head_size {c.head_size}: the kernel tiles page sizes "
                                    f"{PAGE_SIZES} and head sizes {HEAD_DIMS}", arch)
+    if not c.is_compact:
+        return paths.reference(OP, "a strided cache: the kernel reads MAX's compact blocks", arch)
     if c.blocks.data_ptr() % 16 or out.data_ptr() % 16:
         return paths.reference(OP, "blocks or out is not 16-byte aligned", arch)
     key = ("paged_kv_gather", name, c.kv_dim, c.page_size, c.num_heads, c.head_size)

@@ -74,8 +74,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                          layer_idx, c.max_seq_length, c.max_cache_length,
+        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
+                                          c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                           c.quantization_granularity, causal, window, scale, softcap, sinks,
                                           mla_v_dim, out, lse, c.rope_dim)
     else:  # eager: skip the op's dispatcher (host time)

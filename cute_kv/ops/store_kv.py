@@ -46,7 +46,7 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
+        torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table, c.scales,
                                    layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity,
                                    c.rope_dim)
     else:  # eager: the op's dispatcher would add ~14 µs of host time for nothing
@@ -110,6 +110,8 @@ def plan(collection, k, arch: str) -> paths.KernelPath:
             return paths.reference(OP, f"quantization granularity {granularity} is not a power of two in [8, 256] "
                                        f"dividing head_size {c.head_size}", arch)
     vec = 8 if granularity else 16 // k.element_size()
+    if not c.is_compact:
+        return paths.reference(OP, "a strided cache: the kernel writes MAX's compact blocks", arch)
     if name not in DTYPES:
         return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
     if c.head_size % vec:
@@ -127,7 +129,7 @@ def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
 
     if name not in DTYPES:
         return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
-    problem = supported(c.padded_depth, c.rope_dim)
+    problem = supported(c.padded_depth, c.rope_dim) or (not c.is_compact and "a strided cache")
     if problem:
         return paths.reference(OP, f"rope-aware rows: {problem}", arch)
     if c.blocks.data_ptr() % 16:

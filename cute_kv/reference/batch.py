@@ -46,7 +46,7 @@ class PagedBatch:
         """bool ``[N, KVD, L, P]``: the slots of layer ``layer_idx`` (K and V) of this step's new tokens, or with
         ``context`` of each request's whole context ``[0, cache_length + new)`` (what attention reads)."""
         c = self.collection
-        mask = torch.zeros(c.blocks.shape[:4], dtype=torch.bool, device=c.device)
+        mask = torch.zeros(c.shape[:4], dtype=torch.bool, device=c.device)
         for b, (cache_length, n) in enumerate(zip(self.cache_lengths, self.new_lengths)):
             page, slot = self.slots(b, 0 if context else cache_length, cache_length + n)
             mask[page, :, layer_idx, slot] = True
@@ -56,16 +56,17 @@ class PagedBatch:
         """NaN into every slot (values and scales) outside the contexts of layer ``layer_idx``: other layers,
         pages nobody owns, and the unwritten tail of each request's last page. A reader that touches one shows."""
         unread = ~self.step_mask(layer_idx, context=True)
-        for t in (self.collection.blocks, self.collection.scales):
+        c = self.collection
+        for t, mask in ((c.key_blocks, unread[:, 0]), (c.value_blocks, unread[:, -1]), (c.scales, unread)):
             if t is not None:
                 nan = torch.full((), float("nan"), dtype=t.dtype, device=t.device)
-                _raw(t)[unread] = _raw(nan.reshape(1))  # byte view: fp8 tensors lack masked_fill
+                _raw(t)[mask] = _raw(nan.reshape(1))  # byte view: fp8 tensors lack masked_fill
 
     def tokens(self, kv_idx: int, layer_idx: int, b: int, start: int, stop: int):
         """Stored ``(values [n, H, D], scales [n, H, G] or None)`` of tokens ``[start, stop)`` (cache dtypes)."""
         page, slot = self.slots(b, start, stop)
         c = self.collection
-        values = _raw(c.blocks)[page, kv_idx, layer_idx, slot].view(c.dtype)
+        values = _raw(c.plane(kv_idx))[page, layer_idx, slot].view(c.dtype)
         scales = None if c.scales is None else _raw(c.scales)[page, kv_idx, layer_idx, slot].view(c.scale_dtype)
         return values, scales
 
