@@ -120,7 +120,7 @@ QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero p
     ("int4", "bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256),  # Gemma 3 GPTQ: heads of 256
 ]
 ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads, soft-cap,
-    # sinks, lse[, fp8, granularity, e8m0, strided]); the pipeline's PTX is
+    # sinks, lse[, fp8, granularity, e8m0, layout]); the pipeline's PTX is
     # checked in tests/test_paged_attention_ptx.py
     ("bfloat16", 32, 8, 128, 16, 2, True),
     ("float16", 8, 8, 64, 128, 2, True),
@@ -130,9 +130,9 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 4, 128, 64, 2, False),  # lookup entries read one by one
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
-    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, True),  # strided K/V planes
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, "strided"),  # K/V planes
 ]
-ATTENTION_SM100_CASES = [  # the SM90 fields, v_dim before strided; pages below 8 rows or not tiling the key tile
+ATTENTION_SM100_CASES = [  # the SM90 fields, v_dim before layout; pages below 8 rows or not tiling the key tile
     # take gather4
     ("bfloat16", 32, 8, 128, 128, 2, True),
     ("bfloat16", 32, 8, 128, 16, 2, True),
@@ -146,8 +146,8 @@ ATTENTION_SM100_CASES = [  # the SM90 fields, v_dim before strided; pages below 
     # MLA prefill's decompressed heads (``cute_kv.mla_prefill``): K of 192, V of 128, 128 heads, 128-token pages.
     ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
     # strided K/V planes (foreign layouts in place): by page slot and by gather4
-    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, None, True),
-    ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, None, None, False, None, True),
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, None, "strided"),
+    ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, None, None, False, None, "strided"),
 ]
 MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse, rope_dim])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode

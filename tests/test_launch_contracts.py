@@ -18,10 +18,11 @@ import torch
 import cute_kv
 from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
-from cute_kv.ops import paths
+from cute_kv.ops import paged_attention_sm100, paths
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.qkv import kv_columns
 from launch import ARCHS, Contract, ContractError, as_cuda
+from test_attention_strided import LAYOUTS, in_layout
 
 HQ = 8  # query heads over 2 KV heads; MLA: 16 over the latent head
 MLA_HQ, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128  # DeepSeek's MLA, 16 heads
@@ -388,6 +389,54 @@ def test_strided_cache_lengths_are_made_compact(op, kind, arch, rng):
     assert cute_kv.explain(fn, *args, arch=arch, **kwargs).path == paths.KERNEL
     launches, fallbacks = _run(arch, fn, args, kwargs)
     assert launches and not fallbacks
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same view: address, shape and strides."""
+    return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("step", ["decode-split", "ragged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_over_other_layouts_launch_contract(layout, step, arch, rng):
+    """``paged_attention`` over another engine's cache (``test_attention_strided.in_layout``) launches the MHA
+    kernel's strided variant with the K and V planes themselves, split-KV and its combine included; FlashInfer's NHD
+    of one layer is MAX's layout, so the compact kernel reads its ``blocks``."""
+    pb = _batch("bf16", step)
+    c, layer = in_layout(pb, layout, 1)
+    fn, (q, offsets, _, _), kwargs = _paged_attention(pb, step, rng)
+    kwargs.pop("window", None)  # decode over the whole contexts: split-KV
+    args = (q, offsets, c, layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and (path.key[-1] == "strided") == (not c.is_compact), path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    attention = launches[0]
+    assert attention.key == path.key and (launches.kernels[-1] == "AttentionCombine") == (step == "decode-split")
+    k, v = (c.blocks, c.blocks) if c.is_compact else (c.key_blocks, c.value_blocks)
+    assert _same(attention.values["k_src"], k) and _same(attention.values["v_src"], v)
+
+
+def test_gather4_pages_of_other_layouts(rng):
+    """SM100 reads pages of 4 rows by gather4, whose 2-D view takes a token's heads as one row: vLLM's planes launch
+    the strided gather4 variant; FlashInfer HND's heads are ``P*D`` apart, so its plan takes the reference and says
+    why, and the kernel's entry refuses its planes."""
+    pb = random_paged_batch([37, 5], [3, 1], num_heads=2, head_size=128, page_size=4,
+                            generator=torch.Generator().manual_seed(0))
+    q = torch.randn(pb.total_rows, HQ, 128, generator=rng).to(torch.bfloat16)
+    (vllm, _), (hnd, _) = in_layout(pb, "vllm", 1), in_layout(pb, "flashinfer-hnd", 1)
+    launches, fallbacks = _run("sm_100a", cute_kv.paged_attention, (q, pb.input_row_offsets, vllm, 0), {})
+    assert launches.kernels == ["PagedAttentionSm100"] and not fallbacks and launches[0].key[-1] == "strided"
+    path = cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, hnd, 0, arch="sm_100a")
+    assert path.path == paths.REFERENCE and "take gather4" in path.reason and "(HND)" in path.reason
+    hnd_launches, fallbacks = _run("sm_100a", cute_kv.paged_attention, (q, pb.input_row_offsets, hnd, 0), {})
+    assert not hnd_launches and fallbacks
+    launch = launches[0]
+    contract = Contract(dict(paged_attention_sm100.compile_units(launch.key, "sm_100a"))[launch.key])
+    contract.check(**launch.values)
+    with pytest.raises(ContractError, match=r"k_src\.strides\[3\] is 512, expected 128"):
+        contract.check(**{**launch.values, "k_src": hnd.key_blocks, "v_src": hnd.value_blocks})
 
 
 @pytest.mark.parametrize("arch", ["sm_80a", "sm_103a", "sm_120a"])

@@ -13,7 +13,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, strided_problem
+from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, layout_problem
 from cute_kv.ops import mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.step_plan import call_key
@@ -196,7 +196,7 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     cannot tile (``attention/config.supported``, ``attention/sm100_config.supported``), a misaligned cache or float32
     scales, a cache past the kernels' int32 indices (``attention/config.index_limits``), a grid past CUDA's limits
     (``splits.grid_problem``), a non-positive scale without soft-cap, a scaled fp8 cache in a strided layout
-    (``attention/config.strided_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
+    (``attention/config.layout_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
     FlashInfer's NHD / HND, separate K and V) take the MHA kernels' strided variants, which read the K and V planes
     in place."""
     c = collection
@@ -220,7 +220,7 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
         return fallback(problem)
     granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
     if not c.is_mla:  # the MLA backends say why they read only compact caches
-        problem = strided_problem(not c.is_compact, c.page_size, granularity)
+        problem = layout_problem(c.layout_name, c.page_size, granularity)
         if problem:
             return fallback(problem)
     if granularity is not None and c.scales.data_ptr() % c.scales.element_size():

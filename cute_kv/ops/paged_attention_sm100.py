@@ -23,7 +23,7 @@ from cute_kv.row_indices import lut_vector
 RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
 KEY = "paged_attention_sm100"
 KERNEL = "PagedAttentionSm100"
-COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds ``v_dim`` (None) and ``strided``
+COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds ``v_dim`` (None) and ``layout``
 
 
 def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
@@ -47,7 +47,7 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), bool(softcap),
            sinks is not None, return_lse, kv_dtype_name, granularity, e8m0)  # gather4 reads one lookup entry per token
-    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, True), arch)
+    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, c.layout_name), arch)
 
 
 def launch_shape_sm100(collection, num_q_heads: int, slots: int, causal: bool = True,

@@ -20,7 +20,7 @@ from cute_kv.ops.kernel_args import kv_sources, scales_arg, softmax_args, window
 from cute_kv.row_indices import lut_vector
 
 KERNEL = "PagedAttention"
-COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds PagedAttention's ``strided``
+COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds PagedAttention's ``layout``
 
 
 def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
@@ -38,7 +38,7 @@ def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optio
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
            sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
-    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (True,), arch)
+    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (c.layout_name,), arch)
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
@@ -78,9 +78,9 @@ def launcher(key: tuple, arch: str) -> Callable:
         sinks = None if sinks is None else sinks.contiguous()
         splits.launch_and_combine(
             units, arch, q, out, VEC, (lse, o_part, lse_part),
-            (sinks, *kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
-             scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal), window_arg(window),
-             score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
+            (sinks, *kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
+             c.lookup_table, scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal),
+             window_arg(window), score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
         return (out, lse) if return_lse else out
 
     return run

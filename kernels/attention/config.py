@@ -91,9 +91,15 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     return None
 
 
-def strided_problem(strided: bool, page_size: Optional[int], granularity: Optional[int]) -> Optional[str]:
-    """Why a kernel cannot read strided K/V planes (``operand.KVCacheMHAOperand``), or None: they are paged and
-    carry no scales (fp8 scales follow MAX's compact ``[N, KVD, L, P, H, G]`` geometry)."""
+LAYOUTS = ("compact", "strided")  # MAX's blocks, or K and V planes of runtime strides (a collection's layout_name)
+
+
+def layout_problem(layout: str, page_size: Optional[int], granularity: Optional[int]) -> Optional[str]:
+    """Why a kernel cannot read a cache of ``layout``, or None: strided K/V planes (``operand.KVCacheMHAOperand``)
+    are paged and carry no scales (fp8 scales follow MAX's compact ``[N, KVD, L, P, H, G]`` geometry)."""
+    if layout not in LAYOUTS:
+        return f"layout must be one of {LAYOUTS}, got {layout!r}"
+    strided = layout == "strided"
     if strided and page_size is None:
         return "strided K/V planes must be paged"
     if strided and granularity:

@@ -77,7 +77,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
-from cute_kv.kernels.attention.config import strided_problem
+from cute_kv.kernels.attention.config import layout_problem
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
@@ -125,7 +125,7 @@ class PagedAttentionSm100:
     ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
     with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, ``v_dim`` (None: the head dim): values are
     the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide,
-    and ``strided``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
+    and ``layout`` ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
     (``KVCacheMHAOperand``; gather4 pages take a token's heads side by side, ``sH == D``).
 
     An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 8-11) into one
@@ -136,10 +136,10 @@ class PagedAttentionSm100:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
                  return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
-                 e8m0_scales: bool = False, v_dim: Optional[int] = None, strided: bool = False):
+                 e8m0_scales: bool = False, v_dim: Optional[int] = None, layout: str = "compact"):
         kv_dtype_name = kv_dtype_name or dtype_name
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity,
-                            v_dim) or strided_problem(strided, page_size, granularity)
+                            v_dim) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -157,8 +157,8 @@ class PagedAttentionSm100:
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
         self.gather4 = self.plan.gather4
         # The planes' row views; without gather4 also one TMA per page slot, rows from populate.
-        self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, strided)
-        self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, strided)
+        self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, layout == "strided")
+        self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, layout == "strided")
         self.box_width = self.ring_swizzle * 8 // self.kv_dtype.width  # gather4 columns an instruction: a swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
         self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)

@@ -50,7 +50,7 @@ from cutlass.memory import SmemAllocator
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
-from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, strided_problem, supported,
+from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, VEC, layout_problem, ring_swizzle, supported,
                                               tiling)
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
 from cute_kv.kernels.paged import tma_tiles
@@ -107,7 +107,7 @@ class PagedAttention:
     dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, the optional features (soft-cap,
     sinks, writing the natural-log ``lse``), and an fp8 cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over
     ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
-    uint8 bits). ``strided``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
+    uint8 bits). ``layout`` ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
     (``KVCacheMHAOperand``).
 
     An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
@@ -117,10 +117,10 @@ class PagedAttention:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
                  sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
-                 granularity: Optional[int] = None, e8m0_scales: bool = False, strided: bool = False):
+                 granularity: Optional[int] = None, e8m0_scales: bool = False, layout: str = "compact"):
         self.kv_fp8 = kv_dtype_name == FP8
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
-                            granularity) or strided_problem(strided, page_size, granularity)
+                            granularity) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -141,8 +141,8 @@ class PagedAttention:
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
-            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, strided)
-            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, strided)
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, layout == "strided")
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, layout == "strided")
 
     # -- host ------------------------------------------------------------------------------------
 
