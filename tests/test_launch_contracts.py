@@ -19,7 +19,7 @@ import cute_kv
 from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
 from cute_kv.ops import paths
-from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.batch import random_paged_batch, with_layout
 from cute_kv.reference.qkv import kv_columns
 from launch import ARCHS, Contract, ContractError, as_cuda
 
@@ -190,7 +190,8 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
     """The op's tensors a kernel parameter may carry, by role: the cache and its metadata, the activations, the
     optional operands."""
     c = pb.collection
-    sources = {"blocks": c.blocks, "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
+    sources = {"blocks": c.blocks, "key_blocks": c.key_blocks, "value_blocks": c.value_blocks,
+               "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
                "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
                **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
     if op == "store_kv":
@@ -328,6 +329,25 @@ def test_the_matrix_reaches_every_kernel():
 
 
 # -- defects the contracts found --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op", ["store_kv", "gather_kv", "fused_qkv"])
+@pytest.mark.parametrize("kind, layout", [("bf16", "vllm"), ("bf16", "flashinfer-hnd"), ("fp8-f32", "separate"),
+                                          ("fp8-f32", "strided-6d"), ("mla-bf16", "strided-6d"),
+                                          ("bf16", "flashinfer-nhd")])
+def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
+    """Engine layouts: the strided store kernel takes the K and V planes (FlashInfer NHD is MAX's compact layout
+    and keeps the compact kernels); ops without a strided kernel take the reference, warned."""
+    pb, layer = with_layout(_batch(kind, "ragged"), layout, 1)
+    fn, args, kwargs = OPS[op](pb, "ragged", rng)
+    args = (*args[:-1], layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    if op == "store_kv":
+        assert path.path == paths.KERNEL and (path.key[-1] == "strided") == (layout != "flashinfer-nhd")
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, op, args, kwargs))
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gather_kv_takes_a_lookup_table_column_slice(arch, rng):
