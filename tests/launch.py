@@ -101,8 +101,8 @@ class Contract:
 
     def __init__(self, build: Callable[[], tuple]):
         jit_fn, *fake_args = build()
-        self.name = type(getattr(jit_fn, "__self__", jit_fn)).__name__  # a variant's entry: a bound method
-        self.kernel = jit_fn
+        self.kernel = getattr(jit_fn, "__self__", jit_fn)  # a variant's entry is a method bound to the kernel
+        self.name = type(self.kernel).__name__
         if self.name not in GRID:
             raise ContractError(f"{self.name}: no GRID entry says what its grid is made of")
         self.params, self.signature = _entry_spec(jit_fn, tuple(fake_args))

@@ -198,6 +198,8 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
         sources.update(k=args[0], v=args[1])
     elif op == "fused_qkv":
         sources["hidden"] = args[0]
+    elif op == "gather_kv":
+        sources["plane"] = c.key_blocks  # the strided variant's: the plane it reads
     elif op in ("paged_attention", "sparse_mla_attention"):
         sources["q"] = args[0]
     if op == "sparse_mla_attention":
@@ -342,7 +344,7 @@ def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
     fn, args, kwargs = OPS[op](pb, "ragged", rng)
     args = (*args[:-1], layer)
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
-    if op == "store_kv":
+    if op == "store_kv" or (op == "gather_kv" and kind == "bf16"):
         assert path.path == paths.KERNEL and (path.key[-1] == "strided") == (layout != "flashinfer-nhd")
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)

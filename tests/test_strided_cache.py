@@ -1,6 +1,6 @@
 """Foreign cache layouts in place: ``from_kv`` and strided 6-D ``blocks`` against MAX's compact cache on the CPU
 (store, gather, fused QKV writes, attention), the strides the kernels cannot address rejected by name, and the
-store kernel's strided variant (its own key; the compact key unchanged)."""
+store and gather kernels' strided variants (their own keys; the compact keys unchanged)."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 import cute_kv
 from cute_kv import reference as ref
 from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import store_kv as store_kv_op
 from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import ENGINE_LAYOUTS, random_paged_batch, with_layout
@@ -164,3 +165,11 @@ def test_store_plan_keys(kind, granularity):
     key = ("paged_kv_store", "bfloat16", 2, 16, 2, 64, granularity)
     assert store_kv_op.plan(compact.collection, k, "sm_90a").key == key
     assert store_kv_op.plan(strided.collection, k, "sm_100a").key == (*key, "strided")
+
+
+def test_gather_plan_keys():
+    compact, strided, _ = _pair("bf16", "flashinfer-hnd")
+    out = torch.empty(0, dtype=torch.bfloat16)
+    key = ("paged_kv_gather", "bfloat16", 2, 16, 2, 64)
+    assert gather_kv_op.plan(compact.collection, out, "sm_90a").key == key
+    assert gather_kv_op.plan(strided.collection, out, "sm_100a").key == (*key, "strided")
