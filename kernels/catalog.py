@@ -95,8 +95,11 @@ class Config:
         return self.family.build(self.kernel())
 
 
-GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64)]
+GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64),
+                ("bfloat16", 2, 16, 8, 128, "strided")]
 STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float32", 1, 64, 1, 576)]
+# MAX's compact layout's fields plus the layout flag: K and V as two planes of runtime strides (cute_kv/kv_layout.py)
+STORE_STRIDED_CASES = [("bfloat16", 2, 16, 8, 128, None, "strided"), ("bfloat16", 2, 16, 8, 128, 128, "strided")]
 STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
 STORE_ROPE_AWARE_CASES = [("bfloat16", 64, 512, 64), ("float32", 16, 256, 32)]  # (dtype, P, padded_depth, rope_dim)
 QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims
@@ -289,8 +292,10 @@ def _combine_plan(k: combine.AttentionCombine) -> Plan:
 FAMILIES = [
     # Warp 0 loads the page (one TMA barrier), every warp copies it out.
     Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan,
+           build=lambda kernel: kernel.build(),
            roles=lambda k: {"load": Role((0,)), "copy": Role(_warps(0, gather.THREADS // 32))}),
-    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES), ARCHS, _store_plan),
+    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES + STORE_STRIDED_CASES), ARCHS,
+           _store_plan, build=lambda kernel: kernel.build()),
     Family("paged_kv_store_rope_aware", store_rope_aware.RopeAwareKVStore, tuple(STORE_ROPE_AWARE_CASES), ARCHS,
            _store_rope_aware_plan),
     *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),

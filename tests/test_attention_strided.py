@@ -6,9 +6,8 @@ import torch
 
 import artifacts
 import cute_kv
-from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.ops.kernel_args import LAYOUT_PROBLEM
-from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.batch import random_paged_batch, with_layout
 
 from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
@@ -53,64 +52,14 @@ def test_strided_planes_are_paged():
         PagedAttention("bfloat16", 8, 2, 128, 16, layout="hnd")
 
 
-# -- the op over other engines' layouts ------------------------------------------------------------------------------
+# -- what the op leaves to the reference -----------------------------------------------------------------------------
 
-LAYOUTS = ("vllm", "flashinfer-nhd", "flashinfer-hnd", "fa4", "padded")
-
-
-def _bytes_stack(tensors, dim: int) -> torch.Tensor:
-    """``torch.stack`` through byte views (CPU fp8 tensors have no stack)."""
-    return torch.stack([t.view(torch.uint8) for t in tensors], dim).view(tensors[0].dtype)
-
-
-def in_layout(pb, layout: str, layer: int):
-    """``(collection, layer)``: ``pb``'s cache in another engine's layout, its values copied, and the layer of it that
-    holds ``pb``'s layer ``layer``. vLLM ``kv[2, N, P, H, D]``, FlashInfer NHD ``[N, 2, P, H, D]`` (MAX's layout of
-    one layer: compact) and HND ``[N, 2, H, P, D]``, FA4's separate ``k_cache`` / ``v_cache``: that layer alone, by
-    ``from_kv``; ``padded``: MAX's 6-D ``blocks`` whose head rows are 16 bytes wider than ``D``, every layer."""
-    c = pb.collection
-    meta = (c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length)
-    fp8 = {} if c.scales is None else {"quantization_granularity": c.quantization_granularity}
-    one = {} if c.scales is None else {"scales": c.scales[:, :, layer:layer + 1].contiguous(), **fp8}
-    k, v = c.blocks[:, 0, layer], c.blocks[:, -1, layer]
-    if layout == "vllm":
-        kv = _bytes_stack([k, v], 0)
-        return PagedKVCacheCollection.from_kv(kv[0], kv[1], *meta, **one), 0
-    if layout == "flashinfer-nhd":
-        nhd = _bytes_stack([k, v], 1)
-        return PagedKVCacheCollection.from_kv(nhd[:, 0], nhd[:, 1], *meta, **one), 0
-    if layout == "flashinfer-hnd":
-        hnd = _bytes_stack([k.transpose(1, 2), v.transpose(1, 2)], 1).contiguous()
-        return PagedKVCacheCollection.from_kv(hnd[:, 0].transpose(1, 2), hnd[:, 1].transpose(1, 2), *meta, **one), 0
-    if layout == "fa4":
-        return PagedKVCacheCollection.from_kv(k.clone(), v.clone(), *meta, **one), 0
-    assert layout == "padded"
-    raw = c.blocks.view(torch.uint8)
-    wide = torch.zeros((*raw.shape[:-1], raw.shape[-1] + 16), dtype=torch.uint8)
-    wide[..., :raw.shape[-1]] = raw
-    return PagedKVCacheCollection(wide.view(c.dtype)[..., :c.head_size], *meta, c.scales, **fp8), layer
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts_read_in_place_match_max_layout(layout):
-    """The op (on the CPU, the reference path) over each layout gives the compact cache's output, bit for bit;
-    every slot outside the step's contexts is NaN, so a read of another layer, page or slot shows."""
-    pb = random_paged_batch([37, 5, 0, 70], [3, 1, 6, 1], num_heads=2, head_size=64, page_size=16,
-                            generator=torch.Generator().manual_seed(3))
-    pb.poison_unread(1)
-    c, layer = in_layout(pb, layout, 1)
-    assert c.is_compact == (layout == "flashinfer-nhd") and (c.blocks is None) == (layout == "fa4")
-    q = torch.randn(pb.total_rows, 8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    want = cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, window=40, return_lse=True)
-    got = cute_kv.paged_attention(q, pb.input_row_offsets, c, layer, window=40, return_lse=True)
-    assert not want[0].isnan().any()
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-
-
-def _step(layout: str, cache: dict, page_size: int = 16):
+def _step(layout: str, cache: dict):
+    """``(q, input_row_offsets, collection, layer)`` of a step over a cache of ``cache``'s kind in ``layout``."""
     pb = random_paged_batch([37, 5], [3, 1], num_heads=cache.pop("num_heads", 2), head_size=cache.pop("head_size", 64),
-                            page_size=page_size, generator=torch.Generator().manual_seed(5), **cache)
-    c, layer = in_layout(pb, layout, 1)
+                            page_size=16, generator=torch.Generator().manual_seed(5), **cache)
+    pb, layer = with_layout(pb, layout, 1)
+    c = pb.collection
     q = torch.zeros(pb.total_rows, 16 if c.is_mla else 8, c.latent_dim, dtype=torch.bfloat16)
     return q, pb.input_row_offsets, c, layer
 
@@ -124,7 +73,7 @@ def test_what_the_strided_variants_leave_to_the_reference(arch):
     assert path.path == "reference" and "a scaled fp8 cache must be compact" in path.reason
     unscaled = cute_kv.explain(cute_kv.paged_attention, *_step("vllm", {"dtype": torch.float8_e4m3fn}), arch=arch)
     assert unscaled.path == "kernel" and unscaled.key[-1] == "strided"
-    mla = _step("padded", {"is_mla": True, "num_heads": 1, "head_size": 576})
+    mla = _step("strided-6d", {"is_mla": True, "num_heads": 1, "head_size": 576})
     path = cute_kv.explain(cute_kv.paged_attention, *mla, mla_v_dim=512, arch=arch)
     assert path.path == "reference" and LAYOUT_PROBLEM in path.reason
     if arch == "sm_100a":

@@ -10,7 +10,7 @@ import artifacts
 
 from cute_kv.kernels import compile_cache
 from cute_kv.kernels.catalog import (ARCHS, ATTENTION_CASES, COMBINE_CASES, GATHER_CASES, STORE_CASES,
-                                     STORE_FP8_CASES)
+                                     STORE_FP8_CASES, STORE_STRIDED_CASES)
 from cute_kv.kernels.attention.combine import AttentionCombine
 from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.attention.config import supported as attention_supported
@@ -40,7 +40,7 @@ def test_paged_kv_gather_ptx(arch, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", STORE_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", STORE_CASES + STORE_STRIDED_CASES[:1], ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_ptx(arch, case):
     kernel = PagedKVStore(*case)
     ptx = artifacts.compiled(kernel, arch).ptx
@@ -54,12 +54,12 @@ def test_paged_kv_store_ptx(arch, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", STORE_FP8_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", STORE_FP8_CASES + STORE_STRIDED_CASES[1:], ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_fp8_ptx(arch, case):
     kernel = PagedKVStore(*case)
     ptx = artifacts.compiled(kernel, arch).ptx
     vectors = kernel.kv_dim * kernel.vecs_per_thread  # 8 values each
-    lanes = case[-1] // 8  # lanes per granule: log2 butterfly steps for its amax
+    lanes = kernel.granularity // 8  # lanes per granule: log2 butterfly steps for its amax
     assert ptx.count("shfl.sync.bfly.b32") == vectors * int(math.log2(lanes))
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == vectors * 4
     assert ptx.count("div.rn.f32") == vectors * 9  # x / scale as the reference divides, and amax / 448

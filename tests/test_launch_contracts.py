@@ -19,10 +19,9 @@ import cute_kv
 from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
 from cute_kv.ops import paged_attention_sm100, paths
-from cute_kv.reference.batch import random_paged_batch
+from cute_kv.reference.batch import ENGINE_LAYOUTS, random_paged_batch, with_layout
 from cute_kv.reference.qkv import kv_columns
 from launch import ARCHS, Contract, ContractError, as_cuda
-from test_attention_strided import LAYOUTS, in_layout
 
 HQ = 8  # query heads over 2 KV heads; MLA: 16 over the latent head
 MLA_HQ, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128  # DeepSeek's MLA, 16 heads
@@ -191,13 +190,16 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
     """The op's tensors a kernel parameter may carry, by role: the cache and its metadata, the activations, the
     optional operands."""
     c = pb.collection
-    sources = {"blocks": c.blocks, "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
+    sources = {"blocks": c.blocks, "key_blocks": c.key_blocks, "value_blocks": c.value_blocks,
+               "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
                "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
                **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
     if op == "store_kv":
         sources.update(k=args[0], v=args[1])
     elif op == "fused_qkv":
         sources["hidden"] = args[0]
+    elif op == "gather_kv":
+        sources["plane"] = c.key_blocks  # the strided variant's: the plane it reads
     elif op in ("paged_attention", "sparse_mla_attention"):
         sources["q"] = args[0]
     if op == "sparse_mla_attention":
@@ -331,6 +333,25 @@ def test_the_matrix_reaches_every_kernel():
 # -- defects the contracts found --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op", ["store_kv", "gather_kv", "fused_qkv"])
+@pytest.mark.parametrize("kind, layout", [("bf16", "vllm"), ("bf16", "flashinfer-hnd"), ("fp8-f32", "separate"),
+                                          ("fp8-f32", "strided-6d"), ("mla-bf16", "strided-6d"),
+                                          ("bf16", "flashinfer-nhd")])
+def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
+    """Engine layouts: the strided store kernel takes the K and V planes (FlashInfer NHD is MAX's compact layout
+    and keeps the compact kernels); ops without a strided kernel take the reference, warned."""
+    pb, layer = with_layout(_batch(kind, "ragged"), layout, 1)
+    fn, args, kwargs = OPS[op](pb, "ragged", rng)
+    args = (*args[:-1], layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    if op == "store_kv" or (op == "gather_kv" and kind == "bf16"):
+        assert path.path == paths.KERNEL and (path.key[-1] == "strided") == (layout != "flashinfer-nhd")
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, op, args, kwargs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_gather_kv_takes_a_lookup_table_column_slice(arch, rng):
     """A lookup table whose base is 4 bytes past a 16-byte boundary (columns 1.. of a wider table) reaches
     ``PagedKVGather``, which reads one entry per CTA: compiled for any 4-byte aligned table."""
@@ -398,13 +419,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("step", ["decode-split", "ragged"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
 def test_attention_over_other_layouts_launch_contract(layout, step, arch, rng):
-    """``paged_attention`` over another engine's cache (``test_attention_strided.in_layout``) launches the MHA
-    kernel's strided variant with the K and V planes themselves, split-KV and its combine included; FlashInfer's NHD
-    of one layer is MAX's layout, so the compact kernel reads its ``blocks``."""
-    pb = _batch("bf16", step)
-    c, layer = in_layout(pb, layout, 1)
+    """``paged_attention`` over another engine's cache (``reference.batch.with_layout``) launches the MHA kernel's
+    strided variant with the K and V planes themselves, split-KV and its combine included; FlashInfer's NHD of one
+    layer is MAX's layout, so the compact kernel reads its ``blocks``."""
+    pb, layer = with_layout(_batch("bf16", step), layout, 1)
+    c = pb.collection
     fn, (q, offsets, _, _), kwargs = _paged_attention(pb, step, rng)
     kwargs.pop("window", None)  # decode over the whole contexts: split-KV
     args = (q, offsets, c, layer)
@@ -425,7 +446,7 @@ def test_gather4_pages_of_other_layouts(rng):
     pb = random_paged_batch([37, 5], [3, 1], num_heads=2, head_size=128, page_size=4,
                             generator=torch.Generator().manual_seed(0))
     q = torch.randn(pb.total_rows, HQ, 128, generator=rng).to(torch.bfloat16)
-    (vllm, _), (hnd, _) = in_layout(pb, "vllm", 1), in_layout(pb, "flashinfer-hnd", 1)
+    vllm, hnd = (with_layout(pb, layout, 1)[0].collection for layout in ("vllm", "flashinfer-hnd"))
     launches, fallbacks = _run("sm_100a", cute_kv.paged_attention, (q, pb.input_row_offsets, vllm, 0), {})
     assert launches.kernels == ["PagedAttentionSm100"] and not fallbacks and launches[0].key[-1] == "strided"
     path = cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, hnd, 0, arch="sm_100a")

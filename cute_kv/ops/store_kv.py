@@ -110,16 +110,15 @@ def plan(collection, k, arch: str) -> paths.KernelPath:
             return paths.reference(OP, f"quantization granularity {granularity} is not a power of two in [8, 256] "
                                        f"dividing head_size {c.head_size}", arch)
     vec = 8 if granularity else 16 // k.element_size()
-    if not c.is_compact:
-        return paths.reference(OP, "a strided cache: the kernel writes MAX's compact blocks", arch)
     if name not in DTYPES:
         return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
     if c.head_size % vec:
         return paths.reference(OP, f"head_size {c.head_size} is not a whole number of {vec}-element vectors", arch)
-    if c.blocks.data_ptr() % 16:
+    if c.key_blocks.data_ptr() % 16 or c.value_blocks.data_ptr() % 16:
         return paths.reference(OP, "blocks is not 16-byte aligned", arch)
     key = ("paged_kv_store", name, c.kv_dim, c.page_size, c.num_heads, c.head_size, granularity)
-    return paths.kernel(OP, "PagedKVStore", key, arch)
+    # MAX's compact blocks keep their key (and kernel); other layouts add the strided flag
+    return paths.kernel(OP, "PagedKVStore", key if c.is_compact else (*key, "strided"), arch)
 
 
 def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
@@ -148,7 +147,7 @@ def compile_unit(key: tuple, arch: str) -> tuple:
         else:
             from cute_kv.kernels.cache.store import PagedKVStore as kernel_class
         kernel = kernel_class(*key[1:])
-        return kernel, *kernel.fake_args()
+        return kernel.build() if hasattr(kernel, "build") else (kernel, *kernel.fake_args())
 
     return key, build
 
@@ -158,11 +157,14 @@ def _launcher(key: tuple, arch: str) -> Callable:
 
     fn = compiled(*compile_unit(key, arch), arch)
     quantized = key[0] == ROPE_AWARE_KEY or key[6] is not None  # fp8 rows: vectors of 8 input values
+    strided = key[-1] == "strided"
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
             vec = 8 if quantized else 16 // k.element_size()
-            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks,
-               collection.scales, collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx)
+            c = collection
+            cache = (c.key_blocks, None if c.is_mla else c.value_blocks) if strided else (c.blocks,)
+            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), *cache, c.scales,
+               c.cache_lengths.contiguous(), c.lookup_table, layer_idx)
 
     return run

@@ -126,3 +126,49 @@ def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int],
     )
     return PagedBatch(collection, input_row_offsets(new_lengths, device), list(cache_lengths), list(new_lengths), pages)
 
+
+
+ENGINE_LAYOUTS = ("vllm", "flashinfer-nhd", "flashinfer-hnd", "separate", "strided-6d")
+
+
+def with_layout(pb: PagedBatch, layout: str, layer_idx: int) -> tuple[PagedBatch, int]:
+    """``(pb over a copy of its cache in another engine's layout, the layer index there)``: the same values and
+    metadata. ``vllm`` ``kv[2, N, P, H, D]``, ``flashinfer-nhd`` ``[N, 2, P, H, D]``, ``flashinfer-hnd``
+    ``[N, 2, H, P, D]`` and ``separate`` K / V tensors (FA4) hold layer ``layer_idx`` alone (``from_kv``, layer 0);
+    ``strided-6d`` every layer, as the 6-D view ``[N, L, KVD, H, P, D + 16 bytes]`` permuted to
+    ``[N, KVD, L, P, H, D]`` and sliced to ``D`` (rows padded, heads outermost in a page). Scales stay compact."""
+    c = pb.collection
+    n, kvd, nl, p, h, d = c.shape
+    pad = 16 // c.key_blocks.element_size()
+    if layout == "strided-6d":
+        base = torch.empty((n, nl, kvd, h, p, d + pad), dtype=c.dtype, device=c.device)
+        _raw(base)[..., d:] = 0x7f  # padding a store must not touch
+        blocks = base.permute(0, 2, 1, 4, 3, 5)[..., :d]
+        for kv in range(kvd):
+            _raw(blocks)[:, kv] = _raw(c.plane(kv))
+        out = PagedKVCacheCollection(blocks, c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length,
+                                     c.scales, quantization_granularity=c.quantization_granularity if c.scales
+                                     is not None else None, rope_dim=c.rope_dim)
+        return dataclasses.replace(pb, collection=out), layer_idx
+    if c.is_mla:
+        raise ValueError(f"layout {layout!r} holds K and V; an MLA cache has K only")
+    if layout == "vllm":
+        kv = torch.empty((2, n, p, h, d), dtype=c.dtype, device=c.device)
+        k, v = kv[0], kv[1]
+    elif layout == "flashinfer-nhd":
+        t = torch.empty((n, 2, p, h, d), dtype=c.dtype, device=c.device)
+        k, v = t[:, 0], t[:, 1]
+    elif layout == "flashinfer-hnd":
+        t = torch.empty((n, 2, h, p, d), dtype=c.dtype, device=c.device)
+        k, v = t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)
+    elif layout == "separate":
+        k, v = (torch.empty((n, p, h, d), dtype=c.dtype, device=c.device) for _ in range(2))
+    else:
+        raise ValueError(f"layout must be one of {ENGINE_LAYOUTS}, got {layout!r}")
+    _raw(k)[:] = _raw(c.key_blocks[:, layer_idx])
+    _raw(v)[:] = _raw(c.value_blocks[:, layer_idx])
+    scales = None if c.scales is None else c.scales[:, :, layer_idx:layer_idx + 1].contiguous()
+    out = PagedKVCacheCollection.from_kv(k, v, c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length,
+                                         scales, quantization_granularity=c.quantization_granularity if scales
+                                         is not None else None)
+    return dataclasses.replace(pb, collection=out), 0
