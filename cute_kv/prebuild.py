@@ -212,20 +212,20 @@ def _run_selftest(args: argparse.Namespace) -> int:
     from cute_kv.kernels import compile_cache, disk_cache
 
     ops = None if args.ops is None else [op for op in args.ops.split(",") if op]
+    try:  # before the cache directory is set: a bad --ops leaves the process's environment as it was
+        units = {arch: selftest_units(arch, args.quick, ops) for arch in args.arch}
+    except ValueError as e:
+        raise SystemExit(f"cute-kv prebuild: error: --ops: {e}") from None
     directory = selftest.cache_dir(args.cache_dir)
     os.environ[disk_cache.CACHE_DIR_ENV] = str(directory)
     print(f"cute-kv prebuild: selftest{' --quick' if args.quick else ''} kernels into {directory}")
     start, count, size = time.perf_counter(), 0, 0
     for arch in args.arch:
-        try:
-            units = selftest_units(arch, args.quick, ops)
-        except ValueError as e:
-            raise SystemExit(f"cute-kv prebuild: error: --ops: {e}") from None
         def show(row, arch=arch):
             key, seconds, source = row
             print(f"  {arch} {source:8s} {seconds:7.2f} s  {key[0]}", flush=True)
 
-        for key, _, _ in prebuild(units, arch, show):
+        for key, _, _ in prebuild(units[arch], arch, show):
             entry = directory / disk_cache.entry_name(key, arch)
             size += sum(f.stat().st_size for f in (entry.with_suffix(".o"), entry.with_suffix(".json")))
             count += 1
