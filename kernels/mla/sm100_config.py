@@ -7,8 +7,12 @@ A whole 128 x 512 float32 O would take all 512 columns and leave none for S; Fla
 columns with the weight-stationary ``tcgen05.mma.ws`` M=64 layout, which the DSL offers for no 16-bit kind, so the
 value columns are split across two CTAs instead (each recomputes S, the MMA work of QK is duplicated, the key rows
 are read twice, the second time mostly from L2). Per 32-key tile a CTA issues 36 QK MMAs (128 x 32 x 16) and 2 PV
-MMAs (128 x 256 x 16). M=64 tiles (non-ws) would not help: their accumulator still spans N columns, so a 64 x 512 O
-alone fills tensor memory.
+MMAs (128 x 256 x 16): 2 * 128 * (576 + 256) FLOPs per key a CTA, 1.53x the minimum 2 * 128 * (576 + 512) for the
+pair (``python perf/run.py mla-mma-work`` reads it from the PTX). M=64 tiles (non-ws) would not help: their
+accumulator still spans N columns, so a 64 x 512 O alone fills tensor memory. What would: ``cta_group::2`` with
+M=128, whose accumulator folds each CTA's 64 rows x N into N/2 columns (the DSL's fragment is
+``((64, (N/2, 2)), ...)``, the second half 64 lanes down), so the pair splits the heads and each CTA holds a whole
+64 x 512 O in 256 columns; the QK MMA then takes half the keys from each CTA's shared memory.
 
 Shared memory holds Q (128 x 576 16-bit: 144 KiB), P (16-bit, the PV MMA's A operand) and a ring of key tiles of
 ``BN`` rows x the full latent width; the first 512 columns of a key tile are its values (V = the same bytes read
