@@ -192,6 +192,7 @@ TCGEN05_K = {"tf32": 8, "f16": 16, "f8f6f4": 32, "i8": 32, "mxf8f6f4": 32, "mxf4
 _TCGEN05_MMA = re.compile(r"tcgen05\.mma(\.ws)?\.cta_group::(\d)\.kind::(\w+)\S*\s+\[[^\]]+\],\s*(\[[^\]]+\]|%\w+),"
                           r"\s*%\w+,\s*(%\w+|\d+)\b")
 _PTX_DEF = re.compile(r"^\s*(mov|or|selp)\.b32\s+(%r\d+),\s*([^;]+);", re.M)
+_PTX_FUNCTION = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)*\.(?:entry|func)\s+(?:\([^)]*\)\s*)?(\w+)", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +219,9 @@ def _ptx_values(defs: dict, operand: str, depth: int = 0) -> set:
     immediates (how an instruction descriptor is assembled); ValueError for anything else."""
     if not operand.startswith("%"):
         return {int(operand, 0)}
-    if operand not in defs or depth > 16:
+    op, args = defs.get(operand, (None, ()))
+    if op is None or depth > 16:
         raise ValueError(f"cannot resolve {operand} to constants")
-    op, args = defs[operand]
     if op == "mov":
         return _ptx_values(defs, args[0], depth + 1)
     if op == "selp":
@@ -228,24 +229,40 @@ def _ptx_values(defs: dict, operand: str, depth: int = 0) -> set:
     return {a | b for a in _ptx_values(defs, args[0], depth + 1) for b in _ptx_values(defs, args[1], depth + 1)}
 
 
-def tcgen05_mmas(ptx: str) -> list[Tcgen05Mma]:
-    """The ``tcgen05.mma`` instructions of ``ptx`` in order, shapes decoded; a descriptor whose possible values
-    disagree on a shape field raises ValueError."""
-    defs = {}
-    for m in _PTX_DEF.finditer(ptx):
-        if m[2] in defs:  # a register set twice: its value is not one expression
-            defs[m[2]] = ("unknown", ())
-        else:
-            defs[m[2]] = (m[1], [a.strip() for a in m[3].split(",")])
-    out = []
-    for m in _TCGEN05_MMA.finditer(ptx):
-        fields = {(v >> 24 & 0x1F, v >> 17 & 0x3F, v >> 16 & 1) for v in _ptx_values(defs, m[5])}
-        if len(fields) != 1:
-            raise ValueError(f"instruction descriptor {m[5]} has several shapes: {sorted(fields)}")
-        (m16, n8, b_mn), = fields
-        out.append(Tcgen05Mma(16 * m16, 8 * n8, TCGEN05_K[m[3]], int(m[2]), bool(m[1]), m[4].startswith("["),
-                              bool(b_mn)))
-    return out
+def _ptx_functions(ptx: str) -> list[tuple[str, str]]:
+    """``(name, body)`` of each ``.entry`` / ``.func`` of a PTX text (registers are per function); a fragment
+    without one is one unnamed body."""
+    starts = list(_PTX_FUNCTION.finditer(ptx))
+    if not starts:
+        return [("", ptx)]
+    return [(m[1], ptx[m.start():starts[i + 1].start() if i + 1 < len(starts) else len(ptx)])
+            for i, m in enumerate(starts)]
+
+
+def tcgen05_mmas(ptx: str, entry: Optional[str] = None) -> list[Tcgen05Mma]:
+    """The ``tcgen05.mma`` instructions of the one function of ``ptx`` that issues any (or of the one whose name
+    contains ``entry``), in order, shapes decoded. ValueError where several functions issue them and ``entry``
+    picks none, or where a descriptor is not built from constants or its possible values disagree on a shape."""
+    found = []
+    for name, body in _ptx_functions(ptx):
+        if entry is not None and entry not in name:
+            continue
+        defs = {}
+        for m in _PTX_DEF.finditer(body):  # a register set twice holds no one expression: left unresolved
+            defs[m[2]] = (None, ()) if m[2] in defs else (m[1], [a.strip() for a in m[3].split(",")])
+        mmas = []
+        for m in _TCGEN05_MMA.finditer(body):
+            fields = {(v >> 24 & 0x1F, v >> 17 & 0x3F, v >> 16 & 1) for v in _ptx_values(defs, m[5])}
+            if len(fields) != 1:
+                raise ValueError(f"instruction descriptor {m[5]} has several shapes: {sorted(fields)}")
+            (m16, n8, b_mn), = fields
+            mmas.append(Tcgen05Mma(16 * m16, 8 * n8, TCGEN05_K[m[3]], int(m[2]), bool(m[1]), m[4].startswith("["),
+                                   bool(b_mn)))
+        if mmas:
+            found.append((name, mmas))
+    if len(found) > 1:
+        raise ValueError(f"several functions issue tcgen05.mma ({', '.join(n for n, _ in found)}): name one")
+    return found[0][1] if found else []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -822,7 +822,7 @@ def test_sm100_mla_mma_work_per_key():
     assert [r["keys_per_tile"] for r in records] == [BN, FP8_BN]
     minimum = 2 * 128 * (LATENT + V_DIM)
     for r in records:
-        assert r["ctas"] == V_SPLIT and r["qk_mmas"] == LATENT // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
+        assert r["units"] == V_SPLIT and r["qk_mmas"] == LATENT // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
         assert r["flops_per_key"] == V_SPLIT * 2 * BM * (LATENT + O_COLS)
         assert r["min_flops_per_key"] == minimum and r["ratio"] == round(r["flops_per_key"] / minimum, 3)
 

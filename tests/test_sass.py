@@ -263,6 +263,12 @@ def test_tcgen05_mmas():
     with pytest.raises(ValueError, match="several shapes"):  # alternatives naming two N
         static.tcgen05_mmas("\tselp.b32 \t%r1, 134743184, 134874256, %p1;\n"
                             "\ttcgen05.mma.cta_group::1.kind::f16 [%r2], %rd1, %rd2, %r1, p;\n")
+    # Registers are per function: two kernels issuing MMAs are told apart by name.
+    two = ".visible .entry first(\n" + ptx + "}\n.visible .entry second(\n" + ptx.replace("69207184", "69338256")
+    with pytest.raises(ValueError, match="several functions"):
+        static.tcgen05_mmas(two)
+    assert static.tcgen05_mmas(two, "second")[1] == static.Tcgen05Mma(64, 136, 16, 1, True, True, False)
+    assert static.tcgen05_mmas(two, "first") == mmas
     with pytest.raises(ValueError, match="cannot resolve"):  # a descriptor loaded from memory
         static.tcgen05_mmas("\tld.shared.b32 \t%r1, [%r5];\n\ttcgen05.mma.cta_group::1.kind::f16 [%r2], %rd1, "
                             "%rd2, %r1, p;\n")

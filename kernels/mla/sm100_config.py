@@ -10,9 +10,11 @@ are read twice, the second time mostly from L2). Per 32-key tile a CTA issues 36
 MMAs (128 x 256 x 16): 2 * 128 * (576 + 256) FLOPs per key a CTA, 1.53x the minimum 2 * 128 * (576 + 512) for the
 pair (``python perf/run.py mla-mma-work`` reads it from the PTX). M=64 tiles (non-ws) would not help: their
 accumulator still spans N columns, so a 64 x 512 O alone fills tensor memory. What would: ``cta_group::2`` with
-M=128, whose accumulator folds each CTA's 64 rows x N into N/2 columns (the DSL's fragment is
-``((64, (N/2, 2)), ...)``, the second half 64 lanes down), so the pair splits the heads and each CTA holds a whole
-64 x 512 O in 256 columns; the QK MMA then takes half the keys from each CTA's shared memory.
+M=128, whose accumulator folds each CTA's 64 rows x N onto all 128 lanes in N/2 columns (the DSL's fragment is
+``((64, (N/2, 2)), ...)``), so the pair splits the heads and each CTA holds a whole 64 x 512 O in 256 columns, as
+FlashMLA's head128 decode does; its QK reads the two N halves of B from the two CTAs, so with Q in tensor memory
+(its two column halves in the two lane halves) an N = 2 x keys MMA takes each half of the latent columns from the
+CTA holding it: a key row is loaded once for the pair, S is the sum of the halves and V is split by columns.
 
 Shared memory holds Q (128 x 576 16-bit: 144 KiB), P (16-bit, the PV MMA's A operand) and a ring of key tiles of
 ``BN`` rows x the full latent width; the first 512 columns of a key tile are its values (V = the same bytes read
