@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+from cute_kv.kernels.archs import ARCHS, BLACKWELL, SM90
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
 from cute_kv.kernels.cache import gather, store, store_rope_aware
 from cute_kv.kernels.mla import sm90 as mla_sm90
 from cute_kv.kernels.mla import sm100 as mla_sm100
 
-ARCHS = ("sm_90a", "sm_100a")
 REGS_PER_SM = 64 * 1024
 SMEM_PER_SM = attention_config.SMEM_PER_SM  # 228 KiB, 1 KiB of it reserved per resident CTA
 MAX_THREADS_PER_SM = 2048
@@ -224,7 +224,7 @@ def _qkv_w4(fmt, *case):
 
 
 def _qkv_w4_sm100(fmt, *case):
-    """``FusedQKVGemmW4Sm100`` (sm_100a) from a ``QKV_W4_CASES`` tuple."""
+    """``FusedQKVGemmW4Sm100`` (Blackwell) from a ``QKV_W4_CASES`` tuple."""
     from cute_kv.kernels.qkv.w4 import QKVW4Spec
     from cute_kv.kernels.qkv.w4_sm100 import FusedQKVGemmW4Sm100
 
@@ -298,34 +298,35 @@ FAMILIES = [
            _store_plan, build=lambda kernel: kernel.build()),
     Family("paged_kv_store_rope_aware", store_rope_aware.RopeAwareKVStore, tuple(STORE_ROPE_AWARE_CASES), ARCHS,
            _store_rope_aware_plan),
-    *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),
+    # One family per kernel set: sm_103a compiles the sm_100a one (same classes and tiles).
+    *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), archs,
              lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build(),
-             roles=lambda k: _quack_roles(k.gemm())) for arch in ARCHS),
+             roles=lambda k: _quack_roles(k.gemm())) for arch, archs in ((SM90, (SM90,)), ("sm_100a", BLACKWELL))),
     # quack's cooperative W4 GEMM: a producer and two MMA warpgroups sharing a 128-row weight tile; stages fill
     # shared memory (one CTA per SM).
     # quack's mainloop releases a stage from lane 0 of each warp after all its lanes read the weights from shared
     # memory, with no bar.warp.sync between: the "sync" finding, library code.
-    Family("fused_qkv_gemm_w4_90", _qkv_w4, tuple(QKV_W4_CASES), ("sm_90a",), lambda k: Plan(384, None, 1),
+    Family("fused_qkv_gemm_w4_90", _qkv_w4, tuple(QKV_W4_CASES), (SM90,), lambda k: Plan(384, None, 1),
            build=lambda k: k.build(), roles=lambda k: _quack_roles(k.gemm()), barrier_waivers=("sync",)),
     # Our SM100 W4 kernel: 4 epilogue warps, MMA, load and 4 transform warps; stages fill shared memory beside the
     # epilogue tile and two TMEM accumulators (one CTA per SM).
-    Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), ("sm_100a",),
+    Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), BLACKWELL,
            lambda k: Plan(k.threads, None, 1), build=lambda k: k.build(), roles=_w4_sm100_roles),
-    Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
+    Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), (SM90,),
            _attention_plan, head_dim=lambda k: k.head_dim,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
            roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8)),
-    Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),
+    Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), BLACKWELL,
            # Warps in roles (softmax, MMA, load; fp8: converters); all of tensor memory and the DSL-sized rings:
            # one CTA per SM.
            # S blocks: QK over the head dim, PV over the value dim.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
            roles=lambda k: _sm100_roles(attention_sm100, k.kv_fp8)),
-    Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
+    Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), (SM90,), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
            head_dim=lambda k: (k.latent_dim + k.v_dim) // 2, roles=lambda k: _sm90_roles(mla_sm90, bool(k.rope_dim))),
-    Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), ("sm_100a",),
+    Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), BLACKWELL,
            # Warps in roles (softmax, MMA, load; converter for rope-aware fp8), Q and the key stages: one CTA per SM.
            lambda k: Plan(k.threads, k.plan.smem, 1), head_dim=lambda k: k.latent_dim,
            roles=lambda k: _sm100_roles(mla_sm100, k.fp8)),

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cute_kv
+from cute_kv.kernels.archs import generation, is_blackwell
 from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
 from cute_kv.ops import paged_attention_sm100, paths
@@ -265,12 +266,18 @@ def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
     pb = _batch(kind, step)
     fn, args, kwargs = _fused_qkv(pb, step, rng, weight_kind)
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
-    assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[arch], path
+    assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[generation(arch)], path
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows)
     _check_sources(launches, _sources(pb, "fused_qkv", args, kwargs))
-    if arch == "sm_100a" and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
+    if is_blackwell(arch) and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
         assert launches[0].values["splits"] > 1
+
+
+@pytest.mark.parametrize("weight_kind", ["int4", "fp8"])
+def test_quantized_weight_launch_contract_on_b300(weight_kind, rng):
+    """B300 runs the SM100 W4 kernel, split-K on a decode step as on a B200."""
+    test_quantized_weight_launch_contract(weight_kind, "bf16", "decode-split", "sm_103a", rng)
 
 
 def _mla_prefill_args(pb, step, rng, heads=MLA_HQ):
@@ -292,7 +299,7 @@ def _mla_prefill_kwargs(pb, step):
 ROUTES = {"decode-split": "absorbed", "prefill": "decompressed"}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, "sm_103a"))
 @pytest.mark.parametrize("kind", MLA)
 @pytest.mark.parametrize("step", STEPS)
 def test_mla_prefill_launch_contract(step, kind, arch, rng):
@@ -307,7 +314,7 @@ def test_mla_prefill_launch_contract(step, kind, arch, rng):
     assert route.path == ROUTES.get(step, route.path)
     launches, fallbacks = _run(arch, cute_kv.mla_prefill, args, _mla_prefill_kwargs(pb, step))
     want = {"absorbed": {"sm_90a": "MLADecode", "sm_100a": "MlaDecodeSm100"},
-            "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][arch]
+            "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][generation(arch)]
     _check_launches(paths.kernel(mla_prefill_op.OP, want, (), arch), launches, fallbacks, pb.total_rows)
     # q, the cache and its lookup table are the route's own (decompressed: a temporary cache)
     _check_sources(launches, {"input_row_offsets": pb.input_row_offsets, "cache_lengths": pb.collection.cache_lengths})
@@ -460,10 +467,24 @@ def test_gather4_pages_of_other_layouts(rng):
         contract.check(**{**launch.values, "k_src": hnd.key_blocks, "v_src": hnd.value_blocks})
 
 
-@pytest.mark.parametrize("arch", ["sm_80a", "sm_103a", "sm_120a"])
+@pytest.mark.parametrize("op, kind, step", sorted({(op, kind, step) for op, kind, step, arch in (p.values for p in CASES)
+                                                    if arch == "sm_100a"}))
+def test_b300_runs_the_blackwell_kernels(op, kind, step, rng):
+    """A B300 (sm_103) takes the B200's path, kernel and compile key, compiled for ``sm_103a`` (an ``sm_100a``
+    cubin does not run there), and launches it with what its entry takes."""
+    pb = _batch(kind, step)
+    fn, args, kwargs = OPS[op](pb, step, rng)
+    b200, b300 = (cute_kv.explain(fn, *args, arch=arch, **kwargs) for arch in ("sm_100a", "sm_103a"))
+    assert (b300.path, b300.kernel, b300.key) == (b200.path, b200.kernel, b200.key)
+    launches, fallbacks = _run("sm_103a", fn, args, kwargs)
+    _check_launches(b300, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    assert {launch.arch for launch in launches} <= {"sm_103a"}
+
+
+@pytest.mark.parametrize("arch", ["sm_80a", "sm_120a"])
 def test_other_cuda_archs_run_the_reference_with_a_warning(arch, rng):
-    """A100, B300 (sm_103), RTX 50xx (sm_120): no kernel is compiled for them, so every op runs the reference and
-    says so once (``FallbackWarning``), as on any CUDA call no kernel serves; ``explain`` gives the same answer."""
+    """A100, RTX 50xx (sm_120): no kernel is compiled for them, so every op runs the reference and says so once
+    (``FallbackWarning``), as on any CUDA call no kernel serves; ``explain`` gives the same answer."""
     for op in OPS:
         paths._warned.clear()
         pb = _batch("mla-bf16" if op == "sparse_mla_attention" else "bf16", "ragged")

@@ -22,6 +22,7 @@ needs_tools = pytest.mark.skipif(static.tools_available() is not None, reason=st
 KNOWN = {
     "paged_kv_store[float32-1-64-1-576-64]-sm_90a": "168 registers: 3 CTAs per SM, the plan claims 4",
     "paged_kv_store[float32-1-64-1-576-64]-sm_100a": "168 registers: 3 CTAs per SM, the plan claims 4",
+    "paged_kv_store[float32-1-64-1-576-64]-sm_103a": "168 registers: 3 CTAs per SM, the plan claims 4",
 }
 
 
@@ -241,3 +242,34 @@ def test_ptx_facts():
            "\tmov.b32 \t%r586, 512;\n\ttcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 \t[%r3+216], %r586;\n")
     assert static.ptx_facts(ptx) == {"setmaxnreg": [40, 224], "tmem_columns": 512}
     assert static.ptx_facts("ld.global.v4.b32") == {"setmaxnreg": []}
+
+
+def test_tcgen05_mmas():
+    # The DSL builds a descriptor by or/selp of immediates (M=128 N=32 bf16 K-major; the selp bits are negations),
+    # nvcc moves one (FlashMLA's weight-stationary M=64 N=128, A in TMEM); cta_group::2 M=128 N=256 with B
+    # MN-major: the pair's M.
+    ptx = ("\tselp.b32 \t%r678, 16384, 0, %p2;\n\tselp.b32 \t%r679, 134751376, 134743184, %p1;\n"
+           "\tor.b32 \t%r324, %r679, %r678;\n"
+           "\ttcgen05.mma.cta_group::1.kind::f16.collector::a::discard [%r322], %rd43, %rd297, %r324, "
+           "{%r682, %r683, %r684, %r685}, %p198;\n"
+           "\tmov.b32 \t%r1318, 69207184;\n"
+           "\ttcgen05.mma.ws.cta_group::1.kind::f16 [%r1316], [%r1246], %rd332, %r1318, p, 0;\n"
+           f"\tmov.b32 \t%r9, {(8 << 24) | (32 << 17) | (1 << 16) | 0x490};\n"
+           "\ttcgen05.mma.cta_group::2.kind::f16 [%r8], %rd1, %rd2, %r9, p;\n")
+    mmas = static.tcgen05_mmas(ptx)
+    assert mmas == [static.Tcgen05Mma(128, 32, 16, 1, False, False, False),
+                    static.Tcgen05Mma(64, 128, 16, 1, True, True, False),
+                    static.Tcgen05Mma(128, 256, 16, 2, False, False, True)]
+    assert [m.flops for m in mmas] == [2 * 128 * 32 * 16, 2 * 64 * 128 * 16, 2 * 128 * 256 * 16]
+    with pytest.raises(ValueError, match="several shapes"):  # alternatives naming two N
+        static.tcgen05_mmas("\tselp.b32 \t%r1, 134743184, 134874256, %p1;\n"
+                            "\ttcgen05.mma.cta_group::1.kind::f16 [%r2], %rd1, %rd2, %r1, p;\n")
+    # Registers are per function: two kernels issuing MMAs are told apart by name.
+    two = ".visible .entry first(\n" + ptx + "}\n.visible .entry second(\n" + ptx.replace("69207184", "69338256")
+    with pytest.raises(ValueError, match="several functions"):
+        static.tcgen05_mmas(two)
+    assert static.tcgen05_mmas(two, "second")[1] == static.Tcgen05Mma(64, 136, 16, 1, True, True, False)
+    assert static.tcgen05_mmas(two, "first") == mmas
+    with pytest.raises(ValueError, match="cannot resolve"):  # a descriptor loaded from memory
+        static.tcgen05_mmas("\tld.shared.b32 \t%r1, [%r5];\n\ttcgen05.mma.cta_group::1.kind::f16 [%r2], %rd1, "
+                            "%rd2, %r1, p;\n")

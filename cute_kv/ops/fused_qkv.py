@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import dtypes, reference
+from cute_kv.kernels.archs import ARCHS, is_blackwell
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.norm import QKNorm
@@ -262,7 +263,7 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     if quantized:
         from cute_kv.kernels.qkv.w4 import QKVW4Spec
 
-        name = "FusedQKVGemmW4Sm100" if arch == "sm_100a" else "FusedQKVGemmW4"
+        name = "FusedQKVGemmW4Sm100" if is_blackwell(arch) else "FusedQKVGemmW4"
         return paths.kernel(OP, name, QKVW4Spec(spec, weight_format), arch)
     return paths.kernel(OP, "FusedQKVGemm", spec, arch)
 
@@ -273,8 +274,8 @@ def _quantized_problem(weight, hidden, arch: str) -> tuple[Optional[str], str]:
     from cute_kv.kernels.qkv import w4
 
     name = type(weight).__name__
-    if arch not in (w4.ARCH, "sm_100a"):
-        return None, f"{name} weights on {arch}: the quantized-weight mainloops are sm_90a's and sm_100a's"
+    if arch not in ARCHS:
+        return None, f"{name} weights on {arch}: the quantized-weight mainloops are {', '.join(ARCHS)}'s"
     if hidden.dtype != torch.bfloat16:
         return None, f"{name} weights decode to bfloat16; hidden is {dtypes.dtype_name(hidden.dtype)}"
     fmt, problem = w4.weight_format(weight)
@@ -352,7 +353,7 @@ def _gemm(spec, arch: str):
     from cute_kv.kernels.qkv.gemm import FusedQKVGemm
     from cute_kv.kernels.qkv.w4 import FusedQKVGemmW4, QKVW4Spec
 
-    if isinstance(spec, QKVW4Spec) and arch == "sm_100a":
+    if isinstance(spec, QKVW4Spec) and is_blackwell(arch):
         from cute_kv.kernels.qkv.w4_sm100 import FusedQKVGemmW4Sm100
 
         return FusedQKVGemmW4Sm100(spec, arch)

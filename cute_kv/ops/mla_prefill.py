@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.archs import is_blackwell
 from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
 from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS
 from cute_kv.ops import paths, units
@@ -174,7 +175,7 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
     from cute_kv.ops.splits import grid_problem
 
     qk = nope_dim + rope_dim
-    native = arch is None or (arch == "sm_100a" and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
+    native = arch is None or (is_blackwell(arch) and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
     wide = max(qk, v_dim)
     head_dim = wide if native else min((d for d in HEAD_DIMS if d >= wide), default=wide)
     pv = v_dim if native else head_dim

@@ -13,6 +13,7 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.archs import BLACKWELL, SM90
 from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, layout_problem
 from cute_kv.ops import mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
 from cute_kv.ops.attention_backends import OP, Backend, Family
@@ -20,8 +21,8 @@ from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 # The kernel family of a cache kind (MLA or not) on an arch, and each family's backend.
-FAMILIES = {(False, "sm_90a"): Family.SM90_MHA, (False, "sm_100a"): Family.SM100_MHA,
-            (True, "sm_90a"): Family.SM90_MLA, (True, "sm_100a"): Family.SM100_MLA}
+FAMILIES = {**{(False, a): Family.SM100_MHA for a in BLACKWELL}, **{(True, a): Family.SM100_MLA for a in BLACKWELL},
+            (False, SM90): Family.SM90_MHA, (True, SM90): Family.SM90_MLA}
 BACKENDS = {b.family: b for b in (paged_attention_sm90.BACKEND, paged_attention_sm100.BACKEND, mla_decode.BACKEND,
                                   mla_decode_sm100.BACKEND)}
 

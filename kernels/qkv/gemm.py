@@ -60,12 +60,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+from cute_kv.kernels.archs import BLACKWELL
 from cute_kv.kernels.qkv.epilogue import VEC, QKVEpilogueArguments, QKVEpilogueMixin
 
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 BN = 128
 # (tile M per MMA warpgroup / per 2-CTA pair, cluster): quack's SM90 ping-pong and SM100 2-CTA configurations.
-TILES = {"sm_90a": ((128, BN), (2, 1, 1)), "sm_100a": ((256, BN), (2, 1, 1))}
+TILES = {"sm_90a": ((128, BN), (2, 1, 1)), **{arch: ((256, BN), (2, 1, 1)) for arch in BLACKWELL}}
 MAX_SWIZZLE = 8
 CTA_ROWS = 128  # token rows of one CTA's tile on both cores (SM100's 256-row tile spans a CTA pair): an M tile
 # CTAs of a cluster along M (the most of any core): quack's scheduler rounds the M tiles up to whole clusters,
@@ -270,7 +271,7 @@ def _gemm_classes():
     class FusedQKVGemmSm100(QKVEpilogueMixin, GemmSm100):
         pass
 
-    return {"sm_90a": FusedQKVGemmSm90, "sm_100a": FusedQKVGemmSm100}
+    return {"sm_90a": FusedQKVGemmSm90, **{arch: FusedQKVGemmSm100 for arch in BLACKWELL}}
 
 
 class FusedQKVGemm:

@@ -320,8 +320,8 @@ def _gemm_class():
     return FusedQKVGemmW4Sm90
 
 
-def check_spec(spec: QKVW4Spec, arch: str, target: str, name: str) -> None:
-    """Raises why the quantized-weight kernel ``name`` (built for ``target``) cannot take ``spec`` on ``arch``."""
+def check_spec(spec: QKVW4Spec, arch: str, targets: tuple, name: str) -> None:
+    """Raises why the quantized-weight kernel ``name`` (built for ``targets``) cannot take ``spec`` on ``arch``."""
     problem = supported(spec.qkv)
     if problem:
         raise ValueError(problem)
@@ -329,8 +329,8 @@ def check_spec(spec: QKVW4Spec, arch: str, target: str, name: str) -> None:
         raise ValueError(f"weight_format {spec.weight_format!r} is not one of {sorted(FORMATS.values())}")
     if spec.qkv.dtype_name != "bfloat16":
         raise ValueError(f"quantized weights decode to bfloat16: hidden must be bfloat16, not {spec.qkv.dtype_name}")
-    if arch != target:
-        raise ValueError(f"{name} targets {target}, not {arch}")
+    if arch not in targets:
+        raise ValueError(f"{name} targets {' / '.join(targets)}, not {arch}")
 
 
 class FusedQKVGemmW4:
@@ -341,7 +341,7 @@ class FusedQKVGemmW4:
     cluster_shape = (1, 1, 1)  # quack's W4 takes (1, cluster_N, 1); a weight tile is not shared across tokens' CTAs
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
-        check_spec(spec, arch, ARCH, "FusedQKVGemmW4")
+        check_spec(spec, arch, (ARCH,), "FusedQKVGemmW4")
         self.spec, self.arch = spec, arch
 
     @property
