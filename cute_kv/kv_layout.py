@@ -20,10 +20,11 @@ from typing import Optional
 
 import torch
 
-PLANE_DIMS = ("N", "L", "P", "H", "D")
 BLOCKS_DIMS = ("N", "KVD", "L", "P", "H", "D")
 KV_DIMS = ("N", "P", "H", "D")
 ALIGN_BYTES = 16
+# Other engines' per-layer caches, by the layout of the tensor(s) holding K and V (``engine_kv``).
+ENGINE_LAYOUTS = ("vllm", "flashinfer-nhd", "flashinfer-hnd", "separate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,3 +123,24 @@ def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVPlanes:
             return KVPlanes(both[:, 0], both[:, 1], both)
     key, value = (_canonical(t.unsqueeze(1)) for t in (k_cache, v_cache))
     return KVPlanes(key, value, None)
+
+
+def engine_kv(layout: str, num_pages: int, page_size: int, num_heads: int, head_size: int, dtype,
+              device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """New, uninitialized ``(k_cache, v_cache)`` ``[N, P, H, D]`` views laid out as ``layout`` keeps one layer:
+    vLLM ``kv[2, N, P, H, D]``, FlashInfer NHD ``[N, 2, P, H, D]`` and HND ``[N, 2, H, P, D]``, or two separate
+    tensors (FA4, transformers); what ``from_kv`` takes."""
+    n, p, h, d = num_pages, page_size, num_heads, head_size
+    if layout == "vllm":
+        kv = torch.empty((2, n, p, h, d), dtype=dtype, device=device)
+        return kv[0], kv[1]
+    if layout == "flashinfer-nhd":
+        t = torch.empty((n, 2, p, h, d), dtype=dtype, device=device)
+        return t[:, 0], t[:, 1]
+    if layout == "flashinfer-hnd":
+        t = torch.empty((n, 2, h, p, d), dtype=dtype, device=device)
+        return t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)
+    if layout == "separate":
+        return (torch.empty((n, p, h, d), dtype=dtype, device=device),
+                torch.empty((n, p, h, d), dtype=dtype, device=device))
+    raise ValueError(f"layout must be one of {ENGINE_LAYOUTS}, got {layout!r}")

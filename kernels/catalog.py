@@ -103,7 +103,7 @@ STORE_STRIDED_CASES = [("bfloat16", 2, 16, 8, 128, None, "strided"), ("bfloat16"
 STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
 STORE_ROPE_AWARE_CASES = [("bfloat16", 64, 512, 64), ("float32", 16, 256, 32)]  # (dtype, P, padded_depth, rope_dim)
 QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims
-    # [, fp8 scale granularity, e8m0 scales[, cross_dims, rope_tail]]); fp8 when scaled or rope-aware
+    # [, fp8 scale granularity, e8m0 scales[, cross_dims, rope_tail[, strided]]]); fp8 when scaled or rope-aware
     ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B
     ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
     ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent head straddling tiles
@@ -113,6 +113,9 @@ QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, 
     ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 64),
     # Gemma 3: QK-norm and neox over heads of 256, two column tiles each, finished by the last to arrive
     ("bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256),
+    # strided caches (K and V planes of runtime strides): an e4m3 cache with float32 scales, MLA's latent norm
+    ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0, 32, False, 0, 0, True),
+    ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 0, True),
 ]
 QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero points, group 32) and e4m3 weights
     ("int4", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B GPTQ g128
@@ -211,7 +214,7 @@ def _qkv_spec(case):
     """The ``QKVSpec`` of a ``QKV_CASES`` tuple."""
     from cute_kv.kernels.qkv.gemm import QKVSpec
 
-    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail"), case[11:]))
+    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail", "strided"), case[11:]))
     fp8 = bool(extra.get("granularity") or extra.get("rope_tail"))
     return QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10], fp8=fp8, **extra)
 

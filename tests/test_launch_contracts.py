@@ -180,7 +180,7 @@ CASES = list(_case_list())
 # and the SM100 W4 kernel take the epilogue's tensors by position); any other parameter named as one of the op's
 # tensors carries that tensor.
 _EPILOGUE = (None, "blocks", "input_row_offsets", "cache_lengths", "lookup_table", None, "bias", None, None, None,
-             "scales")
+             "scales", None, None, "value_blocks")
 ROLES = {"k_src": "blocks", "v_src": "blocks",
          **{f"{group}[{i}]": role for group in ("epilogue_args", "epi") for i, role in enumerate(_EPILOGUE) if role}}
 ROLES_BY_KERNEL = {"FusedQKVGemmSm90": {"mA": "hidden"}, "FusedQKVGemmSm100": {"mA": "hidden"},
@@ -191,7 +191,9 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
     """The op's tensors a kernel parameter may carry, by role: the cache and its metadata, the activations, the
     optional operands."""
     c = pb.collection
-    sources = {"blocks": c.blocks, "key_blocks": c.key_blocks, "value_blocks": c.value_blocks,
+    # a strided kernel's blocks: the K plane
+    sources = {"blocks": c.blocks if c.is_compact else c.key_blocks, "key_blocks": c.key_blocks,
+               "value_blocks": c.value_blocks,
                "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
                "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
                **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
@@ -345,14 +347,15 @@ def test_the_matrix_reaches_every_kernel():
                                           ("fp8-f32", "strided-6d"), ("mla-bf16", "strided-6d"),
                                           ("bf16", "flashinfer-nhd")])
 def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
-    """Engine layouts: the strided store kernel takes the K and V planes (FlashInfer NHD is MAX's compact layout
-    and keeps the compact kernels); ops without a strided kernel take the reference, warned."""
+    """Engine layouts: the strided store, gather and fused QKV kernels take the planes (FlashInfer NHD is MAX's
+    compact layout and keeps the compact kernels); what no kernel serves takes the reference, warned."""
     pb, layer = with_layout(_batch(kind, "ragged"), layout, 1)
     fn, args, kwargs = OPS[op](pb, "ragged", rng)
     args = (*args[:-1], layer)
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
-    if op == "store_kv" or (op == "gather_kv" and kind == "bf16"):
-        assert path.path == paths.KERNEL and (path.key[-1] == "strided") == (layout != "flashinfer-nhd")
+    if op != "gather_kv" or kind == "bf16":
+        strided = path.key.strided if op == "fused_qkv" else path.key[-1] == "strided"
+        assert path.path == paths.KERNEL and strided == (layout != "flashinfer-nhd")
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
     _check_sources(launches, _sources(pb, op, args, kwargs))

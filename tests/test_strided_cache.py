@@ -1,6 +1,8 @@
 """Foreign cache layouts in place: ``from_kv`` and strided 6-D ``blocks`` against MAX's compact cache on the CPU
 (store, gather, fused QKV writes, attention), the strides the kernels cannot address rejected by name, and the
-store and gather kernels' strided variants (their own keys; the compact keys unchanged)."""
+store, gather and fused QKV kernels' strided variants (their own keys; the compact keys unchanged)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -8,7 +10,9 @@ import torch
 import cute_kv
 from cute_kv import reference as ref
 from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.ops import fused_qkv as fused_qkv_op
 from cute_kv.ops import gather_kv as gather_kv_op
+from cute_kv.ops import paths
 from cute_kv.ops import store_kv as store_kv_op
 from cute_kv.paged_cache import _raw
 from cute_kv.reference.batch import ENGINE_LAYOUTS, random_paged_batch, with_layout
@@ -173,3 +177,19 @@ def test_gather_plan_keys():
     key = ("paged_kv_gather", "bfloat16", 2, 16, 2, 64)
     assert gather_kv_op.plan(compact.collection, out, "sm_90a").key == key
     assert gather_kv_op.plan(strided.collection, out, "sm_100a").key == (*key, "strided")
+
+
+def test_fused_qkv_plan_keys(rng):
+    """The strided epilogue's spec differs from the compact one by its flag alone; quantized weights, whose
+    mainloops have no strided epilogue yet, take the reference."""
+    from test_fused_qkv_w4 import _int4
+
+    compact, strided, _ = _pair("fp8-f32", "flashinfer-hnd")
+    hidden = torch.zeros((4, 128), dtype=torch.bfloat16)
+    weight = torch.zeros((256 + 256, 128), dtype=torch.bfloat16)
+    a = fused_qkv_op.plan(compact.collection, hidden, weight, None, "sm_90a")
+    b = fused_qkv_op.plan(strided.collection, hidden, weight, None, "sm_90a")
+    assert a.path == b.path == paths.KERNEL and not a.key.strided
+    assert b.key == dataclasses.replace(a.key, strided=True)
+    w4 = fused_qkv_op.plan(strided.collection, hidden, _int4(rng, 512, 128, 128), None, "sm_90a")
+    assert w4.path == paths.REFERENCE and "strided cache with a quantized weight" in w4.reason

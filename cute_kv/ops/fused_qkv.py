@@ -239,9 +239,10 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
         return fallback(f"hidden is {dtype_name}; the kernel takes {' or '.join(sorted(DTYPES))}")
     if hidden.shape[1] == 0:
         return fallback("hidden has no columns (K = 0)")
-    if not c.is_compact:
-        return fallback("a strided cache: the epilogue writes MAX's compact blocks")
-    if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.blocks.data_ptr() % 16:
+    if quantized and not c.is_compact:
+        return fallback("a strided cache with a quantized weight: its epilogue writes MAX's compact blocks")
+    if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.key_blocks.data_ptr() % 16 \
+            or c.value_blocks.data_ptr() % 16:
         return fallback("hidden, weight and blocks need row-major, 16-byte aligned rows")
     if rope is not None and not rows_aligned(rope.freqs_cis):
         return fallback("rope.freqs_cis needs row-major, 16-byte aligned rows")
@@ -256,7 +257,7 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, d,
                    q_head_dim(rope, d), False, None if rope is None else (rope.rope_dim, rope.interleaved),
                    *_norm_key(qk_norm), fp8=fp8, granularity=granularity, e8m0=e8m0, cross_dims=cross_dims,
-                   rope_tail=c.rope_dim or 0)
+                   rope_tail=c.rope_dim or 0, strided=not c.is_compact)
     problem = supported(spec)
     if problem:
         return fallback(problem)
@@ -307,11 +308,14 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
             kernel = _gemm(_with_bias(spec, bias is not None), arch)
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
             latent = latent_workspace(hidden.device, qkv, t) if qkv.last_arriver else ()
-            fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
-                            collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx,
-                            None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
-                            *norm_weights, scales,
-                            _max_active_clusters(collection.device, kernel.cluster_shape), *latent))
+            c = collection
+            # strided: the K plane as blocks, the V plane beside it (MLA: K only)
+            blocks, value_blocks = (c.key_blocks, None if c.is_mla else c.value_blocks) if qkv.strided else (
+                c.blocks, None)
+            fn(*kernel.args(hidden, weight, out, blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
+                            c.lookup_table, layer_idx, None if bias is None else bias.contiguous(),
+                            None if rope is None else rope.freqs_cis, *norm_weights, scales,
+                            _max_active_clusters(c.device, kernel.cluster_shape), *latent, value_blocks=value_blocks))
         return out if output is None or out is output else output.copy_(out)
 
     return run

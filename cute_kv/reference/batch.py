@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from cute_kv import kv_layout
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.dtypes import is_fp8
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths
@@ -128,7 +129,7 @@ def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int],
 
 
 
-ENGINE_LAYOUTS = ("vllm", "flashinfer-nhd", "flashinfer-hnd", "separate", "strided-6d")
+ENGINE_LAYOUTS = (*kv_layout.ENGINE_LAYOUTS, "strided-6d")
 
 
 def with_layout(pb: PagedBatch, layout: str, layer_idx: int) -> tuple[PagedBatch, int]:
@@ -152,19 +153,7 @@ def with_layout(pb: PagedBatch, layout: str, layer_idx: int) -> tuple[PagedBatch
         return dataclasses.replace(pb, collection=out), layer_idx
     if c.is_mla:
         raise ValueError(f"layout {layout!r} holds K and V; an MLA cache has K only")
-    if layout == "vllm":
-        kv = torch.empty((2, n, p, h, d), dtype=c.dtype, device=c.device)
-        k, v = kv[0], kv[1]
-    elif layout == "flashinfer-nhd":
-        t = torch.empty((n, 2, p, h, d), dtype=c.dtype, device=c.device)
-        k, v = t[:, 0], t[:, 1]
-    elif layout == "flashinfer-hnd":
-        t = torch.empty((n, 2, h, p, d), dtype=c.dtype, device=c.device)
-        k, v = t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)
-    elif layout == "separate":
-        k, v = (torch.empty((n, p, h, d), dtype=c.dtype, device=c.device) for _ in range(2))
-    else:
-        raise ValueError(f"layout must be one of {ENGINE_LAYOUTS}, got {layout!r}")
+    k, v = kv_layout.engine_kv(layout, n, p, h, d, c.dtype, c.device)
     _raw(k)[:] = _raw(c.key_blocks[:, layer_idx])
     _raw(v)[:] = _raw(c.value_blocks[:, layer_idx])
     scales = None if c.scales is None else c.scales[:, :, layer_idx:layer_idx + 1].contiguous()

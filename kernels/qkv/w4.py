@@ -221,6 +221,7 @@ class QKVW4EpilogueArguments(NamedTuple):
     scales: Optional[cute.Tensor] = None
     workspace: Optional[cute.Tensor] = None
     counters: Optional[cute.Tensor] = None
+    value_blocks: Optional[cute.Tensor] = None
     column_scales: Optional[cute.Tensor] = None  # [N padded to BN] float32
 
 
@@ -375,7 +376,8 @@ class FusedQKVGemmW4:
         return (mA, hidden, d, None, epi, scheduler, None, stream, None, None)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None,
+             value_blocks=None) -> tuple:
         """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
         ``workspace``/``counters``: the cross-tile latent's (``FusedQKVGemm.args``)."""
         from quack.operand_transform.host import w4_operand_views
@@ -383,7 +385,8 @@ class FusedQKVGemmW4:
 
         blob, sf, col_scales = prepare_weight(weight)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, value_blocks,
+                                     col_scales)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         extent = _row_extent(hidden.device, blob.shape[0] * 64).as_strided((blob.shape[0] * 64, hidden.shape[0]),

@@ -507,7 +507,8 @@ class FusedQKVGemmW4Sm100:
                 Int32(1), Int32(1), stream)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None,
+             value_blocks=None) -> tuple:
         """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
         ``workspace``/``counters``: a last arriver's (``FusedQKVGemm.args``). Split-K's count (``split_k``) and
         scratch (``kernels/qkv/scratch.py``) are chosen here, from the tiles and the grid."""
@@ -518,7 +519,8 @@ class FusedQKVGemmW4Sm100:
         blob, sf, col_scales = prepare_weight(weight)
         operand = w4_operand_views(self.fmt, blob, sf, BN)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, value_blocks,
+                                     col_scales)
         w_tiles, epi_tiles = operand.blob.shape[3], 2 * -(-hidden.shape[0] // TOKENS)
         splits = split_k(w_tiles * epi_tiles // 2, hidden.shape[1] // K_TILE, max_active_clusters)
         partials, split_counters = scratch(hidden.device, "split_k", w_tiles * epi_tiles * splits * TILE_TOKENS
