@@ -124,7 +124,8 @@ class PagedKVCache:
         return pages * self.stride_rows + positions % self.page_size
 
     def scale_rows(self, rows):
-        """The scale rows (int64 tensor or int) of value rows ``rows``: the same tokens, ``page * scale_stride_rows + slot``."""
+        """The scale rows (int64 tensor or int) of value rows ``rows``: the same tokens,
+        ``page * scale_stride_rows + slot``."""
         if self.scale_stride_rows == self.stride_rows:
             return rows
         return rows // self.stride_rows * self.scale_stride_rows + rows % self.stride_rows

@@ -193,3 +193,14 @@ def test_fused_qkv_plan_keys(rng):
     assert b.key == dataclasses.replace(a.key, strided=True)
     w4 = fused_qkv_op.plan(strided.collection, hidden, _int4(rng, 512, 128, 128), None, "sm_90a")
     assert w4.path == paths.REFERENCE and "strided cache with a quantized weight" in w4.reason
+
+
+def test_store_kv_under_torch_compile_writes_a_strided_view():
+    """The custom op takes a strided 6-D view (vLLM's K and V as one ``blocks``) and writes through it."""
+    compact, strided, layer = _pair("bf16", "vllm")
+    k, v = _kv(compact.collection, compact.total_rows, torch.Generator().manual_seed(2))
+    ro = strided.input_row_offsets
+    traced = torch.compile(lambda k, v, c: cute_kv.store_kv(k, v, ro, c, layer), fullgraph=True)
+    traced(k, v, strided.collection)
+    cute_kv.store_kv(k, v, compact.input_row_offsets, compact.collection, LAYER)
+    _same_cache(compact, strided, layer)

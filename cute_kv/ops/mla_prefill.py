@@ -102,8 +102,8 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: t
         out = torch.empty((*q_nope.shape[:2], v_dim), dtype=q_nope.dtype, device=q_nope.device)
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
-                                      c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
+        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.traced_blocks(OP), c.cache_lengths,
+                                      c.lookup_table, c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                       c.quantization_granularity, c.rope_dim, w_uk, w_uv, scale, causal, out)
     else:
         dispatch(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out)

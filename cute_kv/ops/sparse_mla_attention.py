@@ -60,10 +60,10 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.sparse_mla_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
-                                               c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
-                                               c.quantization_granularity, c.rope_dim, indices, topk_lengths,
-                                               mla_v_dim, scale, softcap, sinks, out, lse)
+        torch.ops.cute_kv.sparse_mla_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths,
+                                               c.lookup_table, c.scales, layer_idx, c.max_seq_length,
+                                               c.max_cache_length, c.quantization_granularity, c.rope_dim, indices,
+                                               topk_lengths, mla_v_dim, scale, softcap, sinks, out, lse)
     else:
         dispatch(q, input_row_offsets, c, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out,
                  lse)
