@@ -5,6 +5,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -188,33 +190,98 @@ def test_mma_forms_and_counts(compiled):
 
 @pytest.mark.compile
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
-    """``bar.sync 0`` once (barrier init); the loop's exchanges are the two 256-thread named barriers (and over
+    """``bar.sync 0`` once (barrier init); the loop's exchanges are the three 256-thread named barriers (and over
     rope-aware rows the producer warpgroup's 128-thread dequantization barrier)."""
     kernel, ptx = compiled
     assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
     named = set(re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx))
-    assert named == {("1", "256"), ("2", "256")} | ({("3", "128")} if kernel.rope_dim else set())
+    assert named == {("1", "256"), ("2", "256"), ("3", "256")} | ({("4", "128")} if kernel.rope_dim else set())
 
 
-SYNC = re.compile(r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*);|bar\.sync\s+(\d+)\b|"
-                  r"mbarrier\.arrive\.shared\.b64")
+WGMMA_EVENTS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16|"
+                          r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*);|bar\.sync\s+(\d+)\b|"
+                          r"mbarrier\.arrive\.shared\.b64")
+
+
+def _pending_wgmmas(kernel, ptx):
+    """``(event, pending)`` along the PTX: each named barrier (``"bar 1"``, ...) and mbarrier arrive (``"arrive"``)
+    with the wgmma groups committed and not yet waited for, oldest first, each ``"qk"`` (N = 32) or ``"pv"``
+    (N = v_dim / 2). A wait leaves the newest ``wait_group`` operand groups pending; each site is straight-line
+    code and leaves none pending, so reading the text in order follows every path."""
+    pending, issued, out = [], set(), []
+    for m in WGMMA_EVENTS.finditer(ptx):
+        if m.group(1):
+            issued.add(int(m.group(1)))
+        elif m.group(2) == "commit_group":
+            assert issued in ({BN // 2}, {kernel.v_dim // 2}), issued  # one MMA per group
+            pending.append("qk" if issued == {BN // 2} else "pv")
+            issued = set()
+        elif m.group(2):
+            pending = pending[len(pending) - int(m.group(3)):] if int(m.group(3)) else []
+        else:
+            out.append((f"bar {m.group(4)}" if m.group(4) else "arrive", tuple(pending)))
+    return out
+
+
+@pytest.mark.compile
+def test_pv_in_flight_across_the_max_exchange(compiled):
+    """The tensor cores work through the row-maxima exchange: each loop site issues its tile's QK, then the
+    previous tile's PV behind it, and waits for the QK alone (``wait_group 1``) before the max-exchange barrier, so
+    that PV is in flight across the barrier (and the softmax around it). The Q load, the first tile (no PV before
+    it) and the epilogue meet on the same barrier with nothing pending."""
+    kernel, ptx = compiled
+    at_max = [pending for event, pending in _pending_wgmmas(kernel, ptx) if event == "bar 1"]
+    assert at_max == [(), ()] + [("pv",)] * (SITES - 1) + [()]
+
+
+PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
+
+
+@pytest.fixture(scope="module", params=[DEEPSEEK, ROPE_CASES[0]], ids=lambda c: "-".join(map(str, c)))
+def sass(request):
+    """``(kernel, instructions, labels, static)``: the kernel's SASS through perf/static.py (ptxas, nvdisasm)."""
+    sys.path.insert(0, PERF)
+    import static
+
+    if static.tools_available():
+        pytest.skip(static.tools_available())
+    kernel, unit = _compile(request.param)
+    with tempfile.TemporaryDirectory() as work:
+        text = static.disassemble(static.assemble(unit.ptx, "sm_90a", work)[1])
+    return (kernel, *static.parse_sass(text), static)
+
+
+@pytest.mark.sass
+@pytest.mark.compile
+def test_sass_keeps_the_pv_in_flight_across_the_max_exchange(sass):
+    """ptxas keeps that order: in the steady-state loop the PV's HGMMAs (64 x v_dim/2) follow the QK's, the
+    warpgroup waits for all but the newest group (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the QK) and meets on the
+    max-exchange barrier, and waits for the PV (``0x0``) only after it, before the PV and P barriers."""
+    kernel, instrs, labels, static = sass
+    lp = static.main_loop(static.loops(instrs, labels))
+    cfg = static.blocks(instrs, labels)
+    events = []
+    for ins in (i for b in sorted(lp.blocks) for i in cfg[b].instrs):
+        if static.is_mma(ins.opcode):
+            kind = "pv" if ins.opcode.startswith(f"HGMMA.64x{kernel.v_dim // 2}x16") else "qk"
+            events += [kind] if events[-1:] != [kind] else []
+        elif ins.opcode.startswith("WARPGROUP.DEPBAR"):
+            events.append("wait " + ins.text.split(",")[-1].strip())
+        elif static.is_named_barrier(ins):
+            events.append("bar " + ins.text.split(",")[0].strip())
+    assert events == ["qk", "pv", "wait 0x1", "bar 0x1", "wait 0x0", "bar 0x3", "bar 0x2"]
 
 
 @pytest.mark.compile
 def test_p_tile_and_stage_reused_after_both_pvs(compiled):
     """The one P tile and a K stage (V is its first columns) are reused only once both warpgroups' PV wgmmas are
-    done: a warpgroup waits for all its wgmmas (``wait_group 0``) before each max-exchange barrier (the next P is
-    written behind it, by both) and before it arrives on a stage's empty barrier, which counts the 8 warps of both
-    consumer warpgroups."""
+    done: a warpgroup waits for all its wgmmas before it arrives on a stage's empty barrier, which counts the 8 warps
+    of both consumer warpgroups, and before the barrier (``Barrier.PV``) behind which both write the next P; P is
+    published (``Barrier.P``) with nothing in flight."""
     kernel, ptx = compiled
-    last, checked = None, 0
-    for m in SYNC.finditer(ptx):
-        if m.group(1):
-            last = ("wait", m.group(2)) if m.group(1) == "wait_group" else ("commit", "")
-        elif m.group(3) == "1" or m.group(3) is None:  # max-exchange barrier, or a consumer's stage release
-            assert last in (None, ("wait", "0")), (m.group(0), last)
-            checked += last is not None
-    assert checked >= 2 * SITES
+    events = _pending_wgmmas(kernel, ptx)
+    assert all(pending == () for event, pending in events if event in ("arrive", "bar 2", "bar 3")), events
+    assert [event for event, _ in events].count("bar 3") == SITES - 1
     counts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
     inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+\d+)?\], (%r\d+);", ptx)
     if kernel.rope_dim:  # landed: the copies; full: the 128 dequantizing threads; empty: the 256 consumer threads

@@ -10,14 +10,15 @@ K stage in shared memory, so V is never loaded. Three warpgroups:
   next tile's lookup entries while the copies fly);
 * two consumer warpgroups holding the same 64 rows. Warpgroup ``w`` computes S for keys ``[32w, 32w + 32)`` of the
   tile (SS wgmma, N = 32), masks it, and publishes its rows' maxima; after a named barrier both take the max of the
-  two, exponentiate, write their half of P (16-bit) into the shared P tile and rescale their O; after a second
+  two, exponentiate, rescale their O and write their half of P (16-bit) into the shared P tile; after a second
   barrier each issues ``O[:, half w] += P V[:, half w]`` (SS wgmma, N = v_dim / 2) over the whole tile. O is 64 x
-  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. A tile's PV
-  is left running while the warpgroup waits for the next stage and issues that tile's QK behind it; the P tile is
-  single (shared memory holds Q, two K stages and one P), so the next P is written only once both PVs are done
-  (each warpgroup waits for its own before the max-exchange barrier) and the tensor cores idle through the softmax
-  and the two exchanges: overlapping them (FlashMLA's seesaw) needs a second P the 227 KiB do not hold. The steady
-  state has the two named barriers and no CTA-wide one.
+  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. As in FA3's
+  intra-warpgroup overlap, a tile's PV is issued behind the next tile's QK and only the QK is waited for, so the PV
+  runs through that tile's scores, the maxima exchange and the exponentials. The P tile is single (shared memory
+  holds Q, two K stages and one P; a second P, FlashMLA's seesaw, does not fit in the 227 KiB), so the next P is
+  written only once both PVs are done: each warpgroup waits for its own, then both meet on a third named barrier;
+  the tensor cores idle only from there to the next QK (the P writes, the P barrier, the wait for the next stage).
+  The steady state has the three named barriers and no CTA-wide one.
 
 Tiles are walked from the last to the first as in ``PagedAttention``: the first one walked holds the request's
 last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
@@ -93,9 +94,10 @@ DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 class Barrier(enum.IntEnum):
     """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
 
-    MAX = 1  # both consumer warpgroups: row maxima published (and each one's previous PV done)
+    MAX = 1  # both consumer warpgroups: row maxima published
     P = 2  # both consumer warpgroups: P halves written
-    DEQUANT = 3  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
+    PV = 3  # both consumer warpgroups: the previous tile's PVs done, the P tile free
+    DEQUANT = 4  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
 
 
 class MLADecode:
@@ -443,6 +445,7 @@ class MLADecode:
                 read = self.step(i, read, False, False, *args)
             for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
                 read = self.step(i, read, True, False, *args)
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)  # the last tile's PV
             warpgroup.wait_group(0)
             pipe.consumer_release(read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, s_sum, softmax_scale_log2, coords, out, lse, o_part,
@@ -456,17 +459,18 @@ class MLADecode:
              s_max: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, num_keys: Int32,
              wg: Int32, tidx: Int32, score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
-        """Tile ``last_tile - i``: this warpgroup's QK (behind its previous PV on the tensor cores), the maxima
-        exchange, its half of P, then the PV of the whole tile into its half of O (left running). Returns the read
-        state of the tile."""
+        """Tile ``last_tile - i``: this warpgroup's QK, then the previous tile's PV behind it on the tensor cores,
+        running through this tile's scores, the maxima exchange and the exponentials; once both warpgroups' PVs
+        are done (``Barrier.PV``) O is rescaled and this half of P written over the one P tile. The tile's own PV
+        is issued by the next step (or after the loop). Returns the read state of the tile."""
         if cutlass.const_expr(not first):
             prev = read.clone()
             read.advance()
         pipe.consumer_wait(read)
         self.gemm(tiled_mma_qk, acc_s, t_rq, t_rk[None, None, None, read.index], False)
-        warpgroup.wait_group(0)  # this QK and the previous PV: the P tile and that stage are free on this side
         if cutlass.const_expr(not first):
-            pipe.consumer_release(prev)
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, prev.index], True)
+        warpgroup.wait_group(0 if first else 1)  # this QK; the previous PV runs on
         tile_base = (last_tile - i) * BN
         softmax.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, self.softcap,
                        masked)
@@ -486,12 +490,14 @@ class MLADecode:
                 self.zero_stale_rows(s_k, read.index, num_keys - tile_base, wg, tidx)
         p16 = cute.make_rmem_tensor(acc_s.shape, self.dtype)
         softmax.to_16bit(acc_s, p16)
+        if cutlass.const_expr(not first):
+            warpgroup.wait_group(0)  # the previous PV: once the other's is done too, its stage and the P tile
+            self.pair_barrier(Barrier.PV)
+            pipe.consumer_release(prev)  # (after the barrier: no lane of the warp still reads shared memory)
+            softmax.rescale_rows(acc_o, row_scale)
         t_sp.store(p16.load())
         cute.arch.fence_view_async_shared()  # read by wgmma next
-        if cutlass.const_expr(not first):
-            softmax.rescale_rows(acc_o, row_scale)
         self.pair_barrier(Barrier.P)
-        self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)
         return read
 
     @cute.jit
