@@ -45,8 +45,11 @@ hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare,
   producer warpgroup dequantizes 128 content bytes (one landed swizzle row) at a time into 128 bf16 columns, ``x *
   scale`` rounded once (scales per token read from global memory by the rows' ``populate`` entries); the 128-column
   blocks whose bf16 output covers landed bytes (the upper half) read their rows into registers and meet on a
-  warpgroup barrier before writing, two rows a thread per pass. Rows past the request's keys are written as zeros.
-  Shared memory is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is
+  warpgroup barrier before writing, two rows a thread per pass. A thread's rows lie 16 apart, so its swizzled
+  chunks are one offset of its own plus constants: every 16-byte load and store has an immediate offset. Rows past
+  the request's keys are written as zeros: only the first tile walked holds any, and only its dequantization clears
+  their bytes (the others check no row). A steady-state tile is then the 6 instructions per 2 values of the exact
+  conversion (768 a thread) and about 150 more (SASS; 1,331 in all before the per-thread offsets). Shared memory is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is
   the latency: a stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for
   its TMA and the dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may
   read it.
@@ -250,8 +253,8 @@ class MLADecode:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if cutlass.const_expr(self.rope_dim):
                     self.produce_rope(pipe, mbars_landed, tma_k, g_k, s_c, s_slot, tma_r, g_r, s_slot_r, s_k,
-                                      k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile, n_tiles,
-                                      warp_idx)
+                                      ring, k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile,
+                                      n_tiles, warp_idx)
                 elif warp_idx == 0:
                     self.produce(pipe, tma_k, g_k, s_k, s_slot, lookup_table, b, num_keys, rows_per_page, oob_row,
                                  last_tile, n_tiles)
@@ -291,38 +294,52 @@ class MLADecode:
     @cute.jit
     def produce_rope(self, pipe: pipeline.PipelineAsync, mbars_landed: cute.Pointer, tma_k: cute.CopyAtom,
                      g_k: cute.Tensor, s_c: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: cute.CopyAtom,
-                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, k_scales: cute.Tensor,
-                     lookup_table: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
-                     last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
-        """The producer warpgroup over a rope-aware FP8 cache, each tile last to first: once the consumers have
-        released its stage, warp 0 issues the tile's content and rope copies on the stage's landed barrier; every
-        thread reads the scales of its rows meanwhile, waits for the bytes, dequantizes its share into the stage and
-        arrives on the stage's full barrier."""
+                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, ring: cute.Pointer,
+                     k_scales: cute.Tensor, lookup_table: cute.Tensor, b: Int32, num_keys: Int32,
+                     rows_per_page: Int32, oob_row: Int32, last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
+        """The producer warpgroup over a rope-aware FP8 cache, each tile last to first (``rope_tile``)."""
+        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        args = (pipe, mbars_landed, tma_k, g_k, s_c, s_slot, tma_r, g_r, s_slot_r, s_k, ring, k_scales, lookup_table,
+                b, num_keys, rows_per_page, oob_row, last_tile, warp_idx)
+        for i in cutlass.range(n_tiles, unroll=1):
+            self.rope_tile(i, write, *args)
+            write.advance()
+
+    @cute.jit
+    def rope_tile(self, i: Int32, write: pipeline.PipelineState, pipe: pipeline.PipelineAsync, mbars_landed: cute.Pointer, tma_k: cute.CopyAtom, g_k: cute.Tensor,
+                  s_c: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: cute.CopyAtom, g_r: cute.Tensor,
+                  s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, ring: cute.Pointer, k_scales: cute.Tensor,
+                  lookup_table: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
+                  last_tile: Int32, warp_idx: Int32):
+        """Tile ``last_tile - i`` into stage ``write``: once the consumers have released it, warp 0 issues the tile's
+        content and rope copies on the stage's landed barrier; every thread reads the scales of its rows meanwhile,
+        waits for the bytes (the landed barrier's phase is the consumer's, ``write.phase ^ 1``), dequantizes its
+        share into the stage and arrives on the stage's full barrier. Only the first tile walked may hold rows past
+        the request's keys: a uniform branch gives it the dequantization that clears them, the others one without
+        a check."""
         tidx = cute.arch.thread_idx()[0]
         per_copy = self.k_op.rows_per_copy
-        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         scale = cute.make_rmem_tensor((BN // DEQUANT_STEP,), Float32)
-        for i in cutlass.range(n_tiles, unroll=1):
-            tile_base = (last_tile - i) * BN
-            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
-            pipe.producer_acquire(write)
-            bar = mbars_landed + write.index
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.row_bytes)
-                tma_tiles.copy_page_slots(tma_k, g_k, s_c[None, None, write.index], s_slot, rows, per_copy, 0, bar)
-                rope = cute.local_tile(s_k[None, None, write.index], (BN, self.rope_dim),
-                                       (0, self.padded_depth // self.rope_dim))
-                tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
-            self.row_scales(scale, k_scales, rows, tidx)
-            cute.arch.mbarrier_wait(bar, landed.phase)
-            self.dequantize(s_c, s_k, write.index, scale, tile_base, num_keys, tidx)
-            cute.arch.fence_view_async_shared()  # read by wgmma next
-            pipe.producer_commit(write)
-            write.advance()
-            landed.advance()
+        tile_base = (last_tile - i) * BN
+        self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+        pipe.producer_acquire(write)
+        bar = mbars_landed + write.index
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.row_bytes)
+            tma_tiles.copy_page_slots(tma_k, g_k, s_c[None, None, write.index], s_slot, rows, per_copy, 0, bar)
+            rope = cute.local_tile(s_k[None, None, write.index], (BN, self.rope_dim),
+                                   (0, self.padded_depth // self.rope_dim))
+            tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
+        self.row_scales(scale, k_scales, rows, tidx)
+        cute.arch.mbarrier_wait(bar, write.phase ^ 1)
+        if tile_base + BN > num_keys:  # (uniform) only the first tile walked may hold rows past the keys
+            self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, True)
+        else:
+            self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, False)
+        cute.arch.fence_view_async_shared()  # read by wgmma next
+        pipe.producer_commit(write)
 
     @cute.jit
     def row_scales(self, scale: cute.Tensor, k_scales: cute.Tensor, rows: cute.Tensor, tidx: Int32):
@@ -335,23 +352,23 @@ class MLADecode:
             scale[j] = granule_scale(k_scales, row, 0, 0, False)
 
     @cute.jit
-    def dequantize(self, s_c: cute.Tensor, s_k: cute.Tensor, stage: Int32, scale: cute.Tensor, tile_base: Int32,
-                   num_keys: Int32, tidx: Int32):
+    def dequantize(self, ring: cute.Pointer, stage: Int32, scale: cute.Tensor, tile_base: Int32, num_keys: Int32,
+                   tidx: Int32, masked: cutlass.Constexpr[bool]):
         """The landed e4m3 content of ``stage`` -> its bf16 columns ``[0, padded_depth)``, one 128-byte block of
         columns (128 bf16 values a row) at a time, a thread taking 16 bytes of each of its rows (``DEQUANT_*``). The
         bf16 block ``blk`` covers landed blocks ``2 blk - blocks`` and ``2 blk + 1 - blocks``, never a later one: a
         block whose output covers landed bytes (``2 blk + 1 >= blocks``, the upper half) reads two rows a thread,
         then the warpgroup meets before any writes them, so no thread overwrites bytes another has not read (rows of
-        earlier blocks were all read before the block's first pass). Rows past the request's keys are written as
-        zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 -> f16 -> f32
-        is exact)."""
+        earlier blocks were all read before the block's first pass). ``masked``: rows past the request's keys are
+        written as zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 ->
+        f16 -> f32 is exact)."""
         raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
         for blk in cutlass.range_constexpr(self.padded_depth // FP8_BLOCK):
             for p in cutlass.range_constexpr(self.dequant_passes):
-                self.dequant_read(s_c, raw, stage, blk, p, tidx)
+                self.dequant_read(ring, raw, stage, blk, p, tidx)
                 if cutlass.const_expr(self.writes_over_landed(blk)):
                     cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
-                self.dequant_write(s_k, raw, stage, blk, p, scale, tile_base, num_keys, tidx)
+                self.dequant_write(ring, raw, stage, blk, p, scale, tile_base, num_keys, tidx, masked)
 
     @property
     def dequant_passes(self) -> int:
@@ -363,34 +380,58 @@ class MLADecode:
         ``2 blk - blocks`` and ``2 blk + 1 - blocks``)."""
         return 2 * blk + 1 >= self.padded_depth // FP8_BLOCK
 
-    @cute.jit
-    def dequant_read(self, s_c: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
-                     p: cutlass.Constexpr[int], tidx: Int32):
-        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows."""
-        for h in cutlass.range_constexpr(DEQUANT_HELD):
-            cute.autovec_copy(cute.local_tile(s_c[dequant_row(p, h, tidx), None, stage], (DEQUANT_CHUNK,),
-                                              (blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW,)), raw[None, h])
+    def ring_chunks(self, ring: cute.Pointer, dtype) -> cute.Tensor:
+        """The ring (1024-byte aligned) as ``(16 bytes of dtype, chunk)``: the dequantization's accesses."""
+        per_chunk = 128 // dtype.width
+        stage_chunks = BN * self.latent_dim * self.dtype.width // 128
+        return cute.make_tensor(cute.recast_ptr(ring, dtype=dtype), cute.make_layout((per_chunk,
+                                                                                     STAGES * stage_chunks)))
 
     @cute.jit
-    def dequant_write(self, s_k: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
-                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32):
-        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (zeros past the keys)."""
+    def dequant_read(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                     p: cutlass.Constexpr[int], tidx: Int32):
+        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows. The
+        landed tile (``landing_layout``) puts byte chunk ``c`` of row ``r`` of block ``blk`` at chunk ``blk * BN * 8 +
+        r * 8 + (c ^ r % 8)``; a thread's rows are ``r0 + 16 j`` and its chunk ``c`` fixed, so its chunks are one
+        offset of its own plus constants."""
+        chunks = self.ring_chunks(ring, cutlass.Float8E4M3FN)
+        r0, c = tidx // DEQUANT_PER_ROW, tidx % DEQUANT_PER_ROW
+        own = stage * (BN * self.latent_dim // VEC) + r0 * DEQUANT_PER_ROW + (c ^ r0 % 8)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            j = p * DEQUANT_HELD + h
+            cute.autovec_copy(chunks[None, own + (BN * self.padded_depth + blk * BN * FP8_BLOCK) // DEQUANT_CHUNK +
+                                     j * DEQUANT_STEP * DEQUANT_PER_ROW], raw[None, h])
+
+    @cute.jit
+    def dequant_write(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32,
+                      masked: cutlass.Constexpr[bool]):
+        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (``masked``: the bytes of rows
+        past the keys cleared first, so they convert to zeros; no branch)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
-            vals.fill(0.0)
-            if tile_base + dequant_row(p, h, tidx) < num_keys:
-                vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
-            self.dequant_store(s_k, vals, stage, blk, p, h, tidx)
+            if cutlass.const_expr(masked):
+                keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
+                words = cute.recast_tensor(raw[None, h], Uint32)
+                for w in cutlass.range_constexpr(cute.size(words)):
+                    words[w] = words[w] & keep
+            vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
+            self.dequant_store(ring, vals, stage, blk, p, h, tidx)
 
     @cute.jit
-    def dequant_store(self, s_k: cute.Tensor, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+    def dequant_store(self, ring: cute.Pointer, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
                       p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32):
         """The 16 bf16 ``vals`` of this thread's row ``h`` of pass ``p`` into the stage's columns of the bytes read
-        (two 16-byte stores)."""
-        col = blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW  # 16-value column chunk of the row
+        (two 16-byte stores). The stage (``smem_tile_layout``: 64-column boxes of ``BN`` 128-byte rows) puts chunk
+        ``k`` of row ``r`` of box ``x`` at chunk ``x * BN * 8 + r * 8 + (k ^ r % 8)``; the thread's 16 values are
+        chunks ``2 (c % 4)`` and ``2 (c % 4) + 1`` of box ``2 blk + c // 4``."""
+        chunks = self.ring_chunks(ring, self.dtype)
+        r0, c = tidx // DEQUANT_PER_ROW, tidx % DEQUANT_PER_ROW
+        row = stage * (BN * self.latent_dim // VEC) + (c // 4) * BN * 8 + r0 * 8
         for half in cutlass.range_constexpr(2):
-            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)), cute.local_tile(
-                s_k[dequant_row(p, h, tidx), None, stage], (VEC,), (col * 2 + half,)))
+            own = row + ((c % 4 * 2 + half) ^ r0 % 8)
+            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)),
+                              chunks[None, own + 2 * blk * BN * 8 + dequant_row(p, h, 0) * 8])
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe: pipeline.PipelineTmaAsync,
