@@ -288,8 +288,8 @@ def test_fp8_producer_tile_instructions():
     scale)`` rounded once: ``cvt.rn.f16x2.e4m3x2``, two ``cvt.f32.f16``, two multiplies, one ``cvt.rn.bf16x2.f32``)
     plus 160 a thread (one 16-byte load per 16 values and one 16-byte store per 8 at constant offsets from one
     address a thread, the stage's waits, scales and copies): no per-row branch, no swizzle arithmetic per access.
-    Only the first tile walked takes the longer way, which clears the bytes of rows past the keys (one AND a word,
-    no branch). Before, every tile took 1,331 instructions."""
+    Only the first tile walked takes the longer way, which clears the bytes and scales of rows past the keys (one
+    AND a word, no branch); warp 0 issues the copies. Before, every tile took 1,331 instructions."""
     from cute_kv.kernels.mla.sm90 import WG_THREADS
 
     kernel, instrs, labels, static = _sass(ROPE_CASES[0])
@@ -302,8 +302,8 @@ def test_fp8_producer_tile_instructions():
     per_thread = BN * kernel.padded_depth // WG_THREADS  # values a producer thread converts a tile
     assert not any(op.startswith("BSSY") for op in ops)
     assert (lp.lds, lp.sts) == (per_thread // 16, per_thread // 8)
-    assert lp.shortest <= 3 * per_thread + 160, lp.shortest  # 916 at this writing
-    assert lp.instructions - lp.shortest <= per_thread // 2, lp.instructions  # 1,033 at this writing
+    assert lp.shortest <= 3 * per_thread + 160, lp.shortest  # 921 at this writing
+    assert lp.instructions - lp.shortest <= per_thread // 2 + 32, lp.instructions  # 1,046 at this writing
 
 
 @pytest.mark.compile

@@ -48,11 +48,11 @@ hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare,
   warpgroup barrier before writing, two rows a thread per pass. A thread's rows lie 16 apart, so its swizzled
   chunks are one offset of its own plus constants: every 16-byte load and store has an immediate offset. Rows past
   the request's keys are written as zeros: only the first tile walked holds any, and only its dequantization clears
-  their bytes (the others check no row). A steady-state tile is then the 6 instructions per 2 values of the exact
-  conversion (768 a thread) and about 150 more (SASS; 1,331 in all before the per-thread offsets). Shared memory is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is
-  the latency: a stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for
-  its TMA and the dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may
-  read it.
+  their bytes and scales (the others check no row). A steady-state tile is then the 6 instructions per 2 values of the exact
+  conversion (768 a thread) and about 150 more (SASS; 1,331 in all before the per-thread offsets). Shared memory
+  is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is the latency: a
+  stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for its TMA and the
+  dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may read it.
 """
 
 from __future__ import annotations
@@ -297,49 +297,39 @@ class MLADecode:
                      g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, ring: cute.Pointer,
                      k_scales: cute.Tensor, lookup_table: cute.Tensor, b: Int32, num_keys: Int32,
                      rows_per_page: Int32, oob_row: Int32, last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
-        """The producer warpgroup over a rope-aware FP8 cache, each tile last to first (``rope_tile``)."""
-        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        args = (pipe, mbars_landed, tma_k, g_k, s_c, s_slot, tma_r, g_r, s_slot_r, s_k, ring, k_scales, lookup_table,
-                b, num_keys, rows_per_page, oob_row, last_tile, warp_idx)
-        for i in cutlass.range(n_tiles, unroll=1):
-            self.rope_tile(i, write, *args)
-            write.advance()
-
-    @cute.jit
-    def rope_tile(self, i: Int32, write: pipeline.PipelineState, pipe: pipeline.PipelineAsync, mbars_landed: cute.Pointer, tma_k: cute.CopyAtom, g_k: cute.Tensor,
-                  s_c: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: cute.CopyAtom, g_r: cute.Tensor,
-                  s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, ring: cute.Pointer, k_scales: cute.Tensor,
-                  lookup_table: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
-                  last_tile: Int32, warp_idx: Int32):
-        """Tile ``last_tile - i`` into stage ``write``: once the consumers have released it, warp 0 issues the tile's
-        content and rope copies on the stage's landed barrier; every thread reads the scales of its rows meanwhile,
-        waits for the bytes (the landed barrier's phase is the consumer's, ``write.phase ^ 1``), dequantizes its
-        share into the stage and arrives on the stage's full barrier. Only the first tile walked may hold rows past
-        the request's keys: a uniform branch gives it the dequantization that clears them, the others one without
-        a check."""
+        """The producer warpgroup over a rope-aware FP8 cache, each tile last to first: once the consumers have
+        released its stage, warp 0 issues the tile's content and rope copies on the stage's landed barrier; every
+        thread reads the scales of its rows meanwhile, waits for the bytes, dequantizes its share into the stage and
+        arrives on the stage's full barrier. Only the first tile walked may hold rows past the request's keys: a
+        uniform branch gives it the dequantization that clears them, the others one without a check."""
         tidx = cute.arch.thread_idx()[0]
         per_copy = self.k_op.rows_per_copy
+        write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         scale = cute.make_rmem_tensor((BN // DEQUANT_STEP,), Float32)
-        tile_base = (last_tile - i) * BN
-        self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
-        pipe.producer_acquire(write)
-        bar = mbars_landed + write.index
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.row_bytes)
-            tma_tiles.copy_page_slots(tma_k, g_k, s_c[None, None, write.index], s_slot, rows, per_copy, 0, bar)
-            rope = cute.local_tile(s_k[None, None, write.index], (BN, self.rope_dim),
-                                   (0, self.padded_depth // self.rope_dim))
-            tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
-        self.row_scales(scale, k_scales, rows, tidx)
-        cute.arch.mbarrier_wait(bar, write.phase ^ 1)
-        if tile_base + BN > num_keys:  # (uniform) only the first tile walked may hold rows past the keys
-            self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, True)
-        else:
-            self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, False)
-        cute.arch.fence_view_async_shared()  # read by wgmma next
-        pipe.producer_commit(write)
+        for i in cutlass.range(n_tiles, unroll=1):
+            tile_base = (last_tile - i) * BN
+            self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
+            pipe.producer_acquire(write)
+            bar = mbars_landed + write.index
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.row_bytes)
+                tma_tiles.copy_page_slots(tma_k, g_k, s_c[None, None, write.index], s_slot, rows, per_copy, 0, bar)
+                rope = cute.local_tile(s_k[None, None, write.index], (BN, self.rope_dim),
+                                       (0, self.padded_depth // self.rope_dim))
+                tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
+            self.row_scales(scale, k_scales, rows, tidx)
+            cute.arch.mbarrier_wait(bar, landed.phase)
+            if tile_base + BN > num_keys:
+                self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, True)
+            else:
+                self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, False)
+            cute.arch.fence_view_async_shared()  # read by wgmma next
+            pipe.producer_commit(write)
+            write.advance()
+            landed.advance()
 
     @cute.jit
     def row_scales(self, scale: cute.Tensor, k_scales: cute.Tensor, rows: cute.Tensor, tidx: Int32):
@@ -406,16 +396,20 @@ class MLADecode:
     def dequant_write(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
                       p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32,
                       masked: cutlass.Constexpr[bool]):
-        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (``masked``: the bytes of rows
-        past the keys cleared first, so they convert to zeros; no branch)."""
+        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (``masked``: the bytes and the
+        scale of rows past the keys cleared first, so they convert to zeros, whatever their slots hold; no
+        branch)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
+            j = p * DEQUANT_HELD + h
             if cutlass.const_expr(masked):
                 keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
                 words = cute.recast_tensor(raw[None, h], Uint32)
                 for w in cutlass.range_constexpr(cute.size(words)):
                     words[w] = words[w] & keep
-            vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
+                scale_bits = cute.recast_tensor(scale, Uint32)
+                scale_bits[j] = scale_bits[j] & keep
+            vals.store((raw[None, h].load().to(Float32) * scale[j]).to(self.dtype))
             self.dequant_store(ring, vals, stage, blk, p, h, tidx)
 
     @cute.jit
