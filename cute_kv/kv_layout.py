@@ -80,22 +80,28 @@ def check_addressable(name: str, t: torch.Tensor, dims: tuple[str, ...]) -> None
                          f"{fix}")
 
 
-def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with every extent-1 dim given the stride of the whole span, a multiple of 16 bytes: a dim never stepped
-    over may carry any stride, but the kernels' stride checks read it."""
+def _canonical(t: torch.Tensor, p_dim: int) -> torch.Tensor:
+    """``t`` (N first, P at ``p_dim``) with every extent-1 dim given a stride the kernels read right: a dim never
+    stepped over may carry any stride, but the kernels' stride checks read it (the whole span, a multiple of 16
+    bytes), and a one-token page's P stride is the page's own, so the row pitch ``sN // sP`` is 1 (row = page).
+    MAX's row-major tensor gets its row-major strides (torch calls it contiguous whatever its extent-1 dims' are)."""
+    if t.is_contiguous():
+        return t.as_strided(t.shape, torch.empty(t.shape, device="meta").stride())
     if all(n > 1 for n in t.shape):
         return t
     unit = ALIGN_BYTES // t.element_size()
     span = max((s * n for n, s in zip(t.shape, t.stride()) if n > 1), default=1)
-    span = -(-span // unit) * unit
-    return t.as_strided(t.shape, [s if n > 1 else span for n, s in zip(t.shape, t.stride())])
+    strides = [s if n > 1 else -(-span // unit) * unit for n, s in zip(t.shape, t.stride())]
+    if t.shape[p_dim] == 1:
+        strides[p_dim] = strides[0]
+    return t.as_strided(t.shape, strides)
 
 
 def planes_of_blocks(blocks: torch.Tensor) -> KVPlanes:
     """The planes of a 6-D ``blocks`` (already shape- and dtype-checked)."""
     if not blocks.is_contiguous():
         check_addressable("blocks", blocks, BLOCKS_DIMS)
-        blocks = _canonical(blocks)
+    blocks = _canonical(blocks, BLOCKS_DIMS.index("P"))
     key = blocks[:, 0]
     return KVPlanes(key, key if blocks.shape[1] == 1 else blocks[:, 1], blocks)
 
@@ -119,9 +125,9 @@ def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVPlanes:
         if not both.is_contiguous():
             check_addressable("(k_cache, v_cache)", both, BLOCKS_DIMS)  # K and V share no element
         if delta > 0:
-            both = _canonical(both) if not both.is_contiguous() else both
+            both = _canonical(both, BLOCKS_DIMS.index("P"))
             return KVPlanes(both[:, 0], both[:, 1], both)
-    key, value = (_canonical(t.unsqueeze(1)) for t in (k_cache, v_cache))
+    key, value = (_canonical(t.unsqueeze(1), 2) for t in (k_cache, v_cache))  # [N, L=1, P, H, D]
     return KVPlanes(key, value, None)
 
 

@@ -23,9 +23,9 @@ KINDS = {"bf16": dict(dtype=torch.bfloat16),
          "fp8-f32": dict(dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, quantization_granularity=32)}
 
 
-def _pair(kind: str, layout: str):
+def _pair(kind: str, layout: str, page_size: int = 16):
     """``(compact batch, the same cache in ``layout``, its layer index)``."""
-    pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=64, page_size=16,
+    pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=64, page_size=page_size,
                             generator=torch.Generator().manual_seed(1), **KINDS[kind])
     strided, layer = with_layout(pb, layout, LAYER)
     return pb, strided, layer
@@ -44,10 +44,11 @@ def _kv(c, rows, gen):
     return [torch.randn((rows, c.num_heads, c.head_size), generator=gen).to(torch.bfloat16) for _ in range(2)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, page_size", [(kind, 16) for kind in KINDS] + [("bf16", 1)])
 @pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
-def test_store_kv_writes_the_compact_bits(kind, layout):
-    compact, strided, layer = _pair(kind, layout)
+def test_store_kv_writes_the_compact_bits(kind, page_size, layout):
+    """Pages of one token too (SGLang's token pool, vLLM's block_size=1): a token's row is its page's."""
+    compact, strided, layer = _pair(kind, layout, page_size)
     k, v = _kv(compact.collection, compact.total_rows, torch.Generator().manual_seed(2))
     before = strided.collection.key_blocks.clone()
     cute_kv.store_kv(k, v, compact.input_row_offsets, compact.collection, LAYER)
@@ -68,10 +69,10 @@ def test_store_kv_leaves_the_padding_of_a_strided_view():
     assert torch.all(_raw(whole)[..., 64:] == 0x7f)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, page_size", [(kind, 16) for kind in KINDS] + [("bf16", 1)])
 @pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
-def test_gather_kv_reads_the_compact_values(kind, layout):
-    compact, strided, layer = _pair(kind, layout)
+def test_gather_kv_reads_the_compact_values(kind, page_size, layout):
+    compact, strided, layer = _pair(kind, layout, page_size)
     for kv in ("k", "v"):
         assert torch.equal(cute_kv.gather_kv(compact.collection, LAYER, kv=kv),
                            cute_kv.gather_kv(strided.collection, layer, kv=kv))
@@ -90,9 +91,10 @@ def test_fused_qkv_writes_the_compact_bits(layout):
     _same_cache(compact, strided, layer)
 
 
+@pytest.mark.parametrize("page_size", [16, 1])
 @pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
-def test_attention_reference_reads_the_compact_values(layout):
-    compact, strided, layer = _pair("fp8-f32", layout)
+def test_attention_reference_reads_the_compact_values(layout, page_size):
+    compact, strided, layer = _pair("fp8-f32", layout, page_size)
     q = torch.randn((compact.total_rows, 4, 64), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     a = ref.paged_attention(q, compact.input_row_offsets, compact.collection, LAYER)
     b = ref.paged_attention(q, strided.input_row_offsets, strided.collection, layer)
@@ -204,3 +206,20 @@ def test_store_kv_under_torch_compile_writes_a_strided_view():
     traced(k, v, strided.collection)
     cute_kv.store_kv(k, v, compact.input_row_offsets, compact.collection, LAYER)
     _same_cache(compact, strided, layer)
+
+
+def test_one_token_pages_of_max_blocks_read_by_their_shape():
+    """torch calls MAX's blocks contiguous whatever the stride of a one-token P: the row pitch is the shape's
+    ``KVD*L``, as the compact kernels take it, not ``sN // sP``."""
+    pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=64, page_size=1,
+                            generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    c = pb.collection
+    stride = list(c.blocks.stride())
+    stride[3] = 24
+    odd = c.blocks.as_strided(c.blocks.shape, stride)
+    assert odd.is_contiguous()
+    other = PagedKVCacheCollection(odd, c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length)
+    assert other.is_compact and other.blocks.stride() == c.blocks.stride()
+    q = torch.randn((pb.total_rows, 4, 64), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(ref.paged_attention(q, pb.input_row_offsets, c, LAYER),
+                       ref.paged_attention(q, pb.input_row_offsets, other, LAYER))
