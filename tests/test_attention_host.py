@@ -189,3 +189,21 @@ def test_index_limits_bound_what_the_kernel_indexes():
     assert "int32 TMA coordinates" in index_limits(fits + 1, pitch, p, 4096)
     assert "max_cache_length" in index_limits(8, pitch, p, 2**31 - 1)
     assert ((fits - 1) * pitch + p) * 8 * 8 > 2**31  # H=8, G=8 scales per row: past int32, served (64-bit index)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_plan_bounds_rows_by_the_layouts_own_pitch(arch):
+    """A FlashInfer HND cache's row pitch is ``2*H*P`` token rows (a page holds K and V of every head), not MAX's
+    ``KVD*L*P``: pages that fit int32 rows under MAX's pitch overflow under the layout's, and take the reference."""
+    from cute_kv.kv_layout import engine_kv
+
+    h, p, d = 8, 16, 128
+    n = (2**31 - 1 - p) // (2 * h * p) + 2
+    assert (n - 1) * 2 * p + p < 2**31 - 1  # MAX's pitch would fit
+    k, v = engine_kv("flashinfer-hnd", n, p, h, d, torch.bfloat16, "meta")
+    meta = dict(device="meta", dtype=torch.int32)
+    c = PagedKVCacheCollection.from_kv(k, v, torch.zeros(2, **meta), torch.zeros(2, 4, **meta), 1, 64,
+                                       validate=False)
+    assert c.row_pitch == 2 * h * p
+    got = plan(c, torch.empty(2, 4 * h, d, dtype=torch.bfloat16, device="meta"), arch)  # the plans read shapes
+    assert got.path == "reference" and "int32 TMA coordinates" in got.reason, got

@@ -43,7 +43,7 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     bn = key_tile(d)
     if not c.is_compact and uses_gather4(p, bn) and h > 1 and c.key_blocks.stride(3) != d:
         return paths.reference(OP, f"pages of {p} rows take gather4, which reads a token's {h} heads side by side; "
-                               f"this layout's heads are {c.key_blocks.stride(3)} elements apart (HND)", arch)
+                               f"this layout's heads are {c.key_blocks.stride(3)} elements apart (as in FlashInfer's HND)", arch)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), bool(softcap),
            sinks is not None, return_lse, kv_dtype_name, granularity, e8m0)  # gather4 reads one lookup entry per token
@@ -80,7 +80,7 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
     _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0 = key[:COMPACT_KEY]
-    strided = len(key) > COMPACT_KEY
+    strided = key[-1] == "strided"
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,

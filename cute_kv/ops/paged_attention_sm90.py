@@ -65,7 +65,7 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
-    strided = len(key) > COMPACT_KEY
+    strided = key[-1] == "strided"
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
