@@ -630,8 +630,9 @@ class PagedAttention:
     @cute.jit
     def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
         """A consumer warp is done with a K or V stage: one lane arrives for it (the stage's empty barrier counts the
-        8 consumer warps), lane 0 over an fp8 cache's dequantized rings as over the TMA ones (no ``elect.sync``)."""
-        if cutlass.const_expr(self.kv_fp8):
+        8 consumer warps), lane 0 over an fp8 cache's dequantized rings and gathered ones (whose pipeline's release
+        arrives from every lane) as over the TMA ones (no ``elect.sync``)."""
+        if cutlass.const_expr(self.kv_fp8 or self.gather is not None):
             _arrive_if(cute.arch.lane_idx() == 0, pipe.sync_object_empty.get_barrier(state.index))
         else:
             pipe.consumer_release(state)
