@@ -97,7 +97,8 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"page_size must be positive, got {page_size}"
     if kv_dtype_name == FP8 and gathers(page_size, bn):
         return (f"an fp8 cache's page_size ({page_size}) must be at least 16 and divide or be divided by the "
-                f"{bn}-key tile: smaller pages gather 16-bit rows only")
+                f"{bn}-key tile: smaller pages gather 16-bit rows only (fp8 tiles land by TMA page slots for the "
+                f"producer warpgroup to dequantize)")
     return None
 
 
