@@ -29,8 +29,8 @@ configuration the host code passes, and the CTAs per SM these allow.
   runs in other warps, so the two loops differ.
 * The load loop (the innermost loop without MMAs that issues the most global-to-shared copies: TMA ``UTMALDG``,
   bulk ``UBLKCP`` or ``LDGSTS``, the cp.async of a row gather) is a producer's walk over key tiles: its fast-path
-  instructions (``load_loop_instructions``, ``_shortest``) and copies (``load_loop_copies``) per iteration, which
-  are one thread's per tile (a TMA loop runs in one elected thread, a gather's in each of its threads).
+  instructions (``load_loop_instructions``, ``_shortest``) and copies (``load_loop_copies``) per iteration, those
+  of each warp that runs it (a TMA loop runs in one warp, one lane issuing; a gather's in every producer warp).
 * CTAs per SM follow the CUDA occupancy rules for sm_90 / sm_100 (``occupancy``).
 """
 
