@@ -153,3 +153,25 @@ def attention_scales(scales: cute.Tensor, rows: cute.Tensor, out: cute.Tensor, c
     view (``quant.granule_scale``)."""
     for i in cutlass.range_constexpr(count):
         out[i] = granule_scale(scales, rows[i], Int32(1), Int32(0), False)
+
+
+class GatheredStage:
+    """``fill(src, image)``: ``image`` (a stage's 16-bit elements) as the row gather ``gather`` (``RowGather``) fills
+    it with the rows of ``src [bn, head_dim]``: the piece of pass ``j`` of each producer thread at ``stage_offset`` /
+    ``pass_address``, from the row whose lookup its segmented shuffle reads (``source_lane``)."""
+
+    def __init__(self, gather):
+        self.gather = gather
+
+    @cute.jit
+    def fill(self, src: cute.Tensor, image: cute.Tensor):
+        vec, chunks = self.gather.vec, self.gather.chunks
+        piece = cute.make_rmem_tensor((vec,), src.element_type)
+        for warp in cutlass.range(4):
+            for lane in cutlass.range(32):
+                base = self.gather.stage_offset(warp, lane)
+                for j in cutlass.range(self.gather.passes):
+                    row = warp * self.gather.rows_per_warp + self.gather.source_lane(lane, j)
+                    cute.autovec_copy(cute.local_tile(src[row, None], (vec,), (lane % chunks,)), piece)
+                    dst = self.gather.pass_address(base, j) // (src.element_type.width // 8)
+                    cute.autovec_copy(piece, cute.local_tile(image, (vec,), (dst // vec,)))

@@ -5,7 +5,9 @@ import pytest
 import torch
 from cutlass.cute.runtime import from_dlpack
 
+import cutlass
 import host_plans
+from cute_kv.kernels.attention.row_gather import RowGather
 from cute_kv.reference.quant import quantize_fp8
 
 pytestmark = pytest.mark.compile
@@ -42,6 +44,20 @@ def test_gather_thread_reads_what_tma_wrote(rows, depth):
     assert torch.equal(got, values)
     host_plans.read_layout_swizzled_tile(image, from_dlpack(got.view(torch.bfloat16)), rows, depth)
     assert got[1, 0] == values[1, 8]  # element (1, 0) read at byte 128, where TMA wrote (1, 8)
+
+
+@pytest.mark.parametrize("bn,depth", [(128, 64), (128, 128), (64, 256)])  # the SM90 attention's key tiles
+def test_row_gather_writes_what_tma_would(bn, depth):
+    """The SM90 attention's row gather (pages no TMA box tiles): the pieces its 128 threads copy, at the shared
+    addresses it computes by hand (pass 0's piece, then xor and add a constant a pass), make the image TMA writes
+    with the 128-byte swizzle, each row from the lane whose lookup the segmented shuffle reads."""
+    values = torch.arange(bn * depth, dtype=torch.int16).reshape(bn, depth)  # finite, distinct bf16 bit patterns
+    image = _aligned(bn * depth, torch.int16)
+    image.fill_(-1)
+    gather = RowGather(bn, depth, 1, cutlass.BFloat16, 128)
+    host_plans.GatheredStage(gather).fill(from_dlpack(values.view(torch.bfloat16)),
+                                          from_dlpack(image.view(torch.bfloat16)))
+    assert torch.equal(image, tma_image(values))
 
 
 def test_dense_operand_honours_the_request_stride():

@@ -64,25 +64,37 @@ class RowGather:
         return key_row(lookup_table, batch_idx, tile_base + warp * self.rows_per_warp + lane, num_keys,
                        rows_per_page, self.page_size, Int32(-1))
 
+    def stage_offset(self, warp: Int32, lane: Int32) -> Int32:
+        """Bytes from the stage's start to the lane's piece of pass 0: its row ``r0`` (a multiple of 8, so unswizzled)
+        in its column of swizzle atoms."""
+        chunk = lane % self.chunks
+        atom_cols = SWIZZLE_BYTES // CHUNK_BYTES  # pieces per swizzle row
+        r0 = warp * self.rows_per_warp + lane // self.chunks * self.passes
+        return chunk // atom_cols * self.bn * SWIZZLE_BYTES + r0 * SWIZZLE_BYTES + chunk % atom_cols * CHUNK_BYTES
+
+    def pass_address(self, address: Int32, j: int) -> Int32:
+        """The lane's piece of pass ``j`` from that of pass 0: row ``r0 + j``, its piece xor ``j % 8``."""
+        return (address ^ j % SWIZZLE_ROWS * CHUNK_BYTES) + j * SWIZZLE_BYTES
+
+    def source_lane(self, lane: int, j: int) -> int:
+        """The lane whose lookup the segmented shuffle of pass ``j`` reads: row ``r0 + j``'s."""
+        return lane // self.segment * self.segment + j
+
     @cute.jit
     def copy_tile(self, atom: cute.CopyAtom, g_rows: cute.Tensor, stage: cute.Tensor, row: Int32, head: Int32,
                   warp: Int32, lane: Int32):
         """Issue the warp's rows of the tile into ``stage`` (1024-byte aligned), ``row`` from ``lane_row``; the
         pipeline's commit (``PipelineCpAsync``: a noinc arrival) follows."""
-        chunk = lane % self.chunks
         width = self.dtype.width // 8
         row_bytes = cute.size(g_rows, mode=[1]) * self.head_dim * width
-        src0 = g_rows.iterator.toint() + (head * self.head_dim + chunk * self.vec) * width
-        r0 = warp * self.rows_per_warp + lane // self.chunks * self.passes
-        atom_cols = SWIZZLE_BYTES // CHUNK_BYTES  # pieces per swizzle row
-        dst0 = (stage.iterator.toint() + chunk // atom_cols * self.bn * SWIZZLE_BYTES + r0 * SWIZZLE_BYTES
-                + chunk % atom_cols * CHUNK_BYTES)
+        src0 = g_rows.iterator.toint() + (head * self.head_dim + lane % self.chunks * self.vec) * width
+        dst0 = stage.iterator.toint() + self.stage_offset(warp, lane)
         for j in cutlass.range_constexpr(self.passes):
             src_row = cute.arch.shuffle_sync(row, j, mask_and_clamp=(32 - self.segment) << 8 | 31)
             if src_row >= 0:
                 src = cute.make_ptr(self.dtype, src0 + Int64(src_row) * row_bytes, cute.AddressSpace.gmem,
                                     assumed_align=CHUNK_BYTES)
-                dst = cute.make_ptr(self.dtype, (dst0 ^ j % SWIZZLE_ROWS * CHUNK_BYTES) + j * SWIZZLE_BYTES,
-                                    cute.AddressSpace.smem, assumed_align=CHUNK_BYTES)
+                dst = cute.make_ptr(self.dtype, self.pass_address(dst0, j), cute.AddressSpace.smem,
+                                    assumed_align=CHUNK_BYTES)
                 piece = cute.make_layout((self.vec,))
                 cute.copy(atom, cute.make_tensor(src, piece), cute.make_tensor(dst, piece))
