@@ -245,8 +245,9 @@ class PagedAttention:
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_q: Optional[cute.CopyAtom],
                g_q: Optional[cute.Tensor], tma_k: Optional[cute.CopyAtom], g_k: cute.Tensor,
-               tma_v: Optional[cute.CopyAtom], g_v: cute.Tensor, s_slot: Optional[cute.ComposedLayout], q: cute.Tensor, out: cute.Tensor,
-               lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
+               tma_v: Optional[cute.CopyAtom], g_v: cute.Tensor, s_slot: Optional[cute.ComposedLayout],
+               q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor,
+               sinks: Optional[cute.Tensor],
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32,
                num_splits: Int32, causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
