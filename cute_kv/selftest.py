@@ -74,6 +74,7 @@ MLA_V_DIM = 512
 MLA_Q_HEADS = 16
 TOPK = 64
 PAGES = (16, 64, 128)
+SMALL_PAGES = (1, 2, 4, 8)
 BOTH = ("decode", "ragged")
 
 
@@ -135,6 +136,9 @@ GRID = [
     ("paged_attention", ("bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8"), PAGES, (64, 128, 256), BOTH,
      ("",)),
     ("paged_attention", ("bf16",), (16,), (128,), BOTH, ("window", "softcap", "sinks", "lse")),
+    # pages under 16 rows (SGLang's 1): SM90 gathers rows by cp.async, SM100 by gather4
+    ("paged_attention", ("bf16",), SMALL_PAGES, (64, 128, 256), BOTH, ("",)),
+    ("paged_attention", ("bf16",), (1,), (128,), ("split",), ("",)),
     ("paged_attention", ("bf16", "fp8 f32 scales"), (16,), (128,), ("split",), ("",)),
     ("paged_attention", ("mla", "mla rope-aware"), (16, 64), (576,), (*BOTH, "split"), ("",)),  # MLA decode
     ("mla_prefill", ("mla",), (64,), (576,), ("decode", "prefill"), ("",)),

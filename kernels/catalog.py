@@ -137,6 +137,8 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
     ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, "strided"),  # K/V planes
+    ("bfloat16", 32, 8, 128, 1, 2, True),  # rows gathered by cp.async (SGLang's page of 1)
+    ("bfloat16", 12, 2, 256, 8, 2, True),  # gathered 64-key tiles, Q by thread copies: no load warp
 ]
 ATTENTION_SM100_CASES = [  # the SM90 fields, v_dim before layout; pages below 8 rows or not tiling the key tile
     # take gather4
@@ -257,12 +259,15 @@ def _w4_sm100_roles(k) -> dict:
             "load": Role((w4_sm100.LOAD_WARP,)), "transform": Role(w4_sm100.TRANSFORM_WARPS)}
 
 
-def _sm90_roles(module, fp8: bool) -> dict:
+def _sm90_roles(module, fp8: bool, gather: bool = False, q_tma: bool = True) -> dict:
     """Our SM90 attention kernels: warp 0 issues the loads, the two consumer warpgroups read every stage; with an fp8
-    cache the producer warpgroup converts the landed stages."""
+    cache the producer warpgroup converts the landed stages; with gathered rows it loads them (cp.async), warp 0
+    loading Q alone (by TMA; none when the consumers copy Q)."""
     wg = module.WG_THREADS // 32
-    roles = {"load": Role((0,)), "consumers": Role(_warps(wg, module.THREADS // 32 - wg))}
-    if fp8:
+    roles = {"consumers": Role(_warps(wg, module.THREADS // 32 - wg))}
+    if not gather or q_tma:
+        roles["load"] = Role((0,))
+    if fp8 or gather:
         roles["producers"] = Role(_warps(0, wg))
     return roles
 
@@ -318,7 +323,7 @@ FAMILIES = [
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), (SM90,),
            _attention_plan, head_dim=lambda k: k.head_dim,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
-           roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8)),
+           roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8, k.gather is not None, k.q_tma)),
     Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), BLACKWELL,
            # Warps in roles (softmax, MMA, load; fp8: converters); all of tensor memory and the DSL-sized rings:
            # one CTA per SM.

@@ -27,6 +27,10 @@ configuration the host code passes, and the CTAs per SM these allow.
   in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
   loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
   runs in other warps, so the two loops differ.
+* The load loop (the innermost loop without MMAs that issues the most global-to-shared copies: TMA ``UTMALDG``,
+  bulk ``UBLKCP`` or ``LDGSTS``, the cp.async of a row gather) is a producer's walk over key tiles: its fast-path
+  instructions (``load_loop_instructions``, ``_shortest``) and copies (``load_loop_copies``) per iteration, those
+  of each warp that runs it (a TMA loop runs in one warp, one lane issuing; a gather's in every producer warp).
 * CTAs per SM follow the CUDA occupancy rules for sm_90 / sm_100 (``occupancy``).
 """
 
@@ -177,6 +181,11 @@ def is_lds(op: str) -> bool:
     return op == "LDS" or op.startswith(("LDS.", "LDSM"))
 
 
+def is_copy_in(op: str) -> bool:
+    """An asynchronous global-to-shared copy: TMA (``UTMALDG``), bulk copy (``UBLKCP``), cp.async (``LDGSTS``)."""
+    return op.startswith(("UTMALDG", "UBLKCP", "LDGSTS"))
+
+
 def is_sts(op: str) -> bool:
     return op == "STS" or op.startswith(("STS.", "STSM"))
 
@@ -280,6 +289,7 @@ class Loop:
     named_barriers: int
     blocks: frozenset = dataclasses.field(default=frozenset(), compare=False)  # every block's start, slow paths too
     shortest: int = 0  # instructions on the shortest fast path (``instructions``: the longest; equal without branches)
+    copies_in: int = 0  # global-to-shared copies issued (``is_copy_in``)
 
 
 _ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
@@ -420,7 +430,7 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
                         sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
                         sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
-                        sum(len(cfg[n].instrs) for n in shortest)))
+                        sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code)))
     return out
 
 
@@ -460,6 +470,12 @@ def main_loop(all_loops: list[Loop]) -> Optional[Loop]:
     if with_mma:
         return max(with_mma, key=lambda lp: (lp.mma, -lp.instructions))
     return max(all_loops, key=lambda lp: lp.instructions)
+
+
+def load_loop(all_loops: list[Loop]) -> Optional[Loop]:
+    """The innermost loop without MMAs with the most global-to-shared copies (ties: the fewest instructions)."""
+    loading = _innermost([lp for lp in all_loops if lp.copies_in and not lp.mma])
+    return max(loading, key=lambda lp: (lp.copies_in, -lp.instructions)) if loading else None
 
 
 def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
@@ -573,6 +589,10 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)
             rec["instructions_per_s_block_shortest"] = round(lp.shortest / rec["loop_s_blocks"], 1)
+    lp = load_loop(all_loops)
+    if lp is not None:
+        rec.update(load_loop_instructions=lp.instructions, load_loop_instructions_shortest=lp.shortest,
+                   load_loop_copies=lp.copies_in)
     return rec
 
 

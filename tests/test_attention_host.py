@@ -132,6 +132,8 @@ def test_kernel_serves_16_bit_and_fp8_caches():
     assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
     assert _key({"dtype": FP8}, features=(True, True, True))[8:11] == (True, True, True)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
+    for page_size in (1, 2, 4, 8, 24):  # rows gathered by cp.async: one lookup entry a key, no vector reads
+        assert _key({"page_size": page_size})[5:8] == (page_size, 2, False)
 
 
 @pytest.mark.parametrize("case", [
@@ -139,7 +141,7 @@ def test_kernel_serves_16_bit_and_fp8_caches():
     {"q_dtype": torch.float16},  # q in another dtype than the bf16 cache
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
     {"cache": {"head_size": 96}},
-    {"cache": {"page_size": 8}},
+    {"cache": {"page_size": 8, "dtype": FP8}},  # (16-bit pages of 8 are gathered)
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_heads": 3},
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))

@@ -150,8 +150,10 @@ def test_paged_attention_rejects_what_it_cannot_tile():
     assert "head_dim must be one of" in attention_supported(32, 8, 96, 16)
     assert "multiple of the KV heads" in attention_supported(12, 8, 128, 16)
     assert "exceeds the 128-row tile" in attention_supported(256, 1, 128, 16)
-    assert "page_size (8)" in attention_supported(32, 8, 128, 8)
-    assert "page_size (48)" in attention_supported(32, 8, 128, 48)
+    assert attention_supported(32, 8, 128, 8) is None and attention_supported(32, 8, 128, 48) is None  # gathered
+    assert "page_size must be positive" in attention_supported(32, 8, 128, 0)
+    assert "smaller pages gather 16-bit rows only" in attention_supported(32, 8, 128, 8, "float8_e4m3fn")
+    assert "page_size (48)" in attention_supported(32, 8, 128, 48, "float8_e4m3fn")
     assert "must be paged" in attention_supported(32, 8, 128, None, "float8_e4m3fn")
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "float8_e4m3fn", 48)
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "bfloat16", 16)

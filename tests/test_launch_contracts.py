@@ -595,6 +595,21 @@ def test_sources_catch_a_launcher_that_passes_another_tensor(rng, monkeypatch):
         _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
 
 
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_gathered_pages_launch(page_size, rng):
+    """SM90 over pages of 1 and 8 rows (K/V gathered by cp.async): a ragged step and a split decode launch
+    ``PagedAttention`` (and its combine) with arguments its entry accepts, each parameter holding its op tensor."""
+    for step in ("ragged", "decode-split"):
+        cached, new = STEPS[step]
+        pb = random_paged_batch(cached, new, page_size=page_size, num_heads=2, head_size=128, dtype=torch.bfloat16,
+                                generator=torch.Generator().manual_seed(page_size))
+        fn, args, kwargs = _paged_attention(pb, step, rng)
+        launches, fallbacks = _run("sm_90a", fn, args, kwargs)
+        assert not fallbacks, [str(w.message) for w in fallbacks]
+        assert launches.kernels[0] == "PagedAttention", launches.kernels
+        _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+
+
 def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
     """``PagedKVGather`` takes a request per z index of its grid, at most 65535: more requests plan the reference
     (with the fallback warning) instead of a launch the GPU rejects."""

@@ -48,6 +48,54 @@ def test_kernel_resources_match_plan(config):
         assert rec["loop_mma"] > 0  # the main loop found is the one issuing the MMAs
 
 
+@pytest.mark.sass
+@pytest.mark.compile
+@needs_tools
+@pytest.mark.parametrize("config", [c for c in catalog.configs() if c.family.name == "paged_attention_sm90"
+                                    and (c.kernel().gather or (c.kernel().page_size and not c.kernel().kv_fp8))],
+                         ids=lambda c: c.id)
+def test_sm90_attention_load_loop_copies_per_tile(config):
+    """The SM90 attention's producer loop, found in its SASS: per key tile one TMA per page slot and 128-byte box
+    for K and for V (one elected thread), or, with rows gathered, each producer thread's cp.async (16 bytes a row
+    piece) for K and for V; either way the copies of a tile move its K and V (``BN * D * 2`` bytes each) once."""
+    kernel = config.kernel()
+    rec = static.analyze_config(config, compiled=artifacts.compiled)
+    tile_bytes = 2 * kernel.bn * kernel.head_dim * 2
+    if kernel.gather:
+        assert rec["load_loop_copies"] == 2 * kernel.gather.passes
+        assert rec["load_loop_copies"] * 16 * 128 == tile_bytes  # 16 bytes a copy, 128 producer threads
+    else:
+        boxes = kernel.head_dim * 2 // 128
+        assert rec["load_loop_copies"] == 2 * kernel.k_op.copies_per_tile * boxes
+        assert rec["load_loop_copies"] * kernel.k_op.rows_per_copy * 128 == tile_bytes
+
+
+def test_load_loop_on_fixed_sass():
+    """The load loop is the innermost loop without MMAs issuing global-to-shared copies (cp.async, TMA), counted on
+    its fast path."""
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8+0x18], R0 ;
+        /*0020*/              @!P0 BRA `(.L_x_2) ;
+        /*0030*/                   SHFL.IDX PT, R3, R2, RZ, 0x101f ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64] ;
+        /*0050*/                   LDGSTS.E.BYPASS.128 [R5+0x80], desc[UR4][R8.64] ;
+        /*0060*/                   ARRIVES.LDGSTSBAR.64 [UR8] ;
+        /*0070*/               @P1 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0080*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0090*/               @P2 BRA `(.L_x_1) ;
+        /*00a0*/                   EXIT ;
+.L_x_2:
+        /*00b0*/                   BRA `(.L_x_0) ;
+"""
+    instrs, labels = static.parse_sass(sass)
+    lp = static.load_loop(static.loops(instrs, labels))
+    # the wait's retry (0xb0) branches back to the header: a slow path of the loop, off its count
+    assert (lp.start, lp.end, lp.copies_in, lp.instructions) == (0x10, 0xb0, 2, 7)
+
+
 def test_catalog_ids_are_unique_and_known_defects_exist():
     ids = [c.id for c in catalog.configs()]
     assert len(ids) == len(set(ids))

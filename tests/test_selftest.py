@@ -65,11 +65,15 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
         "store_kv", "fused_qkv_matmul_kv_cache", "paged_attention", "mla_prefill", "sparse_mla_attention", "gather_kv"}
     for op in ("store_kv", "fused_qkv_matmul_kv_cache", "paged_attention", "gather_kv"):
         mine = [c for c in all_cases if c.op == op]
-        assert {c.step for c in mine} >= {"decode", "ragged"} and {c.page_size for c in mine} == {16, 64, 128}
+        small = {1, 2, 4, 8} if op == "paged_attention" else set()  # gathered rows (SM90 cp.async, SM100 gather4)
+        assert {c.step for c in mine} >= {"decode", "ragged"} and {c.page_size for c in mine} == {16, 64, 128} | small
     attention = [c for c in all_cases if c.op == "paged_attention"]
     assert {c.cache for c in attention} == {"bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8", "mla",
                                             "mla rope-aware"}
     assert {c.head_size for c in attention if not c.cache.startswith("mla")} == {64, 128, 256}
+    small = {(c.page_size, c.head_size, c.step) for c in attention if c.page_size < 16}
+    assert small >= {(p, d, step) for p in (1, 2, 4, 8) for d in (64, 128, 256) for step in selftest.BOTH} | {
+        (1, 128, "split")}
     assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse"}
     assert {c.cache for c in attention if c.step == "split"} == {"bf16", "fp8 f32 scales", "mla", "mla rope-aware"}
     assert {c.cache for c in all_cases if c.op == "store_kv"} == {"bf16", "fp16", "fp32", "fp8 f32 scales", "mla",

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, FP8, VEC, key_tile, supported
+from cute_kv.kernels.attention.config import BM, FP8, VEC, gathers, key_tile, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.ops.kernel_args import kv_sources, scales_arg, softmax_args, window_arg
@@ -36,7 +36,9 @@ def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optio
     if problem:
         return paths.reference(OP, problem, arch)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
+    # a gather reads one lookup entry a key: no vector reads to key on
+    vector = not gathers(p, key_tile(d)) and lut_vector(c, key_tile(d))
+    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, vector, bool(softcap),
            sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
     return paths.kernel(OP, KERNEL, key if c.is_compact else key + (c.layout_name,), arch)
 

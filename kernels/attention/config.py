@@ -42,6 +42,13 @@ def ring_swizzle(head_dim: int, kv_fp8: bool) -> int:
     return min(128, head_dim * (1 if kv_fp8 else 2))
 
 
+def gathers(page_size, bn: int) -> bool:
+    """Whether a paged cache's K/V rows are gathered by ``cp.async`` (``row_gather``): pages under 16 rows (one TMA
+    per page slot would be 8 or more TMAs of one thread per tile, 128 at page 1), or pages that neither divide nor
+    are divided by the key tile (no box shape fits every page slot)."""
+    return page_size is not None and (page_size < 16 or (page_size % bn != 0 and bn % page_size != 0))
+
+
 def tiling(head_dim: int, kv_fp8: bool = False) -> Tiling:
     """The deepest rings one CTA's shared memory holds: a 16-bit cache puts all of it in the 16-bit rings, an fp8
     cache keeps two 16-bit stages and gives the rest to the fp8 ring."""
@@ -86,8 +93,12 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     if problem:
         return problem
     bn = key_tile(head_dim)
-    if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
+    if page_size is not None and page_size < 1:
+        return f"page_size must be positive, got {page_size}"
+    if kv_dtype_name == FP8 and gathers(page_size, bn):
+        return (f"an fp8 cache's page_size ({page_size}) must be at least 16 and divide or be divided by the "
+                f"{bn}-key tile: smaller pages gather 16-bit rows only (fp8 tiles land by TMA page slots for the "
+                f"producer warpgroup to dequantize)")
     return None
 
 
