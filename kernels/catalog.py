@@ -138,6 +138,7 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
     ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, "strided"),  # K/V planes
     ("bfloat16", 32, 8, 128, 1, 2, True),  # rows gathered by cp.async (SGLang's page of 1)
+    ("bfloat16", 32, 8, 128, 1, 2, True, False, False, False, None, None, False, "strided"),  # SGLang's own K/V pools
     ("bfloat16", 12, 2, 256, 8, 2, True),  # gathered 64-key tiles, Q by thread copies: no load warp
 ]
 ATTENTION_SM100_CASES = [  # the SM90 fields, v_dim before layout; pages below 8 rows or not tiling the key tile

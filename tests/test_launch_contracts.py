@@ -711,3 +711,21 @@ def test_cuda_only_coverage_measures_the_tests_it_runs():
     rows = {m: (int(n), int(e)) for m, n, e in re.findall(r"^(\w+\.py) +(\d+) +(\d+)$", run.stdout, re.M)}
     lines, executed = rows.get("gather_kv.py", (0, 0))
     assert lines and executed == lines, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["separate", "vllm"])
+def test_one_token_pages_of_other_layouts_launch_contract(layout, arch, rng):
+    """SGLang's token pools (separate K and V, one token a page): SM90 gathers the rows by cp.async from the planes'
+    strides, SM100 by gather4; each launches its strided variant with what its entry takes."""
+    cached, new = STEPS["ragged"]
+    pb = random_paged_batch(cached, new, page_size=1, num_heads=2, head_size=128, dtype=torch.bfloat16,
+                            generator=torch.Generator().manual_seed(0))
+    pb, layer = with_layout(pb, layout, 1)
+    fn, (q, offsets, _, _), kwargs = _paged_attention(pb, "ragged", rng)
+    args = (q, offsets, pb.collection, layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and path.key[-1] == "strided", path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    assert _same(launches[0].values["k_src"], pb.collection.key_blocks)
