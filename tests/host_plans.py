@@ -194,3 +194,19 @@ class GatherSources:
                 for lane in cutlass.range(offsets.shape[2]):
                     base, row_bytes = self.gather.source(rows, h, lane)
                     offsets[r, h, lane] = Int32((base + r * row_bytes - rows.iterator.toint()) // width)
+
+
+class GatherRows:
+    """``fill(lookup_table, rows, num_keys, rows_per_page, num_rows)``: ``rows[warp, lane]``, what ``RowGather.lane_row``
+    gives each producer lane for the tile of request 0 starting at key 0."""
+
+    def __init__(self, gather):
+        self.gather = gather
+
+    @cute.jit
+    def fill(self, lookup_table: cute.Tensor, rows: cute.Tensor, num_keys: Int32, rows_per_page: Int32,
+             num_rows: Int32):
+        for warp in cutlass.range(rows.shape[0]):
+            for lane in cutlass.range(rows.shape[1]):
+                rows[warp, lane] = self.gather.lane_row(lookup_table, 0, 0, warp, lane, num_keys, rows_per_page,
+                                                        num_rows)

@@ -263,3 +263,15 @@ def test_row_gather_reads_the_planes_own_strides(layout):
                                           from_dlpack(offsets))
     r, hh, lane = torch.meshgrid(torch.arange(rows), torch.arange(h), torch.arange(32), indexing="ij")
     assert torch.equal(offsets, (r * s_p + hh * s_h + lane % gather.chunks * gather.vec).to(torch.int32))
+
+
+def test_row_gather_copies_no_row_outside_the_cache():
+    """Unchecked metadata (``validate=False``) may hold lookup entries that name no page (MAX's sentinel ``N``, or
+    anything larger): cp.async has no TMA zero fill, so those keys, like keys past ``num_keys``, get no copy (-1)."""
+    n, pitch = 4, 2  # pages of one token, K and V: rows 0..6 of the plane
+    num_rows = (n - 1) * pitch + 1
+    gather = RowGather(128, 128, 1, cutlass.BFloat16, 128)
+    lut = torch.tensor([[0, 1, 2, n, 2**31 - 1, 2**32 - 1, 3, 1] + [0] * 120], dtype=torch.int64).to(torch.uint32)
+    rows = torch.zeros((4, 32), dtype=torch.int32)
+    host_plans.GatherRows(gather).fill(from_dlpack(lut), from_dlpack(rows), 7, pitch, num_rows)
+    assert rows[0, :8].tolist() == [0, 2, 4, -1, -1, -1, 6, -1]  # key 7 is past num_keys

@@ -4,9 +4,12 @@ that no TMA box tiles: pages under 16 rows, or pages that neither divide nor are
 A whole warpgroup loads: warp ``w`` owns keys ``[w * bn/4, (w+1) * bn/4)`` of the tile. Lane ``k`` of the warp
 looks up key ``k``'s row once per tile (``populate.key_row``: lookup entry x page pitch + offset in the page, -1
 past the keys or past the lookup table's row); each pass then moves ``32 / chunks`` rows, a row's ``chunks``
-16-byte pieces by consecutive lanes (the row's bytes are contiguous in global memory), each lane taking its row's
+16-byte pieces by consecutive lanes (a head's row is contiguous in global memory; rows and heads are the view's strides apart), each lane taking its row's
 index from the lane that looked it up (``shfl.sync``). A row of -1 issues no copy: its shared-memory row keeps what
-it held, which the consumers mask (K: the key is past the request) or zero (V rows past the keys). Each thread then
+it held, which the consumers mask (K: the key is past the request) or zero (V rows past the keys). So does a row
+outside the view (a lookup entry naming no page, which only unchecked metadata holds: cp.async has no TMA zero
+fill), and a key whose page column lies past the table's row (unchecked lengths): those rows are stale, not zeros,
+so the output may be garbage (never an access outside the cache). Each thread then
 arrives on the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``, which fires when its copies have
 landed (the barrier counts the warpgroup's 128 threads). cp.async writes through the generic proxy, so a consumer
 fences (``fence.proxy.async``) between its wait and the wgmmas that read the stage.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 
 from cute_kv.kernels.paged.populate import key_row
@@ -58,11 +61,16 @@ class RowGather:
 
     @cute.jit
     def lane_row(self, lookup_table: cute.Tensor, batch_idx: Int32, tile_base: Int32, warp: Int32, lane: Int32,
-                 num_keys: Int32, rows_per_page: Int32) -> Int32:
+                 num_keys: Int32, rows_per_page: Int32, num_rows: Int32) -> Int32:
         """The row of key ``tile_base + warp * bn/4 + lane`` (lanes past the warp's keys look up the next warp's:
-        never read)."""
-        return key_row(lookup_table, batch_idx, tile_base + warp * self.rows_per_warp + lane, num_keys,
-                       rows_per_page, self.page_size, Int32(-1))
+        never read), or -1 (no copy): a key past ``num_keys``, a page column past the table's row, or a row outside
+        the view's ``num_rows`` (a lookup entry that names no page, as unchecked metadata may hold: cp.async has no
+        TMA's zero fill, so it must not be issued)."""
+        row = key_row(lookup_table, batch_idx, tile_base + warp * self.rows_per_warp + lane, num_keys,
+                      rows_per_page, self.page_size, Int32(-1))
+        if Uint32(row) >= Uint32(num_rows):
+            row = Int32(-1)
+        return row
 
     def stage_offset(self, warp: Int32, lane: Int32) -> Int32:
         """Bytes from the stage's start to the lane's piece of pass 0: its row ``r0`` (a multiple of 8, so unswizzled)

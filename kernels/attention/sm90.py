@@ -345,7 +345,7 @@ class PagedAttention:
                                          oob_row, last_tile, n_tiles, warp_idx)
                     elif cutlass.const_expr(self.gather is not None):
                         self.produce_gather(pipe_k, pipe_v, g_k, s_k, g_v, s_v, lookup_table, b, kv_head, num_keys,
-                                            rows_per_page, last_tile, n_tiles, warp_idx)
+                                            rows_per_page, oob_row, last_tile, n_tiles, warp_idx)
                     else:
                         if warp_idx == 0:
                             self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
@@ -394,8 +394,8 @@ class PagedAttention:
     @cute.jit
     def produce_gather(self, pipe_k: pipeline.PipelineCpAsync, pipe_v: pipeline.PipelineCpAsync, g_k: cute.Tensor,
                        s_k: cute.Tensor, g_v: cute.Tensor, s_v: cute.Tensor, lookup_table: cute.Tensor, b: Int32,
-                       kv_head: Int32, num_keys: Int32, rows_per_page: Int32, last_tile: Int32, n_tiles: Int32,
-                       warp_idx: Int32):
+                       kv_head: Int32, num_keys: Int32, rows_per_page: Int32, num_rows: Int32, last_tile: Int32,
+                       n_tiles: Int32, warp_idx: Int32):
         """The producer warpgroup gathers K then V of each tile, last to first (``row_gather``): K and V rows share
         their row numbers, so one lookup a lane serves both; the next tile's is read right after this tile's copies
         are issued, its latency hidden behind the wait for a free stage."""
@@ -404,7 +404,8 @@ class PagedAttention:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         row = Int32(-1)
         if n_tiles > 0:
-            row = self.gather.lane_row(lookup_table, b, last_tile * self.bn, warp_idx, lane, num_keys, rows_per_page)
+            row = self.gather.lane_row(lookup_table, b, last_tile * self.bn, warp_idx, lane, num_keys, rows_per_page,
+                                       num_rows)
         for i in cutlass.range(n_tiles, unroll=1):
             for pipe, g_rows, ring in ((pipe_k, g_k, s_k), (pipe_v, g_v, s_v)):
                 pipe.producer_acquire(state)
@@ -412,7 +413,7 @@ class PagedAttention:
                 pipe.producer_commit(state)
             if i + 1 < n_tiles:
                 row = self.gather.lane_row(lookup_table, b, (last_tile - i - 1) * self.bn, warp_idx, lane,
-                                           num_keys, rows_per_page)
+                                           num_keys, rows_per_page, num_rows)
             state.advance()
 
     @cute.jit
