@@ -33,6 +33,7 @@ COLUMNS = [  # (header, record key or function, width)
      f"{r['loop_barrier_waits'] - r['loop_cta_barriers'] - r['loop_named_barriers']}" or None, 9),
     ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6),
     ("/S64min", "instructions_per_s_block_shortest", 7), ("softmax", "softmax_loop_instructions", 7),
+    ("load", "load_loop_instructions", 5), ("copies", "load_loop_copies", 6),
     ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]
 

@@ -30,6 +30,8 @@ CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector 
     ("bfloat16", 12, 2, 128, 16, 2, True),  # GQA 6 (does not divide 64 rows): Q by thread copies
     ("bfloat16", 32, 8, 80, 16, 2, True),  # head dim 80: 32-byte swizzle rows, 5 k blocks
     ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),  # K of 192, V and O of 128
+    ("bfloat16", 32, 8, 128, 1, 2, True),  # pages of one row: K/V gathered by cp.async
+    ("bfloat16", 12, 2, 256, 8, 2, True),  # gathered 64-key tiles, Q by thread copies
 ]
 MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
 SS = re.compile(MMA + r"%rd\d+, %rd\d+")  # A and B from shared memory (descriptors)
@@ -212,7 +214,41 @@ def test_one_tma_per_page_slot(compiled):
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     sites = 2 if kernel.kv_fp8 else 1  # fp8: the ring's first fill, then one tile per dequantized tile
     q_loads = 2 * kernel.head_dim * 2 // kernel.swizzle if kernel.q_tma else 0  # per warpgroup, a box a swizzle row
-    assert len(loads) == kernel.k_op.copies_per_tile * boxes * sites + q_loads
+    kv_loads = 0 if kernel.gather else kernel.k_op.copies_per_tile * boxes * sites  # (gathered: cp.async)
+    assert len(loads) == kv_loads + q_loads
+
+
+def test_gathered_rows(compiled):
+    """Pages no TMA box tiles: per key tile each producer thread issues ``BN * D * 2 / 16 / 128`` 16-byte cp.async
+    for K and as many for V (one site each: the producer's loop), then one ``cp.async.mbarrier.arrive.noinc`` per
+    stage; each copy's row comes by ``shfl.sync.idx`` (the pass as a constant lane, segments of a row's lanes) from
+    the lane that read its lookup entry (one 4-byte load a lane and tile, no vector). A consumer fences the async
+    proxy between each wait and the wgmmas that read the stage (cp.async writes through the generic proxy). TMA
+    pages issue none of it."""
+    kernel, ptx, _ = compiled
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(?:\+\d+)?\], \[%rd\d+\], 16, 16;", ptx)
+    noinc = ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64")
+    if not kernel.gather:
+        assert not copies and not noinc
+        return
+    passes = kernel.bn * kernel.head_dim * 2 // 16 // WG_THREADS
+    assert len(copies) == 2 * passes and noinc == 2
+    producer = ptx[ptx.index("setmaxnreg.dec"):ptx.index("setmaxnreg.inc")]
+    chunks = kernel.head_dim * 2 // 16
+    segment = chunks if chunks < 32 else 32
+    lanes = re.findall(rf"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, (\d+), {(32 - segment) << 8 | 31}, -1;", producer)
+    assert sorted(map(int, lanes)) == sorted(list(range(passes)) * 2)
+    lookups = re.findall(r"ld\.global(?:\.nc)?\.(\w+)\s", producer)
+    assert lookups and set(lookups) == {"b32"}
+    consumer = ptx[ptx.index("setmaxnreg.inc"):]
+    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait", consumer)]
+    mmas = [m.start() for m in re.finditer(r"wgmma\.mma_async", consumer)]
+    fences = [m.start() for m in re.finditer(r"fence\.proxy\.async\.shared::cta", consumer)]
+    for w in waits:
+        first_mma = next((m for m in mmas if m > w), None)
+        nxt = next((x for x in waits if x > w), len(consumer))
+        if first_mma is not None and first_mma < nxt:  # a wait whose stage the next wgmmas read
+            assert any(w < f < first_mma for f in fences), consumer[w:w + 400]
 
 
 def test_q_by_tma(compiled):
@@ -242,10 +278,10 @@ def test_q_by_tma(compiled):
 
 def test_request_rows_bounded_by_q(compiled):
     """Unchecked offsets (validate=False) cannot send a request's rows past ``q``/``out``: the kernel reads q's row
-    count (its shape at byte 8; parameter 6, or 8 behind Q's TMA atom and coordinates), which it otherwise never
-    needs (``request_rows``)."""
+    count (its shape at byte 8; parameter 6, or 8 behind Q's TMA atom and coordinates, 2 fewer without K's and V's
+    TMA atoms when rows are gathered), which it otherwise never needs (``request_rows``)."""
     kernel, ptx, _ = compiled
-    param = 8 if kernel.q_tma else 6
+    param = (8 if kernel.q_tma else 6) - (2 if kernel.gather else 0)
     assert re.search(rf"ld\.param\.b32\s+%r\d+, \[\w+_param_{param}\+8\];", ptx)
 
 
@@ -256,7 +292,7 @@ def test_split_without_keys_exits_at_once(compiled):
     _, ptx, _ = compiled
     first = re.search(r"st\.global\.\w+\s+\[%rd\d+\], (-?\w+);\s*bra\.uni\s+(\$L__BB\d+_\d+);", ptx)
     assert first and first[1] == "-8388608"
-    assert first.start() == ptx.index("st.global") < ptx.index("mbarrier.init") < ptx.index("cp.async.bulk")
+    assert first.start() == ptx.index("st.global") < ptx.index("mbarrier.init") < ptx.index("cp.async")
     assert re.search(rf"^{re.escape(first[2])}:\s*ret;", ptx, re.M)
 
 
@@ -267,6 +303,8 @@ def test_shared_memory_within_the_launch(compiled):
     kernel, ptx, _ = compiled
     inits = [int(x or 0) for x in re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+(\d+))?\]", ptx)]
     assert inits and max(inits) < 1024
+    if kernel.gather:  # cp.async rows at per-thread addresses
+        return
     dests = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx)
     width = kernel.k_op.rows_per_copy * kernel.load_swizzles[1]  # one box's bytes (the last ring is V's)
     stages = kernel.fp8_stages if kernel.kv_fp8 else kernel.stages

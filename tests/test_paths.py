@@ -67,10 +67,19 @@ def test_explain_attention_on_each_arch(rng):
     assert cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_100a").path == "reference"
 
 
+def test_explain_gathered_pages_on_sm90(rng):
+    """Pages of 1 and 8 rows (and 24, which does not tile the key tile) run ``PagedAttention`` on SM90 (rows gathered
+    by cp.async), keyed without vector lookup reads whatever the table's alignment."""
+    for page_size in (1, 8, 24):
+        pb = _batch(page_size=page_size)
+        path = cute_kv.explain("paged_attention", _q(pb, rng), pb.input_row_offsets, pb.collection, 1, arch="sm_90a")
+        assert (path.path, path.kernel) == ("kernel", "PagedAttention") and path.key[5:8] == (page_size, 2, False)
+
+
 @pytest.mark.parametrize("cache, word", [
     ({"head_size": 112}, "head_dim must be one of"),
     ({"num_heads": 1, "is_mla": True}, "MLA"),
-    ({"page_size": 8}, "page_size (8)"),
+    ({"page_size": 8, "dtype": FP8}, "smaller pages gather 16-bit rows only"),
 ])
 def test_explain_names_why_the_reference_runs(rng, cache, word):
     pb = _batch(**cache)

@@ -18,6 +18,7 @@ sys.path.insert(0, PERF)
 import bench_fused_qkv  # noqa: E402
 import bench_store_kv  # noqa: E402
 import cases  # noqa: E402
+import mla_mma_work  # noqa: E402
 from cute_kv import reference  # noqa: E402
 from cute_kv.reference.batch import random_paged_batch  # noqa: E402
 from cute_kv.reference.ragged import positions, ragged_coords  # noqa: E402
@@ -227,3 +228,26 @@ def test_plan_step_bench_runs_the_launch_paths_on_the_cpu(capsys):
                      for mode in ("validate", "validate_false", "plan")} | {("plan_step", "validate")}
     assert all(r["host_us"] > 0 and r["device"] == "cpu" and r["rows"] == 128 for r in records)
     assert len(capsys.readouterr().out.splitlines()) == len(records)
+
+
+def _mmas(count: int, m: int, n: int, b_mn_major: bool, cta_group: int, reg: int) -> str:
+    """PTX of ``count`` bf16 MMAs of one shape, their descriptor moved into ``%r<reg>`` once."""
+    desc = (m // 16) << 24 | (n // 8) << 17 | b_mn_major << 16 | 0x490  # f32 accumulator, bf16 A and B
+    mma = f"\ttcgen05.mma.cta_group::{cta_group}.kind::f16 [%r1], [%r2], %rd1, %r{reg}, p;\n"
+    return f"\tmov.b32 \t%r{reg}, {desc};\n" + mma * count
+
+
+def test_mla_mma_work_counts_a_cta_pair_once():
+    # FlashMLA's head128 tile as its PTX has it: 16 QK MMAs (M=128 over the pair, N=128: 64 keys x the two halves of
+    # the 512 latent columns) and 8 P V MMAs (N=256) per 64 keys, issued once for the pair serving 128 heads.
+    ptx = ".visible .entry flash_fwd_splitkv_mla_fp8_sparse_kernel(\n" + _mmas(16, 128, 128, False, 2, 5) + \
+        _mmas(8, 128, 256, True, 2, 6)
+    rec = mla_mma_work.flashmla("head128", ptx, 128)
+    assert (rec["units"], rec["qk_mmas"], rec["pv_mmas"], rec["latent_dim"]) == (1, 16, 8, 512)
+    assert rec["flops_per_key"] == rec["min_flops_per_key"] == 2 * 512 * 128 * 2 and rec["ratio"] == 1.0
+    assert rec["qk"] == "16 x 128x128x16/2cta" and rec["pv"] == "8 x 128x256x16/2cta"
+    # 256 heads: two pairs; head64 at 128 heads: two CTAs of one CTA each.
+    assert mla_mma_work.flashmla("head128", ptx, 256)["units"] == 2
+    head64 = _mmas(18, 64, 128, False, 1, 5) + _mmas(8, 64, 256, True, 1, 6)
+    rec = mla_mma_work.flashmla("head64", head64, 128)
+    assert rec["units"] == 2 and rec["flops_per_key"] == rec["min_flops_per_key"] == 2 * (576 + 512) * 128

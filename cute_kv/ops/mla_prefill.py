@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
+from cute_kv.kernels.archs import generation
 from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, HEAD_DIMS, VALUE_DIMS
 from cute_kv.ops import paths, units
 from cute_kv.step_plan import call_key
@@ -97,8 +98,8 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: t
         out = torch.empty((*q_nope.shape[:2], v_dim), dtype=q_nope.dtype, device=q_nope.device)
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table,
-                                      c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
+        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.traced_blocks(OP), c.cache_lengths,
+                                      c.lookup_table, c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                       c.quantization_granularity, c.rope_dim, w_uk, w_uv, scale, causal, out)
     else:
         dispatch(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out)
@@ -170,7 +171,8 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
     from cute_kv.ops.splits import grid_problem
 
     qk = nope_dim + rope_dim
-    native = arch is None or (arch in KERNELS and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
+    gen = None if arch is None else generation(arch)  # sm_103a runs the sm_100a kernels
+    native = arch is None or (gen in KERNELS and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
     wide = max(qk, v_dim)
     head_dim = wide if native else min((d for d in HEAD_DIMS if d >= wide), default=wide)
     pv = v_dim if native else head_dim
@@ -186,9 +188,9 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
     # limits leaves the attention to paged_attention, whose plan takes the reference (with the reason).
     if native and arch is not None and not grid_problem(len(lengths), num_heads,
                                                         -(-max((n for n, _ in lengths), default=0) // BM)):
-        key = (KEYS[arch], dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False,
+        key = (KEYS[gen], dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False,
                v_dim)
-        kernel = paths.kernel(OP, KERNELS[arch], key, arch)
+        kernel = paths.kernel(OP, KERNELS[gen], key, arch)
     return Route(path, total, head_dim, kernel)
 
 

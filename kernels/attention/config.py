@@ -13,6 +13,7 @@ from typing import Optional
 BM = 128  # packed query rows per CTA: two consumer warpgroups of 64
 VEC = 8  # 16-bit elements per 16-byte access
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+GATHER_HEAD_DIMS = (64, 128, 256)  # rows a cp.async gather plans (``row_gather``: 128-byte swizzle, 8-row passes)
 FP8_HEAD_DIMS = (64, 128, 256)  # a dequantizing warpgroup's 128 threads cover whole rows of 16-byte vectors
 VALUE_DIMS = {192: 128}  # head dim -> the narrower value dim it also takes (DeepSeek MLA prefill: 128 + 64 / 128)
 DTYPE_NAMES = ("bfloat16", "float16")  # Q, O and the MMAs
@@ -49,6 +50,13 @@ def operand_swizzle(row_bytes: int) -> int:
 def ring_swizzle(head_dim: int, kv_fp8: bool) -> int:
     """Swizzle width (bytes) of staged rows of ``head_dim`` 16-bit (or fp8) values."""
     return operand_swizzle(head_dim * (1 if kv_fp8 else 2))
+
+
+def gathers(page_size, bn: int) -> bool:
+    """Whether a paged cache's K/V rows are gathered by ``cp.async`` (``row_gather``): pages under 16 rows (one TMA
+    per page slot would be 8 or more TMAs of one thread per tile, 128 at page 1), or pages that neither divide nor
+    are divided by the key tile (no box shape fits every page slot)."""
+    return page_size is not None and (page_size < 16 or (page_size % bn != 0 and bn % page_size != 0))
 
 
 def tiling(head_dim: int, kv_fp8: bool = False, v_dim: Optional[int] = None) -> Tiling:
@@ -106,8 +114,32 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     if problem:
         return problem
     bn = key_tile(head_dim, v_dim)
-    if page_size is not None and (page_size < 16 or (page_size % bn and bn % page_size)):
-        return f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile"
+    if page_size is not None and page_size < 1:
+        return f"page_size must be positive, got {page_size}"
+    if gathers(page_size, bn) and (head_dim not in GATHER_HEAD_DIMS or (v_dim or head_dim) != head_dim):
+        return (f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile at "
+                f"head_dim {head_dim}{f' / v_dim {v_dim}' if v_dim else ''}: other pages gather rows by cp.async, "
+                f"which takes head dims {GATHER_HEAD_DIMS} with values as wide")
+    if kv_dtype_name == FP8 and gathers(page_size, bn):
+        return (f"an fp8 cache's page_size ({page_size}) must be at least 16 and divide or be divided by the "
+                f"{bn}-key tile: smaller pages gather 16-bit rows only (fp8 tiles land by TMA page slots for the "
+                f"producer warpgroup to dequantize)")
+    return None
+
+
+LAYOUTS = ("compact", "strided")  # MAX's blocks, or K and V planes of runtime strides (a collection's layout_name)
+
+
+def layout_problem(layout: str, page_size: Optional[int], granularity: Optional[int]) -> Optional[str]:
+    """Why a kernel cannot read a cache of ``layout``, or None: strided K/V planes (``operand.KVCacheMHAOperand``)
+    are paged and carry no scales (fp8 scales follow MAX's compact ``[N, KVD, L, P, H, G]`` geometry)."""
+    if layout not in LAYOUTS:
+        return f"layout must be one of {LAYOUTS}, got {layout!r}"
+    strided = layout == "strided"
+    if strided and page_size is None:
+        return "strided K/V planes must be paged"
+    if strided and granularity:
+        return "strided K/V planes carry no scales: a scaled fp8 cache must be compact"
     return None
 
 
@@ -123,12 +155,13 @@ def combine_problem(v_dim: int) -> Optional[str]:
     return None
 
 
-def index_limits(num_pages: int, kv_dim: int, num_layers: int, page_size: int, max_cache_length: int) -> Optional[str]:
+def index_limits(num_pages: int, row_pitch: int, page_size: int, max_cache_length: int) -> Optional[str]:
     """Why the kernel's int32 indices cannot reach this cache, or None. TMA row coordinates are int32: the row view
-    of a plane has ``(N-1)*KVD*L*P + P`` rows, and one past them (the zero-filled row of a tile slot past the keys)
-    must be an int32 too; key positions and counts are int32. Scales are indexed in 64 bits (``row * H * G``
+    of a plane has ``(N-1)*row_pitch + P`` rows (``row_pitch``: rows from one page to the next, ``KVD*L*P`` in
+    MAX's layout, ``sN / sP`` in a strided one), and one past them (the zero-filled row of a tile slot past the
+    keys) must be an int32 too; key positions and counts are int32. Scales are indexed in 64 bits (``row * H * G``
     passes 2^31 first)."""
-    rows = (num_pages - 1) * kv_dim * num_layers * page_size + page_size
+    rows = (num_pages - 1) * row_pitch + page_size
     if rows > 2**31 - 1:
         return f"the cache's {rows} rows per (K or V, layer) plane exceed int32 TMA coordinates"
     if max_cache_length > 2**31 - 1 - max(map(key_tile, HEAD_DIMS)):  # a tile past the keys stays int32

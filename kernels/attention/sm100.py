@@ -77,6 +77,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
+from cute_kv.kernels.attention.config import layout_problem
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.config import ring_swizzle
@@ -122,8 +123,10 @@ class PagedAttentionSm100:
     """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, ``page_size``, KVD, whether the
     lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, an fp8 cache:
     ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
-    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, and ``v_dim`` (None: the head dim): values are
-    the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide.
+    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, ``v_dim`` (None: the head dim): values are
+    the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide,
+    and ``layout`` ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
+    (``KVCacheMHAOperand``; gather4 pages take a token's heads side by side, ``sH == D``).
 
     An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 8-11) into one
     16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
@@ -133,9 +136,10 @@ class PagedAttentionSm100:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
                  return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
-                 e8m0_scales: bool = False, v_dim: Optional[int] = None):
+                 e8m0_scales: bool = False, v_dim: Optional[int] = None, layout: str = "compact"):
         kv_dtype_name = kv_dtype_name or dtype_name
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity, v_dim)
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity,
+                            v_dim) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
@@ -156,9 +160,9 @@ class PagedAttentionSm100:
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
         self.gather4 = self.plan.gather4
-        if not self.gather4:  # one TMA per page slot, rows from populate
-            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
-            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+        # The planes' row views; without gather4 also one TMA per page slot, rows from populate.
+        self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, layout == "strided")
+        self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, layout == "strided")
         self.box_width = self.ring_swizzle * 8 // self.kv_dtype.width  # gather4 columns an instruction: a swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
         self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)
@@ -182,9 +186,7 @@ class PagedAttentionSm100:
                                             stride_order=(2, 1, 0), assumed_align=4)
         lse = make_fake_compact_tensor(Float32, (cute.sym_int32(), hq), stride_order=(1, 0), assumed_align=4)
         b, h, kvd, p = cute.sym_int32(), self.num_kv_heads, self.kv_dim, self.page_size
-        blocks = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
-            cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
-            h * d, d, 1), assumed_align=16)
+        blocks = self.k_op.fake_source(self.kv_dtype, h, d, kvd, heads_adjacent=self.gather4)  # rows_2d's view
         scales = None
         if self.granularity:
             g = d // self.granularity
@@ -216,8 +218,8 @@ class PagedAttentionSm100:
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, dv), tcgen05.OperandSource.TMEM)
-        k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
-        v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
+        k_rows = self.k_op.row_view(k_src, layer_idx)
+        v_rows = self.v_op.row_view(v_src, layer_idx)
         if cutlass.const_expr(self.gather4):
             # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
             index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
@@ -236,7 +238,7 @@ class PagedAttentionSm100:
             # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
             k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
             v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
-        rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
+        rows_per_page = self.k_op.rows_per_page(k_src)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
         # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.

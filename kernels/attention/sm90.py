@@ -10,7 +10,9 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
   for each key tile, issues one TMA per page slot for K into the K ring and for V into the V ring (separate
   pipelines, so QK of a tile can start before its V lands) and then reads the lookup entries of the next tile
   (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring and the whole warpgroup
-  dequantizes them into the 16-bit rings;
+  dequantizes them into the 16-bit rings. Pages no TMA box tiles (under 16 rows, or neither dividing nor divided by
+  the key tile) are gathered instead (40 registers): the whole warpgroup issues 16-byte ``cp.async`` copies of each
+  row into the rings, one lookup entry a key (``row_gather``);
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
   registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
   operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
@@ -50,8 +52,10 @@ from cutlass.memory import SmemAllocator
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
-from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
+from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, VEC, gathers, layout_problem, ring_swizzle,
+                                              supported, tiling)
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.attention.row_gather import RowGather
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 
@@ -59,7 +63,8 @@ WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 PRODUCER_REGS = 32
-PRODUCER_REGS_FP8 = 40  # the dequantizing warpgroup: all that the launch's 168 x 384 leave beside the consumers' 232
+PRODUCER_REGS_FP8 = 40  # a working producer warpgroup (fp8 dequantization, row gathers): all that the launch's
+# 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -108,7 +113,9 @@ class PagedAttention:
     ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
     uint8 bits), and ``v_dim`` (None: the head dim): values are the first ``v_dim`` dims of the V rows
     (``config.VALUE_DIMS``: K of 192, V of 128), the PV MMA's N and O are ``v_dim`` wide. Every tile is swizzled by
-    its row's width (``config.ring_swizzle``: 32 bytes at head dim 80, 64 at 96, 128 otherwise).
+    its row's width (``config.ring_swizzle``: 32 bytes at head dim 80, 64 at 96, 128 otherwise). ``layout``
+    ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
+    (``KVCacheMHAOperand``).
 
     An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
     granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
@@ -117,16 +124,21 @@ class PagedAttention:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
                  sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
-                 granularity: Optional[int] = None, e8m0_scales: bool = False, v_dim: Optional[int] = None):
+                 granularity: Optional[int] = None, e8m0_scales: bool = False, v_dim: Optional[int] = None,
+                 layout: str = "compact"):
         self.kv_fp8 = kv_dtype_name == FP8
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
-                            granularity, v_dim)
+                            granularity, v_dim) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 else PRODUCER_REGS
+        bn = tiling(head_dim, self.kv_fp8, v_dim).bn
+        # pages no TMA box tiles: the producer warpgroup gathers rows by cp.async (``row_gather``)
+        self.gather = RowGather(bn, head_dim, page_size, self.kv_dtype, ring_swizzle(head_dim, self.kv_fp8)) \
+            if gathers(page_size, bn) else None
+        self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 or self.gather else PRODUCER_REGS
         self.consumer_regs = CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.v_dim = v_dim or head_dim
@@ -144,8 +156,9 @@ class PagedAttention:
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
-            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
-            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+            lut_vector = lut_vector and not self.gather  # a gather reads one entry a key
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, layout == "strided")
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, layout == "strided")
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -173,9 +186,7 @@ class PagedAttention:
             k_src, v_src, lut = cache(), cache(), None
         else:
             kvd, p = self.kv_dim, self.page_size
-            k_src = v_src = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
-                cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
-                h * d, d, 1), assumed_align=16)
+            k_src = v_src = self.k_op.fake_source(self.kv_dtype, h, d, kvd)
             if self.granularity:
                 g = d // self.granularity
                 scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
@@ -209,9 +220,12 @@ class PagedAttention:
         if cutlass.const_expr(self.q_tma):
             tma_q, g_q = self.q_tma_tile(q)
         k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzles[0])
-        tma_v, g_v, v_slot = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy,
-                                                       dv, self.load_swizzles[1])
+        v_rows = self.v_op.row_view(v_src, layer_idx)
+        if cutlass.const_expr(self.gather is not None):  # the row views themselves, no descriptor
+            tma_k, g_k, tma_v, g_v, s_slot, v_slot = None, k_rows, None, v_rows, None, None
+        else:
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzles[0])
+            tma_v, g_v, v_slot = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, dv, self.load_swizzles[1])
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
@@ -237,10 +251,10 @@ class PagedAttention:
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_q: Optional[cute.CopyAtom],
-               g_q: Optional[cute.Tensor], tma_k: cute.CopyAtom, g_k: cute.Tensor, tma_v: cute.CopyAtom,
-               g_v: cute.Tensor, s_slot: cute.ComposedLayout, v_slot: cute.ComposedLayout, q: cute.Tensor,
-               out: cute.Tensor,
-               lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
+               g_q: Optional[cute.Tensor], tma_k: Optional[cute.CopyAtom], g_k: cute.Tensor,
+               tma_v: Optional[cute.CopyAtom], g_v: cute.Tensor, s_slot: Optional[cute.ComposedLayout],
+               v_slot: Optional[cute.ComposedLayout], q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor],
+               o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32,
                num_splits: Int32, causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
@@ -264,8 +278,9 @@ class PagedAttention:
                 if warp_idx == 0:
                     if cutlass.const_expr(self.q_tma):
                         cpasync.prefetch_descriptor(tma_q)
-                    cpasync.prefetch_descriptor(tma_k)
-                    cpasync.prefetch_descriptor(tma_v)
+                    if cutlass.const_expr(self.gather is None):
+                        cpasync.prefetch_descriptor(tma_k)
+                        cpasync.prefetch_descriptor(tma_v)
 
                 smem = SmemAllocator()
                 mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
@@ -309,6 +324,14 @@ class PagedAttention:
                                                            defer_sync=True)
                     pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
                                                            producer_group=dequantizers, consumer_group=consumers)
+                elif cutlass.const_expr(self.gather is not None):
+                    # each producer thread's cp.async.mbarrier.arrive.noinc is one of a stage's arrivals
+                    gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+                    pipe_k = pipeline.PipelineCpAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                             producer_group=gatherers, consumer_group=consumers,
+                                                             defer_sync=True)
+                    pipe_v = pipeline.PipelineCpAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                             producer_group=gatherers, consumer_group=consumers)
                 else:
                     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
                     pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
@@ -328,6 +351,9 @@ class PagedAttention:
                         self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
                                          s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
                                          oob_row, last_tile, n_tiles, warp_idx)
+                    elif cutlass.const_expr(self.gather is not None):
+                        self.produce_gather(pipe_k, pipe_v, g_k, s_k, g_v, s_v, lookup_table, b, kv_head, num_keys,
+                                            rows_per_page, oob_row, last_tile, n_tiles, warp_idx)
                     else:
                         if warp_idx == 0:
                             self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, v_slot, lookup_table,
@@ -373,6 +399,31 @@ class PagedAttention:
             if i + 1 < n_tiles:
                 self.k_op.populate(rows, lookup_table, b, (last_tile - i - 1) * self.bn, num_keys, rows_per_page,
                                    oob_row)
+            state.advance()
+
+    @cute.jit
+    def produce_gather(self, pipe_k: pipeline.PipelineCpAsync, pipe_v: pipeline.PipelineCpAsync, g_k: cute.Tensor,
+                       s_k: cute.Tensor, g_v: cute.Tensor, s_v: cute.Tensor, lookup_table: cute.Tensor, b: Int32,
+                       kv_head: Int32, num_keys: Int32, rows_per_page: Int32, num_rows: Int32, last_tile: Int32,
+                       n_tiles: Int32, warp_idx: Int32):
+        """The producer warpgroup gathers K then V of each tile, last to first (``row_gather``): K and V rows share
+        their row numbers, so one lookup a lane serves both; the next tile's is read right after this tile's copies
+        are issued, its latency hidden behind the wait for a free stage."""
+        atom = self.gather.copy_atom()
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        row = Int32(-1)
+        if n_tiles > 0:
+            row = self.gather.lane_row(lookup_table, b, last_tile * self.bn, warp_idx, lane, num_keys, rows_per_page,
+                                       num_rows)
+        for i in cutlass.range(n_tiles, unroll=1):
+            for pipe, g_rows, ring in ((pipe_k, g_k, s_k), (pipe_v, g_v, s_v)):
+                pipe.producer_acquire(state)
+                self.gather.copy_tile(atom, g_rows, ring[None, None, state.index], row, kv_head, warp_idx, lane)
+                pipe.producer_commit(state)
+            if i + 1 < n_tiles:
+                row = self.gather.lane_row(lookup_table, b, (last_tile - i - 1) * self.bn, warp_idx, lane,
+                                           num_keys, rows_per_page, num_rows)
             state.advance()
 
     @cute.jit
@@ -587,12 +638,15 @@ class PagedAttention:
                 ready = pipe.consumer_try_wait(state)
         else:
             pipe.consumer_wait(state)
+            if cutlass.const_expr(self.gather is not None):
+                cute.arch.fence_view_async_shared()  # cp.async wrote the stage in the generic proxy; wgmma reads next
 
     @cute.jit
     def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
         """A consumer warp is done with a K or V stage: one lane arrives for it (the stage's empty barrier counts the
-        8 consumer warps), lane 0 over an fp8 cache's dequantized rings as over the TMA ones (no ``elect.sync``)."""
-        if cutlass.const_expr(self.kv_fp8):
+        8 consumer warps), lane 0 over an fp8 cache's dequantized rings and gathered ones (whose pipeline's release
+        arrives from every lane) as over the TMA ones (no ``elect.sync``)."""
+        if cutlass.const_expr(self.kv_fp8 or self.gather is not None):
             _arrive_if(cute.arch.lane_idx() == 0, pipe.sync_object_empty.get_barrier(state.index))
         else:
             pipe.consumer_release(state)

@@ -10,14 +10,15 @@ K stage in shared memory, so V is never loaded. Three warpgroups:
   next tile's lookup entries while the copies fly);
 * two consumer warpgroups holding the same 64 rows. Warpgroup ``w`` computes S for keys ``[32w, 32w + 32)`` of the
   tile (SS wgmma, N = 32), masks it, and publishes its rows' maxima; after a named barrier both take the max of the
-  two, exponentiate, write their half of P (16-bit) into the shared P tile and rescale their O; after a second
+  two, exponentiate, rescale their O and write their half of P (16-bit) into the shared P tile; after a second
   barrier each issues ``O[:, half w] += P V[:, half w]`` (SS wgmma, N = v_dim / 2) over the whole tile. O is 64 x
-  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. A tile's PV
-  is left running while the warpgroup waits for the next stage and issues that tile's QK behind it; the P tile is
-  single (shared memory holds Q, two K stages and one P), so the next P is written only once both PVs are done
-  (each warpgroup waits for its own before the max-exchange barrier) and the tensor cores idle through the softmax
-  and the two exchanges: overlapping them (FlashMLA's seesaw) needs a second P the 227 KiB do not hold. The steady
-  state has the two named barriers and no CTA-wide one.
+  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. As in FA3's
+  intra-warpgroup overlap, a tile's PV is issued behind the next tile's QK and only the QK is waited for, so the PV
+  runs through that tile's scores, the maxima exchange and the exponentials. The P tile is single (shared memory
+  holds Q, two K stages and one P; a second P, FlashMLA's seesaw, does not fit in the 227 KiB), so the next P is
+  written only once both PVs are done: each warpgroup waits for its own, then both meet on a third named barrier;
+  the tensor cores idle only from there to the next QK (the P writes, the P barrier, the wait for the next stage).
+  The steady state has the three named barriers and no CTA-wide one.
 
 Tiles are walked from the last to the first as in ``PagedAttention``: the first one walked holds the request's
 last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
@@ -44,11 +45,14 @@ hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare,
   producer warpgroup dequantizes 128 content bytes (one landed swizzle row) at a time into 128 bf16 columns, ``x *
   scale`` rounded once (scales per token read from global memory by the rows' ``populate`` entries); the 128-column
   blocks whose bf16 output covers landed bytes (the upper half) read their rows into registers and meet on a
-  warpgroup barrier before writing, two rows a thread per pass. Rows past the request's keys are written as zeros.
-  Shared memory is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is
-  the latency: a stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for
-  its TMA and the dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may
-  read it.
+  warpgroup barrier before writing, two rows a thread per pass. A thread's rows lie 16 apart, so its swizzled
+  chunks are one offset of its own plus constants: every 16-byte load and store has an immediate offset. Rows past
+  the request's keys are written as zeros: only the first tile walked holds any, and only its dequantization clears
+  their bytes and scales (the others check no row). A steady-state tile is then the 6 instructions per 2 values of the exact
+  conversion (768 a thread) and about 150 more (SASS; 1,331 in all before the per-thread offsets). Shared memory
+  is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is the latency: a
+  stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for its TMA and the
+  dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may read it.
 """
 
 from __future__ import annotations
@@ -93,9 +97,10 @@ DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 class Barrier(enum.IntEnum):
     """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
 
-    MAX = 1  # both consumer warpgroups: row maxima published (and each one's previous PV done)
+    MAX = 1  # both consumer warpgroups: row maxima published
     P = 2  # both consumer warpgroups: P halves written
-    DEQUANT = 3  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
+    PV = 3  # both consumer warpgroups: the previous tile's PVs done, the P tile free
+    DEQUANT = 4  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
 
 
 class MLADecode:
@@ -248,8 +253,8 @@ class MLADecode:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if cutlass.const_expr(self.rope_dim):
                     self.produce_rope(pipe, mbars_landed, tma_k, g_k, s_c, s_slot, tma_r, g_r, s_slot_r, s_k,
-                                      k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile, n_tiles,
-                                      warp_idx)
+                                      ring, k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile,
+                                      n_tiles, warp_idx)
                 elif warp_idx == 0:
                     self.produce(pipe, tma_k, g_k, s_k, s_slot, lookup_table, b, num_keys, rows_per_page, oob_row,
                                  last_tile, n_tiles)
@@ -289,13 +294,14 @@ class MLADecode:
     @cute.jit
     def produce_rope(self, pipe: pipeline.PipelineAsync, mbars_landed: cute.Pointer, tma_k: cute.CopyAtom,
                      g_k: cute.Tensor, s_c: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: cute.CopyAtom,
-                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, k_scales: cute.Tensor,
-                     lookup_table: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
-                     last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
+                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, ring: cute.Pointer,
+                     k_scales: cute.Tensor, lookup_table: cute.Tensor, b: Int32, num_keys: Int32,
+                     rows_per_page: Int32, oob_row: Int32, last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
         """The producer warpgroup over a rope-aware FP8 cache, each tile last to first: once the consumers have
         released its stage, warp 0 issues the tile's content and rope copies on the stage's landed barrier; every
         thread reads the scales of its rows meanwhile, waits for the bytes, dequantizes its share into the stage and
-        arrives on the stage's full barrier."""
+        arrives on the stage's full barrier. Only the first tile walked may hold rows past the request's keys: a
+        uniform branch gives it the dequantization that clears them, the others one without a check."""
         tidx = cute.arch.thread_idx()[0]
         per_copy = self.k_op.rows_per_copy
         write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -316,7 +322,10 @@ class MLADecode:
                 tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
             self.row_scales(scale, k_scales, rows, tidx)
             cute.arch.mbarrier_wait(bar, landed.phase)
-            self.dequantize(s_c, s_k, write.index, scale, tile_base, num_keys, tidx)
+            if tile_base + BN > num_keys:
+                self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, True)
+            else:
+                self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, False)
             cute.arch.fence_view_async_shared()  # read by wgmma next
             pipe.producer_commit(write)
             write.advance()
@@ -333,23 +342,23 @@ class MLADecode:
             scale[j] = granule_scale(k_scales, row, 0, 0, False)
 
     @cute.jit
-    def dequantize(self, s_c: cute.Tensor, s_k: cute.Tensor, stage: Int32, scale: cute.Tensor, tile_base: Int32,
-                   num_keys: Int32, tidx: Int32):
+    def dequantize(self, ring: cute.Pointer, stage: Int32, scale: cute.Tensor, tile_base: Int32, num_keys: Int32,
+                   tidx: Int32, masked: cutlass.Constexpr[bool]):
         """The landed e4m3 content of ``stage`` -> its bf16 columns ``[0, padded_depth)``, one 128-byte block of
         columns (128 bf16 values a row) at a time, a thread taking 16 bytes of each of its rows (``DEQUANT_*``). The
         bf16 block ``blk`` covers landed blocks ``2 blk - blocks`` and ``2 blk + 1 - blocks``, never a later one: a
         block whose output covers landed bytes (``2 blk + 1 >= blocks``, the upper half) reads two rows a thread,
         then the warpgroup meets before any writes them, so no thread overwrites bytes another has not read (rows of
-        earlier blocks were all read before the block's first pass). Rows past the request's keys are written as
-        zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 -> f16 -> f32
-        is exact)."""
+        earlier blocks were all read before the block's first pass). ``masked``: rows past the request's keys are
+        written as zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 ->
+        f16 -> f32 is exact)."""
         raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
         for blk in cutlass.range_constexpr(self.padded_depth // FP8_BLOCK):
             for p in cutlass.range_constexpr(self.dequant_passes):
-                self.dequant_read(s_c, raw, stage, blk, p, tidx)
+                self.dequant_read(ring, raw, stage, blk, p, tidx)
                 if cutlass.const_expr(self.writes_over_landed(blk)):
                     cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
-                self.dequant_write(s_k, raw, stage, blk, p, scale, tile_base, num_keys, tidx)
+                self.dequant_write(ring, raw, stage, blk, p, scale, tile_base, num_keys, tidx, masked)
 
     @property
     def dequant_passes(self) -> int:
@@ -361,34 +370,62 @@ class MLADecode:
         ``2 blk - blocks`` and ``2 blk + 1 - blocks``)."""
         return 2 * blk + 1 >= self.padded_depth // FP8_BLOCK
 
-    @cute.jit
-    def dequant_read(self, s_c: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
-                     p: cutlass.Constexpr[int], tidx: Int32):
-        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows."""
-        for h in cutlass.range_constexpr(DEQUANT_HELD):
-            cute.autovec_copy(cute.local_tile(s_c[dequant_row(p, h, tidx), None, stage], (DEQUANT_CHUNK,),
-                                              (blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW,)), raw[None, h])
+    def ring_chunks(self, ring: cute.Pointer, dtype) -> cute.Tensor:
+        """The ring (1024-byte aligned) as ``(16 bytes of dtype, chunk)``: the dequantization's accesses."""
+        per_chunk = 128 // dtype.width
+        stage_chunks = BN * self.latent_dim * self.dtype.width // 128
+        return cute.make_tensor(cute.recast_ptr(ring, dtype=dtype), cute.make_layout((per_chunk,
+                                                                                     STAGES * stage_chunks)))
 
     @cute.jit
-    def dequant_write(self, s_k: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
-                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32):
-        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (zeros past the keys)."""
+    def dequant_read(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                     p: cutlass.Constexpr[int], tidx: Int32):
+        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows. The
+        landed tile (``landing_layout``) puts byte chunk ``c`` of row ``r`` of block ``blk`` at chunk ``blk * BN * 8 +
+        r * 8 + (c ^ r % 8)``; a thread's rows are ``r0 + 16 j`` and its chunk ``c`` fixed, so its chunks are one
+        offset of its own plus constants."""
+        chunks = self.ring_chunks(ring, cutlass.Float8E4M3FN)
+        r0, c = tidx // DEQUANT_PER_ROW, tidx % DEQUANT_PER_ROW
+        own = stage * (BN * self.latent_dim // VEC) + r0 * DEQUANT_PER_ROW + (c ^ r0 % 8)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            j = p * DEQUANT_HELD + h
+            cute.autovec_copy(chunks[None, own + (BN * self.padded_depth + blk * BN * FP8_BLOCK) // DEQUANT_CHUNK +
+                                     j * DEQUANT_STEP * DEQUANT_PER_ROW], raw[None, h])
+
+    @cute.jit
+    def dequant_write(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32,
+                      masked: cutlass.Constexpr[bool]):
+        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (``masked``: the bytes and the
+        scale of rows past the keys cleared first, so they convert to zeros, whatever their slots hold; no
+        branch)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
-            vals.fill(0.0)
-            if tile_base + dequant_row(p, h, tidx) < num_keys:
-                vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
-            self.dequant_store(s_k, vals, stage, blk, p, h, tidx)
+            j = p * DEQUANT_HELD + h
+            if cutlass.const_expr(masked):
+                keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
+                words = cute.recast_tensor(raw[None, h], Uint32)
+                for w in cutlass.range_constexpr(cute.size(words)):
+                    words[w] = words[w] & keep
+                scale_bits = cute.recast_tensor(scale, Uint32)
+                scale_bits[j] = scale_bits[j] & keep
+            vals.store((raw[None, h].load().to(Float32) * scale[j]).to(self.dtype))
+            self.dequant_store(ring, vals, stage, blk, p, h, tidx)
 
     @cute.jit
-    def dequant_store(self, s_k: cute.Tensor, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+    def dequant_store(self, ring: cute.Pointer, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
                       p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32):
         """The 16 bf16 ``vals`` of this thread's row ``h`` of pass ``p`` into the stage's columns of the bytes read
-        (two 16-byte stores)."""
-        col = blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW  # 16-value column chunk of the row
+        (two 16-byte stores). The stage (``smem_tile_layout``: 64-column boxes of ``BN`` 128-byte rows) puts chunk
+        ``k`` of row ``r`` of box ``x`` at chunk ``x * BN * 8 + r * 8 + (k ^ r % 8)``; the thread's 16 values are
+        chunks ``2 (c % 4)`` and ``2 (c % 4) + 1`` of box ``2 blk + c // 4``."""
+        chunks = self.ring_chunks(ring, self.dtype)
+        r0, c = tidx // DEQUANT_PER_ROW, tidx % DEQUANT_PER_ROW
+        row = stage * (BN * self.latent_dim // VEC) + (c // 4) * BN * 8 + r0 * 8
         for half in cutlass.range_constexpr(2):
-            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)), cute.local_tile(
-                s_k[dequant_row(p, h, tidx), None, stage], (VEC,), (col * 2 + half,)))
+            own = row + ((c % 4 * 2 + half) ^ r0 % 8)
+            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)),
+                              chunks[None, own + 2 * blk * BN * 8 + dequant_row(p, h, 0) * 8])
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe: pipeline.PipelineTmaAsync,
@@ -443,6 +480,7 @@ class MLADecode:
                 read = self.step(i, read, False, False, *args)
             for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
                 read = self.step(i, read, True, False, *args)
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)  # the last tile's PV
             warpgroup.wait_group(0)
             pipe.consumer_release(read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, s_sum, softmax_scale_log2, coords, out, lse, o_part,
@@ -456,17 +494,18 @@ class MLADecode:
              s_max: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, num_keys: Int32,
              wg: Int32, tidx: Int32, score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
-        """Tile ``last_tile - i``: this warpgroup's QK (behind its previous PV on the tensor cores), the maxima
-        exchange, its half of P, then the PV of the whole tile into its half of O (left running). Returns the read
-        state of the tile."""
+        """Tile ``last_tile - i``: this warpgroup's QK, then the previous tile's PV behind it on the tensor cores,
+        running through this tile's scores, the maxima exchange and the exponentials; once both warpgroups' PVs
+        are done (``Barrier.PV``) O is rescaled and this half of P written over the one P tile. The tile's own PV
+        is issued by the next step (or after the loop). Returns the read state of the tile."""
         if cutlass.const_expr(not first):
             prev = read.clone()
             read.advance()
         pipe.consumer_wait(read)
         self.gemm(tiled_mma_qk, acc_s, t_rq, t_rk[None, None, None, read.index], False)
-        warpgroup.wait_group(0)  # this QK and the previous PV: the P tile and that stage are free on this side
         if cutlass.const_expr(not first):
-            pipe.consumer_release(prev)
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, prev.index], True)
+        warpgroup.wait_group(0 if first else 1)  # this QK; the previous PV runs on
         tile_base = (last_tile - i) * BN
         softmax.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, self.softcap,
                        masked)
@@ -486,12 +525,14 @@ class MLADecode:
                 self.zero_stale_rows(s_k, read.index, num_keys - tile_base, wg, tidx)
         p16 = cute.make_rmem_tensor(acc_s.shape, self.dtype)
         softmax.to_16bit(acc_s, p16)
+        if cutlass.const_expr(not first):
+            warpgroup.wait_group(0)  # the previous PV: once the other's is done too, its stage and the P tile
+            self.pair_barrier(Barrier.PV)
+            pipe.consumer_release(prev)  # (after the barrier: no lane of the warp still reads shared memory)
+            softmax.rescale_rows(acc_o, row_scale)
         t_sp.store(p16.load())
         cute.arch.fence_view_async_shared()  # read by wgmma next
-        if cutlass.const_expr(not first):
-            softmax.rescale_rows(acc_o, row_scale)
         self.pair_barrier(Barrier.P)
-        self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)
         return read
 
     @cute.jit
