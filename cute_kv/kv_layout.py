@@ -180,12 +180,12 @@ def check_planes(name: str, planes: KVPlanes) -> KVPlanes:
     key, value, blocks = planes.key, planes.value, planes.blocks
     check_tensor(f"{name}.key", key, dtype=KV_DTYPES, ndim=5)
     check_tensor(f"{name}.value", value, dtype=key.dtype, shape=list(key.shape), device=key.device)
-    for part, t in (("key", key), ("value", value)):
-        check_addressable(f"{name}.{part}", t, PLANE_DIMS, _engine_fix(f"{name}.{part}"))
     if blocks is None:
+        for part, t in (("key", key), ("value", value)):
+            check_addressable(f"{name}.{part}", t, PLANE_DIMS, _engine_fix(f"{name}.{part}"))
         return _pair(f"{name}.key and {name}.value", key, value)
     check_tensor(f"{name}.blocks", blocks, dtype=key.dtype, ndim=6, device=key.device)
-    of_blocks = planes_of_blocks(blocks)
+    of_blocks = planes_of_blocks(blocks)  # checks blocks as the constructor does (MAX's compact rows of any width)
     if not all(t.data_ptr() == u.data_ptr() and t.shape == u.shape and t.stride() == u.stride()
                for t, u in ((key, of_blocks.key), (value, of_blocks.value))) \
             or (key is value) != (of_blocks.key is of_blocks.value):
