@@ -40,6 +40,9 @@ class KVPlanes:
     key: torch.Tensor
     value: torch.Tensor
     blocks: Optional[torch.Tensor]
+    # True when planes_of_blocks / planes_of_kv built them (and checked them): with_metadata's collections, one a
+    # step, skip check_planes. Planes built by hand leave it False.
+    checked: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def is_compact(self) -> bool:
@@ -116,7 +119,7 @@ def planes_of_blocks(blocks: torch.Tensor) -> KVPlanes:
         check_addressable("blocks", blocks, BLOCKS_DIMS)
     blocks = _canonical(blocks, BLOCKS_DIMS.index("P"))
     key = blocks[:, 0]
-    return KVPlanes(key, key if blocks.shape[1] == 1 else blocks[:, 1], blocks)
+    return KVPlanes(key, key if blocks.shape[1] == 1 else blocks[:, 1], blocks, checked=True)
 
 
 def _extent_bytes(t: torch.Tensor) -> int:
@@ -136,9 +139,9 @@ def _pair(names: str, key: torch.Tensor, value: torch.Tensor) -> KVPlanes:
     k0, v0 = key.data_ptr(), value.data_ptr()
     apart = k0 + _extent_bytes(key) <= v0 or v0 + _extent_bytes(value) <= k0
     delta, rem = divmod(v0 - k0, key.element_size())
-    canonical = (_canonical(key, 2), _canonical(value, 2), None)
+    canonical = KVPlanes(_canonical(key, 2), _canonical(value, 2), None, checked=True)
     if apart and (rem or delta < 0 or not one_storage):
-        return KVPlanes(*canonical)  # no element shared, and no one tensor holds K then V
+        return canonical  # no element shared, and no one tensor holds K then V
     if rem:
         raise ValueError(f"{names} overlap {v0 - k0} bytes apart, not a whole number of elements; pass two "
                          f"disjoint planes (e.g. kv[0] and kv[1] of one kv[2, N, P, H, D])")
@@ -158,12 +161,12 @@ def _pair(names: str, key: torch.Tensor, value: torch.Tensor) -> KVPlanes:
                               "one kv[2, N, P, H, D]) or two tensors")
         except ValueError:
             if apart:  # disjoint, just not one view the kernels could take whole
-                return KVPlanes(*canonical)
+                return canonical
             raise
     if delta < 0 or not one_storage:
-        return KVPlanes(*canonical)
+        return canonical
     both = _canonical(both, BLOCKS_DIMS.index("P"))
-    return KVPlanes(both[:, 0], both[:, 1], both)
+    return KVPlanes(both[:, 0], both[:, 1], both, checked=True)
 
 
 def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVPlanes:
@@ -174,9 +177,11 @@ def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVPlanes:
 
 
 def check_planes(name: str, planes: KVPlanes) -> KVPlanes:
-    """``planes`` (an argument ``name``) if it is what ``planes_of_blocks`` or ``planes_of_kv`` builds: views the
-    kernels can address, of one layout, K and V sharing no element (one tensor only as ``blocks[:, 0]`` of an MLA
-    ``blocks``), ``blocks`` the 6-D tensor they slice. Else a ``ValueError``."""
+    """``planes`` (an argument ``name``) as ``planes_of_blocks`` or ``planes_of_kv`` would build them, if they are
+    what those take: views the kernels can address, of one layout, K and V sharing no element (one tensor only as
+    ``blocks[:, 0]`` of an MLA ``blocks``), ``blocks`` the 6-D tensor they slice. Else a ``ValueError``."""
+    if planes.checked:
+        return planes
     key, value, blocks = planes.key, planes.value, planes.blocks
     check_tensor(f"{name}.key", key, dtype=KV_DTYPES, ndim=5)
     check_tensor(f"{name}.value", value, dtype=key.dtype, shape=list(key.shape), device=key.device)
@@ -191,7 +196,7 @@ def check_planes(name: str, planes: KVPlanes) -> KVPlanes:
             or (key is value) != (of_blocks.key is of_blocks.value):
         raise ValueError(f"{name}.key and {name}.value must be the planes of {name}.blocks (blocks[:, 0] and "
                          f"blocks[:, 1], or blocks[:, 0] alone for MLA); build them with kv_layout.planes_of_blocks")
-    return planes
+    return of_blocks
 
 
 def engine_kv(layout: str, num_pages: int, page_size: int, num_heads: int, head_size: int, dtype,

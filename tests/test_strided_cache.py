@@ -224,9 +224,13 @@ def test_planes_are_checked_as_from_kv_checks_its_tensors(make, message):
 def test_planes_of_blocks_and_from_kv_pass_the_check():
     c = PagedKVCacheCollection(_planes_made(lambda b, p: p), *_meta())
     assert c.is_compact and c.with_metadata(*_meta()).planes is c.planes
+    by_hand = PagedKVCacheCollection(_planes_made(lambda b, p: KVPlanes(b[:, 0], b[:, 1], b)), *_meta())
+    assert by_hand.is_compact and by_hand.kv_dim == 2
     kv = torch.zeros((2, 4, 16, 2, 64), dtype=torch.bfloat16)
     vllm = PagedKVCacheCollection.from_kv(kv[0], kv[1], *_meta())
     assert vllm.with_metadata(*_meta()).blocks.data_ptr() == kv.data_ptr()
+    pair = PagedKVCacheCollection(KVPlanes(kv[0].unsqueeze(1), kv[1].unsqueeze(1), None), *_meta())
+    assert pair.blocks.data_ptr() == kv.data_ptr() and pair.row_pitch == 16
 
 
 def test_fused_qkv_sends_a_strided_rope_aware_cache_to_the_reference(rng):
