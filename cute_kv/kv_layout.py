@@ -176,6 +176,12 @@ def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVPlanes:
     return _pair("k_cache and v_cache", k_cache.unsqueeze(1), v_cache.unsqueeze(1))
 
 
+def _same_view(t: torch.Tensor, u: torch.Tensor) -> bool:
+    """``t`` and ``u`` address the same elements (the stride of a dim never stepped over aside)."""
+    return t.data_ptr() == u.data_ptr() and t.shape == u.shape and \
+        all(a == b for a, b, n in zip(t.stride(), u.stride(), t.shape) if n > 1)
+
+
 def check_planes(name: str, planes: KVPlanes) -> KVPlanes:
     """``planes`` (an argument ``name``) as ``planes_of_blocks`` or ``planes_of_kv`` would build them, if they are
     what those take: views the kernels can address, of one layout, K and V sharing no element (one tensor only as
@@ -191,8 +197,7 @@ def check_planes(name: str, planes: KVPlanes) -> KVPlanes:
         return _pair(f"{name}.key and {name}.value", key, value)
     check_tensor(f"{name}.blocks", blocks, dtype=key.dtype, ndim=6, device=key.device)
     of_blocks = planes_of_blocks(blocks)  # checks blocks as the constructor does (MAX's compact rows of any width)
-    if not all(t.data_ptr() == u.data_ptr() and t.shape == u.shape and t.stride() == u.stride()
-               for t, u in ((key, of_blocks.key), (value, of_blocks.value))) \
+    if not (_same_view(key, of_blocks.key) and _same_view(value, of_blocks.value)) \
             or (key is value) != (of_blocks.key is of_blocks.value):
         raise ValueError(f"{name}.key and {name}.value must be the planes of {name}.blocks (blocks[:, 0] and "
                          f"blocks[:, 1], or blocks[:, 0] alone for MLA); build them with kv_layout.planes_of_blocks")
