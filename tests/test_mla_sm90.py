@@ -511,6 +511,56 @@ def test_dequantization_in_place_on_the_host(latent, v_dim, stage):
     assert torch.equal(here[BN * pd * 2:], torch.full_like(here[BN * pd * 2:], 0xFF)) and (other == 0xFF).all()
 
 
+@pytest.mark.compile
+def test_first_tile_clears_rows_past_the_keys_on_the_host():
+    """``clear_past_keys`` (the first tile's dequantization) run for all 128 threads, every pass and held row: the
+    bytes and the scale of a row at or past the request's keys come out zero, the others as they were, bit for bit,
+    whether the keys end before the tile, inside it (mid-pass, at a pass edge) or past it; and the threads' rows
+    (``dequant_row``) cover each of the tile's rows once per 16-byte column chunk."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint32
+    from cutlass.cute.runtime import from_dlpack
+
+    from cute_kv.kernels.mla.sm90 import (DEQUANT_CHUNK, DEQUANT_HELD, DEQUANT_PER_ROW, DEQUANT_STEP, WG_THREADS,
+                                          MLADecode, dequant_row)
+
+    kernel = MLADecode("bfloat16", 16, 576, 512, 64, True, False, False, False, 64)
+    held = BN // DEQUANT_STEP  # rows a thread holds over a tile
+    words = DEQUANT_CHUNK // 4
+
+    @cute.jit
+    def run(out: cute.Tensor, scales: cute.Tensor, rows: cute.Tensor, tile_base: Int32, num_keys: Int32):
+        for t in cutlass.range(WG_THREADS):
+            raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
+            scale = cute.make_rmem_tensor((held,), Float32)
+            scale.fill(1.5)
+            for p in cutlass.range_constexpr(kernel.dequant_passes):
+                bits = cute.recast_tensor(raw, Uint32)
+                for w in cutlass.range_constexpr(cute.size(bits)):
+                    bits[w] = Uint32(0xFFFFFFFF)
+                for h in cutlass.range_constexpr(DEQUANT_HELD):
+                    kernel.clear_past_keys(raw, scale, p, h, tile_base, num_keys, t)
+                    row_bits = cute.recast_tensor(raw[None, h], Int32)
+                    for w in cutlass.range_constexpr(words):
+                        out[t, p * DEQUANT_HELD + h, w] = row_bits[w]
+                    rows[t, p * DEQUANT_HELD + h] = dequant_row(p, h, t)
+            for j in cutlass.range_constexpr(held):
+                scales[t, j] = scale[j]
+
+    tile_base = 3 * BN
+    for num_keys in (tile_base - 5, tile_base, tile_base + 1, tile_base + 37, tile_base + 2 * DEQUANT_STEP,
+                     tile_base + BN, tile_base + BN + 9):
+        out = torch.zeros(WG_THREADS, held, words, dtype=torch.int32)
+        scales = torch.zeros(WG_THREADS, held)
+        rows = torch.zeros(WG_THREADS, held, dtype=torch.int32)
+        run(from_dlpack(out), from_dlpack(scales), from_dlpack(rows), tile_base, num_keys)
+        keep = (tile_base + rows < num_keys)
+        assert torch.equal(out, torch.where(keep[..., None], -1, 0).to(torch.int32).expand_as(out)), num_keys
+        assert torch.equal(scales, torch.where(keep, 1.5, 0.0)), num_keys
+    assert torch.equal(torch.bincount(rows.flatten(), minlength=BN), torch.full((BN,), DEQUANT_PER_ROW))
+
+
 # -- GPU: against the reference ------------------------------------------------------------------------------------
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}

@@ -419,16 +419,22 @@ class MLADecode:
         branch)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
-            j = p * DEQUANT_HELD + h
             if cutlass.const_expr(masked):
-                keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
-                words = cute.recast_tensor(raw[None, h], Uint32)
-                for w in cutlass.range_constexpr(cute.size(words)):
-                    words[w] = words[w] & keep
-                scale_bits = cute.recast_tensor(scale, Uint32)
-                scale_bits[j] = scale_bits[j] & keep
-            vals.store((raw[None, h].load().to(Float32) * scale[j]).to(self.dtype))
+                self.clear_past_keys(raw, scale, p, h, tile_base, num_keys, tidx)
+            vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
             self.dequant_store(ring, vals, stage, blk, p, h, tidx)
+
+    @cute.jit
+    def clear_past_keys(self, raw: cute.Tensor, scale: cute.Tensor, p: cutlass.Constexpr[int],
+                        h: cutlass.Constexpr[int], tile_base: Int32, num_keys: Int32, tidx: Int32):
+        """The held bytes and the scale of this thread's row ``h`` of pass ``p`` ANDed with zeros if the row is past
+        the request's keys (with ones otherwise): no branch."""
+        keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
+        words = cute.recast_tensor(raw[None, h], Uint32)
+        for w in cutlass.range_constexpr(cute.size(words)):
+            words[w] = words[w] & keep
+        scale_bits = cute.recast_tensor(scale, Uint32)
+        scale_bits[p * DEQUANT_HELD + h] = scale_bits[p * DEQUANT_HELD + h] & keep
 
     @cute.jit
     def dequant_store(self, ring: cute.Pointer, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
