@@ -20,8 +20,8 @@ a compile-time choice, ``pv_overlap``:
 
 * off (what the ops dispatch): each tile's PV is issued and waited for at the end of its step and its stage released
   right then, so the producer refills it while the next tile is computed: a stage's load has a whole step to land
-  in, and the two stages' loads may fly together. The tensor cores idle through the scores, the maxima exchange,
-  the exponentials and the P writes.
+  in, and over 16-bit rows the two stages' copies may fly together. The tensor cores idle through the scores, the
+  maxima exchange, the exponentials and the P writes.
 * on (FA3's intra-warpgroup overlap): a tile's PV is issued behind the next tile's QK and only the QK is waited for,
   so the PV runs through that tile's scores, the maxima exchange and the exponentials; the next P is written once
   both PVs are done (each warpgroup waits for its own, then both meet on a third named barrier). The tensor cores
@@ -66,10 +66,10 @@ hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare,
   the request's keys are written as zeros: only the first tile walked holds any, and only its dequantization clears
   their bytes and scales (the others check no row). A steady-state tile is then the 6 instructions per 2 values of
   the exact conversion (768 a thread) and about 150 more (SASS: 921 for warps 1-3, 965 for warp 0, which issues the
-  copies; 1,287 and 1,331 before the per-thread offsets). Shared memory
-  is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is the latency: a
-  stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for its TMA and the
-  dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may read it.
+  copies; 1,287 and 1,331 before the per-thread offsets). Shared memory is the 16-bit kernel's plus one landed
+  barrier a stage; the consumers run unchanged. The cost is the latency: a stage is refilled only after both
+  warpgroups released it (as for 16-bit rows) and then waits for its TMA and the dequantization (32 KiB read, 64 KiB
+  written per tile by 128 threads) before the consumers may read it.
 """
 
 from __future__ import annotations
