@@ -8,9 +8,10 @@ Other engines' caches are taken in place (``cute_kv/kv_layout.py``): ``blocks`` 
 kernels can address, and ``from_kv`` takes K and V as two ``[N, P, H, D]`` views (one layer), of one tensor or two.
 Every op reads the cache through ``key_blocks`` / ``value_blocks``, ``[N, L, P, H, D]`` planes with the same strides
 ``(sN, sL, sP, sH, 1)`` (for MLA both are ``blocks[:, 0]``); ``blocks`` is the 6-D tensor, None when K and V are
-separate allocations. ``is_compact`` (MAX's row-major ``blocks``) selects the kernels compiled for MAX's layout;
-other layouts take the strided variants, which get the planes with runtime strides. ``scales`` keep MAX's compact
-``[N, KVD, L, P, H, G]`` whatever the layout of the values, so a token's scale row may differ from its value row.
+not one tensor's ``[:, 0]`` and ``[:, 1]``. ``is_compact`` (MAX's row-major ``blocks``) selects the kernels compiled
+for MAX's layout; other layouts take the strided variants, which get the planes with runtime strides. ``scales``
+keep MAX's compact ``[N, KVD, L, P, H, G]`` whatever the layout of the values, so a token's scale row may differ from
+its value row.
 
 A rope-aware MLA cache (``rope_dim`` set, ``cute_kv/rope_aware.py``) stores rows of ``D`` bytes: ``padded_depth``
 e4m3 content bytes, then ``rope_dim`` bf16 values, with one float32 scale per token (``G = 1``).
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 
 from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
-from cute_kv.kv_layout import KVPlanes, planes_of_blocks, planes_of_kv
+from cute_kv.kv_layout import KVPlanes, check_planes, planes_of_blocks, planes_of_kv
 from cute_kv.params import KVCacheParams, check_rope_aware
 from cute_kv.rope_aware import RopeAwareRow
 from cute_kv.validate import (check_metadata_tensor, check_not_negative, check_tensor, check_uint32_scalar,
@@ -70,7 +71,7 @@ class PagedKVCacheCollection:
 
         ``blocks``: ``[N, KVD, L, P, H, D]``, MAX's row-major layout or any strided view the kernels can address
         (``kv_layout.check_addressable``: the error names the stride that is not); or the ``KVPlanes`` that
-        ``from_kv`` builds.
+        ``from_kv`` builds (``kv_layout.check_planes``: checked as ``from_kv`` checks its tensors).
 
         ``cache_lengths`` and ``lookup_table`` are uint32 (MAX) or int32; int32 ones are kept as their uint32 view
         (same memory: later writes to them show), which is what ``cache_lengths`` / ``lookup_table`` return.
@@ -82,7 +83,7 @@ class PagedKVCacheCollection:
         ``blocks`` of ``head_size = padded_depth + 2*rope_dim`` bytes per row and float32 ``scales`` of one per token.
         """
         if isinstance(blocks, KVPlanes):
-            planes = blocks
+            planes = check_planes("blocks", blocks)
         else:
             check_tensor("blocks", blocks, dtype=KV_DTYPES, ndim=6)
             if blocks.shape[1] not in (1, 2):
@@ -257,7 +258,8 @@ class PagedKVCacheCollection:
         """``blocks`` for a torch.compile trace (the custom ops take one cache tensor), or a ``ValueError``."""
         if self.blocks is None:
             raise ValueError(f"{op} under torch.compile takes the cache as one tensor; this collection's K and V are "
-                             f"separate allocations (from_kv): run it eagerly, or keep K and V in one tensor")
+                             f"not one tensor's [:, 0] and [:, 1] (from_kv of separate allocations, or of views with "
+                             f"V stored before K): run it eagerly, or keep K and V in one tensor with V after K")
         return self.blocks
 
     @property

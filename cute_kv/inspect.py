@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     _print_tensors(coll, args.layer)
     if coll.rope_dim is not None:
         _print_rope_aware_row(layouts, coll)
-    _print_sizes(params, coll.num_pages)
+    _print_sizes(params, coll)
     if coll.is_compact:  # the CuTe views of MAX's blocks
         _print_layouts(layouts, coll, args.layer)
     if pages is not None:
@@ -280,13 +280,17 @@ def _print_rope_aware_row(layouts, coll: PagedKVCacheCollection) -> None:
           f"{layouts.rope_aware.rope_offset(pd)}) {views['rope']}; scales (f32) {views['scales']}")
 
 
-def _print_sizes(params: KVCacheParams, num_pages: int) -> None:
-    nl, page = params.num_layers, params.bytes_per_block
-    total = page * num_pages
-    print(f"\nbytes (K{'' if params.is_mla else ' and V'}{', scales' if params.quantized_kv_cache else ''})")
-    print(f"  per token  {params.bytes_per_token:,} ({params.bytes_per_token // nl:,} per layer)")
-    print(f"  per page   {page:,} ({page // nl:,} per layer)")
-    print(f"  cache      {total:,} = {_human(total)} ({_human(total // nl)} per layer)")
+def _print_sizes(params: KVCacheParams, coll: PagedKVCacheCollection) -> None:
+    """Bytes of the cache shown: MAX's blocks of every layer, or the one layer another engine's layout holds."""
+    nl, held = params.num_layers, coll.num_layers
+    per_layer_token, per_layer_page = params.bytes_per_token // nl, params.bytes_per_block // nl
+    token, page = per_layer_token * held, per_layer_page * held
+    total = page * coll.num_pages
+    print(f"\nbytes (K{'' if params.is_mla else ' and V'}{', scales' if params.quantized_kv_cache else ''}, "
+          f"{'all ' if held == nl else f'{held} of '}{nl} layers)")
+    print(f"  per token  {token:,} ({per_layer_token:,} per layer)")
+    print(f"  per page   {page:,} ({per_layer_page:,} per layer)")
+    print(f"  cache      {total:,} = {_human(total)} ({_human(total // held)} per layer)")
 
 
 def _human(n: int) -> str:

@@ -38,7 +38,7 @@ class PagedKVCache:
         self.scale_stride_rows = c.scale_row_pitch
         self.blocks = c.plane(kv_idx)[:, layer_idx]
         # Element offset of this plane's (page 0, slot 0, head 0, dim 0) from the start of ``c.blocks`` (of the
-        # plane's own tensor, ``c.key_blocks`` / ``c.value_blocks``, when K and V are separate allocations).
+        # plane's own tensor, ``c.key_blocks`` / ``c.value_blocks``, when ``c.blocks`` is None).
         root = c.blocks if c.blocks is not None else c.plane(kv_idx)
         self.base_offset = self.blocks.storage_offset() - root.storage_offset()
         self.scales: Optional[torch.Tensor] = None

@@ -168,12 +168,13 @@ ATTENTION_SM100_CASES = [  # the SM90 fields, v_dim before layout; pages below 8
     ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, None, "strided"),
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, None, None, False, None, "strided"),
 ]
-MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse, rope_dim])
+MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, lut vector, soft-cap, sinks, lse, rope_dim, pv_overlap])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
     ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # rope-aware FP8 rows (512 e4m3 | 64 bf16)
     ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # rope-aware, four page slots, features
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, 0, True),  # pv_overlap: each PV behind the next QK
 ]
 MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths, rope_dim)
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads

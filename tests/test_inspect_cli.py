@@ -268,3 +268,5 @@ def test_engine_layouts_print_their_strides(capsys, layout):
         expect["blocks"] = c.blocks
     assert table(out) == {name: described(t) for name, t in expect.items()}
     assert f"row pitch between pages {kc.stride_rows} rows" in out and "CuTe layouts" not in out
+    one_layer = 2 * k.numel() * k.element_size()  # the sizes are of the layer shown, not of MAX's 3
+    assert f"per page   {one_layer // 7:,} " in out and f"cache      {one_layer:,} = " in out and "1 of 3 layers" in out

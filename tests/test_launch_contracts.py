@@ -202,7 +202,7 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
     elif op == "fused_qkv":
         sources["hidden"] = args[0]
     elif op == "gather_kv":
-        sources["plane"] = c.key_blocks  # the strided variant's: the plane it reads
+        sources["plane"] = c.plane(("k", "v").index(kwargs.get("kv", "k")))  # the strided variant's: the plane it reads
     elif op in ("paged_attention", "sparse_mla_attention"):
         sources["q"] = args[0]
     if op == "sparse_mla_attention":
@@ -380,7 +380,15 @@ def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gather_kv_takes_a_lookup_table_column_slice(arch, rng):
+def test_strided_gather_of_v_reads_the_v_plane(arch, rng):
+    """The strided gather takes one plane: for ``kv="v"`` the V plane, not the K plane beside it."""
+    pb, layer = with_layout(_batch("bf16", "ragged"), "vllm", 1)
+    args, kwargs = (pb.collection, layer), {"kv": "v"}
+    path = cute_kv.explain(cute_kv.gather_kv, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and path.key[-1] == "strided"
+    launches, fallbacks = _run(arch, cute_kv.gather_kv, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, "gather_kv", args, kwargs))
     """A lookup table whose base is 4 bytes past a 16-byte boundary (columns 1.. of a wider table) reaches
     ``PagedKVGather``, which reads one entry per CTA: compiled for any 4-byte aligned table."""
     pb = _batch("bf16", "ragged")

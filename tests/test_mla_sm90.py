@@ -44,10 +44,10 @@ def test_plan_serves_deepseek_decode_on_sm90():
     q = torch.randn(2, 128, 576).to(torch.bfloat16)
     path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
     assert path.path == "kernel" and path.kernel == "MLADecode"
-    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 0)
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 0, False)
     sinks = torch.zeros(128)
     featured = plan(pb.collection, q, "sm_90a", softcap=30.0, sinks=sinks, return_lse=True, mla_v_dim=512)
-    assert featured.key[-4:] == (True, True, True, 0)
+    assert featured.key[-5:] == (True, True, True, 0, False)
     # the key names what the launcher compiles: the kernel and the combine over the value columns
     units = mla_decode.compile_units(path.key, "sm_90a")
     assert [u[0] for u in units] == [path.key, ("attention_combine", "bfloat16", 128, 512, False)]
@@ -63,7 +63,7 @@ def test_plan_serves_rope_aware_fp8_rows_on_sm90():
     q = torch.randn(3, 128, 576).to(torch.bfloat16)
     path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
     assert path.path == "kernel" and path.kernel == "MLADecode"
-    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 64)
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 64, False)
     assert cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=512,
                            arch="sm_90a").kernel == "MLADecode"
 
@@ -153,6 +153,7 @@ ROPE_CASES = [  # rope-aware FP8 rows: (..., lut vector, soft-cap, sinks, lse, r
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # DeepSeek: 512 e4m3 | 64 bf16, 640 bytes
     ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # four page slots a tile, features
 ]
+OVERLAP = (*DEEPSEEK, True, False, False, False, 0, True)  # pv_overlap: each tile's PV behind the next tile's QK
 MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
 SS = re.compile(MMA + r"%rd\d+, %rd\d+")
 SITES = 4  # the first tile and the three loops (masked at the keys' end, whole, masked at the window's start)
@@ -166,7 +167,7 @@ def _compile(case):
     return kernel, artifacts.compiled(kernel, "sm_90a")
 
 
-@pytest.fixture(scope="module", params=COMPILE_CASES + ROPE_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.fixture(scope="module", params=COMPILE_CASES + ROPE_CASES + [OVERLAP], ids=lambda c: "-".join(map(str, c)))
 def compiled_unit(request):
     return _compile(request.param)
 
@@ -190,12 +191,14 @@ def test_mma_forms_and_counts(compiled):
 
 @pytest.mark.compile
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
-    """``bar.sync 0`` once (barrier init); the loop's exchanges are the three 256-thread named barriers (and over
-    rope-aware rows the producer warpgroup's 128-thread dequantization barrier)."""
+    """``bar.sync 0`` once (barrier init); the loop's exchanges are 256-thread named barriers, the maxima and P
+    ones, and with ``pv_overlap`` the one both PVs are done at (and over rope-aware rows the producer warpgroup's
+    128-thread dequantization barrier)."""
     kernel, ptx = compiled
     assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
     named = set(re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx))
-    assert named == {("1", "256"), ("2", "256"), ("3", "256")} | ({("4", "128")} if kernel.rope_dim else set())
+    assert named == {("1", "256"), ("2", "256")} | ({("3", "256")} if kernel.pv_overlap else set()) | (
+        {("4", "128")} if kernel.rope_dim else set())
 
 
 WGMMA_EVENTS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16|"
@@ -203,35 +206,49 @@ WGMMA_EVENTS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16|"
                           r"mbarrier\.arrive\.shared\.b64")
 
 
-def _pending_wgmmas(kernel, ptx):
-    """``(event, pending)`` along the PTX: each named barrier (``"bar 1"``, ...) and mbarrier arrive (``"arrive"``)
-    with the wgmma groups committed and not yet waited for, oldest first, each ``"qk"`` (N = 32) or ``"pv"``
-    (N = v_dim / 2). A wait leaves the newest ``wait_group`` operand groups pending; each site is straight-line
-    code and leaves none pending, so reading the text in order follows every path."""
+def _wgmma_events(kernel, ptx):
+    """``(event, pending)`` along the PTX: each wgmma group committed (``"qk"``: N = 32, ``"pv"``: N = v_dim / 2),
+    wait (``"wait 1"``, ...), named barrier (``"bar 1"``, ...) and mbarrier arrive (``"arrive"``), with the groups
+    committed and not yet waited for after it, oldest first. A wait leaves the newest ``wait_group`` operand groups
+    pending; each site is straight-line code and leaves none pending, so reading the text in order follows every
+    path."""
     pending, issued, out = [], set(), []
     for m in WGMMA_EVENTS.finditer(ptx):
         if m.group(1):
             issued.add(int(m.group(1)))
-        elif m.group(2) == "commit_group":
+            continue
+        if m.group(2) == "commit_group":
             assert issued in ({BN // 2}, {kernel.v_dim // 2}), issued  # one MMA per group
-            pending.append("qk" if issued == {BN // 2} else "pv")
+            event = "qk" if issued == {BN // 2} else "pv"
+            pending.append(event)
             issued = set()
         elif m.group(2):
+            event = f"wait {m.group(3)}"
             pending = pending[len(pending) - int(m.group(3)):] if int(m.group(3)) else []
         else:
-            out.append((f"bar {m.group(4)}" if m.group(4) else "arrive", tuple(pending)))
+            event = f"bar {m.group(4)}" if m.group(4) else "arrive"
+        out.append((event, tuple(pending)))
     return out
 
 
 @pytest.mark.compile
-def test_pv_in_flight_across_the_max_exchange(compiled):
-    """The tensor cores work through the row-maxima exchange: each loop site issues its tile's QK, then the
-    previous tile's PV behind it, and waits for the QK alone (``wait_group 1``) before the max-exchange barrier, so
-    that PV is in flight across the barrier (and the softmax around it). The Q load, the first tile (no PV before
-    it) and the epilogue meet on the same barrier with nothing pending."""
+def test_pv_schedule(compiled):
+    """The consumers' MMAs, waits, barriers and stage releases (``arrive``) in order (they follow the producer's
+    code): the first tile and the three loops, then the epilogue's barrier. Without ``pv_overlap`` a tile's PV is
+    issued once P is published, waited for at once and its stage released right after, so the producer refills it
+    through the whole next step. With it, each loop site issues its tile's QK, then the previous tile's PV behind it,
+    and waits for the QK alone (``wait 1``) before the max-exchange barrier, so that PV is in flight across the
+    barrier and the softmax around it; its stage is released once both warpgroups' PVs are done (``bar 3``, after
+    which the next P is written); the last tile's PV follows the loop."""
     kernel, ptx = compiled
-    at_max = [pending for event, pending in _pending_wgmmas(kernel, ptx) if event == "bar 1"]
-    assert at_max == [(), ()] + [("pv",)] * (SITES - 1) + [()]
+    events = [event for event, _ in _wgmma_events(kernel, ptx)]
+    consumers = events[events.index("qk"):]
+    if kernel.pv_overlap:
+        want = ["qk", "wait 0", "bar 1", "bar 2"] + ["qk", "pv", "wait 1", "bar 1", "wait 0", "bar 3", "arrive",
+                                                     "bar 2"] * (SITES - 1) + ["pv", "wait 0", "arrive"]
+    else:
+        want = ["qk", "wait 0", "bar 1", "bar 2", "pv", "wait 0", "arrive"] * SITES
+    assert consumers == want + ["bar 1"]
 
 
 PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
@@ -255,17 +272,19 @@ def _sass(case):
     return _SASS[case]
 
 
-@pytest.fixture(params=[DEEPSEEK, ROPE_CASES[0]], ids=lambda c: "-".join(map(str, c)))
+@pytest.fixture(params=[DEEPSEEK, ROPE_CASES[0], OVERLAP], ids=lambda c: "-".join(map(str, c)))
 def sass(request):
     return _sass(request.param)
 
 
 @pytest.mark.sass
 @pytest.mark.compile
-def test_sass_keeps_the_pv_in_flight_across_the_max_exchange(sass):
-    """ptxas keeps that order: in the steady-state loop the PV's HGMMAs (64 x v_dim/2) follow the QK's, the
-    warpgroup waits for all but the newest group (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the QK) and meets on the
-    max-exchange barrier, and waits for the PV (``0x0``) only after it, before the PV and P barriers."""
+def test_sass_keeps_the_pv_schedule(sass):
+    """ptxas keeps the order of ``test_pv_schedule`` in the steady-state loop. Without ``pv_overlap``: the QK's
+    HGMMAs, a wait for them (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), the max-exchange and P barriers, the PV's HGMMAs
+    (64 x v_dim/2) and a wait for them. With it: the PV's HGMMAs follow the QK's, the warpgroup waits for all but the
+    newest group (``0x1``: the QK) and meets on the max-exchange barrier, and waits for the PV (``0x0``) only after
+    it, before the PV and P barriers."""
     kernel, instrs, labels, static = sass
     lp = static.main_loop(static.loops(instrs, labels))
     cfg = static.blocks(instrs, labels)
@@ -278,7 +297,10 @@ def test_sass_keeps_the_pv_in_flight_across_the_max_exchange(sass):
             events.append("wait " + ins.text.split(",")[-1].strip())
         elif static.is_named_barrier(ins):
             events.append("bar " + ins.text.split(",")[0].strip())
-    assert events == ["qk", "pv", "wait 0x1", "bar 0x1", "wait 0x0", "bar 0x3", "bar 0x2"]
+    if kernel.pv_overlap:
+        assert events == ["qk", "pv", "wait 0x1", "bar 0x1", "wait 0x0", "bar 0x3", "bar 0x2"]
+    else:
+        assert events == ["qk", "wait 0x0", "bar 0x1", "bar 0x2", "pv", "wait 0x0"]
 
 
 @pytest.mark.sass
@@ -289,7 +311,8 @@ def test_fp8_producer_tile_instructions():
     plus 160 a thread (one 16-byte load per 16 values and one 16-byte store per 8 at constant offsets from one
     address a thread, the stage's waits, scales and copies): no per-row branch, no swizzle arithmetic per access.
     Only the first tile walked takes the longer way, which clears the bytes and scales of rows past the keys (one
-    AND a word, no branch); warp 0 issues the copies. Before, every tile took 1,331 instructions."""
+    AND a word, no branch); warp 0 issues the copies. Before, a steady tile took 1,287 instructions (1,331 in
+    warp 0)."""
     from cute_kv.kernels.mla.sm90 import WG_THREADS
 
     kernel, instrs, labels, static = _sass(ROPE_CASES[0])
@@ -302,20 +325,22 @@ def test_fp8_producer_tile_instructions():
     per_thread = BN * kernel.padded_depth // WG_THREADS  # values a producer thread converts a tile
     assert not any(op.startswith("BSSY") for op in ops)
     assert (lp.lds, lp.sts) == (per_thread // 16, per_thread // 8)
-    assert lp.shortest <= 3 * per_thread + 160, lp.shortest  # 921 at this writing
-    assert lp.instructions - lp.shortest <= per_thread // 2 + 32, lp.instructions  # 1,046 at this writing
+    assert lp.shortest <= 3 * per_thread + 160, lp.shortest  # 921 at this writing (warps 1-3, a steady tile)
+    # 1,046 at this writing: warp 0's first tile, which clears rows past the keys
+    assert lp.instructions - lp.shortest <= per_thread // 2 + 32, lp.instructions
 
 
 @pytest.mark.compile
 def test_p_tile_and_stage_reused_after_both_pvs(compiled):
     """The one P tile and a K stage (V is its first columns) are reused only once both warpgroups' PV wgmmas are
     done: a warpgroup waits for all its wgmmas before it arrives on a stage's empty barrier, which counts the 8 warps
-    of both consumer warpgroups, and before the barrier (``Barrier.PV``) behind which both write the next P; P is
-    published (``Barrier.P``) with nothing in flight."""
+    of both consumer warpgroups, and before the barrier behind which both write the next P (``Barrier.PV`` with
+    ``pv_overlap``, else the next max exchange); P is published (``Barrier.P``) with nothing in flight."""
     kernel, ptx = compiled
-    events = _pending_wgmmas(kernel, ptx)
-    assert all(pending == () for event, pending in events if event in ("arrive", "bar 2", "bar 3")), events
-    assert [event for event, _ in events].count("bar 3") == SITES - 1
+    events = _wgmma_events(kernel, ptx)
+    free = ("arrive", "bar 2", "bar 3") if kernel.pv_overlap else ("arrive", "bar 1", "bar 2")
+    assert all(pending == () for event, pending in events if event in free), events
+    assert [event for event, _ in events].count("bar 3") == (SITES - 1 if kernel.pv_overlap else 0)
     counts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
     inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+\d+)?\], (%r\d+);", ptx)
     if kernel.rope_dim:  # landed: the copies; full: the 128 dequantizing threads; empty: the 256 consumer threads
@@ -484,6 +509,56 @@ def test_dequantization_in_place_on_the_host(latent, v_dim, stage):
     host_plans.read_swizzled_tile(from_dlpack(here[:BN * pd * 2].view(torch.bfloat16)), from_dlpack(got), BN, pd)
     assert torch.equal(got, content.to(torch.bfloat16))
     assert torch.equal(here[BN * pd * 2:], torch.full_like(here[BN * pd * 2:], 0xFF)) and (other == 0xFF).all()
+
+
+@pytest.mark.compile
+def test_first_tile_clears_rows_past_the_keys_on_the_host():
+    """``clear_past_keys`` (the first tile's dequantization) run for all 128 threads, every pass and held row: the
+    bytes and the scale of a row at or past the request's keys come out zero, the others as they were, bit for bit,
+    whether the keys end before the tile, inside it (mid-pass, at a pass edge) or past it; and the threads' rows
+    (``dequant_row``) cover each of the tile's rows once per 16-byte column chunk."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint32
+    from cutlass.cute.runtime import from_dlpack
+
+    from cute_kv.kernels.mla.sm90 import (DEQUANT_CHUNK, DEQUANT_HELD, DEQUANT_PER_ROW, DEQUANT_STEP, WG_THREADS,
+                                          MLADecode, dequant_row)
+
+    kernel = MLADecode("bfloat16", 16, 576, 512, 64, True, False, False, False, 64)
+    held = BN // DEQUANT_STEP  # rows a thread holds over a tile
+    words = DEQUANT_CHUNK // 4
+
+    @cute.jit
+    def run(out: cute.Tensor, scales: cute.Tensor, rows: cute.Tensor, tile_base: Int32, num_keys: Int32):
+        for t in cutlass.range(WG_THREADS):
+            raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
+            scale = cute.make_rmem_tensor((held,), Float32)
+            scale.fill(1.5)
+            for p in cutlass.range_constexpr(kernel.dequant_passes):
+                bits = cute.recast_tensor(raw, Uint32)
+                for w in cutlass.range_constexpr(cute.size(bits)):
+                    bits[w] = Uint32(0xFFFFFFFF)
+                for h in cutlass.range_constexpr(DEQUANT_HELD):
+                    kernel.clear_past_keys(raw, scale, p, h, tile_base, num_keys, t)
+                    row_bits = cute.recast_tensor(raw[None, h], Int32)
+                    for w in cutlass.range_constexpr(words):
+                        out[t, p * DEQUANT_HELD + h, w] = row_bits[w]
+                    rows[t, p * DEQUANT_HELD + h] = dequant_row(p, h, t)
+            for j in cutlass.range_constexpr(held):
+                scales[t, j] = scale[j]
+
+    tile_base = 3 * BN
+    for num_keys in (tile_base - 5, tile_base, tile_base + 1, tile_base + 37, tile_base + 2 * DEQUANT_STEP,
+                     tile_base + BN, tile_base + BN + 9):
+        out = torch.zeros(WG_THREADS, held, words, dtype=torch.int32)
+        scales = torch.zeros(WG_THREADS, held)
+        rows = torch.zeros(WG_THREADS, held, dtype=torch.int32)
+        run(from_dlpack(out), from_dlpack(scales), from_dlpack(rows), tile_base, num_keys)
+        keep = (tile_base + rows < num_keys)
+        assert torch.equal(out, torch.where(keep[..., None], -1, 0).to(torch.int32).expand_as(out)), num_keys
+        assert torch.equal(scales, torch.where(keep, 1.5, 0.0)), num_keys
+    assert torch.equal(torch.bincount(rows.flatten(), minlength=BN), torch.full((BN,), DEQUANT_PER_ROW))
 
 
 # -- GPU: against the reference ------------------------------------------------------------------------------------

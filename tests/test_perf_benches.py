@@ -19,6 +19,7 @@ import bench_fused_qkv  # noqa: E402
 import bench_store_kv  # noqa: E402
 import cases  # noqa: E402
 import mla_mma_work  # noqa: E402
+import cute_kv  # noqa: E402
 from cute_kv import reference  # noqa: E402
 from cute_kv.reference.batch import random_paged_batch  # noqa: E402
 from cute_kv.reference.ragged import positions, ragged_coords  # noqa: E402
@@ -208,6 +209,8 @@ def test_mla_decode_cpu_smoke_and_flashinfer_rows():
         records = bench.main(["--cpu-smoke", *extra])
         assert [(r["impl"], r["status"]) for r in records if r["impl"] == "cute_kv"] == [("cute_kv", "ok")]
         assert not any(k.endswith("_us") or k.startswith("speedup") for r in records for k in r)
+    records = bench.main(["--cpu-smoke", "--pv-overlap"])
+    assert [(r["impl"], r["status"]) for r in records if r["role"] == "variant"] == [("cute_kv_pv_overlap", "absent")]
     step = cases.Step((40, 0, 17), (1, 1, 1))
     pl = bench.Placements(step, 16, 2, "cpu", torch.Generator().manual_seed(0))
     for r, coll in enumerate(pl.collections):
@@ -217,6 +220,25 @@ def test_mla_decode_cpu_smoke_and_flashinfer_rows():
             fi_rows = torch.cat([pl.ckv[pages], pl.kpe[pages]], dim=-1).flatten(0, 1)[:n]
             ours = coll.get_key_cache(0).gather(b, 0, n)[:, 0]
             assert torch.equal(fi_rows.float(), ours.float())
+
+
+def test_mla_decode_pv_overlap_variant_launches_the_ops_key_with_pv_overlap():
+    """``--pv-overlap``'s variant on CPU tensors posing as an H100's: ``MLADecode`` launched by the op's own launcher
+    with the key ``paged_attention`` plans for the call, ``pv_overlap`` on, meeting the compiled entry's contract."""
+    import bench_mla_decode as bench
+    from launch import as_cuda
+
+    step = cases.Step((40, 0, 17), (1, 1, 1))
+    pl = bench.Placements(step, 64, 1, "cpu", torch.Generator().manual_seed(0))
+    q = torch.randn(1, step.rows, bench.Q_HEADS, bench.LATENT, generator=torch.Generator().manual_seed(1))
+    q = q.to(torch.bfloat16)
+    with as_cuda("sm_90a") as launches:
+        path = cute_kv.explain(cute_kv.paged_attention, q[0], pl.offsets, pl.collections[0], 0, mla_v_dim=bench.V_DIM)
+        impl = bench._pv_overlap(pl, q, 0.05, torch.device("cuda"))
+        assert impl.absent is None and impl.role == "variant"
+        impl.fn(0)
+    assert path.key[-1] is False
+    assert [(launch.kernel, launch.key) for launch in launches] == [("MLADecode", (*path.key[:-1], True))]
 
 
 def test_plan_step_bench_runs_the_launch_paths_on_the_cpu(capsys):

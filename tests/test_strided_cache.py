@@ -10,6 +10,7 @@ import torch
 import cute_kv
 from cute_kv import reference as ref
 from cute_kv.collection import PagedKVCacheCollection
+from cute_kv.kv_layout import KVPlanes, planes_of_blocks
 from cute_kv.ops import fused_qkv as fused_qkv_op
 from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import paths
@@ -159,8 +160,89 @@ def test_from_kv_rejects_what_the_kernels_cannot_take():
     overlap = torch.zeros(4 * 16 * 2 * 64 + 64, dtype=torch.bfloat16)
     k = overlap[:4 * 16 * 2 * 64].view(4, 16, 2, 64)
     v = overlap[64:].view(4, 16, 2, 64)
-    with pytest.raises(ValueError, match=r"\(k_cache, v_cache\): .* steps inside"):
+    with pytest.raises(ValueError, match=r"k_cache and v_cache as one blocks\[N, KVD, L, P, H, D\]: .* steps inside"
+                                         r".*K and V must share no element"):
         PagedKVCacheCollection.from_kv(k, v, *_meta())
+    with pytest.raises(ValueError, match=r"steps inside"):  # the same memory as two storages (DLPack, from_blob)
+        PagedKVCacheCollection.from_kv(k, torch.utils.dlpack.from_dlpack(v), *_meta())
+
+
+def test_from_kv_errors_say_a_copy_is_not_the_engines_cache():
+    """``.contiguous()`` of an engine's K would be a tensor the engine never writes; no error offers it."""
+    kv = torch.zeros((2, 4, 16, 2, 64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError) as err:
+        PagedKVCacheCollection.from_kv(kv[0].transpose(2, 3).contiguous().transpose(2, 3), kv[1], *_meta())
+    assert "a different tensor than the engine's cache" in str(err.value)
+    overlap = torch.zeros(4 * 16 * 2 * 64 + 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError) as err:
+        PagedKVCacheCollection.from_kv(overlap[:-64].view(4, 16, 2, 64), overlap[64:].view(4, 16, 2, 64), *_meta())
+    assert ".contiguous()" not in str(err.value)
+
+
+def test_from_kv_takes_two_storages_over_disjoint_memory():
+    kv = torch.zeros((2, 4, 16, 2, 64), dtype=torch.bfloat16)
+    c = PagedKVCacheCollection.from_kv(kv[0], torch.utils.dlpack.from_dlpack(kv[1]), *_meta())
+    assert c.blocks is None and c.value_blocks.data_ptr() == kv[1].data_ptr()
+
+
+@pytest.mark.parametrize("v, message", [
+    (torch.zeros((4, 16, 2, 32), dtype=torch.bfloat16), r"v_cache must have shape \[4, 16, 2, 64\]"),
+    (torch.zeros((4, 16, 2, 64), dtype=torch.float16), r"v_cache must have dtype torch.bfloat16"),
+    (torch.zeros((4, 16, 2, 64), dtype=torch.bfloat16, device="meta"), r"v_cache must be on cpu, got meta"),
+])
+def test_from_kv_rejects_a_v_cache_unlike_k_cache(v, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        PagedKVCacheCollection.from_kv(torch.zeros((4, 16, 2, 64), dtype=torch.bfloat16), v, *_meta())
+
+
+def test_traced_blocks_names_v_stored_before_k():
+    nhd = torch.zeros((4, 2, 16, 2, 64), dtype=torch.bfloat16)
+    c = PagedKVCacheCollection.from_kv(nhd[:, 1], nhd[:, 0], *_meta())
+    with pytest.raises(ValueError, match="V stored before K"):
+        c.traced_blocks("store_kv")
+
+
+def _planes_made(make):
+    blocks = torch.zeros((4, 2, 1, 16, 2, 64), dtype=torch.bfloat16)
+    return make(blocks, planes_of_blocks(blocks))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda b, p: KVPlanes(p.key, p.key[:], None), r"blocks.key and blocks.value are the same memory"),
+    (lambda b, p: KVPlanes(p.key, p.value.transpose(3, 4).contiguous().transpose(3, 4), None),
+     r"blocks.value: the stride of D \(dim 4\) is 2"),
+    (lambda b, p: KVPlanes(p.key, torch.zeros((4, 1, 2, 16, 64), dtype=torch.bfloat16).transpose(2, 3), None),
+     r"blocks.key and blocks.value must have the same strides"),
+    (lambda b, p: KVPlanes(p.key, p.value, b.clone()), r"must be the planes of blocks.blocks"),
+    (lambda b, p: KVPlanes(p.key, p.key, b), r"must be the planes of blocks.blocks"),
+])
+def test_planes_are_checked_as_from_kv_checks_its_tensors(make, message):
+    with pytest.raises(ValueError, match=message):
+        PagedKVCacheCollection(_planes_made(make), *_meta())
+
+
+def test_planes_of_blocks_and_from_kv_pass_the_check():
+    c = PagedKVCacheCollection(_planes_made(lambda b, p: p), *_meta())
+    assert c.is_compact and c.with_metadata(*_meta()).planes is c.planes
+    by_hand = PagedKVCacheCollection(_planes_made(lambda b, p: KVPlanes(b[:, 0], b[:, 1], b)), *_meta())
+    assert by_hand.is_compact and by_hand.kv_dim == 2
+    kv = torch.zeros((2, 4, 16, 2, 64), dtype=torch.bfloat16)
+    vllm = PagedKVCacheCollection.from_kv(kv[0], kv[1], *_meta())
+    assert vllm.with_metadata(*_meta()).blocks.data_ptr() == kv.data_ptr()
+    pair = PagedKVCacheCollection(KVPlanes(kv[0].unsqueeze(1), kv[1].unsqueeze(1), None), *_meta())
+    assert pair.blocks.data_ptr() == kv.data_ptr() and pair.row_pitch == 16
+
+
+def test_fused_qkv_sends_a_strided_rope_aware_cache_to_the_reference(rng):
+    """As ``store_kv`` does: no strided rope-aware kernel is built."""
+    from test_mla_rope_aware import rope_batch
+
+    pb, _ = with_layout(rope_batch(rng), "strided-6d", 0)
+    hidden = torch.zeros((pb.total_rows, 32), dtype=torch.bfloat16)
+    weight = torch.zeros((2 * 80 + 80, 32), dtype=torch.bfloat16)
+    for arch in ("sm_90a", "sm_100a"):
+        path = fused_qkv_op.plan(pb.collection, hidden, weight, None, arch)
+        assert path.path == paths.REFERENCE and path.reason.endswith("rope-aware rows: a strided cache")
 
 
 @pytest.mark.parametrize("kind, granularity", [("bf16", None), ("fp8-f32", 32)])

@@ -217,8 +217,9 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     """The ``FusedQKVGemm`` serving these checked arguments on ``arch`` (its ``QKVSpec`` key, without bias), for a
     quantized weight the ``FusedQKVGemmW4`` (a ``QKVW4Spec`` key: the spec and the decode format, which names the
     weight dtype, group size and zero points), or why the reference runs instead: quantized weights the decode does
-    not take (``_quantized_problem``), fp32 activations, e5m2 caches, unaligned rows, or a shape the
-    kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a GPU."""
+    not take (``_quantized_problem``), fp32 activations, e5m2 caches, strided rope-aware caches, unaligned rows,
+    or a shape the kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a
+    GPU."""
     from cute_kv.kernels.qkv.gemm import DTYPES, QKVSpec, supported
 
     def fallback(reason):
@@ -241,6 +242,8 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
         return fallback("hidden has no columns (K = 0)")
     if quantized and not c.is_compact:
         return fallback("a strided cache with a quantized weight: its epilogue writes MAX's compact blocks")
+    if c.rope_dim is not None and not c.is_compact:  # as store_kv routes it: no strided rope-aware kernel is built
+        return fallback("rope-aware rows: a strided cache")
     if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.key_blocks.data_ptr() % 16 \
             or c.value_blocks.data_ptr() % 16:
         return fallback("hidden, weight and blocks need row-major, 16-byte aligned rows")

@@ -52,8 +52,9 @@ def plan(collection, q, arch: str, *, mla_v_dim: Optional[int], softcap: Optiona
         c.batch_size, c.num_heads, splits.query_blocks(c, hq, BM, q.shape[0]))
     if problem:
         return fallback(problem)
+    # the last field, pv_overlap, stays off: the stages refill sooner (kernels/mla/sm90.py); a bench sets it on
     key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), bool(softcap), sinks is not None, return_lse,
-           rope_dim)
+           rope_dim, False)
     return paths.kernel(OP, KERNEL, key, arch)
 
 

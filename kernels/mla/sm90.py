@@ -12,13 +12,29 @@ K stage in shared memory, so V is never loaded. Three warpgroups:
   tile (SS wgmma, N = 32), masks it, and publishes its rows' maxima; after a named barrier both take the max of the
   two, exponentiate, rescale their O and write their half of P (16-bit) into the shared P tile; after a second
   barrier each issues ``O[:, half w] += P V[:, half w]`` (SS wgmma, N = v_dim / 2) over the whole tile. O is 64 x
-  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. As in FA3's
-  intra-warpgroup overlap, a tile's PV is issued behind the next tile's QK and only the QK is waited for, so the PV
-  runs through that tile's scores, the maxima exchange and the exponentials. The P tile is single (shared memory
-  holds Q, two K stages and one P; a second P, FlashMLA's seesaw, does not fit in the 227 KiB), so the next P is
-  written only once both PVs are done: each warpgroup waits for its own, then both meet on a third named barrier;
-  the tensor cores idle only from there to the next QK (the P writes, the P barrier, the wait for the next stage).
-  The steady state has the three named barriers and no CTA-wide one.
+  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated.
+
+A tile's PV holds both its stage (V is the stage's first columns) and the one P tile (shared memory holds Q, two K
+stages and one P: a third stage or a second P, FlashMLA's seesaw, does not fit in the 227 KiB). Where the PV runs is
+a compile-time choice, ``pv_overlap``:
+
+* off (what the ops dispatch): each tile's PV is issued and waited for at the end of its step and its stage released
+  right then, so the producer refills it while the next tile is computed: a stage's load has a whole step to land
+  in, and over 16-bit rows the two stages' copies may fly together. The tensor cores idle through the scores, the
+  maxima exchange, the exponentials and the P writes.
+* on (FA3's intra-warpgroup overlap): a tile's PV is issued behind the next tile's QK and only the QK is waited for,
+  so the PV runs through that tile's scores, the maxima exchange and the exponentials; the next P is written once
+  both PVs are done (each warpgroup waits for its own, then both meet on a third named barrier). The tensor cores
+  idle only through the O rescale, the P writes and the P barrier, but a stage is released in the middle of the
+  next tile's step: the load refilling it has only the rescale, the P writes and the P barrier to hide behind, and
+  a tile's PV is issued only once the next tile has landed.
+
+With QK and PV the MMAs' times, S the softmax between them, P the rescale and P writes and L a stage's load (its TMA,
+and its dequantization over rope-aware rows), a tile takes at most ``max(QK + S + P + PV, L)`` off and ``QK +
+max(S, PV) + max(P, L)`` on: the overlap wins only while ``L < P + min(S, PV)``. In an event model with QK 1,100,
+PV 1,000, S 500 and P 250 cycles, on / off is 0.82, 0.98, 1.08, 1.26 and 1.60 at L = 0, 700, 1,000, 1,500 and
+2,500 cycles; a 72 KiB TMA takes longer than 750 cycles, hence off by default, and ``perf/bench_mla_decode.py
+--pv-overlap`` times both. The steady state has no CTA-wide barrier.
 
 Tiles are walked from the last to the first as in ``PagedAttention``: the first one walked holds the request's
 last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
@@ -48,11 +64,12 @@ hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare,
   warpgroup barrier before writing, two rows a thread per pass. A thread's rows lie 16 apart, so its swizzled
   chunks are one offset of its own plus constants: every 16-byte load and store has an immediate offset. Rows past
   the request's keys are written as zeros: only the first tile walked holds any, and only its dequantization clears
-  their bytes and scales (the others check no row). A steady-state tile is then the 6 instructions per 2 values of the exact
-  conversion (768 a thread) and about 150 more (SASS; 1,331 in all before the per-thread offsets). Shared memory
-  is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is the latency: a
-  stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for its TMA and the
-  dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may read it.
+  their bytes and scales (the others check no row). A steady-state tile is then the 6 instructions per 2 values of
+  the exact conversion (768 a thread) and about 150 more (SASS: 921 for warps 1-3, 965 for warp 0, which issues the
+  copies; 1,287 and 1,331 before the per-thread offsets). Shared memory is the 16-bit kernel's plus one landed
+  barrier a stage; the consumers run unchanged. The cost is the latency: a stage is refilled only after both
+  warpgroups released it (as for 16-bit rows) and then waits for its TMA and the dequantization (32 KiB read, 64 KiB
+  written per tile by 128 threads) before the consumers may read it.
 """
 
 from __future__ import annotations
@@ -97,28 +114,29 @@ DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 class Barrier(enum.IntEnum):
     """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
 
-    MAX = 1  # both consumer warpgroups: row maxima published
+    MAX = 1  # both consumer warpgroups: row maxima published (without pv_overlap: each one's last PV done)
     P = 2  # both consumer warpgroups: P halves written
-    PV = 3  # both consumer warpgroups: the previous tile's PVs done, the P tile free
+    PV = 3  # pv_overlap: both consumer warpgroups' previous PVs done, the P tile free
     DEQUANT = 4  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
 
 
 class MLADecode:
     """Compile-time key: dtype (q, the cache, O and the MMAs), query heads, the latent width, ``v_dim`` (the value
     columns), the page size, whether the lookup table takes vector reads, the optional features (soft-cap,
-    sinks, writing the natural-log ``lse``) and ``rope_dim``: nonzero for a rope-aware FP8 cache (``latent_dim =
-    padded_depth + rope_dim``; rows of ``padded_depth + 2 * rope_dim`` bytes)."""
+    sinks, writing the natural-log ``lse``), ``rope_dim``: nonzero for a rope-aware FP8 cache (``latent_dim =
+    padded_depth + rope_dim``; rows of ``padded_depth + 2 * rope_dim`` bytes), and ``pv_overlap``: each tile's PV
+    left running through the next tile's softmax (module docstring: the ops dispatch it off)."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, latent_dim: int, v_dim: int, page_size: int,
                  lut_vector: bool = True, softcap: bool = False, sinks: bool = False, return_lse: bool = False,
-                 rope_dim: int = 0):
+                 rope_dim: int = 0, pv_overlap: bool = False):
         problem = supported(num_q_heads, latent_dim, v_dim, page_size, dtype_name, rope_dim)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.num_q_heads, self.latent_dim, self.v_dim, self.page_size = num_q_heads, latent_dim, v_dim, page_size
         self.group = num_q_heads  # one latent KV head: every query head packs with it
-        self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
+        self.softcap, self.sinks, self.return_lse, self.pv_overlap = softcap, sinks, return_lse, pv_overlap
         self.rope_dim, self.padded_depth = rope_dim, latent_dim - rope_dim
         self.row_bytes = self.padded_depth + 2 * rope_dim if rope_dim else latent_dim * self.dtype.width // 8
         self.producer_regs, self.consumer_regs = PRODUCER_REGS_FP8 if rope_dim else PRODUCER_REGS, CONSUMER_REGS
@@ -401,16 +419,22 @@ class MLADecode:
         branch)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
-            j = p * DEQUANT_HELD + h
             if cutlass.const_expr(masked):
-                keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
-                words = cute.recast_tensor(raw[None, h], Uint32)
-                for w in cutlass.range_constexpr(cute.size(words)):
-                    words[w] = words[w] & keep
-                scale_bits = cute.recast_tensor(scale, Uint32)
-                scale_bits[j] = scale_bits[j] & keep
-            vals.store((raw[None, h].load().to(Float32) * scale[j]).to(self.dtype))
+                self.clear_past_keys(raw, scale, p, h, tile_base, num_keys, tidx)
+            vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
             self.dequant_store(ring, vals, stage, blk, p, h, tidx)
+
+    @cute.jit
+    def clear_past_keys(self, raw: cute.Tensor, scale: cute.Tensor, p: cutlass.Constexpr[int],
+                        h: cutlass.Constexpr[int], tile_base: Int32, num_keys: Int32, tidx: Int32):
+        """The held bytes and the scale of this thread's row ``h`` of pass ``p`` ANDed with zeros if the row is past
+        the request's keys (with ones otherwise): no branch."""
+        keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
+        words = cute.recast_tensor(raw[None, h], Uint32)
+        for w in cutlass.range_constexpr(cute.size(words)):
+            words[w] = words[w] & keep
+        scale_bits = cute.recast_tensor(scale, Uint32)
+        scale_bits[p * DEQUANT_HELD + h] = scale_bits[p * DEQUANT_HELD + h] & keep
 
     @cute.jit
     def dequant_store(self, ring: cute.Pointer, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
@@ -480,9 +504,10 @@ class MLADecode:
                 read = self.step(i, read, False, False, *args)
             for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
                 read = self.step(i, read, True, False, *args)
-            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)  # the last tile's PV
-            warpgroup.wait_group(0)
-            pipe.consumer_release(read)
+            if cutlass.const_expr(self.pv_overlap):
+                self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)  # the last tile's PV
+                warpgroup.wait_group(0)
+                pipe.consumer_release(read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, s_sum, softmax_scale_log2, coords, out, lse, o_part,
                       lse_part, sinks, q_start, seq_len, m0, split, num_splits, tidx, wg)
 
@@ -494,18 +519,22 @@ class MLADecode:
              s_max: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, num_keys: Int32,
              wg: Int32, tidx: Int32, score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
-        """Tile ``last_tile - i``: this warpgroup's QK, then the previous tile's PV behind it on the tensor cores,
-        running through this tile's scores, the maxima exchange and the exponentials; once both warpgroups' PVs
-        are done (``Barrier.PV``) O is rescaled and this half of P written over the one P tile. The tile's own PV
-        is issued by the next step (or after the loop). Returns the read state of the tile."""
-        if cutlass.const_expr(not first):
+        """Tile ``last_tile - i``: this warpgroup's QK, its scores, the maxima exchange, the exponentials and its half
+        of P, then the PV of the whole tile into its half of O. Without ``pv_overlap`` the PV is issued and waited
+        for at the end, and the tile's stage released. With it, the previous tile's PV is issued behind this QK and
+        runs through the softmax; once both warpgroups' are done (``Barrier.PV``) that tile's stage is released, O
+        rescaled and P written over the one P tile, and this tile's PV is issued by the next step (or after the
+        loop). Returns the read state of the tile."""
+        behind = self.pv_overlap and not first  # the previous tile's PV runs behind this QK
+        if cutlass.const_expr(behind):
             prev = read.clone()
+        if cutlass.const_expr(not first):
             read.advance()
         pipe.consumer_wait(read)
         self.gemm(tiled_mma_qk, acc_s, t_rq, t_rk[None, None, None, read.index], False)
-        if cutlass.const_expr(not first):
+        if cutlass.const_expr(behind):
             self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, prev.index], True)
-        warpgroup.wait_group(0 if first else 1)  # this QK; the previous PV runs on
+        warpgroup.wait_group(1 if behind else 0)  # this QK
         tile_base = (last_tile - i) * BN
         softmax.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, self.softcap,
                        masked)
@@ -525,14 +554,22 @@ class MLADecode:
                 self.zero_stale_rows(s_k, read.index, num_keys - tile_base, wg, tidx)
         p16 = cute.make_rmem_tensor(acc_s.shape, self.dtype)
         softmax.to_16bit(acc_s, p16)
-        if cutlass.const_expr(not first):
-            warpgroup.wait_group(0)  # the previous PV: once the other's is done too, its stage and the P tile
+        if cutlass.const_expr(behind):
+            warpgroup.wait_group(0)  # the previous PV; once the other warpgroup's is done too, the P tile is free
             self.pair_barrier(Barrier.PV)
-            pipe.consumer_release(prev)  # (after the barrier: no lane of the warp still reads shared memory)
+            # The stage's empty barrier counts every consumer warp, so releasing it before the barrier would gain
+            # only the barrier's latency; after it, lane 0's arrive follows a warp-wide sync, not only the other
+            # lanes' reads of the maxima (wgmma.wait_group syncs the warp's execution, not its memory accesses).
+            pipe.consumer_release(prev)
+        if cutlass.const_expr(not first):
             softmax.rescale_rows(acc_o, row_scale)
         t_sp.store(p16.load())
         cute.arch.fence_view_async_shared()  # read by wgmma next
         self.pair_barrier(Barrier.P)
+        if cutlass.const_expr(not self.pv_overlap):
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)
+            warpgroup.wait_group(0)  # the stage is free; the P tile too, once both warpgroups meet on Barrier.MAX
+            pipe.consumer_release(read)
         return read
 
     @cute.jit
