@@ -421,7 +421,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         coord = (w_tile, epi_tile, None, 0)
         tensors = self.epi_begin(params, epi_smem, None, None, None, coord, None, None, tidx)
         s_c = tensors[0]
-        load, _, src, _, shape = o_copies(acc)
+        load, _, src, _, shape = o_copies(acc, O_CHUNK)
         vals = cute.make_rmem_tensor(shape, Float32)
         for i in cutlass.range_constexpr(TILE_TOKENS // O_CHUNK):
             cute.copy(load, cute.make_tensor(src.iterator + col0 + i * O_CHUNK, src.layout), vals)
