@@ -295,7 +295,7 @@ def test_plan_replay_over_the_temporary_cache(rng, arch, force_splits):
                     if arch == "sm_90a":
                         (toks, heads), live, o, lse = test_attention_model.model_cta(
                             q, k, v, offsets[b], n, num_keys - n, m_block, head, split, splits, 1, True, 0, 0.1,
-                            None, None, bn)
+                            None, None, bn=bn)
                         toks, heads = torch.tensor(toks), torch.tensor(heads)
                         if o is None:
                             lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
@@ -312,6 +312,73 @@ def test_plan_replay_over_the_temporary_cache(rng, arch, force_splits):
     assert rel_err(got, _want(pb, 1, q_nope, q_rope, w_uk, w_uv, 0.1)) < tol
 
 
+def test_sm100_value_dims():
+    """K of 192 with V of 128: two 128-key stages (Q 48 KiB + 2 x 80 KiB), O in 128 TMEM columns; the other widths
+    and an fp8 cache are refused by name."""
+    from cute_kv.kernels.attention.sm100_config import SMEM_PER_CTA, TMEM_COLUMNS, key_tile, supported, tiling
+
+    plan = tiling(192, op.PAGE, False, 128)
+    assert (plan.bn, plan.stages, plan.gather4, plan.stage_bytes) == (128, 2, False, 128 * 320 * 2)
+    assert plan.smem == 1024 + 128 * 192 * 2 + 2 * 128 * 320 * 2 == 214016 <= SMEM_PER_CTA
+    assert plan.tmem_columns == 2 * 128 + 128 <= TMEM_COLUMNS
+    assert key_tile(192, 128) == 128 and key_tile(256) == 64 and key_tile(128) == 128
+    assert supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=128) is None
+    assert "v_dim (64)" in supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=64)
+    assert "v_dim (64)" in supported(8, 8, 128, op.PAGE, "bfloat16", v_dim=64)
+    assert "16-bit cache" in supported(8, 8, 192, op.PAGE, "float8_e4m3fn", v_dim=128)
+    assert supported(8, 8, 192, op.PAGE, "bfloat16") is None  # 192 / 192 too, in 64-key tiles
+    assert "head_dim must be" in supported(8, 8, 160, op.PAGE, "bfloat16")
+
+
+@pytest.mark.compile
+def test_sm100_192_128_ptx():
+    """DeepSeek's decompressed heads (128 of them, as a TP-1 prefill runs): K of 192, V of 128 in pages of 128."""
+    (_, build), _ = op.compile_units(op.plan([(4096, 4096)], dtype="bfloat16", arch="sm_100a", **DS).kernel.key,
+                                     "sm_100a")
+    kernel, *_ = build()
+    assert (kernel.head_dim, kernel.v_dim, kernel.bn, kernel.stages, kernel.gather4) == (192, 128, 128, 2, False)
+    assert kernel.plan.tmem_columns == 384 and kernel.plan.smem == 214016
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
+    mma = r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*"
+    assert len(re.findall(mma + r"%rd\d+,\s*%rd\d+,", ptx)) == 192 // 16  # QK over the 192 head dims
+    assert len(re.findall(mma + r"\[%r\d+\],\s*%rd\d+,", ptx)) == 128 // 16  # PV: K = the 128-key tile
+    # S read in 4 loads of 32 columns, O (128 columns) rescaled and read by the epilogue in 4 each; O leaves by two
+    # 64-column TMA stores.
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 4 + 2 * 4
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == 4
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == 2
+    # K and V of a tile (the page is the tile) in boxes of 64 columns, the 128-byte swizzle: 3 of K, 2 of V (its
+    # first 128 of the 192-wide rows); the stage's transaction bytes are those 320 columns of 128 rows.
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile", ptx)) == 3 + 2
+    assert re.search(r"mov\.b32\s+%r\d+,\s*81920;\s*mbarrier\.arrive\.expect_tx", ptx)
+    assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(kernel.threads)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,flags", [(4, {}), (32, {"softcap": True, "sinks": True, "return_lse": True})],
+                         ids=["gather4", "page-slots-flags"])
+def test_sm100_192_128_other_pages(page_size, flags, tmp_path):
+    """The 192/128 kernel beyond the op's 128-token pages: pages of 4 by gather4 (4 rows of one 64-column box per
+    instruction: 32 groups x (3 K + 2 V boxes)), pages of 32 by one TMA per page slot (4 x (3 + 2)), with the flags;
+    no spills."""
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+    kernel = PagedAttentionSm100("bfloat16", 32, 8, 192, page_size, 2, page_size > 4, v_dim=128, **flags)
+    ptx = artifacts.compiled(kernel, "sm_100a").ptx
+    assert ptx.count("tcgen05.mma") == 192 // 16 + 128 // 16
+    gather4 = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4", ptx))
+    tiles = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.", ptx))
+    assert (gather4, tiles) == ((32 * 5, 0) if kernel.gather4 else (0, 4 * 5))
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == 128 // 32  # O's rescale: 128 columns
+    (tmp_path / "k.ptx").write_text(ptx)
+    info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(tmp_path / "k.ptx"), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
+
+
+# -- GPU --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [([0, 300, 1, 0], [200, 129, 1, 0]), ([1000], [100])],
                          ids=["ragged", "split-kv"])  # one 100-token block over 9 key tiles: the kernel splits
 @pytest.mark.parametrize("path", [op.DECOMPRESSED, op.ABSORBED])
