@@ -42,10 +42,11 @@ Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a 
 
 The epilogue stages O (16-bit, one split) in Q's shared-memory tile and one thread stores it with a TMA store per
 swizzle row (64 columns; 32 at head dim 96, 16 at 80) when the group divides BM: a tile's packed rows are (token,
-head) pairs, a token's group heads contiguous in ``out``, so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
-clips only at its tensor map's bounds, so the map is the ragged window (``tma_tiles.create_packed_ragged_store``:
-base shifted back 2^30 tokens, the request's end as an extra coordinate): rows past the request fall out of bounds
-and are dropped, never written into the next request's rows. Other groups, and split partials (float32 rows of
+head) pairs, a token's group heads contiguous in ``out``, so a box is (a swizzle row's columns, group heads, 128 /
+group tokens). A request's rows are ragged inside ``out`` and a TMA store clips only at its tensor map's bounds, so
+the map is the ragged window (``tma_tiles.create_packed_ragged_store``: base shifted back 2^30 tokens, the request's
+end as an extra coordinate): rows past the request fall out of bounds and are dropped, never written into the next
+request's rows. Other groups, and split partials (float32 rows of
 ``o_part``), leave by the threads' 16-byte stores (a thread's row is contiguous).
 
 No 2-CTA MMA (``cta_group::2``, M = 256 over a CTA pair, each CTA holding half of each K and V tile): it halves a
@@ -741,9 +742,9 @@ class PagedAttentionSm100:
     @cute.jit
     def store_o(self, tma_o: cute.CopyAtom, g_out: cute.Tensor, s_o: cute.Tensor, q_start: Int32, seq_len: Int32,
                 m0: Int32, kv_head: Int32):
-        """The staged O tile to ``out``: one thread issues one TMA store per 64 columns, box (group heads, BM / group
-        tokens), over the request's ragged window (rows past it are dropped), and waits until they have read shared
-        memory, so the tile outlives them (the CTA's last barrier follows)."""
+        """The staged O tile to ``out``: one thread issues one TMA store per swizzle row (``o_box_width`` columns),
+        box (group heads, BM / group tokens), over the request's ragged window (rows past it are dropped), and waits
+        until they have read shared memory, so the tile outlives them (the CTA's last barrier follows)."""
         cute.arch.fence_view_async_shared()  # this thread's row (generic stores) before the TMA reads it
         pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=SOFTMAX_THREADS).arrive_and_wait()
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
