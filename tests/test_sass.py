@@ -48,26 +48,39 @@ def test_kernel_resources_match_plan(config):
         assert rec["loop_mma"] > 0  # the main loop found is the one issuing the MMAs
 
 
+# The producer's TMAs issued each in its own elect loop (``ELECT`` ... ``BRA.U.ANY``), so no one loop holds a tile's
+# copies: open, found by the load-loop gate below.
+ELECT_LOOPS = {"paged_attention_sm90[bfloat16-16-2-192-128-2-True]-sm_90a":
+               "192/192 in pages of 128: each TMA of the producer in an elect loop of its own"}
+
+
+def _sm90_load_configs():
+    configs = [c for c in catalog.configs() if c.family.name == "paged_attention_sm90"
+               and (c.kernel().gather or (c.kernel().page_size and not c.kernel().kv_fp8))]
+    return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=ELECT_LOOPS[c.id], strict=True)]
+                         if c.id in ELECT_LOOPS else []) for c in configs]
+
+
 @pytest.mark.sass
 @pytest.mark.compile
 @needs_tools
-@pytest.mark.parametrize("config", [c for c in catalog.configs() if c.family.name == "paged_attention_sm90"
-                                    and (c.kernel().gather or (c.kernel().page_size and not c.kernel().kv_fp8))],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("config", _sm90_load_configs())
 def test_sm90_attention_load_loop_copies_per_tile(config):
-    """The SM90 attention's producer loop, found in its SASS: per key tile one TMA per page slot and 128-byte box
-    for K and for V (one elected thread), or, with rows gathered, each producer thread's cp.async (16 bytes a row
-    piece) for K and for V; either way the copies of a tile move its K and V (``BN * D * 2`` bytes each) once."""
+    """The SM90 attention's producer loop, found in its SASS: per key tile one TMA per page slot and swizzle row (K's
+    and V's own widths) for K and for V (one elected thread), or, with rows gathered, each producer thread's cp.async
+    (16 bytes a row piece) for K and for V; either way the copies of a tile move its K and V (``BN * (D + D_v) * 2``
+    bytes) once."""
     kernel = config.kernel()
     rec = static.analyze_config(config, compiled=artifacts.compiled)
-    tile_bytes = 2 * kernel.bn * kernel.head_dim * 2
+    tile_bytes = kernel.bn * (kernel.head_dim + kernel.v_dim) * 2
     if kernel.gather:
         assert rec["load_loop_copies"] == 2 * kernel.gather.passes
         assert rec["load_loop_copies"] * 16 * 128 == tile_bytes  # 16 bytes a copy, 128 producer threads
     else:
-        boxes = kernel.head_dim * 2 // 128
-        assert rec["load_loop_copies"] == 2 * kernel.k_op.copies_per_tile * boxes
-        assert rec["load_loop_copies"] * kernel.k_op.rows_per_copy * 128 == tile_bytes
+        boxes = [dim * 2 // sw for dim, sw in zip((kernel.head_dim, kernel.v_dim), kernel.load_swizzles)]
+        assert rec["load_loop_copies"] == kernel.k_op.copies_per_tile * sum(boxes)
+        box_bytes = sum(n * sw for n, sw in zip(boxes, kernel.load_swizzles)) * kernel.k_op.rows_per_copy
+        assert kernel.k_op.copies_per_tile * box_bytes == tile_bytes
 
 
 def test_load_loop_on_fixed_sass():
