@@ -60,6 +60,21 @@ def test_row_gather_writes_what_tma_would(bn, depth):
     assert torch.equal(image, tma_image(values))
 
 
+def test_row_gather_plans_the_head_dims_the_config_admits():
+    """``config.supported`` sends pages no TMA box tiles to the row gather at ``GATHER_HEAD_DIMS`` only: those are
+    the head dims (16-bit, values as wide) ``RowGather`` has a plan for at their key tile and ring swizzle."""
+    from cute_kv.kernels.attention.config import GATHER_HEAD_DIMS, HEAD_DIMS, key_tile, ring_swizzle
+
+    planned = set()
+    for d in HEAD_DIMS:
+        try:
+            RowGather(key_tile(d), d, 1, cutlass.BFloat16, ring_swizzle(d, False))
+            planned.add(d)
+        except ValueError:
+            pass
+    assert planned == set(GATHER_HEAD_DIMS)
+
+
 def test_dense_operand_honours_the_request_stride():
     """A ``[B, S, H, D]`` cache sliced from a longer one (``stride[0] > S*H*D``): token ``t`` of request ``b`` is row
     ``b * stride[0] / (H*D) + t`` of the operand's view, and the view ends after the last request's ``S`` rows."""
