@@ -1,8 +1,17 @@
-"""``PagedKVCacheCollection``: the 6-D blocks tensor (and scales) plus one step's metadata.
+"""``PagedKVCacheCollection``: the K/V cache tensors (and scales) plus one step's metadata.
 
 Layout (MAX, row-major): ``blocks[N, KVD, L, P, H, D]``; ``scales[N, KVD, L, P, H, G]`` with
 ``G = ceil(D / quantization_granularity)``. A page ``n`` is the slab ``blocks[n]`` holding ``P`` tokens for
 every layer, K and V. ``get_key_cache(l)`` / ``get_value_cache(l)`` return per-layer ``PagedKVCache`` views.
+
+Other engines' caches are taken in place (``cute_kv/kv_layout.py``): ``blocks`` may be any strided 6-D view the
+kernels can address, and ``from_kv`` takes K and V as two ``[N, P, H, D]`` views (one layer), of one tensor or two.
+Every op reads the cache through ``key_blocks`` / ``value_blocks``, ``[N, L, P, H, D]`` planes with the same strides
+``(sN, sL, sP, sH, 1)`` (for MLA both are ``blocks[:, 0]``); ``blocks`` is the 6-D tensor, None when K and V are
+not one tensor's ``[:, 0]`` and ``[:, 1]``. ``is_compact`` (MAX's row-major ``blocks``) selects the kernels compiled
+for MAX's layout; other layouts take the strided variants, which get the planes with runtime strides. ``scales``
+keep MAX's compact ``[N, KVD, L, P, H, G]`` whatever the layout of the values, so a token's scale row may differ from
+its value row.
 
 A rope-aware MLA cache (``rope_dim`` set, ``cute_kv/rope_aware.py``) stores rows of ``D`` bytes: ``padded_depth``
 e4m3 content bytes, then ``rope_dim`` bf16 values, with one float32 scale per token (``G = 1``).
@@ -16,6 +25,7 @@ from typing import Optional
 import torch
 
 from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
+from cute_kv.kv_layout import KVPlanes, check_planes, planes_of_blocks, planes_of_kv
 from cute_kv.params import KVCacheParams, check_rope_aware
 from cute_kv.rope_aware import RopeAwareRow
 from cute_kv.validate import (check_metadata_tensor, check_not_negative, check_tensor, check_uint32_scalar,
@@ -46,7 +56,7 @@ class PagedKVCacheCollection:
 
     def __init__(
         self,
-        blocks: torch.Tensor,
+        blocks: torch.Tensor | KVPlanes,
         cache_lengths: torch.Tensor,
         lookup_table: torch.Tensor,
         max_seq_length: int,
@@ -59,6 +69,10 @@ class PagedKVCacheCollection:
     ):
         """Wrap existing tensors (nothing is copied).
 
+        ``blocks``: ``[N, KVD, L, P, H, D]``, MAX's row-major layout or any strided view the kernels can address
+        (``kv_layout.check_addressable``: the error names the stride that is not); or the ``KVPlanes`` that
+        ``from_kv`` builds (``kv_layout.check_planes``: checked as ``from_kv`` checks its tensors).
+
         ``cache_lengths`` and ``lookup_table`` are uint32 (MAX) or int32; int32 ones are kept as their uint32 view
         (same memory: later writes to them show), which is what ``cache_lengths`` / ``lookup_table`` return.
 
@@ -68,13 +82,18 @@ class PagedKVCacheCollection:
         ``rope_dim`` makes it a rope-aware MLA cache (``KVCacheQuantizationConfig.rope_dim``): KVD=1, H=1, fp8
         ``blocks`` of ``head_size = padded_depth + 2*rope_dim`` bytes per row and float32 ``scales`` of one per token.
         """
-        check_tensor("blocks", blocks, dtype=KV_DTYPES, ndim=6, contiguous=True)
-        n, kvd, nl, p, h, d = blocks.shape
-        if kvd not in (1, 2):
-            raise ValueError(f"blocks.shape[1] (KVD) must be 2 (K and V) or 1 (MLA), got {kvd}")
-        if min(n, nl, p, h, d) <= 0:
-            raise ValueError(f"blocks must have no empty dimension, got shape {list(blocks.shape)}")
-        dev = blocks.device
+        if isinstance(blocks, KVPlanes):
+            planes = check_planes("blocks", blocks)
+        else:
+            check_tensor("blocks", blocks, dtype=KV_DTYPES, ndim=6)
+            if blocks.shape[1] not in (1, 2):
+                raise ValueError(f"blocks.shape[1] (KVD) must be 2 (K and V) or 1 (MLA), got {blocks.shape[1]}")
+            if min(blocks.shape) <= 0:
+                raise ValueError(f"blocks must have no empty dimension, got shape {list(blocks.shape)}")
+            planes = planes_of_blocks(blocks)
+        n, nl, p, h, d = planes.key.shape
+        kvd = 1 if planes.value is planes.key else 2
+        dev = planes.key.device
         cache_lengths = check_metadata_tensor("cache_lengths", cache_lengths, ndim=1, device=dev)
         bsz = cache_lengths.shape[0]
         lookup_table = check_metadata_tensor("lookup_table", lookup_table, ndim=2, device=dev)
@@ -91,15 +110,18 @@ class PagedKVCacheCollection:
                 f"lookup_table has {lookup_table.shape[1]} columns ({lookup_table.shape[1] * p} tokens at "
                 f"page_size {p}), fewer than max_cache_length={self.max_cache_length}"
             )
-        self.blocks = blocks
+        self.planes = planes
+        self.blocks = planes.blocks
+        self.key_blocks, self.value_blocks = planes.key, planes.value
         self.cache_lengths = cache_lengths
         self.lookup_table = lookup_table
         self.num_pages, self.kv_dim, self.num_layers, self.page_size, self.num_heads, self.head_size = (
             n, kvd, nl, p, h, d)
         self.is_mla = kvd == 1
         # Per-layer 4-D view [N, P, H, D]: stride[0] is the full page pitch, not P*H*D (MAX's dim-skipping rule).
+        s_n, _, s_p, s_h, s_d = planes.key.stride()
         self.kv_cache_dynamic_shape = (n, p, h, d)
-        self.kv_cache_dynamic_strides = (kvd * nl * p * h * d, h * d, d, 1)
+        self.kv_cache_dynamic_strides = (s_n, s_p, s_h, s_d)
         self.scales = scales
         self.quantization_granularity = 1
         self.kv_cache_scales_dynamic_shape = (0, 0, 0, 0)
@@ -115,10 +137,10 @@ class PagedKVCacheCollection:
             self.check_metadata()
 
     def _init_scales(self, scales: torch.Tensor, granularity: Optional[int]):
-        n, kvd, nl, p, h, d = self.blocks.shape
-        if not is_fp8(self.blocks.dtype):
-            raise TypeError(f"scales need an fp8 blocks tensor, got blocks dtype {self.blocks.dtype}")
-        check_tensor("scales", scales, dtype=SCALE_DTYPES, ndim=6, device=self.blocks.device, contiguous=True)
+        n, kvd, nl, p, h, d = self.shape
+        if not is_fp8(self.dtype):
+            raise TypeError(f"scales need an fp8 blocks tensor, got blocks dtype {self.dtype}")
+        check_tensor("scales", scales, dtype=SCALE_DTYPES, ndim=6, device=self.device, contiguous=True)
         g = scales.shape[5]
         if granularity is None:
             if g <= 0 or d % g:
@@ -150,6 +172,23 @@ class PagedKVCacheCollection:
 
     # -- construction helpers ---------------------------------------------------------------------
 
+    @classmethod
+    def from_kv(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor,
+                lookup_table: torch.Tensor, max_seq_length: int, max_cache_length: int,
+                scales: Optional[torch.Tensor] = None, **kwargs) -> "PagedKVCacheCollection":
+        """A one-layer collection over K and V given as two ``[N, P, H, D]`` views, of one tensor or two (nothing
+        is copied). vLLM ``kv[2, N, P, H, D]``: ``from_kv(kv[0], kv[1], ...)``; FlashInfer NHD
+        ``t[N, 2, P, H, D]``: ``(t[:, 0], t[:, 1])``; FlashInfer HND ``t[N, 2, H, P, D]``:
+        ``(t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3))``; FA4 / transformers: ``(k_cache, v_cache)``.
+        ``scales``: MAX's compact ``[N, 2, 1, P, H, G]``; the other arguments as for the constructor."""
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_tensor(name, t, dtype=KV_DTYPES, ndim=4)
+            if min(t.shape) <= 0:
+                raise ValueError(f"{name} must have no empty dimension, got shape {list(t.shape)}")
+        check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=list(k_cache.shape), device=k_cache.device)
+        return cls(planes_of_kv(k_cache, v_cache), cache_lengths, lookup_table, max_seq_length, max_cache_length,
+                   scales, **kwargs)
+
     @staticmethod
     def allocate_blocks(params: KVCacheParams, total_num_pages: int, device=None, *, zero: bool = True):
         """``(blocks, scales|None)`` for ``params``: ``[N, KVD, L, P, H_per_dev, D]`` on ``device``."""
@@ -166,7 +205,7 @@ class PagedKVCacheCollection:
     def with_metadata(self, cache_lengths, lookup_table, max_seq_length, max_cache_length, *, validate=True):
         """A collection over the same blocks/scales with another step's metadata."""
         return PagedKVCacheCollection(
-            self.blocks, cache_lengths, lookup_table, max_seq_length, max_cache_length, self.scales,
+            self.planes, cache_lengths, lookup_table, max_seq_length, max_cache_length, self.scales,
             quantization_granularity=self.quantization_granularity if self.scales is not None else None,
             rope_dim=self.rope_dim, validate=validate,
         )
@@ -179,11 +218,49 @@ class PagedKVCacheCollection:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.blocks.dtype
+        return self.key_blocks.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.blocks.device
+        return self.key_blocks.device
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """``(N, KVD, L, P, H, D)``: ``blocks.shape`` of the 6-D tensor, or of the one K and V would make."""
+        return (self.num_pages, self.kv_dim, self.num_layers, self.page_size, self.num_heads, self.head_size)
+
+    @property
+    def is_compact(self) -> bool:
+        """MAX's row-major ``blocks``: the kernels compiled for it apply; other layouts take the strided
+        variants."""
+        return self.planes.is_compact
+
+    @property
+    def layout_name(self) -> str:
+        """``"compact"`` or ``"strided"``: the kernels' layout flag."""
+        return "compact" if self.is_compact else "strided"
+
+    def plane(self, kv_idx: int) -> torch.Tensor:
+        """``key_blocks`` (0) or ``value_blocks`` (1): ``[N, L, P, H, D]``."""
+        return self.key_blocks if kv_idx == 0 else self.value_blocks
+
+    @property
+    def row_pitch(self) -> int:
+        """Token rows between consecutive pages of a plane's row view: ``sN // sP`` (``KVD*L*P`` when compact)."""
+        return self.planes.row_pitch
+
+    @property
+    def scale_row_pitch(self) -> int:
+        """Rows between consecutive pages of the (always compact) scales: ``KVD*L*P``."""
+        return self.kv_dim * self.num_layers * self.page_size
+
+    def traced_blocks(self, op: str) -> torch.Tensor:
+        """``blocks`` for a torch.compile trace (the custom ops take one cache tensor), or a ``ValueError``."""
+        if self.blocks is None:
+            raise ValueError(f"{op} under torch.compile takes the cache as one tensor; this collection's K and V are "
+                             f"not one tensor's [:, 0] and [:, 1] (from_kv of separate allocations, or of views with "
+                             f"V stored before K): run it eagerly, or keep K and V in one tensor with V after K")
+        return self.blocks
 
     @property
     def scale_dtype(self) -> Optional[torch.dtype]:
@@ -338,8 +415,9 @@ class PagedKVCacheCollection:
             raise IndexError(f"batch_idx must be in [0, {self.batch_size}), got {batch_idx}")
 
     def __repr__(self) -> str:
-        n, kvd, nl, p, h, d = self.blocks.shape
-        q = f", scales={self.scale_dtype} gran={self.quantization_granularity}" if self.scales is not None else ""
+        n, kvd, nl, p, h, d = self.shape
+        q = "" if self.is_compact else f", strided {list(self.key_blocks.stride())}"
+        q += f", scales={self.scale_dtype} gran={self.quantization_granularity}" if self.scales is not None else ""
         if self.rope_dim is not None:
             q += f", rope-aware [{self.padded_depth} fp8 | {self.rope_dim} bf16]"
         return (

@@ -1,4 +1,4 @@
-"""``cute-kv explain OP``: which path an op takes on sm_90a / sm_100a, its CuTe DSL kernel or the PyTorch reference,
+"""``cute-kv explain OP``: which path an op takes on sm_90a / sm_100a / sm_103a, its CuTe DSL kernel or the PyTorch reference,
 and why: ``cute_kv.explain`` for a cache geometry and a step given on the command line.
 
 The op's arguments are built on the meta device (nothing is allocated, so real model sizes are fine) and explained
@@ -13,19 +13,19 @@ import torch
 
 from cute_kv import inspect
 from cute_kv.dtypes import dtype_name, is_fp8, parse_dtype
+from cute_kv.kernels.archs import ARCHS
 
 OPS = ("paged_attention", "store_kv", "fused_qkv_matmul_kv_cache", "gather_kv", "sparse_mla_attention")
-ARCHS = ("sm_90a", "sm_100a")
 META = torch.device("meta")
 
 
 def add_parser(commands) -> None:
     p = commands.add_parser(
-        "explain", help="which path an op takes on sm_90a / sm_100a (kernel or reference) and why",
+        "explain", help="which path an op takes on sm_90a / sm_100a / sm_103a (kernel or reference) and why",
         description="Which path OP takes for this cache and step on each arch: its CuTe DSL kernel (with its "
                     "compile-time key) or the PyTorch reference, and why (cute_kv.explain). No GPU needed.")
     p.add_argument("op", choices=OPS, metavar="OP", help=f"one of: {', '.join(OPS)}")
-    p.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS), help="archs to ask about (default both)")
+    p.add_argument("--arch", nargs="+", choices=ARCHS, default=list(ARCHS), help="archs to ask about (default all)")
     g = p.add_argument_group("cache geometry (a preset fills what is not given)")
     inspect.add_geometry_arguments(g)
     g.add_argument("--pages", type=int, help="N, physical pages (default: the pages the step needs)")

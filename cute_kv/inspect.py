@@ -16,6 +16,7 @@ import torch
 
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.dtypes import dtype_name, parse_dtype
+from cute_kv.kv_layout import ENGINE_LAYOUTS, engine_kv
 from cute_kv.metadata import make_lookup_table
 from cute_kv.params import KVCacheParams, KVCacheQuantizationConfig
 
@@ -38,6 +39,8 @@ def add_parser(commands) -> None:
     g = p.add_argument_group("geometry (a preset fills what is not given)")
     add_geometry_arguments(g)
     g.add_argument("--pages", type=int, default=64, help="N, physical pages (default 64)")
+    g.add_argument("--layout", choices=("max", *ENGINE_LAYOUTS), default="max",
+                   help="MAX's blocks (default), or one layer of another engine's K/V tensors (from_kv)")
     q = p.add_argument_group("queries")
     q.add_argument("--layer", type=int, default=0, help="layer of the views and the request map (default 0)")
     q.add_argument("--tensor", choices=("blocks", "scales"), default="blocks", help="tensor of --coord/--offset")
@@ -72,11 +75,13 @@ def run(args: argparse.Namespace) -> int:
         name, params = cache_params(args)
         if not isinstance(args.pages, int) or args.pages <= 0:
             raise ValueError(f"--pages must be a positive int, got {args.pages}")
-        coll = _collection(params, args.pages)
-        if not 0 <= args.layer < params.num_layers:
-            raise ValueError(f"--layer must be in [0, {params.num_layers}), got {args.layer}")
+        coll = _collection(params, args.pages, args.layout)
+        if not 0 <= args.layer < coll.num_layers:
+            raise ValueError(f"--layer must be in [0, {coll.num_layers}), got {args.layer}")
+        if args.layout != "max" and (args.coord or args.offset or args.request_len is not None):
+            raise ValueError("--coord, --offset and --request-len address MAX's blocks; drop --layout")
         tensor = coll.scales if args.tensor == "scales" else coll.blocks
-        if tensor is None:
+        if tensor is None and args.tensor == "scales":
             raise ValueError("--tensor scales needs a quantized cache (--dtype fp8 with --scale-dtype/--granularity)")
         last = "g" if args.tensor == "scales" else "d"
         coords = [_parse_coord(text, tuple(tensor.shape), last) for text in args.coord]
@@ -92,21 +97,22 @@ def run(args: argparse.Namespace) -> int:
 
     from cute_kv import layouts  # imports cutlass
 
-    heading = title(name, params, coll)
+    heading = title(name, params, coll) + ("" if args.layout == "max" else f" | {args.layout} layout, one layer")
     print(heading)
-    # The queries' answers first, then the cache they are answered in.
-    shape, stride_rows = tuple(tensor.shape), coll.get_key_cache(0).stride_rows
+    # The queries' answers first (MAX's blocks only), then the cache they are answered in.
+    stride_rows = coll.get_key_cache(0).stride_rows
     if coords:
-        for c, off in zip(coords, layouts.offsets("cache", shape, coords)):
+        for c, off in zip(coords, layouts.offsets("cache", tuple(tensor.shape), coords)):
             _print_element(layouts, args.tensor, tensor, stride_rows, c, int(off))
     if args.offset:
-        for c, off in zip(layouts.coordinates("cache", shape, args.offset), args.offset):
+        for c, off in zip(layouts.coordinates("cache", tuple(tensor.shape), args.offset), args.offset):
             _print_element(layouts, args.tensor, tensor, stride_rows, tuple(int(x) for x in c), off)
     _print_tensors(coll, args.layer)
     if coll.rope_dim is not None:
         _print_rope_aware_row(layouts, coll)
-    _print_sizes(params, coll.num_pages)
-    _print_layouts(layouts, coll, args.layer)
+    _print_sizes(params, coll)
+    if coll.is_compact:  # the CuTe views of MAX's blocks
+        _print_layouts(layouts, coll, args.layer)
     if pages is not None:
         rows = _print_request(layouts, coll, args, pages)
         if args.png:
@@ -158,14 +164,27 @@ def default_granularity(head_dim: int) -> int:
     return next((g for g in (128, 64, 32, 16, 8) if head_dim % g == 0), 128)
 
 
-def _collection(params: KVCacheParams, num_pages: int) -> PagedKVCacheCollection:
-    """The cache on the meta device: shapes, strides and offsets of any size, nothing allocated or read."""
-    blocks, scales = PagedKVCacheCollection.allocate_blocks(params, num_pages, device="meta")
-    return PagedKVCacheCollection(
-        blocks, torch.empty(1, dtype=torch.uint32, device="meta"),
-        torch.empty(1, 1, dtype=torch.uint32, device="meta"), 0, 0, scales,
-        quantization_granularity=params.kvcache_quant_config and params.kvcache_quant_config.quantization_granularity,
-        rope_dim=params.rope_dim, validate=False)
+def _collection(params: KVCacheParams, num_pages: int, layout: str = "max") -> PagedKVCacheCollection:
+    """The cache on the meta device: shapes, strides and offsets of any size, nothing allocated or read; another
+    engine's ``layout`` holds one layer, allocated on the CPU (``from_kv`` tells K and V apart by their memory)."""
+    granularity = params.kvcache_quant_config and params.kvcache_quant_config.quantization_granularity
+    if layout == "max":
+        blocks, scales = PagedKVCacheCollection.allocate_blocks(params, num_pages, device="meta")
+        return PagedKVCacheCollection(
+            blocks, torch.empty(1, dtype=torch.uint32, device="meta"),
+            torch.empty(1, 1, dtype=torch.uint32, device="meta"), 0, 0, scales,
+            quantization_granularity=granularity, rope_dim=params.rope_dim, validate=False)
+    if params.is_mla:
+        raise ValueError(f"--layout {layout}: another engine's layout holds K and V; an MLA cache is K only")
+    kvd, _, p, h, d = params.shape_per_block
+    k, v = engine_kv(layout, num_pages, p, h, d, params.dtype)
+    scales = None
+    if params.quantized_kv_cache:
+        scales = torch.ones([num_pages, kvd, 1, *params.shape_per_scale_block[2:]],
+                            dtype=params.kvcache_quant_config.scale_dtype)
+    return PagedKVCacheCollection.from_kv(k, v, torch.zeros(1, dtype=torch.uint32),
+                                          torch.zeros(1, 1, dtype=torch.uint32), 0, 0, scales,
+                                          quantization_granularity=granularity, validate=False)
 
 
 def _parse_coord(text: str, shape: tuple[int, ...], last: str) -> tuple[int, ...]:
@@ -221,11 +240,14 @@ def title(name: str, params: KVCacheParams, coll: PagedKVCacheCollection) -> str
 
 
 def _print_tensors(coll: PagedKVCacheCollection, layer: int) -> None:
-    rows = []
-    for what, full in (("blocks", coll.blocks), ("scales", coll.scales)):
+    # blocks (None when K and V are separate tensors), then the K / V planes every op reads the cache through
+    rows = [] if coll.blocks is None else [("blocks", coll.blocks)]
+    rows += [("key_blocks", coll.key_blocks)] + ([] if coll.is_mla else [("value_blocks", coll.value_blocks)])
+    for what, full in (("blocks", coll.key_blocks), ("scales", coll.scales)):
         if full is None:
             continue
-        rows.append((what, full))
+        if what == "scales":
+            rows.append((what, full))
         for kv in range(coll.kv_dim):
             plane = coll._get_cache(kv, layer)
             which = "KV"[kv]
@@ -240,7 +262,9 @@ def _print_tensors(coll: PagedKVCacheCollection, layer: int) -> None:
     for n, shape, stride, off in cells:
         print(f"  {n:<{widths[0]}}  shape {shape:<{widths[1]}}  stride {stride:<{widths[2]}}  offset {off}")
     plane = coll.get_key_cache(layer)
-    print(f"  row pitch between pages {plane.stride_rows} rows (KVD*L*P); num_kv_rows {plane.num_kv_rows()}")
+    pitch = "KVD*L*P, " if coll.is_compact else ""
+    print(f"  row pitch between pages {plane.stride_rows} rows ({pitch}page stride / token stride); "
+          f"num_kv_rows {plane.num_kv_rows()}")
 
 
 def _print_rope_aware_row(layouts, coll: PagedKVCacheCollection) -> None:
@@ -256,13 +280,17 @@ def _print_rope_aware_row(layouts, coll: PagedKVCacheCollection) -> None:
           f"{layouts.rope_aware.rope_offset(pd)}) {views['rope']}; scales (f32) {views['scales']}")
 
 
-def _print_sizes(params: KVCacheParams, num_pages: int) -> None:
-    nl, page = params.num_layers, params.bytes_per_block
-    total = page * num_pages
-    print(f"\nbytes (K{'' if params.is_mla else ' and V'}{', scales' if params.quantized_kv_cache else ''})")
-    print(f"  per token  {params.bytes_per_token:,} ({params.bytes_per_token // nl:,} per layer)")
-    print(f"  per page   {page:,} ({page // nl:,} per layer)")
-    print(f"  cache      {total:,} = {_human(total)} ({_human(total // nl)} per layer)")
+def _print_sizes(params: KVCacheParams, coll: PagedKVCacheCollection) -> None:
+    """Bytes of the cache shown: MAX's blocks of every layer, or the one layer another engine's layout holds."""
+    nl, held = params.num_layers, coll.num_layers
+    per_layer_token, per_layer_page = params.bytes_per_token // nl, params.bytes_per_block // nl
+    token, page = per_layer_token * held, per_layer_page * held
+    total = page * coll.num_pages
+    print(f"\nbytes (K{'' if params.is_mla else ' and V'}{', scales' if params.quantized_kv_cache else ''}, "
+          f"{'all ' if held == nl else f'{held} of '}{nl} layers)")
+    print(f"  per token  {token:,} ({per_layer_token:,} per layer)")
+    print(f"  per page   {page:,} ({per_layer_page:,} per layer)")
+    print(f"  cache      {total:,} = {_human(total)} ({_human(total // held)} per layer)")
 
 
 def _human(n: int) -> str:

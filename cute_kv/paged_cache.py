@@ -1,9 +1,11 @@
 """``PagedKVCache``: one (K or V, layer) plane of a collection, MAX's per-layer 4-D view.
 
-``blocks`` is the strided view ``[N, P, H, D]`` whose ``stride[0]`` is the full page pitch
-``KVD*L*P*H*D``. The flattened *row view* treats the plane as rows of ``H*D`` elements:
-``row_idx(b, t) = LUT[b, t // P] * (KVD*L*P) + t % P``. The host methods here are the executable spec
-that the GPU kernels are tested against; all indices are Python ints (int64 math, no uint32 overflow).
+``blocks`` is the strided view ``[N, P, H, D]`` of the collection's plane at this layer, whose ``stride[0]`` is the
+full page pitch (``KVD*L*P*H*D`` for MAX's compact layout). The flattened *row view* treats the plane as rows of
+``H`` heads of ``D`` elements, ``sP`` apart: ``row_idx(b, t) = LUT[b, t // P] * stride_rows + t % P`` with
+``stride_rows = sN // sP`` (``KVD*L*P`` when compact). Scales keep MAX's compact layout: their rows are
+``scale_stride_rows = KVD*L*P`` apart. The host methods here are the executable spec that the GPU kernels are
+tested against; all indices are Python ints (int64 math, no uint32 overflow).
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ class PagedKVCache:
         self.collection = c
         self.kv_idx = kv_idx
         self.layer_idx = layer_idx
-        n, kvd, nl, p, h, d = c.blocks.shape
+        n, kvd, nl, p, h, d = c.shape
         self.page_size, self.num_heads, self.head_size = p, h, d
         self.dtype = c.dtype
-        # Rows between consecutive physical pages in the flattened row view.
-        self.stride_rows = kvd * nl * p
-        # Element offset of this plane's (page 0, slot 0, head 0, dim 0) inside ``blocks``.
-        self.base_offset = (kv_idx * nl + layer_idx) * p * h * d
-        self.blocks = c.blocks.as_strided(
-            c.kv_cache_dynamic_shape, c.kv_cache_dynamic_strides, c.blocks.storage_offset() + self.base_offset
-        )
+        # Rows between consecutive physical pages in the flattened row view, of the values and of the scales.
+        self.stride_rows = c.row_pitch
+        self.scale_stride_rows = c.scale_row_pitch
+        self.blocks = c.plane(kv_idx)[:, layer_idx]
+        # Element offset of this plane's (page 0, slot 0, head 0, dim 0) from the start of ``c.blocks`` (of the
+        # plane's own tensor, ``c.key_blocks`` / ``c.value_blocks``, when ``c.blocks`` is None).
+        root = c.blocks if c.blocks is not None else c.plane(kv_idx)
+        self.base_offset = self.blocks.storage_offset() - root.storage_offset()
         self.scales: Optional[torch.Tensor] = None
         self.scales_base_offset = 0
         if c.scales is not None:
@@ -120,23 +123,30 @@ class PagedKVCache:
             raise IndexError(f"request {batch_idx} addresses a position on a page it does not own (sentinel entry)")
         return pages * self.stride_rows + positions % self.page_size
 
+    def scale_rows(self, rows):
+        """The scale rows (int64 tensor or int) of value rows ``rows``: the same tokens,
+        ``page * scale_stride_rows + slot``."""
+        if self.scale_stride_rows == self.stride_rows:
+            return rows
+        return rows // self.stride_rows * self.scale_stride_rows + rows % self.stride_rows
+
     def get_tma_row(self, encoded_index: int) -> int:
         """Encoded sparse index ``physical_block * P + offset`` -> flattened row."""
         return (encoded_index // self.page_size) * self.stride_rows + encoded_index % self.page_size
 
     def row_view(self) -> torch.Tensor:
-        """The plane as ``[num_kv_rows, H, D]`` rows of ``H*D`` elements (what the TMA descriptors see)."""
-        h, d = self.num_heads, self.head_size
-        return self.collection.blocks.as_strided(
-            (self.num_kv_rows(), h, d), (h * d, d, 1), self.collection.blocks.storage_offset() + self.base_offset
-        )
+        """The plane as ``[num_kv_rows, H, D]`` rows of ``H`` heads, ``sP`` elements apart (what the TMA
+        descriptors see)."""
+        _, s_p, s_h, s_d = self.blocks.stride()
+        return self.blocks.as_strided((self.num_kv_rows(), self.num_heads, self.head_size), (s_p, s_h, s_d))
 
     def scales_row_view(self) -> torch.Tensor:
-        """Scales as ``[num_kv_rows, H, G]`` (same row pitch ``KVD*L*P`` as the data)."""
+        """Scales as ``[num_scale_rows, H, G]`` (row pitch ``KVD*L*P``; ``scale_rows`` maps value rows to them)."""
         self._require_scales()
         h, g = self.num_heads, self.scales.shape[3]
         s = self.collection.scales
-        return s.as_strided((self.num_kv_rows(), h, g), (h * g, g, 1), s.storage_offset() + self.scales_base_offset)
+        rows = (self.collection.num_pages - 1) * self.scale_stride_rows + self.page_size
+        return s.as_strided((rows, h, g), (h * g, g, 1), s.storage_offset() + self.scales_base_offset)
 
     def block_paged_ptr(self, tile_size: int, batch_idx: int, start_tok_idx: int, head_idx: int,
                         head_dim_idx: int = 0) -> int:
@@ -150,15 +160,15 @@ class PagedKVCache:
         page = self._page(batch_idx, start_tok_idx)
         if page >= self.collection.num_pages:
             raise IndexError(f"request {batch_idx} does not own the page of token {start_tok_idx}")
-        row = page * self.stride_rows + start_tok_idx % p
-        return self.base_offset + (row * self.num_heads + head_idx) * self.head_size + head_dim_idx
+        s_n, s_p, s_h, _ = self.blocks.stride()
+        return self.base_offset + page * s_n + start_tok_idx % p * s_p + head_idx * s_h + head_dim_idx
 
     def scales_block_paged_ptr(self, batch_idx: int, start_tok_idx: int, head_idx: int, head_dim_idx: int = 0) -> int:
         """Element offset (into ``scales``) of the scale of (token, head, ``head_dim_idx // granularity``)."""
         self._require_scales()
         self._check_hd(head_idx, head_dim_idx)
         g = self.scales.shape[3]
-        row = self.row_idx(batch_idx, start_tok_idx)
+        row = self._page(batch_idx, start_tok_idx) * self.scale_stride_rows + start_tok_idx % self.page_size
         return self.scales_base_offset + (row * self.num_heads + head_idx) * g + head_dim_idx // self.quantization_granularity
 
     def populate(self, bn: int, base_alignment: int, batch_idx: int, base_kv_row: int, *,
@@ -235,7 +245,7 @@ class PagedKVCache:
         gi = head_dim_idx // self.quantization_granularity
         if gi + width > self.scales.shape[3]:
             raise IndexError(f"scale granules [{gi}, {gi + width}) exceed {self.scales.shape[3]}")
-        row = self._owned_row(bs, tok_idx)
+        row = self.scale_rows(self._owned_row(bs, tok_idx))
         return self.scales_row_view()[row, head_idx, gi:gi + width].clone()
 
     def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx: int, width: int = 1,
@@ -274,7 +284,7 @@ class PagedKVCache:
         gi = head_dim_idx // self.quantization_granularity
         if gi + scales.numel() > self.scales.shape[3]:
             raise IndexError(f"scale granules [{gi}, {gi + scales.numel()}) exceed {self.scales.shape[3]}")
-        row = self._owned_row(bs, tok_idx)
+        row = self.scale_rows(self._owned_row(bs, tok_idx))
         _raw(self.scales_row_view())[row, head_idx, gi:gi + scales.numel()] = _raw(scales.to(self.scales.device))
 
     # -- whole-token access (used by the reference ops) ------------------------------------------
@@ -290,11 +300,11 @@ class PagedKVCache:
         vals = self.row_view()
         fmt = self.collection.row_format
         if fmt is not None:
-            return fmt.decode(_raw(vals)[rows], _raw(self.scales_row_view())[rows].view(self.scale_dtype)).to(
-                output_dtype)
+            return fmt.decode(_raw(vals)[rows], _raw(self.scales_row_view())[self.scale_rows(rows)].view(
+                self.scale_dtype)).to(output_dtype)
         x = _raw(vals)[rows].view(vals.dtype).to(torch.float32)
         if self.quantization_enabled:
-            s = _raw(self.scales_row_view())[rows].view(self.scale_dtype).to(torch.float32)
+            s = _raw(self.scales_row_view())[self.scale_rows(rows)].view(self.scale_dtype).to(torch.float32)
             x = x * s.repeat_interleave(self.quantization_granularity, dim=-1)[..., : self.head_size]
         return x.to(output_dtype)
 
@@ -304,7 +314,7 @@ class PagedKVCache:
         _raw(self.row_view())[rows] = _raw(values)
         if scales is not None:
             self._require_scales()
-            _raw(self.scales_row_view())[rows] = _raw(scales)
+            _raw(self.scales_row_view())[self.scale_rows(rows)] = _raw(scales)
 
     def __repr__(self) -> str:
         which = "K" if self.kv_idx == 0 else "V"

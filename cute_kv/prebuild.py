@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from cute_kv.dtypes import parse_dtype
+from cute_kv.kernels.archs import ARCHS, SM_COUNTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +82,6 @@ def kernel_units(model: ModelConfig, arch: str, page_sizes=(128,)) -> list[tuple
     return list({repr(key): (key, build) for key, build in units}.values())  # the combine serves every page size
 
 
-# SMs of the GPU a dry run stands in for (H100/H200, B200): they only decide whether a launch splits the keys, so
-# whether it needs the combine, which the split cases of the selftest do on any of these GPUs.
-SM_COUNTS = {"sm_90a": 132, "sm_100a": 148}
 
 
 def selftest_units(arch: str, quick: bool = False, ops=None) -> list[tuple]:
@@ -162,7 +160,7 @@ def add_parser(commands) -> None:
         description="Compile every kernel a model's steps use, for each arch, into the disk cache "
                     "($CUTE_KV_CACHE_DIR or --cache-dir). Serve with the same CUTE_KV_CACHE_DIR.")
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
-    p.add_argument("--arch", nargs="+", choices=("sm_90a", "sm_100a"), default=["sm_90a"])
+    p.add_argument("--arch", nargs="+", choices=ARCHS, default=["sm_90a"])
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: each rank's heads (default 1)")
     p.add_argument("--page-size", type=int, nargs="+", default=[128], help="page sizes served (default 128)")
     p.add_argument("--kv-dtype", default=None, help="cache dtype: the model dtype (default) or fp8")
@@ -214,20 +212,20 @@ def _run_selftest(args: argparse.Namespace) -> int:
     from cute_kv.kernels import compile_cache, disk_cache
 
     ops = None if args.ops is None else [op for op in args.ops.split(",") if op]
+    try:  # before the cache directory is set: a bad --ops leaves the process's environment as it was
+        units = {arch: selftest_units(arch, args.quick, ops) for arch in args.arch}
+    except ValueError as e:
+        raise SystemExit(f"cute-kv prebuild: error: --ops: {e}") from None
     directory = selftest.cache_dir(args.cache_dir)
     os.environ[disk_cache.CACHE_DIR_ENV] = str(directory)
     print(f"cute-kv prebuild: selftest{' --quick' if args.quick else ''} kernels into {directory}")
     start, count, size = time.perf_counter(), 0, 0
     for arch in args.arch:
-        try:
-            units = selftest_units(arch, args.quick, ops)
-        except ValueError as e:
-            raise SystemExit(f"cute-kv prebuild: error: --ops: {e}") from None
         def show(row, arch=arch):
             key, seconds, source = row
             print(f"  {arch} {source:8s} {seconds:7.2f} s  {key[0]}", flush=True)
 
-        for key, _, _ in prebuild(units, arch, show):
+        for key, _, _ in prebuild(units[arch], arch, show):
             entry = directory / disk_cache.entry_name(key, arch)
             size += sum(f.stat().st_size for f in (entry.with_suffix(".o"), entry.with_suffix(".json")))
             count += 1

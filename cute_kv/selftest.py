@@ -2,9 +2,10 @@
 
 The first command to run on a GPU. The grid (``GRID``) reaches every kernel of the catalog (``kernels/catalog.py``)
 of both archs: the KV stores (rope-aware FP8 rows included), the fused QKV projection (bias, QK-norm, heads of 256,
-int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, pages 16/64/128,
-window, soft-cap, sinks, LSE, fp8 caches with each scale kind, split-KV and its combine), MLA decode, both routes
-of ``mla_prefill``, sparse MLA (SM100) and the gather. ``--quick`` runs ``QUICK``, one case per kernel family.
+int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, 16-bit caches also
+80/96/192, pages 16/64/128, window, soft-cap, sinks, LSE, fp8 caches with each scale kind, split-KV and its
+combine), MLA decode, both routes of ``mla_prefill``, sparse MLA (SM100) and the gather. ``--quick`` runs
+``QUICK``, one case per kernel family.
 
 Each case is a decode or ragged step (requests with 0 and 1 new tokens, an empty cache, pages crossed) on shuffled
 pages with fresh random inputs, run by the op and by its reference on twin batches: the outputs start as NaN (a row
@@ -35,12 +36,12 @@ import torch
 import cute_kv
 from cute_kv import reference
 from cute_kv.ops import paths
+from cute_kv.kernels.archs import ARCHS, BLACKWELL
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.reference.mla_prefill import mla_prefill as mla_prefill_reference
 from cute_kv.reference.qkv import kv_columns
 from cute_kv.reference.sparse_mla import sparse_mla_attention as sparse_mla_reference
 
-ARCHS = ("sm_90a", "sm_100a")
 FP8 = torch.float8_e4m3fn
 # Ragged: an empty cache, a 1-token prompt, a request sitting the step out, a run crossing pages.
 RAGGED = ((0, 37, 5, 1, 70), (5, 1, 0, 1, 17))
@@ -74,6 +75,7 @@ MLA_V_DIM = 512
 MLA_Q_HEADS = 16
 TOPK = 64
 PAGES = (16, 64, 128)
+SMALL_PAGES = (1, 2, 4, 8)
 BOTH = ("decode", "ragged")
 
 
@@ -134,12 +136,17 @@ GRID = [
     ("fused_qkv_matmul_kv_cache", ("mla rope-aware",), (64,), (576,), BOTH, ("latent-norm",)),
     ("paged_attention", ("bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8"), PAGES, (64, 128, 256), BOTH,
      ("",)),
+    ("paged_attention", ("bf16",), PAGES, (80, 96, 192), BOTH, ("",)),  # 32- and 64-byte swizzles, 64-key tiles
+    ("paged_attention", ("bf16",), (16,), (80,), ("split",), ("",)),  # the combine's rows of 20 threads
     ("paged_attention", ("bf16",), (16,), (128,), BOTH, ("window", "softcap", "sinks", "lse")),
+    # pages under 16 rows (SGLang's 1): SM90 gathers rows by cp.async, SM100 by gather4
+    ("paged_attention", ("bf16",), SMALL_PAGES, (64, 128, 256), BOTH, ("",)),
+    ("paged_attention", ("bf16",), (1,), (128,), ("split",), ("",)),
     ("paged_attention", ("bf16", "fp8 f32 scales"), (16,), (128,), ("split",), ("",)),
     ("paged_attention", ("mla", "mla rope-aware"), (16, 64), (576,), (*BOTH, "split"), ("",)),  # MLA decode
     ("mla_prefill", ("mla",), (64,), (576,), ("decode", "prefill"), ("",)),
     ("mla_prefill", ("mla rope-aware",), (64,), (576,), ("prefill",), ("",)),
-    ("sparse_mla_attention", ("mla", "mla rope-aware"), (64,), (576,), BOTH, ("",), ("sm_100a",)),
+    ("sparse_mla_attention", ("mla", "mla rope-aware"), (64,), (576,), BOTH, ("",), BLACKWELL),
     ("gather_kv", ("bf16", "fp16"), PAGES, (128,), BOTH, ("",)),
 ]
 OPS = tuple(dict.fromkeys(entry[0] for entry in GRID))
@@ -152,7 +159,7 @@ QUICK = (
     Case("fused_qkv_matmul_kv_cache", "bf16", 16, 128, "ragged", "int4 g128"),
     Case("paged_attention", "bf16", 16, 128, "split"),
     Case("paged_attention", "mla", 64, 576, "ragged"),
-    Case("sparse_mla_attention", "mla", 64, 576, "ragged", archs=("sm_100a",)),
+    Case("sparse_mla_attention", "mla", 64, 576, "ragged", archs=BLACKWELL),
     Case("gather_kv", "bf16", 16, 128, "ragged"),
 )
 

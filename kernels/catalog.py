@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+from cute_kv.kernels.archs import ARCHS, BLACKWELL, SM90
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
 from cute_kv.kernels.cache import gather, store, store_rope_aware
 from cute_kv.kernels.mla import sm90 as mla_sm90
 from cute_kv.kernels.mla import sm100 as mla_sm100
 
-ARCHS = ("sm_90a", "sm_100a")
 REGS_PER_SM = 64 * 1024
 SMEM_PER_SM = attention_config.SMEM_PER_SM  # 228 KiB, 1 KiB of it reserved per resident CTA
 MAX_THREADS_PER_SM = 2048
@@ -95,12 +95,15 @@ class Config:
         return self.family.build(self.kernel())
 
 
-GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64)]
+GATHER_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 64, 1, 256), ("bfloat16", 1, 128, 1, 64),
+                ("bfloat16", 2, 16, 8, 128, "strided")]
 STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float32", 1, 64, 1, 576)]
+# MAX's compact layout's fields plus the layout flag: K and V as two planes of runtime strides (cute_kv/kv_layout.py)
+STORE_STRIDED_CASES = [("bfloat16", 2, 16, 8, 128, None, "strided"), ("bfloat16", 2, 16, 8, 128, 128, "strided")]
 STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
 STORE_ROPE_AWARE_CASES = [("bfloat16", 64, 512, 64), ("float32", 16, 256, 32)]  # (dtype, P, padded_depth, rope_dim)
 QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims
-    # [, fp8 scale granularity, e8m0 scales[, cross_dims, rope_tail]]); fp8 when scaled or rope-aware
+    # [, fp8 scale granularity, e8m0 scales[, cross_dims, rope_tail[, strided]]]); fp8 when scaled or rope-aware
     ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B
     ("bfloat16", 4096, 2, 64, 8, 128, 128, True, (128, False), 128, 128),  # Qwen3: bias, QK-norm
     ("bfloat16", 1536, 1, 16, 1, 576, 192, False, (64, True), 0, 0),  # MLA latent head straddling tiles
@@ -110,6 +113,9 @@ QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, 
     ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 64),
     # Gemma 3: QK-norm and neox over heads of 256, two column tiles each, finished by the last to arrive
     ("bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256),
+    # strided caches (K and V planes of runtime strides): an e4m3 cache with float32 scales, MLA's latent norm
+    ("bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0, 32, False, 0, 0, True),
+    ("bfloat16", 1536, 1, 64, 1, 576, 192, False, (64, True), 0, 512, 0, False, 512, 0, True),
 ]
 QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero points, group 32) and e4m3 weights
     ("int4", "bfloat16", 4096, 2, 16, 8, 128, 128, False, (128, False), 0, 0),  # Llama-3-8B GPTQ g128
@@ -120,7 +126,7 @@ QKV_W4_CASES = [  # (quack decode format, *QKV_CASES fields): int4 (GPTQ, zero p
     ("int4", "bfloat16", 4096, 2, 16, 8, 256, 256, False, (256, False), 256, 256),  # Gemma 3 GPTQ: heads of 256
 ]
 ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector lookup reads, soft-cap,
-    # sinks, lse[, fp8, granularity, e8m0]); the pipeline's PTX is
+    # sinks, lse[, fp8, granularity, e8m0, v_dim, layout]); the pipeline's PTX is
     # checked in tests/test_paged_attention_ptx.py
     ("bfloat16", 32, 8, 128, 16, 2, True),
     ("float16", 8, 8, 64, 128, 2, True),
@@ -130,8 +136,19 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 4, 128, 64, 2, False),  # lookup entries read one by one
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 32, 8, 128, 64, 2, True, False, False, False, "float8_e4m3fn", 32, True),  # e8m0 scales
+    # Head dims of 16-bit caches whose rows take 32- and 64-byte swizzles (80, Phi-3's 96) and 64-key tiles (192),
+    # and MLA prefill's decompressed heads: K of 192, V of 128 (PV's N and O at 128).
+    ("bfloat16", 32, 8, 80, 16, 2, True),
+    ("bfloat16", 32, 8, 96, 64, 2, True),
+    ("bfloat16", 16, 2, 192, 128, 2, True),
+    ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, None, "strided"),  # K/V planes
+    ("bfloat16", 32, 8, 128, 1, 2, True),  # rows gathered by cp.async (SGLang's page of 1)
+    ("bfloat16", 32, 8, 128, 1, 2, True, False, False, False, None, None, False, None, "strided"),  # SGLang's pools
+    ("bfloat16", 12, 2, 256, 8, 2, True),  # gathered 64-key tiles, Q by thread copies: no load warp
 ]
-ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling the key tile take gather4
+ATTENTION_SM100_CASES = [  # the SM90 fields, q_tiles (None: the most) before v_dim and layout; pages below 8 rows
+    # or not tiling the key tile take gather4
     ("bfloat16", 32, 8, 128, 128, 2, True),
     ("bfloat16", 32, 8, 128, 16, 2, True),
     ("bfloat16", 8, 2, 64, 16, 2, True),
@@ -143,14 +160,22 @@ ATTENTION_SM100_CASES = [  # the SM90 fields; pages below 8 rows or not tiling t
     ("float16", 8, 1, 256, 128, 2, True, False, False, False, "float8_e4m3fn", 64, True),  # e8m0 scales
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", 32),  # fp8 by gather4
     # MLA prefill's decompressed heads (``cute_kv.mla_prefill``): K of 192, V of 128, 128 heads, 128-token pages.
-    ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),
+    ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, None, 128),
+    # head dims 80 (32-byte swizzle, O in 16-column pieces), 96 by gather4 (64-byte swizzle), 192 (64-key tiles)
+    ("bfloat16", 32, 8, 80, 16, 2, True),
+    ("bfloat16", 8, 2, 96, 4, 2, False),
+    ("bfloat16", 16, 2, 192, 64, 2, True),
+    # strided K/V planes (foreign layouts in place): by page slot and by gather4
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, None, None, "strided"),
+    ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, None, None, False, None, None, "strided"),
 ]
-MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, vector lookup reads, soft-cap, sinks, lse, rope_dim])
+MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, lut vector, soft-cap, sinks, lse, rope_dim, pv_overlap])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
     ("float16", 16, 576, 512, 16, False),  # four page slots per tile, lookup entries one by one
     ("bfloat16", 128, 576, 512, 128, True, True, True, True),  # soft-cap, sinks, lse
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # rope-aware FP8 rows (512 e4m3 | 64 bf16)
     ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # rope-aware, four page slots, features
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, 0, True),  # pv_overlap: each PV behind the next QK
 ]
 MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths, rope_dim)
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads
@@ -162,7 +187,8 @@ MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-ca
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, True, 64),
     ("float16", 64, 576, 512, 3, True, True, True, True, False, 64),
 ]
-COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 128), ("bfloat16", 32, 256), ("bfloat16", 128, 512)]
+COMBINE_CASES = [("bfloat16", 32, 64), ("bfloat16", 32, 80), ("bfloat16", 32, 128), ("bfloat16", 32, 256),
+                 ("bfloat16", 128, 512)]  # 80: 6 rows of 20 threads a CTA, 8 idle
 
 
 def _smem_bound(threads: int, smem: int) -> int:
@@ -204,7 +230,7 @@ def _qkv_spec(case):
     """The ``QKVSpec`` of a ``QKV_CASES`` tuple."""
     from cute_kv.kernels.qkv.gemm import QKVSpec
 
-    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail"), case[11:]))
+    extra = dict(zip(("granularity", "e8m0", "cross_dims", "rope_tail", "strided"), case[11:]))
     fp8 = bool(extra.get("granularity") or extra.get("rope_tail"))
     return QKVSpec(*case[:9], q_norm_dim=case[9], k_norm_dim=case[10], fp8=fp8, **extra)
 
@@ -217,7 +243,7 @@ def _qkv_w4(fmt, *case):
 
 
 def _qkv_w4_sm100(fmt, *case):
-    """``FusedQKVGemmW4Sm100`` (sm_100a) from a ``QKV_W4_CASES`` tuple."""
+    """``FusedQKVGemmW4Sm100`` (Blackwell) from a ``QKV_W4_CASES`` tuple."""
     from cute_kv.kernels.qkv.w4 import QKVW4Spec
     from cute_kv.kernels.qkv.w4_sm100 import FusedQKVGemmW4Sm100
 
@@ -247,12 +273,15 @@ def _w4_sm100_roles(k) -> dict:
             "load": Role((w4_sm100.LOAD_WARP,)), "transform": Role(w4_sm100.TRANSFORM_WARPS)}
 
 
-def _sm90_roles(module, fp8: bool) -> dict:
+def _sm90_roles(module, fp8: bool, gather: bool = False, q_tma: bool = True) -> dict:
     """Our SM90 attention kernels: warp 0 issues the loads, the two consumer warpgroups read every stage; with an fp8
-    cache the producer warpgroup converts the landed stages."""
+    cache the producer warpgroup converts the landed stages; with gathered rows it loads them (cp.async), warp 0
+    loading Q alone (by TMA; none when the consumers copy Q)."""
     wg = module.WG_THREADS // 32
-    roles = {"load": Role((0,)), "consumers": Role(_warps(wg, module.THREADS // 32 - wg))}
-    if fp8:
+    roles = {"consumers": Role(_warps(wg, module.THREADS // 32 - wg))}
+    if not gather or q_tma:
+        roles["load"] = Role((0,))
+    if fp8 or gather:
         roles["producers"] = Role(_warps(0, wg))
     return roles
 
@@ -295,38 +324,42 @@ def _combine_plan(k: combine.AttentionCombine) -> Plan:
 FAMILIES = [
     # Warp 0 loads the page (one TMA barrier), every warp copies it out.
     Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan,
+           build=lambda kernel: kernel.build(),
            roles=lambda k: {"load": Role((0,)), "copy": Role(_warps(0, gather.THREADS // 32))}),
-    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES), ARCHS, _store_plan),
+    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES + STORE_STRIDED_CASES), ARCHS,
+           _store_plan, build=lambda kernel: kernel.build()),
     Family("paged_kv_store_rope_aware", store_rope_aware.RopeAwareKVStore, tuple(STORE_ROPE_AWARE_CASES), ARCHS,
            _store_rope_aware_plan),
-    *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), (arch,),
+    # One family per kernel set: sm_103a compiles the sm_100a one (same classes and tiles).
+    *(Family(f"fused_qkv_gemm_{arch[3:-1]}", _qkv(arch), tuple(QKV_CASES), archs,
              lambda k: Plan(_QKV_THREADS[k.arch], None, 1), build=lambda k: k.build(),
-             roles=lambda k: _quack_roles(k.gemm())) for arch in ARCHS),
+             roles=lambda k: _quack_roles(k.gemm())) for arch, archs in ((SM90, (SM90,)), ("sm_100a", BLACKWELL))),
     # quack's cooperative W4 GEMM: a producer and two MMA warpgroups sharing a 128-row weight tile; stages fill
     # shared memory (one CTA per SM).
     # quack's mainloop releases a stage from lane 0 of each warp after all its lanes read the weights from shared
     # memory, with no bar.warp.sync between: the "sync" finding, library code.
-    Family("fused_qkv_gemm_w4_90", _qkv_w4, tuple(QKV_W4_CASES), ("sm_90a",), lambda k: Plan(384, None, 1),
+    Family("fused_qkv_gemm_w4_90", _qkv_w4, tuple(QKV_W4_CASES), (SM90,), lambda k: Plan(384, None, 1),
            build=lambda k: k.build(), roles=lambda k: _quack_roles(k.gemm()), barrier_waivers=("sync",)),
     # Our SM100 W4 kernel: 4 epilogue warps, MMA, load and 4 transform warps; stages fill shared memory beside the
     # epilogue tile and two TMEM accumulators (one CTA per SM).
-    Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), ("sm_100a",),
+    Family("fused_qkv_gemm_w4_100", _qkv_w4_sm100, tuple(QKV_W4_CASES), BLACKWELL,
            lambda k: Plan(k.threads, None, 1), build=lambda k: k.build(), roles=_w4_sm100_roles),
-    Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), ("sm_90a",),
-           _attention_plan, head_dim=lambda k: k.head_dim,
+    Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), (SM90,),
+           # S blocks: QK over the head dim, PV over the value dim.
+           _attention_plan, head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
-           roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8)),
-    Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), ("sm_100a",),
+           roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8, k.gather is not None, k.q_tma)),
+    Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), BLACKWELL,
            # Warps in roles (softmax, correction, MMA, load; fp8: converters); all of tensor memory and the
            # DSL-sized rings: one CTA per SM.
            # S blocks: QK over the head dim, PV over the value dim.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
            peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
            roles=_attention_sm100_roles),
-    Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), ("sm_90a",), _mla_plan,
+    Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), (SM90,), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops
            head_dim=lambda k: (k.latent_dim + k.v_dim) // 2, roles=lambda k: _sm90_roles(mla_sm90, bool(k.rope_dim))),
-    Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), ("sm_100a",),
+    Family("mla_decode_sm100", mla_sm100.MlaDecodeSm100, tuple(MLA_SM100_CASES), BLACKWELL,
            # Warps in roles (softmax, MMA, load; converter for rope-aware fp8), Q and the key stages: one CTA per SM.
            lambda k: Plan(k.threads, k.plan.smem, 1), head_dim=lambda k: k.latent_dim,
            roles=lambda k: _sm100_roles(mla_sm100, k.fp8)),

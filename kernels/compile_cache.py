@@ -22,15 +22,14 @@ from typing import Callable, Hashable, Iterator, Optional
 import cutlass.cute as cute
 
 from cute_kv.kernels import disk_cache
-
-SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+from cute_kv.kernels.archs import ARCHS as SUPPORTED_ARCHS
 
 
 _overridden: set[tuple[str, str]] = set()
 
 
 def target_arch(device=None) -> str:
-    """``sm_90a`` (Hopper) or ``sm_100a`` (Blackwell); raises for anything else.
+    """``sm_90a`` (Hopper), ``sm_100a`` or ``sm_103a`` (Blackwell); raises for anything else.
 
     With a CUDA device its arch wins (``cuda_arch``); ``CUTE_DSL_ARCH`` is for compiling without one.
     """
@@ -38,7 +37,7 @@ def target_arch(device=None) -> str:
     if arch is None:
         arch = os.environ.get("CUTE_DSL_ARCH")
         if arch is None:
-            raise RuntimeError("no CUDA device: set CUTE_DSL_ARCH=sm_90a or sm_100a to compile without one")
+            raise RuntimeError(f"no CUDA device: set CUTE_DSL_ARCH to one of {SUPPORTED_ARCHS} to compile without one")
     if arch not in SUPPORTED_ARCHS:
         raise RuntimeError(f"cute-kv kernels target {SUPPORTED_ARCHS}, not {arch}")
     return arch

@@ -11,12 +11,17 @@ table in the same shuffled page order. Each shape has ``n_rot`` placements of it
 ``--rope-aware``: cute-kv reads rope-aware FP8 rows instead (``[512 e4m3 | 64 bf16]``, 640 bytes and a float32
 scale a token: the same random rows quantized), FlashInfer the bf16 rows they decode to (its caches stay bf16).
 
+``--pv-overlap`` (SM90): also ``cute_kv_pv_overlap``, the op's ``MLADecode`` key with ``pv_overlap`` on (each tile's
+PV left running through the next tile's softmax; the op dispatches it off, ``kernels/mla/sm90.py`` says why),
+checked and timed beside it: ``cute_kv``'s ``speedup_vs_cute_kv_pv_overlap`` is the A/B of the two schedules.
+
 Records as in ``bench_paged_attention``: ``status``, ``rel_err``, ``median_us``, ``host_us``, ``gbps`` and
 ``roofline_fraction`` of the copy bandwidth (latent rows, q and the output), ``speedup_vs_<peer>``.
 
     python perf/run.py mla-decode --out perf/results/mla.json [-- --batches 1,128 --contexts 4096]
     python perf/bench_mla_decode.py --cpu-smoke   # tiny shapes on the CPU: outputs checked, nothing timed
     python perf/run.py mla-decode -- --rope-aware   # cute-kv over rope-aware FP8 rows
+    python perf/run.py mla-decode -- --pv-overlap   # SM90: both PV schedules of MLADecode
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import harness
 import report
 from cute_kv import PagedKVCacheCollection, reference
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths
+from cute_kv.ops import mla_decode
 from cute_kv.rope_aware import RopeAwareRow
 
 Q_HEADS, LATENT, V_DIM = 128, 576, 512  # DeepSeek-V3: kv_lora_rank 512 + rope 64
@@ -110,6 +116,8 @@ def bench_step(args, batch: int, context: int, step: cases.Step, ceiling: dict, 
                                        validate=False)
 
     impls = [cases.Impl("cute_kv", "ours", ours), _flashinfer(fi, pl, q, page, scale, dev)]
+    if args.pv_overlap:
+        impls.append(_pv_overlap(pl, q, scale, dev))
     for impl in impls:
         impl.check = check
     base = {"bench": "mla_decode", "shape": f"decode B={batch} ctx={context} P={page}", "batch": batch,
@@ -140,12 +148,33 @@ def _flashinfer(fi, pl: Placements, q: torch.Tensor, page: int, scale: float, de
                       lambda r: wrappers[r].run(q[r][..., :V_DIM], q[r][..., V_DIM:], pl.ckv, pl.kpe))
 
 
+def _pv_overlap(pl: Placements, q: torch.Tensor, scale: float, dev) -> cases.Impl:
+    """``MLADecode`` with ``pv_overlap`` on: the op's key for this call with its last field set, launched by the op's
+    own launcher."""
+    name = "cute_kv_pv_overlap"
+    if dev.type != "cuda":
+        return cases.Impl(name, "variant", absent="needs a CUDA device")
+    path = cute_kv.explain(cute_kv.paged_attention, q[0], pl.offsets, pl.collections[0], 0, mla_v_dim=V_DIM,
+                           scale=scale)
+    if path.kernel != mla_decode.KERNEL:
+        return cases.Impl(name, "variant", absent=f"the op runs {path.kernel or 'the reference'} here: {path.reason}")
+    run = mla_decode.launcher((*path.key[:-1], True), path.arch)
+
+    def call(r):
+        out = torch.empty((q.shape[1], Q_HEADS, V_DIM), dtype=q.dtype, device=q.device)
+        return run(q[r], pl.offsets, pl.collections[r], 0, mla_v_dim=V_DIM, scale=scale, out=out)
+
+    return cases.Impl(name, "variant", call)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=report.summary(__doc__))
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32,128", help="comma list")
     ap.add_argument("--contexts", default="1024,4096,32768", help="comma list")
     ap.add_argument("--rope-aware", action="store_true", help="cute-kv over rope-aware FP8 rows (640 bytes)")
+    ap.add_argument("--pv-overlap", action="store_true",
+                    help="SM90: also MLADecode with each tile's PV left running through the next softmax")
     cases.smoke_args(ap)
     args = ap.parse_args(argv)
     cases.set_device(args)

@@ -36,6 +36,7 @@ COLUMNS = [  # (header, record key or function, width)
     ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6),
     ("/S64min", "instructions_per_s_block_shortest", 7), ("softmax", "softmax_loop_instructions", 7),
     ("smxmin", "softmax_loop_instructions_shortest", 6), ("smxEX2", "softmax_loop_ex2", 6),
+    ("load", "load_loop_instructions", 5), ("copies", "load_loop_copies", 6),
     ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]
 
@@ -112,7 +113,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--kernels", nargs="*", default=[], help="substrings of kernel family names (default: all)")
     ap.add_argument("--archs", nargs="+", default=["sm_90a", "sm_100a"])
     ap.add_argument("--no-peers", action="store_true", help="leave out FA4 (default: included when installed)")
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 80, 96, 128, 192, 256])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--modes", nargs="+", default=["decode", "prefill"])
     ap.add_argument("--keep", help="folder for each kernel's PTX and SASS")

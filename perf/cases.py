@@ -159,7 +159,8 @@ def flashinfer_or_reason():
 @dataclasses.dataclass
 class Impl:
     """One implementation of a case: ``fn(r)`` runs it on input set ``r``; ``role`` is ``ours``, ``peer`` (does the
-    same work) or ``bound`` (part of the work only, e.g. the GEMM alone); ``check`` returns its error on set 0."""
+    same work), ``bound`` (part of the work only, e.g. the GEMM alone) or ``variant`` (our kernel compiled another
+    way, for an A/B); ``check`` returns its error on set 0."""
 
     name: str
     role: str

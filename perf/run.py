@@ -4,6 +4,7 @@
     python perf/run.py ceilings --out perf/results/ceilings.json
     python perf/run.py manager-step --out perf/results/manager.json -- --requests 256 --steps 512
     python perf/run.py static                # CPU: registers, spills, smem, CTAs/SM, SASS counts (+ FA4)
+    python perf/run.py mla-mma-work          # CPU: MLA decode's MMA work per key against the minimum
 
 A benchmark is a module of this folder whose ``main(argv) -> list[dict]`` prints one JSON line per record and
 returns the records; register it in ``BENCHMARKS``.
@@ -49,6 +50,9 @@ BENCHMARKS = {
                            "call, validate=False, with a plan_step plan (CPU: launch path driven, nothing launched)"),
     "paged-attention": Benchmark("bench_paged_attention", True,
                                  "paged decode (24 shapes) and causal prefill vs FA4, FlashInfer, torch SDPA"),
+    "mla-mma-work": Benchmark("mla_mma_work", False,
+                              "MMA instructions per key tile and FLOPs per key of MLA decode on SM100 against the "
+                              "minimum, from PTX; FlashMLA's head64 decode beside it given its PTX (no GPU)"),
     "mla-decode": Benchmark("bench_mla_decode", True,
                             "MLA decode at DeepSeek-V3 shapes (128 heads, 576/512, page 64) vs FlashInfer's MLA"),
 }

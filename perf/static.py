@@ -27,6 +27,10 @@ configuration the host code passes, and the CTAs per SM these allow.
   in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
   loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
   runs in other warps, so the two loops differ.
+* The load loop (the innermost loop without MMAs that issues the most global-to-shared copies: TMA ``UTMALDG``,
+  bulk ``UBLKCP`` or ``LDGSTS``, the cp.async of a row gather) is a producer's walk over key tiles: its fast-path
+  instructions (``load_loop_instructions``, ``_shortest``) and copies (``load_loop_copies``) per iteration, those
+  of each warp that runs it (a TMA loop runs in one warp, one lane issuing; a gather's in every producer warp).
 * CTAs per SM follow the CUDA occupancy rules for sm_90 / sm_100 (``occupancy``).
 """
 
@@ -177,6 +181,11 @@ def is_lds(op: str) -> bool:
     return op == "LDS" or op.startswith(("LDS.", "LDSM"))
 
 
+def is_copy_in(op: str) -> bool:
+    """An asynchronous global-to-shared copy: TMA (``UTMALDG``), bulk copy (``UBLKCP``), cp.async (``LDGSTS``)."""
+    return op.startswith(("UTMALDG", "UBLKCP", "LDGSTS"))
+
+
 def is_sts(op: str) -> bool:
     return op == "STS" or op.startswith(("STS.", "STSM"))
 
@@ -185,6 +194,84 @@ def hgmma_flops(op: str) -> int:
     """2*M*N*K of one warpgroup MMA (``HGMMA.64x128x16...``); 0 where the shape is not in the opcode (tcgen05)."""
     m = re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", op)
     return 2 * int(m[1]) * int(m[2]) * int(m[3]) if m else 0
+
+
+# K of one tcgen05.mma by kind: 32 bytes of each A row (PTX ISA, "tcgen05.mma" shapes).
+TCGEN05_K = {"tf32": 8, "f16": 16, "f8f6f4": 32, "i8": 32, "mxf8f6f4": 32, "mxf4": 64, "mxf4nvf4": 64}
+_TCGEN05_MMA = re.compile(r"tcgen05\.mma(\.ws)?\.cta_group::(\d)\.kind::(\w+)\S*\s+\[[^\]]+\],\s*(\[[^\]]+\]|%\w+),"
+                          r"\s*%\w+,\s*(%\w+|\d+)\b")
+_PTX_DEF = re.compile(r"^\s*(mov|or|selp)\.b32\s+(%r\d+),\s*([^;]+);", re.M)
+_PTX_FUNCTION = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)*\.(?:entry|func)\s+(?:\([^)]*\)\s*)?(\w+)", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tcgen05Mma:
+    """One ``tcgen05.mma`` of a PTX text, its shape from the instruction descriptor (PTX ISA, "Instruction
+    descriptor": N / 8 in bits 17-22, M / 16 in bits 24-28, B MN-major in bit 16); ``m`` is the pair's M for
+    ``cta_group::2``, so ``flops`` is the instruction's work over both CTAs."""
+
+    m: int
+    n: int
+    k: int
+    cta_group: int
+    ws: bool  # weight-stationary
+    a_tmem: bool  # A read from tensor memory
+    b_mn_major: bool
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+def _ptx_values(defs: dict, operand: str, depth: int = 0) -> set:
+    """Every value a 32-bit operand may hold: an immediate, or a register built by ``mov``/``or``/``selp`` of
+    immediates (how an instruction descriptor is assembled); ValueError for anything else."""
+    if not operand.startswith("%"):
+        return {int(operand, 0)}
+    op, args = defs.get(operand, (None, ()))
+    if op is None or depth > 16:
+        raise ValueError(f"cannot resolve {operand} to constants")
+    if op == "mov":
+        return _ptx_values(defs, args[0], depth + 1)
+    if op == "selp":
+        return _ptx_values(defs, args[0], depth + 1) | _ptx_values(defs, args[1], depth + 1)
+    return {a | b for a in _ptx_values(defs, args[0], depth + 1) for b in _ptx_values(defs, args[1], depth + 1)}
+
+
+def _ptx_functions(ptx: str) -> list[tuple[str, str]]:
+    """``(name, body)`` of each ``.entry`` / ``.func`` of a PTX text (registers are per function); a fragment
+    without one is one unnamed body."""
+    starts = list(_PTX_FUNCTION.finditer(ptx))
+    if not starts:
+        return [("", ptx)]
+    return [(m[1], ptx[m.start():starts[i + 1].start() if i + 1 < len(starts) else len(ptx)])
+            for i, m in enumerate(starts)]
+
+
+def tcgen05_mmas(ptx: str, entry: Optional[str] = None) -> list[Tcgen05Mma]:
+    """The ``tcgen05.mma`` instructions of the one function of ``ptx`` that issues any (or of the one whose name
+    contains ``entry``), in order, shapes decoded. ValueError where several functions issue them and ``entry``
+    picks none, or where a descriptor is not built from constants or its possible values disagree on a shape."""
+    found = []
+    for name, body in _ptx_functions(ptx):
+        if entry is not None and entry not in name:
+            continue
+        defs = {}
+        for m in _PTX_DEF.finditer(body):  # a register set twice holds no one expression: left unresolved
+            defs[m[2]] = (None, ()) if m[2] in defs else (m[1], [a.strip() for a in m[3].split(",")])
+        mmas = []
+        for m in _TCGEN05_MMA.finditer(body):
+            fields = {(v >> 24 & 0x1F, v >> 17 & 0x3F, v >> 16 & 1) for v in _ptx_values(defs, m[5])}
+            if len(fields) != 1:
+                raise ValueError(f"instruction descriptor {m[5]} has several shapes: {sorted(fields)}")
+            (m16, n8, b_mn), = fields
+            mmas.append(Tcgen05Mma(16 * m16, 8 * n8, TCGEN05_K[m[3]], int(m[2]), bool(m[1]), m[4].startswith("["),
+                                   bool(b_mn)))
+        if mmas:
+            found.append((name, mmas))
+    if len(found) > 1:
+        raise ValueError(f"several functions issue tcgen05.mma ({', '.join(n for n, _ in found)}): name one")
+    return found[0][1] if found else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +289,7 @@ class Loop:
     named_barriers: int
     blocks: frozenset = dataclasses.field(default=frozenset(), compare=False)  # every block's start, slow paths too
     shortest: int = 0  # instructions on the shortest fast path (``instructions``: the longest; equal without branches)
+    copies_in: int = 0  # global-to-shared copies issued (``is_copy_in``)
 
 
 _ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
@@ -342,7 +430,7 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
                         sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
                         sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
-                        sum(len(cfg[n].instrs) for n in shortest)))
+                        sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code)))
     return out
 
 
@@ -382,6 +470,12 @@ def main_loop(all_loops: list[Loop]) -> Optional[Loop]:
     if with_mma:
         return max(with_mma, key=lambda lp: (lp.mma, -lp.instructions))
     return max(all_loops, key=lambda lp: lp.instructions)
+
+
+def load_loop(all_loops: list[Loop]) -> Optional[Loop]:
+    """The innermost loop without MMAs with the most global-to-shared copies (ties: the fewest instructions)."""
+    loading = _innermost([lp for lp in all_loops if lp.copies_in and not lp.mma])
+    return max(loading, key=lambda lp: (lp.copies_in, -lp.instructions)) if loading else None
 
 
 def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
@@ -495,6 +589,10 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)
             rec["instructions_per_s_block_shortest"] = round(lp.shortest / rec["loop_s_blocks"], 1)
+    lp = load_loop(all_loops)
+    if lp is not None:
+        rec.update(load_loop_instructions=lp.instructions, load_loop_instructions_shortest=lp.shortest,
+                   load_loop_copies=lp.copies_in)
     return rec
 
 

@@ -1,6 +1,7 @@
 """FA4's paged forward compiled on the CPU and put through ``static.analyze``: one JSON line per shape.
 
-    python perf/static_peers.py --arch sm_90a [--head-dims 64 128 256] [--page-sizes 16 64 128] [--modes decode prefill]
+    python perf/static_peers.py --arch sm_90a [--head-dims 64 80 96 128 192 256] [--page-sizes 16 64 128] \
+        [--modes decode prefill]
 
 Runs in its own process (``perf/run.py static`` starts one per arch): the DSL reads its target arch at import,
 FA4 is compiled from torch ``FakeTensorMode`` tensors, and quack (FA4's dependency) imports triton at import time,
@@ -170,7 +171,7 @@ def run(arch: str, head_dims, page_sizes, modes) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--arch", choices=sorted(SMS), default="sm_90a")
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 80, 96, 128, 192, 256])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--modes", nargs="+", choices=["decode", "prefill"], default=["decode", "prefill"])
     args = ap.parse_args(argv)

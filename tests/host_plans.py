@@ -153,3 +153,60 @@ def attention_scales(scales: cute.Tensor, rows: cute.Tensor, out: cute.Tensor, c
     view (``quant.granule_scale``)."""
     for i in cutlass.range_constexpr(count):
         out[i] = granule_scale(scales, rows[i], Int32(1), Int32(0), False)
+
+
+class GatheredStage:
+    """``fill(src, image)``: ``image`` (a stage's 16-bit elements) as the row gather ``gather`` (``RowGather``) fills
+    it with the rows of ``src [bn, head_dim]``: the piece of pass ``j`` of each producer thread at ``stage_offset`` /
+    ``pass_address``, from the row whose lookup its segmented shuffle reads (``source_lane``)."""
+
+    def __init__(self, gather):
+        self.gather = gather
+
+    @cute.jit
+    def fill(self, src: cute.Tensor, image: cute.Tensor):
+        vec, chunks = self.gather.vec, self.gather.chunks
+        piece = cute.make_rmem_tensor((vec,), src.element_type)
+        for warp in cutlass.range(4):
+            for lane in cutlass.range(32):
+                base = self.gather.stage_offset(warp, lane)
+                for j in cutlass.range(self.gather.passes):
+                    row = warp * self.gather.rows_per_warp + self.gather.source_lane(lane, j)
+                    cute.autovec_copy(cute.local_tile(src[row, None], (vec,), (lane % chunks,)), piece)
+                    dst = self.gather.pass_address(base, j) // (src.element_type.width // 8)
+                    cute.autovec_copy(piece, cute.local_tile(image, (vec,), (dst // vec,)))
+
+
+
+class GatherSources:
+    """``fill(plane, offsets)``: ``offsets[row, head, lane]``, elements from the plane's layer-0 base to what lane
+    ``lane``'s copy of ``row`` reads (``RowGather.source`` over ``tma_tiles.plane_row_view`` of the strided plane)."""
+
+    def __init__(self, gather):
+        self.gather = gather
+
+    @cute.jit
+    def fill(self, plane: cute.Tensor, offsets: cute.Tensor):
+        rows = tma_tiles.plane_row_view(plane, 0)
+        width = plane.element_type.width // 8
+        for r in cutlass.range(offsets.shape[0]):
+            for h in cutlass.range(offsets.shape[1]):
+                for lane in cutlass.range(offsets.shape[2]):
+                    base, row_bytes = self.gather.source(rows, h, lane)
+                    offsets[r, h, lane] = Int32((base + r * row_bytes - rows.iterator.toint()) // width)
+
+
+class GatherRows:
+    """``fill(lookup_table, rows, num_keys, rows_per_page, num_rows)``: ``rows[warp, lane]``, what ``RowGather.lane_row``
+    gives each producer lane for the tile of request 0 starting at key 0."""
+
+    def __init__(self, gather):
+        self.gather = gather
+
+    @cute.jit
+    def fill(self, lookup_table: cute.Tensor, rows: cute.Tensor, num_keys: Int32, rows_per_page: Int32,
+             num_rows: Int32):
+        for warp in cutlass.range(rows.shape[0]):
+            for lane in cutlass.range(rows.shape[1]):
+                rows[warp, lane] = self.gather.lane_row(lookup_table, 0, 0, warp, lane, num_keys, rows_per_page,
+                                                        num_rows)

@@ -79,11 +79,13 @@ class ContractError(AssertionError):
 def _entry_spec(jit_fn, fake_args: tuple):
     """``(params, signature)``: the TVM-FFI parameter spec ``cute.compile`` builds for ``jit_fn(*fake_args)`` and the
     signature a call binds to (its runtime parameters, defaults kept; the environment stream is not passed)."""
-    func = type(jit_fn).__call__  # cute.compile of a callable instance compiles its class's __call__ with self
+    # cute.compile of a callable instance compiles its class's __call__ with self; of a bound method, its function
+    owner = getattr(jit_fn, "__self__", jit_fn)
+    func = jit_fn.__func__ if owner is not jit_fn else type(jit_fn).__call__
     while hasattr(func, "__wrapped__"):
         func = func.__wrapped__
     sig = inspect.signature(func, eval_str=True)
-    params, wrapper, _ = _tvm_ffi_args_spec_converter(type(jit_fn).__name__, sig, [jit_fn, *fake_args], {})
+    params, wrapper, _ = _tvm_ffi_args_spec_converter(type(owner).__name__, sig, [owner, *fake_args], {})
     runtime = {p.name: p for p in params if not isinstance(p, spec.EnvStream)}
     defaults = dict(zip(wrapper.arg_names[len(wrapper.arg_names) - len(wrapper.arg_defaults):], wrapper.arg_defaults))
     call = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -99,8 +101,8 @@ class Contract:
 
     def __init__(self, build: Callable[[], tuple]):
         jit_fn, *fake_args = build()
-        self.name = type(jit_fn).__name__
-        self.kernel = jit_fn
+        self.kernel = getattr(jit_fn, "__self__", jit_fn)  # a variant's entry is a method bound to the kernel
+        self.name = type(self.kernel).__name__
         if self.name not in GRID:
             raise ContractError(f"{self.name}: no GRID entry says what its grid is made of")
         self.params, self.signature = _entry_spec(jit_fn, tuple(fake_args))

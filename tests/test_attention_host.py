@@ -132,14 +132,17 @@ def test_kernel_serves_16_bit_and_fp8_caches():
     assert _key({"dtype": FP8})[11:] == ("float8_e4m3fn", None, False)  # unscaled: a plain cast
     assert _key({"dtype": FP8}, features=(True, True, True))[8:11] == (True, True, True)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
+    for page_size in (1, 2, 4, 8, 24):  # rows gathered by cp.async: one lookup entry a key, no vector reads
+        assert _key({"page_size": page_size})[5:8] == (page_size, 2, False)
 
 
 @pytest.mark.parametrize("case", [
     {"cache": {"num_heads": 1, "is_mla": True}},
     {"q_dtype": torch.float16},  # q in another dtype than the bf16 cache
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
-    {"cache": {"head_size": 96}},
-    {"cache": {"page_size": 8}},
+    {"cache": {"head_size": 112}},
+    {"cache": {"page_size": 8, "dtype": FP8}},  # (16-bit pages of 8 are gathered)
+    {"cache": {"page_size": 8, "head_size": 80}},  # (gathered only at GATHER_HEAD_DIMS)
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_heads": 3},
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
@@ -185,7 +188,25 @@ def test_index_limits_bound_what_the_kernel_indexes():
     pitch = kvd * layers * p
     fits = (2**31 - 1 - p) // pitch + 1  # the most pages whose last row is < 2^31 - 1
     assert (fits - 1) * pitch + p <= 2**31 - 1 < fits * pitch + p
-    assert index_limits(fits, kvd, layers, p, 4096) is None
-    assert "int32 TMA coordinates" in index_limits(fits + 1, kvd, layers, p, 4096)
-    assert "max_cache_length" in index_limits(8, kvd, layers, p, 2**31 - 1)
+    assert index_limits(fits, pitch, p, 4096) is None
+    assert "int32 TMA coordinates" in index_limits(fits + 1, pitch, p, 4096)
+    assert "max_cache_length" in index_limits(8, pitch, p, 2**31 - 1)
     assert ((fits - 1) * pitch + p) * 8 * 8 > 2**31  # H=8, G=8 scales per row: past int32, served (64-bit index)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_plan_bounds_rows_by_the_layouts_own_pitch(arch):
+    """A FlashInfer HND cache's row pitch is ``2*H*P`` token rows (a page holds K and V of every head), not MAX's
+    ``KVD*L*P``: pages that fit int32 rows under MAX's pitch overflow under the layout's, and take the reference."""
+    from cute_kv.kv_layout import engine_kv
+
+    h, p, d = 8, 16, 128
+    n = (2**31 - 1 - p) // (2 * h * p) + 2
+    assert (n - 1) * 2 * p + p < 2**31 - 1  # MAX's pitch would fit
+    k, v = engine_kv("flashinfer-hnd", n, p, h, d, torch.bfloat16, "meta")
+    meta = dict(device="meta", dtype=torch.int32)
+    c = PagedKVCacheCollection.from_kv(k, v, torch.zeros(2, **meta), torch.zeros(2, 4, **meta), 1, 64,
+                                       validate=False)
+    assert c.row_pitch == 2 * h * p
+    got = plan(c, torch.empty(2, 4 * h, d, dtype=torch.bfloat16, device="meta"), arch)  # the plans read shapes
+    assert got.path == "reference" and "int32 TMA coordinates" in got.reason, got

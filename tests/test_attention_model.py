@@ -13,12 +13,13 @@ tile or split ranges shows as a mismatch.
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_kv import reference as ref
-from cute_kv.kernels.attention.config import BM, key_tile
+from cute_kv.kernels.attention.config import BM, gathers, key_tile
 from cute_kv.ops.kernel_args import window_arg
 from cute_kv.ops.splits import launch_shape
 from cute_kv.reference.batch import random_paged_batch
@@ -32,10 +33,12 @@ LOG2E = math.log2(math.e)
 
 
 def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window, scale,
-              softcap, sinks):
+              softcap, sinks, k_past=0.0, bn=None):
     """One CTA: ``(rows [(token, head)], live, O/l [rows, D], lse (log2) [rows])`` for its packed rows; O is None
-    for a split with no key tile, which writes its lse (-inf) alone."""
-    bm, bn = BM, key_tile(q.shape[-1])
+    for a split with no key tile, which writes its lse (-inf) alone. ``k_past``: K rows past the keys as loaded
+    (TMA zero-fills them; a gather leaves what the stage held, NaN here). ``bn``: the key tile (default: of values
+    as wide as the head dim)."""
+    bm, bn = BM, bn or key_tile(q.shape[-1])
     num_keys = cache_len + seq_len
     m0 = m_block * bm
     tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, bm, group, seq_len, cache_len, causal, window, bn, split,
@@ -70,9 +73,9 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     acc = torch.zeros(bm, q.shape[-1], dtype=torch.float64)
     for t in reversed(range(first_tile, first_tile + n_tiles)):  # last tile first
         keys = torch.arange(t * bn, (t + 1) * bn)
-        kt = torch.zeros(bn, q.shape[-1], dtype=torch.float64)
+        kt = torch.full((bn, q.shape[-1]), k_past, dtype=torch.float64)
         vt = torch.zeros_like(kt)
-        inside = keys < num_keys  # past the keys: zero-filled pages / zeroed V rows
+        inside = keys < num_keys  # past the keys: zero-filled pages (or stale gathered rows) / zeroed V rows
         kt[inside] = k[keys[inside], kv_head].double()
         vt[inside] = v[keys[inside], kv_head].double()
         s = qr @ kt.T
@@ -99,6 +102,17 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     return rows, live, out, lse
 
 
+def gathered_rows(c, kv_idx, layer, b, num_keys):
+    """Keys ``[0, num_keys)`` of request ``b`` as the gather (``kernels/attention/row_gather.py``) addresses them: row
+    ``lookup[b, key // P] * KVD*L*P + key % P`` of the plane's row view (``H * D`` elements a row from the plane's
+    first element), read from the cache's memory as one flat run of rows."""
+    n_pages, kvd, n_layers, p, h, d = c.blocks.shape
+    keys = torch.arange(num_keys)
+    rows = c.lookup_table[b, keys // p].long() * (kvd * n_layers * p) + keys % p
+    flat = c.blocks.reshape(-1, h, d)  # every (page, K/V, layer, slot) row; the plane starts (kv*L + layer)*P in
+    return flat[rows + (kv_idx * n_layers + layer) * p]
+
+
 def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softcap=None, sinks=None, slots=132,
                     force_splits=None):
     """The whole launch (grid, splits, combine) for ``q [T, Hq, D]`` over ``pb``'s cache: float64 ``[T, Hq, D]``
@@ -113,16 +127,21 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
+    gather = gathers(c.page_size, key_tile(d))
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
-        k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
-        v = pb.dense(1, layer, b, cache_len + n).to(q.dtype)
+        if gather:
+            k, v = (gathered_rows(c, kv_idx, layer, b, cache_len + n) for kv_idx in (0, 1))
+        else:
+            k = pb.dense(0, layer, b, cache_len + n).to(q.dtype)
+            v = pb.dense(1, layer, b, cache_len + n).to(q.dtype)
         for m_block in range(m_blocks):
             if m_block * BM >= n * group:
                 continue  # the CTA has no rows
             for kv_head in range(h):
                 for split in range(splits):
                     (toks, heads), live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head,
-                                                            split, splits, group, causal, win, scale, softcap, sinks)
+                                                            split, splits, group, causal, win, scale, softcap, sinks,
+                                                            math.nan if gather else 0.0)
                     for r in range(BM):
                         if live[r]:
                             if o is not None:
@@ -158,6 +177,35 @@ def test_kernel_plan_matches_reference(lengths, page_size, group, head_dim, caus
     want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, return_lse=True, **kw)
     got, lse = model_attention(q, pb, 0, force_splits=splits, **kw)
     assert not got.isnan().any() and not lse.isnan().any()  # every (token, head) written, by some CTA
+    assert rel_err(got, want.float()) < 1e-2
+    assert (lse - want_lse.double()).abs().max() < 1e-3
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 20)), min_size=1, max_size=4),
+    page_size=st.sampled_from([1, 2, 4, 8, 24]),  # 24 neither divides nor is divided by the key tile
+    group=st.sampled_from([1, 4, 6]),
+    head_dim=st.sampled_from([64, 256]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 200)),
+    splits=st.one_of(st.none(), st.integers(2, 4)),
+    seed=st.integers(0, 2**31),
+)
+def test_gathered_pages_plan_matches_reference(lengths, page_size, group, head_dim, causal, window, splits, seed):
+    """Pages the gather loads (``row_gather``): each key's row from its own lookup entry in shuffled tables, ragged
+    steps with requests of 0 and 1 tokens and empty caches; rows past the keys stale (NaN) in K, zeroed in V."""
+    gen = torch.Generator().manual_seed(seed)
+    cached, new = zip(*(lengths + [(0, 1), (1, 0), (0, 0)]))
+    if window is not None and not causal:
+        return
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=page_size, dtype=torch.bfloat16,
+                            generator=gen)
+    q = torch.randn(pb.total_rows, 2 * group, head_dim, generator=gen).to(torch.bfloat16)
+    kw = {"causal": causal, "window": window}
+    want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, return_lse=True, **kw)
+    got, lse = model_attention(q, pb, 0, force_splits=splits, **kw)
+    assert not got.isnan().any() and not lse.isnan().any()
     assert rel_err(got, want.float()) < 1e-2
     assert (lse - want_lse.double()).abs().max() < 1e-3
 
@@ -203,6 +251,21 @@ def test_plan_at_tile_and_block_boundaries():
     for window, splits in ((None, None), (None, 3), (1, None), (128, 2)):
         want = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, window=window)
         assert rel_err(model_attention(q, pb, 0, window=window, force_splits=splits)[0], want.float()) < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 192])
+def test_plan_at_the_narrow_and_wide_head_dims(head_dim):
+    """Head dims 80 and 96 (128-key tiles) and 192 (64-key tiles, ``key_tile``), split and not, over pages that
+    hold several tiles or several pages a tile."""
+    gen = torch.Generator().manual_seed(head_dim)
+    for page_size, splits in ((16, None), (128, 3)):
+        pb = random_paged_batch([300, 64, 0], [1, 17, 70], num_heads=2, head_size=head_dim, page_size=page_size,
+                                dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(pb.total_rows, 8, head_dim, generator=gen).to(torch.bfloat16)
+        want, want_lse = ref.paged_attention(q, pb.input_row_offsets, pb.collection, 0, return_lse=True)
+        got, lse = model_attention(q, pb, 0, force_splits=splits)
+        assert rel_err(got, want.float()) < 1e-2
+        assert (lse - want_lse.double()).abs().max() < 1e-3
 
 
 def test_plan_over_fp8_caches():

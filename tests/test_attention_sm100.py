@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 import artifacts
 
 from cute_kv import reference as ref
+from cute_kv.kernels.attention.config import FP8_HEAD_DIMS
 from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, EXP2_POLY, RESCALE_THRESHOLD, TMEM_COLUMNS,
-                                                    key_tile, q_tiles, tiling)
+                                                    key_tile, q_tiles, supported, tiling)
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args, window_arg
 from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, step_q_tiles
@@ -56,9 +57,10 @@ def _plan_key(collection, q, softcap=None, sinks=None, return_lse=False):
 
 def test_sm100_serves_16_bit_paged_caches():
     assert _key() == ("paged_attention_sm100", "bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "bfloat16",
-                      None, False, None, 1)
+                      None, False, 1)
     assert _key({"dtype": torch.float16}, torch.float16, 16)[1:4] == ("float16", 16, 2)
     assert _key({"head_size": 256, "page_size": 128})[4:6] == (256, 128)
+    assert [_key({"head_size": d})[4] for d in (80, 96, 192)] == [80, 96, 192]
     assert _key({"head_size": 64, "page_size": 256}, q_heads=256)[2:6] == (256, 2, 64, 256)  # group 128 = BM
     assert _key({"page_size": 8})[5] == 8  # one 8-row TMA per page slot
     assert _key({"page_size": 4})[5] == 4  # smaller pages: gather4
@@ -87,7 +89,8 @@ def test_sm100_serves_fp8_caches():
     {"cache": {"dtype": FP8, "scale_dtype": torch.float32, "quantization_granularity": 4}},
     {"q_dtype": torch.float16},
     {"q_dtype": torch.float32, "cache": {"dtype": torch.float32}},
-    {"cache": {"head_size": 96}},
+    {"cache": {"head_size": 112}},
+    {"cache": {"dtype": FP8, "head_size": 96}},  # an fp8 converter warpgroup covers rows of 64, 128, 256 only
     {"q_heads": 3},
     {"cache": {"num_heads": 1}, "q_heads": 256},  # a GQA group larger than the 128-row tile
 ], ids=lambda c: "-".join(f"{k}={v if not isinstance(v, torch.Tensor) else tuple(v.shape)}" for k, v in c.items()))
@@ -97,20 +100,25 @@ def test_sm100_leaves_the_rest_to_the_reference(case):
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("page_size", [4, 8, 128])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
 def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
+    if kv_fp8 and head_dim not in FP8_HEAD_DIMS:
+        assert "head_dim must be one of" in supported(8, 2, head_dim, page_size, "float8_e4m3fn")
+        return
     plan = tiling(head_dim, page_size, kv_fp8)
     assert plan.bn == key_tile(head_dim) and plan.stages >= 2 and plan.gather4 == (page_size == 4)
     assert plan.smem <= 227 * 1024  # the most one CTA may take
     assert plan.tmem_columns == 2 * plan.bn + plan.q_tiles * head_dim <= TMEM_COLUMNS  # S x2 and an O per Q tile
-    # Two Q tiles (FA4's plan) with 16-bit pages of 16+ rows up to D = 128; one at D = 256 (2 x 64 + 2 x 256 columns
-    # is past 512), for fp8 (the converter's warpgroup), gather4 and 16 page slots a tile (registers).
-    assert plan.q_tiles == (2 if head_dim <= 128 and not kv_fp8 and page_size == 128 else 1)
+    # Two Q tiles (FA4's plan) with 16-bit pages that tile the key tile in up to 8 TMAs at D = 64 and 128; one at
+    # D = 256 (2 x 64 + 2 x 256 columns is past 512), for fp8 (the converter's warpgroup), gather4, 16 page slots a
+    # tile and D = 80, 96, 192 (registers).
+    assert plan.q_tiles == (2 if head_dim in (64, 128) and not kv_fp8 and page_size == 128 else 1)
     assert plan.rows == plan.q_tiles * BM == q_tiles(head_dim, None, kv_fp8, page_size) * BM
-    # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory.
-    stages = {64: 4, 128: 4 if kv_fp8 else 2, 256: 2 + kv_fp8}[head_dim] + (
+    # P lives in TMEM (over its S tile), so its 16-bit tile takes no shared memory. 192 / 192: two 128-key stages
+    # (192 KiB) would not fit beside Q's 48 KiB, so 64-key tiles as at 256.
+    stages = {64: 4, 80: 4, 96: 4, 128: 4 if kv_fp8 else 2, 192: 3, 256: 2 + kv_fp8}[head_dim] + (
         head_dim == 128 and page_size == 8 and not kv_fp8) - (head_dim == 128 and plan.gather4 and kv_fp8)
-    assert (plan.bn, plan.stages) == ({64: 128, 128: 128, 256: 64}[head_dim], stages)
+    assert (plan.bn, plan.stages) == ({192: 64, 256: 64}.get(head_dim, 128), stages)
     assert plan.mma_tiles == (2 * plan.bn * head_dim * 2 if kv_fp8 else 0)  # the dequantized K and V
     # Ahead of the 1024-aligned tiles: the barriers, O's factors and the row statistics (float32 rows), and the
     # gather4 row arrays (int32 per key per stage).
@@ -146,9 +154,9 @@ def test_sm100_q_tiles_per_step(new, tiles):
     c = pb.collection
     q = torch.zeros(pb.total_rows, 8, 128, dtype=torch.bfloat16)
     key = _plan_key(c, q)
-    assert key[15] == step_q_tiles(c, 8, pb.total_rows, False) == tiles
+    assert key[14] == step_q_tiles(c, 8, pb.total_rows, False) == tiles
     assert PagedAttentionSm100(*key[1:]).q_tiles == tiles
-    m_blocks = launch_shape_sm100(c, 8, B200_SMS, num_tokens=pb.total_rows, tiles=key[15])[0]
+    m_blocks = launch_shape_sm100(c, 8, B200_SMS, num_tokens=pb.total_rows, tiles=key[14])[0]
     assert m_blocks == -(-max(new) * 4 // (tiles * BM))
 
 
@@ -157,10 +165,10 @@ def test_sm100_decode_splits_fill_the_gpu():
     take a second wave); batch 128 does not split."""
     pb = random_paged_batch([16000], [1], num_heads=8, head_size=128, page_size=128,
                             generator=torch.Generator().manual_seed(1))
-    assert launch_shape_sm100(pb.collection, 32, B200_SMS, num_tokens=1) == (1, 18)
+    assert launch_shape_sm100(pb.collection, 32, B200_SMS, num_tokens=1, tiles=1) == (1, 18)
     pb = random_paged_batch([100] * 128, [1] * 128, num_heads=8, head_size=128, page_size=16,
                             generator=torch.Generator().manual_seed(1))
-    assert launch_shape_sm100(pb.collection, 32, B200_SMS, num_tokens=128) == (1, 1)
+    assert launch_shape_sm100(pb.collection, 32, B200_SMS, num_tokens=128, tiles=1) == (1, 1)
 
 
 # -- plan replay --------------------------------------------------------------------------------------------------
@@ -430,6 +438,17 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
     ("bfloat16", 12, 2, 128, 16),  # a group of 6 does not divide the 128-row tile: O by per-thread stores
     ("bfloat16", 2, 2, 64, 128),  # group 1: boxes of 128 tokens
 ]
+
+
+@pytest.mark.compile
+def test_sm100_head_dim_80_moves_all_of_o():
+    """At D = 80 O leaves tensor memory in 16-column pieces, 5 a pass (the rescale's and the epilogue's: pieces of 32
+    would drop columns 64-79), and shared memory by 5 TMA stores of a 32-byte swizzle row (16 columns) each."""
+    from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
+
+    ptx = artifacts.compiled(PagedAttentionSm100("bfloat16", 32, 8, 80, 16, 2, True), "sm_100a").ptx
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 2 * 5
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.5d\.global\.shared::cta", ptx)) == 5
 
 
 @pytest.mark.compile

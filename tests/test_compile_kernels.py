@@ -10,7 +10,7 @@ import artifacts
 
 from cute_kv.kernels import compile_cache
 from cute_kv.kernels.catalog import (ARCHS, ATTENTION_CASES, COMBINE_CASES, GATHER_CASES, STORE_CASES,
-                                     STORE_FP8_CASES)
+                                     STORE_FP8_CASES, STORE_STRIDED_CASES)
 from cute_kv.kernels.attention.combine import AttentionCombine
 from cute_kv.kernels.attention.sm90 import PagedAttention
 from cute_kv.kernels.attention.config import supported as attention_supported
@@ -40,7 +40,7 @@ def test_paged_kv_gather_ptx(arch, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", STORE_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", STORE_CASES + STORE_STRIDED_CASES[:1], ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_ptx(arch, case):
     kernel = PagedKVStore(*case)
     ptx = artifacts.compiled(kernel, arch).ptx
@@ -54,12 +54,12 @@ def test_paged_kv_store_ptx(arch, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", STORE_FP8_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", STORE_FP8_CASES + STORE_STRIDED_CASES[1:], ids=lambda c: "-".join(map(str, c)))
 def test_paged_kv_store_fp8_ptx(arch, case):
     kernel = PagedKVStore(*case)
     ptx = artifacts.compiled(kernel, arch).ptx
     vectors = kernel.kv_dim * kernel.vecs_per_thread  # 8 values each
-    lanes = case[-1] // 8  # lanes per granule: log2 butterfly steps for its amax
+    lanes = kernel.granularity // 8  # lanes per granule: log2 butterfly steps for its amax
     assert ptx.count("shfl.sync.bfly.b32") == vectors * int(math.log2(lanes))
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == vectors * 4
     assert ptx.count("div.rn.f32") == vectors * 9  # x / scale as the reference divides, and amax / 448
@@ -147,16 +147,21 @@ def test_attention_config_names_the_kernel_dtypes():
 
 def test_paged_attention_rejects_what_it_cannot_tile():
     assert attention_supported(32, 8, 128, 16) is None
-    assert "head_dim must be one of" in attention_supported(32, 8, 96, 16)
+    assert "head_dim must be one of" in attention_supported(32, 8, 112, 16)
+    assert "float8_e4m3fn cache head_dim must be one of" in attention_supported(32, 8, 96, 16, "float8_e4m3fn")
+    assert "v_dim (96) must equal head_dim" in attention_supported(32, 8, 128, 16, v_dim=96)
+    assert "needs a 16-bit cache" in attention_supported(32, 8, 192, 16, "float8_e4m3fn", v_dim=128)
     assert "multiple of the KV heads" in attention_supported(12, 8, 128, 16)
     assert "exceeds the 128-row tile" in attention_supported(256, 1, 128, 16)
-    assert "page_size (8)" in attention_supported(32, 8, 128, 8)
-    assert "page_size (48)" in attention_supported(32, 8, 128, 48)
+    assert attention_supported(32, 8, 128, 8) is None and attention_supported(32, 8, 128, 48) is None  # gathered
+    assert "page_size must be positive" in attention_supported(32, 8, 128, 0)
+    assert "smaller pages gather 16-bit rows only" in attention_supported(32, 8, 128, 8, "float8_e4m3fn")
+    assert "page_size (48)" in attention_supported(32, 8, 128, 48, "float8_e4m3fn")
     assert "must be paged" in attention_supported(32, 8, 128, None, "float8_e4m3fn")
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "float8_e4m3fn", 48)
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "bfloat16", 16)
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        PagedAttention("bfloat16", 8, 8, 80, 16)
+        PagedAttention("bfloat16", 8, 8, 112, 16)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -247,7 +252,8 @@ def test_paged_attention_fp8_scales_ptx(case):
     assert "mul.ftz" not in ptx  # 2^-127 is a float32 subnormal: it must not flush to 0
 
 
-@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c) > 10], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [c for c in ATTENTION_CASES if len(c) > 10 and c[10]],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_paged_attention_fp8_release_after_barrier(case):
     """The producer warpgroup's fp8 staging stage is released only after the named barrier that ends every thread's
     reads of it: after a tile's last conversion only V's 16-bit stage is committed, then the barrier, then the

@@ -10,6 +10,7 @@ import torch
 
 import cute_kv
 from cute_kv.__main__ import main
+from cute_kv.kernels.archs import ARCHS
 from cute_kv.reference.batch import random_paged_batch
 
 GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "128", "--page-size", "16", "--q-heads", "8",
@@ -34,7 +35,7 @@ def decisions(out: str) -> dict:
 
 
 def api(op, *args, **kwargs) -> dict:
-    paths = {arch: cute_kv.explain(op, *args, arch=arch, **kwargs) for arch in ("sm_90a", "sm_100a")}
+    paths = {arch: cute_kv.explain(op, *args, arch=arch, **kwargs) for arch in ARCHS}
     return {arch: (p.path, p.kernel, None if p.key is None else str(p.key)) for arch, p in paths.items()}
 
 

@@ -208,7 +208,7 @@ def test_plan_routes_quantized_weights(rng):
 
 
 @pytest.mark.parametrize("weight, kw, words", [
-    (lambda rng: _int4(rng, N_TOT, 256, 128), {"arch": "sm_80"}, "sm_90a's and sm_100a's"),
+    (lambda rng: _int4(rng, N_TOT, 256, 128), {"arch": "sm_80"}, "sm_90a, sm_100a, sm_103a's"),
     (lambda rng: _int4(rng, N_TOT, 256, 128), {"dtype": torch.float16}, "hidden is float16"),
     (lambda rng: _int4(rng, N_TOT, 256, 128, scale_dtype=torch.float32), {}, "bf16 scales"),
     (lambda rng: _int4(rng, N_TOT, 256, 64, has_zp=True), {}, "groups [128]"),

@@ -5,7 +5,9 @@ import pytest
 import torch
 from cutlass.cute.runtime import from_dlpack
 
+import cutlass
 import host_plans
+from cute_kv.kernels.attention.row_gather import RowGather
 from cute_kv.reference.quant import quantize_fp8
 
 pytestmark = pytest.mark.compile
@@ -42,6 +44,35 @@ def test_gather_thread_reads_what_tma_wrote(rows, depth):
     assert torch.equal(got, values)
     host_plans.read_layout_swizzled_tile(image, from_dlpack(got.view(torch.bfloat16)), rows, depth)
     assert got[1, 0] == values[1, 8]  # element (1, 0) read at byte 128, where TMA wrote (1, 8)
+
+
+@pytest.mark.parametrize("bn,depth", [(128, 64), (128, 128), (64, 256)])  # the SM90 attention's key tiles
+def test_row_gather_writes_what_tma_would(bn, depth):
+    """The SM90 attention's row gather (pages no TMA box tiles): the pieces its 128 threads copy, at the shared
+    addresses it computes by hand (pass 0's piece, then xor and add a constant a pass), make the image TMA writes
+    with the 128-byte swizzle, each row from the lane whose lookup the segmented shuffle reads."""
+    values = torch.arange(bn * depth, dtype=torch.int16).reshape(bn, depth)  # finite, distinct bf16 bit patterns
+    image = _aligned(bn * depth, torch.int16)
+    image.fill_(-1)
+    gather = RowGather(bn, depth, 1, cutlass.BFloat16, 128)
+    host_plans.GatheredStage(gather).fill(from_dlpack(values.view(torch.bfloat16)),
+                                          from_dlpack(image.view(torch.bfloat16)))
+    assert torch.equal(image, tma_image(values))
+
+
+def test_row_gather_plans_the_head_dims_the_config_admits():
+    """``config.supported`` sends pages no TMA box tiles to the row gather at ``GATHER_HEAD_DIMS`` only: those are
+    the head dims (16-bit, values as wide) ``RowGather`` has a plan for at their key tile and ring swizzle."""
+    from cute_kv.kernels.attention.config import GATHER_HEAD_DIMS, HEAD_DIMS, key_tile, ring_swizzle
+
+    planned = set()
+    for d in HEAD_DIMS:
+        try:
+            RowGather(key_tile(d), d, 1, cutlass.BFloat16, ring_swizzle(d, False))
+            planned.add(d)
+        except ValueError:
+            pass
+    assert planned == set(GATHER_HEAD_DIMS)
 
 
 def test_dense_operand_honours_the_request_stride():
@@ -224,3 +255,38 @@ def test_attention_scales_of_rows_outside_the_view_are_not_read():
     got = torch.full((which.numel(),), -1.0)
     host_plans.attention_scales(from_dlpack(view), from_dlpack(which), from_dlpack(got), which.numel())
     assert got.tolist() == [float(0 * h * g + g), float(5 * h * g + g)] + [0.0] * 5
+
+
+@pytest.mark.parametrize("layout", ["compact", "vllm", "flashinfer-hnd", "separate"])
+def test_row_gather_reads_the_planes_own_strides(layout):
+    """The gather's source of row ``r`` (``page * sN/sP + slot``), head ``h``, lane ``l`` is element ``r*sP + h*sH +
+    (l % chunks) * 8`` of the plane: an engine's layout (HND's heads ``P*D`` apart) is read in place, with pages of one
+    token (SGLang) among them."""
+    from cute_kv.kv_layout import engine_kv
+
+    n, p, h, d = 3, 1, 2, 128
+    if layout == "compact":
+        plane = torch.zeros(n, 2, 1, p, h, d, dtype=torch.bfloat16)[:, 0]
+    else:
+        k, _ = engine_kv(layout, n, p, h, d, torch.bfloat16)
+        plane = k.unsqueeze(1)  # [N, L=1, P, H, D]
+    s_n, _, s_p, s_h, _ = plane.stride()
+    gather = RowGather(128, d, p, cutlass.BFloat16, 128)
+    rows = (n - 1) * (s_n // s_p) + p
+    offsets = torch.full((rows, h, 32), -1, dtype=torch.int32)
+    host_plans.GatherSources(gather).fill(from_dlpack(plane).mark_layout_dynamic(leading_dim=4),
+                                          from_dlpack(offsets))
+    r, hh, lane = torch.meshgrid(torch.arange(rows), torch.arange(h), torch.arange(32), indexing="ij")
+    assert torch.equal(offsets, (r * s_p + hh * s_h + lane % gather.chunks * gather.vec).to(torch.int32))
+
+
+def test_row_gather_copies_no_row_outside_the_cache():
+    """Unchecked metadata (``validate=False``) may hold lookup entries that name no page (MAX's sentinel ``N``, or
+    anything larger): cp.async has no TMA zero fill, so those keys, like keys past ``num_keys``, get no copy (-1)."""
+    n, pitch = 4, 2  # pages of one token, K and V: rows 0..6 of the plane
+    num_rows = (n - 1) * pitch + 1
+    gather = RowGather(128, 128, 1, cutlass.BFloat16, 128)
+    lut = torch.tensor([[0, 1, 2, n, 2**31 - 1, 2**32 - 1, 3, 1] + [0] * 120], dtype=torch.int64).to(torch.uint32)
+    rows = torch.zeros((4, 32), dtype=torch.int32)
+    host_plans.GatherRows(gather).fill(from_dlpack(lut), from_dlpack(rows), 7, pitch, num_rows)
+    assert rows[0, :8].tolist() == [0, 2, 4, -1, -1, -1, 6, -1]  # key 7 is past num_keys

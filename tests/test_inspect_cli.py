@@ -62,7 +62,7 @@ def test_printed_numbers_match_torch(capsys):
     c = collection(MHA_FP8)
     k, v = c.get_key_cache(2), c.get_value_cache(2)
     expect = {
-        "blocks": c.blocks, "scales": c.scales,
+        "blocks": c.blocks, "key_blocks": c.key_blocks, "value_blocks": c.value_blocks, "scales": c.scales,
         "K cache l=2 .blocks": k.blocks, "V cache l=2 .blocks": v.blocks,
         "K .row_view()": k.row_view(), "V .row_view()": v.row_view(),
         "K cache l=2 .scales": k.scales, "V cache l=2 .scales": v.scales,
@@ -202,6 +202,9 @@ def test_png_without_matplotlib(capsys, tmp_path, monkeypatch):
     (["--preset", "gpt5"], "--preset"),
     (["--layers", "2", "--head-dim", "64"], "--kv-heads"),
     (["--layers", "two"], "--layers"),
+    (["--preset", "llama3-8b", "--layout", "vllm", "--layer", "1"], "--layer"),
+    (["--preset", "llama3-8b", "--layout", "vllm", "--request-len", "4"], "--layout"),
+    (["--preset", "deepseek-mla", "--layout", "separate"], "MLA"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, names):
     with pytest.raises(SystemExit) as e:
@@ -246,3 +249,24 @@ def test_rope_aware_preset_prints_the_row(capsys):
 ])
 def test_bad_rope_aware_arguments_exit_2_with_one_line(capsys, argv, names):
     test_bad_arguments_exit_2_with_one_line(capsys, argv, names)
+
+
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer-hnd", "separate"])
+def test_engine_layouts_print_their_strides(capsys, layout):
+    """``--layout``: one layer of another engine's K/V tensors, printed as ``from_kv`` views them."""
+    from cute_kv.kv_layout import engine_kv
+
+    out = run(capsys, ["--kv-heads", "2", "--head-dim", "64", "--layers", "3", "--pages", "7", "--layout", layout])
+    k, v = engine_kv(layout, 7, 16, 2, 64, torch.bfloat16)
+    c = PagedKVCacheCollection.from_kv(k, v, torch.zeros(1, dtype=torch.int32), make_lookup_table([[]], sentinel=7),
+                                       0, 0)
+    kc, vc = c.get_key_cache(0), c.get_value_cache(0)
+    expect = {"key_blocks": c.key_blocks, "value_blocks": c.value_blocks,
+              "K cache l=0 .blocks": kc.blocks, "V cache l=0 .blocks": vc.blocks,
+              "K .row_view()": kc.row_view(), "V .row_view()": vc.row_view()}
+    if c.blocks is not None:
+        expect["blocks"] = c.blocks
+    assert table(out) == {name: described(t) for name, t in expect.items()}
+    assert f"row pitch between pages {kc.stride_rows} rows" in out and "CuTe layouts" not in out
+    one_layer = 2 * k.numel() * k.element_size()  # the sizes are of the layer shown, not of MAX's 3
+    assert f"per page   {one_layer // 7:,} " in out and f"cache      {one_layer:,} = " in out and "1 of 3 layers" in out

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import cute_kv
+from cute_kv.kernels.archs import generation, is_blackwell
 from cute_kv.ops import gather_kv as gather_kv_op
 from cute_kv.ops import mla_prefill as mla_prefill_op
-from cute_kv.ops import paths
-from cute_kv.reference.batch import random_paged_batch
+from cute_kv.ops import paged_attention_sm100, paths
+from cute_kv.reference.batch import ENGINE_LAYOUTS, random_paged_batch, with_layout
 from cute_kv.reference.qkv import kv_columns
 from launch import ARCHS, Contract, ContractError, as_cuda
 
@@ -179,7 +180,7 @@ CASES = list(_case_list())
 # and the SM100 W4 kernel take the epilogue's tensors by position); any other parameter named as one of the op's
 # tensors carries that tensor.
 _EPILOGUE = (None, "blocks", "input_row_offsets", "cache_lengths", "lookup_table", None, "bias", None, None, None,
-             "scales")
+             "scales", None, None, "value_blocks")
 ROLES = {"k_src": "blocks", "v_src": "blocks",
          **{f"{group}[{i}]": role for group in ("epilogue_args", "epi") for i, role in enumerate(_EPILOGUE) if role}}
 ROLES_BY_KERNEL = {"FusedQKVGemmSm90": {"mA": "hidden"}, "FusedQKVGemmSm100": {"mA": "hidden"},
@@ -190,13 +191,18 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
     """The op's tensors a kernel parameter may carry, by role: the cache and its metadata, the activations, the
     optional operands."""
     c = pb.collection
-    sources = {"blocks": c.blocks, "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
+    # a strided kernel's blocks: the K plane
+    sources = {"blocks": c.blocks if c.is_compact else c.key_blocks, "key_blocks": c.key_blocks,
+               "value_blocks": c.value_blocks,
+               "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
                "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
                **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
     if op == "store_kv":
         sources.update(k=args[0], v=args[1])
     elif op == "fused_qkv":
         sources["hidden"] = args[0]
+    elif op == "gather_kv":
+        sources["plane"] = c.plane(("k", "v").index(kwargs.get("kv", "k")))  # the strided variant's: the plane it reads
     elif op in ("paged_attention", "sparse_mla_attention"):
         sources["q"] = args[0]
     if op == "sparse_mla_attention":
@@ -252,6 +258,24 @@ def test_launch_contract(op, kind, step, arch, rng):
     _check_sources(launches, _sources(pb, op, args, kwargs))
 
 
+@pytest.mark.parametrize("arch, head_dim", [("sm_90a", 80), ("sm_100a", 96)])
+def test_paged_attention_head_dim_launch_contract(arch, head_dim, rng):
+    """A head dim off the powers of two on each arch (a 32- or 64-byte swizzle), on a split decode step: the kernel
+    and the combine of its splits (whose rows of ``head_dim / 4`` threads leave a CTA's last threads idle) launch
+    with what their entries accept."""
+    cached, new = STEPS["decode-split"]
+    pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=32, dtype=torch.bfloat16,
+                            generator=torch.Generator().manual_seed(0))
+    fn, args, kwargs = _paged_attention(pb, "decode-split", rng)
+    del kwargs["window"]  # every key: the 700-key request splits
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    assert "AttentionCombine" in launches.kernels
+    _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", ["bf16", "fp8-f32", "fp8-e8m0", "mla-bf16", "rope-aware"])
 @pytest.mark.parametrize("weight_kind", ["int4", "fp8"])
@@ -262,12 +286,18 @@ def test_quantized_weight_launch_contract(weight_kind, kind, step, arch, rng):
     pb = _batch(kind, step)
     fn, args, kwargs = _fused_qkv(pb, step, rng, weight_kind)
     path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
-    assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[arch], path
+    assert path.kernel == {"sm_90a": "FusedQKVGemmW4", "sm_100a": "FusedQKVGemmW4Sm100"}[generation(arch)], path
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows)
     _check_sources(launches, _sources(pb, "fused_qkv", args, kwargs))
-    if arch == "sm_100a" and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
+    if is_blackwell(arch) and step == "decode-split":  # 2 tokens leave most of the SMs idle: split-K
         assert launches[0].values["splits"] > 1
+
+
+@pytest.mark.parametrize("weight_kind", ["int4", "fp8"])
+def test_quantized_weight_launch_contract_on_b300(weight_kind, rng):
+    """B300 runs the SM100 W4 kernel, split-K on a decode step as on a B200."""
+    test_quantized_weight_launch_contract(weight_kind, "bf16", "decode-split", "sm_103a", rng)
 
 
 def _mla_prefill_args(pb, step, rng, heads=MLA_HQ):
@@ -289,7 +319,7 @@ def _mla_prefill_kwargs(pb, step):
 ROUTES = {"decode-split": "absorbed", "prefill": "decompressed"}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, "sm_103a"))
 @pytest.mark.parametrize("kind", MLA)
 @pytest.mark.parametrize("step", STEPS)
 def test_mla_prefill_launch_contract(step, kind, arch, rng):
@@ -304,7 +334,7 @@ def test_mla_prefill_launch_contract(step, kind, arch, rng):
     assert route.path == ROUTES.get(step, route.path)
     launches, fallbacks = _run(arch, cute_kv.mla_prefill, args, _mla_prefill_kwargs(pb, step))
     want = {"absorbed": {"sm_90a": "MLADecode", "sm_100a": "MlaDecodeSm100"},
-            "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][arch]
+            "decompressed": {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}}[route.path][generation(arch)]
     _check_launches(paths.kernel(mla_prefill_op.OP, want, (), arch), launches, fallbacks, pb.total_rows)
     # q, the cache and its lookup table are the route's own (decompressed: a temporary cache)
     _check_sources(launches, {"input_row_offsets": pb.input_row_offsets, "cache_lengths": pb.collection.cache_lengths})
@@ -330,7 +360,35 @@ def test_the_matrix_reaches_every_kernel():
 # -- defects the contracts found --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gather_kv_takes_a_lookup_table_column_slice(arch, rng):
+@pytest.mark.parametrize("op", ["store_kv", "gather_kv", "fused_qkv"])
+@pytest.mark.parametrize("kind, layout", [("bf16", "vllm"), ("bf16", "flashinfer-hnd"), ("fp8-f32", "separate"),
+                                          ("fp8-f32", "strided-6d"), ("mla-bf16", "strided-6d"),
+                                          ("bf16", "flashinfer-nhd")])
+def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
+    """Engine layouts: the strided store, gather and fused QKV kernels take the planes (FlashInfer NHD is MAX's
+    compact layout and keeps the compact kernels); what no kernel serves takes the reference, warned."""
+    pb, layer = with_layout(_batch(kind, "ragged"), layout, 1)
+    fn, args, kwargs = OPS[op](pb, "ragged", rng)
+    args = (*args[:-1], layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    if op != "gather_kv" or kind == "bf16":
+        strided = path.key.strided if op == "fused_qkv" else path.key[-1] == "strided"
+        assert path.path == paths.KERNEL and strided == (layout != "flashinfer-nhd")
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, op, args, kwargs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_strided_gather_of_v_reads_the_v_plane(arch, rng):
+    """The strided gather takes one plane: for ``kv="v"`` the V plane, not the K plane beside it."""
+    pb, layer = with_layout(_batch("bf16", "ragged"), "vllm", 1)
+    args, kwargs = (pb.collection, layer), {"kv": "v"}
+    path = cute_kv.explain(cute_kv.gather_kv, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and path.key[-1] == "strided"
+    launches, fallbacks = _run(arch, cute_kv.gather_kv, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.collection.max_cache_length)
+    _check_sources(launches, _sources(pb, "gather_kv", args, kwargs))
     """A lookup table whose base is 4 bytes past a 16-byte boundary (columns 1.. of a wider table) reaches
     ``PagedKVGather``, which reads one entry per CTA: compiled for any 4-byte aligned table."""
     pb = _batch("bf16", "ragged")
@@ -358,20 +416,17 @@ def test_gather_kv_of_an_empty_cache_launches_nothing(arch):
     assert not launches and out.shape == (2, 0, 2, 128)
 
 
-def test_mla_v_dim_the_combine_cannot_merge_takes_the_reference(rng):
-    """``MLADecode`` takes ``mla_v_dim`` 384, the split-KV combine does not (a row's 96 threads do not tile its
-    CTA): the plan refuses it before any launch instead of a split step raising after the attention launch, with
-    ``out`` unwritten."""
+def test_mla_v_dim_whose_rows_do_not_tile_the_combine_cta(rng):
+    """``MLADecode`` at ``mla_v_dim`` 384 splits a decode step and the combine merges it (a row's 96 threads: one row
+    a CTA, its last 32 threads idle), as at the widths whose rows tile its 128 threads."""
     pb = _batch("mla-bf16", "decode-split")
     q = torch.randn(pb.total_rows, MLA_HQ, RANK + ROPE, generator=rng).to(torch.bfloat16)
-    args, kwargs = (q, pb.input_row_offsets, pb.collection, 1), {"mla_v_dim": 384}
-    launches, fallbacks = _run("sm_90a", cute_kv.paged_attention, args, kwargs)
-    assert not launches and fallbacks
-    path = cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_90a", **kwargs)
-    assert path.path == paths.REFERENCE and "mla_v_dim (384): the split-KV combine" in path.reason
-    for v_dim in (128, 256, 512):  # the widths it merges keep the kernel, splits and all
-        launches, _ = _run("sm_90a", cute_kv.paged_attention, args, {"mla_v_dim": v_dim})
-        assert launches.kernels == ["MLADecode", "AttentionCombine"]
+    args = (q, pb.input_row_offsets, pb.collection, 1)
+    for v_dim in (128, 256, 384, 512):
+        launches, fallbacks = _run("sm_90a", cute_kv.paged_attention, args, {"mla_v_dim": v_dim})
+        assert not fallbacks and launches.kernels == ["MLADecode", "AttentionCombine"]
+        _check_launches(cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_90a", mla_v_dim=v_dim), launches,
+                        fallbacks, pb.total_rows)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -390,10 +445,72 @@ def test_strided_cache_lengths_are_made_compact(op, kind, arch, rng):
     assert launches and not fallbacks
 
 
-@pytest.mark.parametrize("arch", ["sm_80a", "sm_103a", "sm_120a"])
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same view: address, shape and strides."""
+    return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("step", ["decode-split", "ragged"])
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS)
+def test_attention_over_other_layouts_launch_contract(layout, step, arch, rng):
+    """``paged_attention`` over another engine's cache (``reference.batch.with_layout``) launches the MHA kernel's
+    strided variant with the K and V planes themselves, split-KV and its combine included; FlashInfer's NHD of one
+    layer is MAX's layout, so the compact kernel reads its ``blocks``."""
+    pb, layer = with_layout(_batch("bf16", step), layout, 1)
+    c = pb.collection
+    fn, (q, offsets, _, _), kwargs = _paged_attention(pb, step, rng)
+    kwargs.pop("window", None)  # decode over the whole contexts: split-KV
+    args = (q, offsets, c, layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and (path.key[-1] == "strided") == (not c.is_compact), path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    attention = launches[0]
+    assert attention.key == path.key and (launches.kernels[-1] == "AttentionCombine") == (step == "decode-split")
+    k, v = (c.blocks, c.blocks) if c.is_compact else (c.key_blocks, c.value_blocks)
+    assert _same(attention.values["k_src"], k) and _same(attention.values["v_src"], v)
+
+
+def test_gather4_pages_of_other_layouts(rng):
+    """SM100 reads pages of 4 rows by gather4, whose 2-D view takes a token's heads as one row: vLLM's planes launch
+    the strided gather4 variant; FlashInfer HND's heads are ``P*D`` apart, so its plan takes the reference and says
+    why, and the kernel's entry refuses its planes."""
+    pb = random_paged_batch([37, 5], [3, 1], num_heads=2, head_size=128, page_size=4,
+                            generator=torch.Generator().manual_seed(0))
+    q = torch.randn(pb.total_rows, HQ, 128, generator=rng).to(torch.bfloat16)
+    vllm, hnd = (with_layout(pb, layout, 1)[0].collection for layout in ("vllm", "flashinfer-hnd"))
+    launches, fallbacks = _run("sm_100a", cute_kv.paged_attention, (q, pb.input_row_offsets, vllm, 0), {})
+    assert launches.kernels == ["PagedAttentionSm100"] and not fallbacks and launches[0].key[-1] == "strided"
+    path = cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, hnd, 0, arch="sm_100a")
+    assert path.path == paths.REFERENCE and "take gather4" in path.reason and "HND" in path.reason
+    hnd_launches, fallbacks = _run("sm_100a", cute_kv.paged_attention, (q, pb.input_row_offsets, hnd, 0), {})
+    assert not hnd_launches and fallbacks
+    launch = launches[0]
+    contract = Contract(dict(paged_attention_sm100.compile_units(launch.key, "sm_100a"))[launch.key])
+    contract.check(**launch.values)
+    with pytest.raises(ContractError, match=r"k_src\.strides\[3\] is 512, expected 128"):
+        contract.check(**{**launch.values, "k_src": hnd.key_blocks, "v_src": hnd.value_blocks})
+
+
+@pytest.mark.parametrize("op, kind, step", sorted({(op, kind, step) for op, kind, step, arch in (p.values for p in CASES)
+                                                    if arch == "sm_100a"}))
+def test_b300_runs_the_blackwell_kernels(op, kind, step, rng):
+    """A B300 (sm_103) takes the B200's path, kernel and compile key, compiled for ``sm_103a`` (an ``sm_100a``
+    cubin does not run there), and launches it with what its entry takes."""
+    pb = _batch(kind, step)
+    fn, args, kwargs = OPS[op](pb, step, rng)
+    b200, b300 = (cute_kv.explain(fn, *args, arch=arch, **kwargs) for arch in ("sm_100a", "sm_103a"))
+    assert (b300.path, b300.kernel, b300.key) == (b200.path, b200.kernel, b200.key)
+    launches, fallbacks = _run("sm_103a", fn, args, kwargs)
+    _check_launches(b300, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
+    assert {launch.arch for launch in launches} <= {"sm_103a"}
+
+
+@pytest.mark.parametrize("arch", ["sm_80a", "sm_120a"])
 def test_other_cuda_archs_run_the_reference_with_a_warning(arch, rng):
-    """A100, B300 (sm_103), RTX 50xx (sm_120): no kernel is compiled for them, so every op runs the reference and
-    says so once (``FallbackWarning``), as on any CUDA call no kernel serves; ``explain`` gives the same answer."""
+    """A100, RTX 50xx (sm_120): no kernel is compiled for them, so every op runs the reference and says so once
+    (``FallbackWarning``), as on any CUDA call no kernel serves; ``explain`` gives the same answer."""
     for op in OPS:
         paths._warned.clear()
         pb = _batch("mla-bf16" if op == "sparse_mla_attention" else "bf16", "ragged")
@@ -501,6 +618,21 @@ def test_sources_catch_a_launcher_that_passes_another_tensor(rng, monkeypatch):
         _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
 
 
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_gathered_pages_launch(page_size, rng):
+    """SM90 over pages of 1 and 8 rows (K/V gathered by cp.async): a ragged step and a split decode launch
+    ``PagedAttention`` (and its combine) with arguments its entry accepts, each parameter holding its op tensor."""
+    for step in ("ragged", "decode-split"):
+        cached, new = STEPS[step]
+        pb = random_paged_batch(cached, new, page_size=page_size, num_heads=2, head_size=128, dtype=torch.bfloat16,
+                                generator=torch.Generator().manual_seed(page_size))
+        fn, args, kwargs = _paged_attention(pb, step, rng)
+        launches, fallbacks = _run("sm_90a", fn, args, kwargs)
+        assert not fallbacks, [str(w.message) for w in fallbacks]
+        assert launches.kernels[0] == "PagedAttention", launches.kernels
+        _check_sources(launches, _sources(pb, "paged_attention", args, kwargs))
+
+
 def test_gather_kv_of_more_requests_than_the_grid_takes_the_reference(rng):
     """``PagedKVGather`` takes a request per z index of its grid, at most 65535: more requests plan the reference
     (with the fallback warning) instead of a launch the GPU rejects."""
@@ -602,3 +734,21 @@ def test_cuda_only_coverage_measures_the_tests_it_runs():
     rows = {m: (int(n), int(e)) for m, n, e in re.findall(r"^(\w+\.py) +(\d+) +(\d+)$", run.stdout, re.M)}
     lines, executed = rows.get("gather_kv.py", (0, 0))
     assert lines and executed == lines, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["separate", "vllm"])
+def test_one_token_pages_of_other_layouts_launch_contract(layout, arch, rng):
+    """SGLang's token pools (separate K and V, one token a page): SM90 gathers the rows by cp.async from the planes'
+    strides, SM100 by gather4; each launches its strided variant with what its entry takes."""
+    cached, new = STEPS["ragged"]
+    pb = random_paged_batch(cached, new, page_size=1, num_heads=2, head_size=128, dtype=torch.bfloat16,
+                            generator=torch.Generator().manual_seed(0))
+    pb, layer = with_layout(pb, layout, 1)
+    fn, (q, offsets, _, _), kwargs = _paged_attention(pb, "ragged", rng)
+    args = (q, offsets, pb.collection, layer)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and path.key[-1] == "strided", path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    assert _same(launches[0].values["k_src"], pb.collection.key_blocks)

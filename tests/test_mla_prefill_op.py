@@ -80,15 +80,15 @@ def test_path_flops_are_the_reference_counts_over_visible_pairs():
     assert op.path_flops(0, 500, True, qk_dim=192, pv_dim=128, **DS) == {op.ABSORBED: 0, op.DECOMPRESSED: 0}
 
 
-@pytest.mark.parametrize("arch,threshold", [("sm_100a", 171), ("sm_90a", 228), (None, 171)])
+@pytest.mark.parametrize("arch,threshold", [("sm_100a", 171), ("sm_90a", 171), (None, 171)])
 def test_chunk_threshold(arch, threshold):
     """Chunks over a long context (all pairs: ``causal=False``) go decompressed from the documented size on: 171
-    new tokens at 192/128 (SM100, and the CPU's rule), 228 with Q/K/V padded to 256 (SM90)."""
+    new tokens at 192/128 (SM100, SM90, and the CPU's rule)."""
     s = 1 << 20  # 1/T - 1/S ~ 1/T
     route = lambda t: op.plan([(t, s)], dtype="bfloat16", arch=arch, causal=False, **DS)  # noqa: E731
     assert route(threshold).path == op.DECOMPRESSED
     assert route(threshold - 1).path == op.ABSORBED
-    assert route(threshold).head_dim == (256 if arch == "sm_90a" else 192)
+    assert route(threshold).head_dim == 192
 
 
 def test_documented_figures():
@@ -99,9 +99,9 @@ def test_documented_figures():
 
     assert tflop("sm_100a", 4096, 4096) == (1.51, 4.81)
     assert tflop("sm_100a", 512, 4096) == (0.31, 0.60)
-    assert tflop("sm_90a", 4096, 4096) == (2.34, 4.81)
-    assert tflop("sm_90a", 512, 4096) == (0.41, 0.60)
-    assert tflop("sm_90a", 128, 4096) == (0.21, 0.15)
+    assert tflop("sm_90a", 4096, 4096) == (1.51, 4.81)
+    assert tflop("sm_90a", 512, 4096) == (0.31, 0.60)
+    assert tflop("sm_90a", 128, 4096) == (0.18, 0.15)
 
 
 def test_route_per_step():
@@ -109,9 +109,11 @@ def test_route_per_step():
     prefill = op.plan([(4096, 4096), (0, 9000)], arch="sm_100a", **kw)
     assert prefill.path == op.DECOMPRESSED and prefill.head_dim == 192
     assert prefill.kernel.kernel == "PagedAttentionSm100" and prefill.kernel.key == (
-        op.KEY, "bfloat16", 128, 128, 192, op.PAGE, 2, True, False, False, False, "bfloat16", None, False, 128, 1)
+        "mla_prefill_sm100", "bfloat16", 128, 128, 192, op.PAGE, 2, True, False, False, False, "bfloat16", None, False,
+        1, 128)  # one Q tile (a group of 1), then v_dim
     sm90 = op.plan([(4096, 4096)], arch="sm_90a", **kw)
-    assert (sm90.path, sm90.head_dim, sm90.kernel) == (op.DECOMPRESSED, 256, None)  # paged_attention plans it
+    assert (sm90.path, sm90.head_dim, sm90.kernel.kernel) == (op.DECOMPRESSED, 192, "PagedAttention")
+    assert sm90.kernel.key == ("mla_prefill_sm90", *prefill.kernel.key[1:14], 128)  # (no Q tiles)
     decode = op.plan([(1, 4096)] * 64, arch="sm_100a", **kw)
     assert decode.path == op.ABSORBED and decode.kernel == prefill.kernel  # (what a decompressed run would launch)
     # A step decides as a whole: a 4k prompt saves 1.65 TFLOP decompressed (causal), a decode row beside it over 4k
@@ -251,31 +253,35 @@ def test_needs_an_mla_cache(rng):
                             torch.zeros(4, 24, 32), torch.zeros(4, 20, 32))
 
 
-# -- compile: the SM100 kernel at 192/128 ----------------------------------------------------------------------------
+# -- the kernels at 192/128 ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("force_splits", [None, 3])
-def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
-    """The 192/128 kernel's grid over the op's temporary cache, replayed per CTA (``test_attention_sm100.model_cta``:
-    128-key tiles, masks, online softmax, P in 16 bits; O over V's 192-wide rows, of which the kernel keeps the first
-    128), then the split merge: the MLA prefill of the float64 reference."""
-    from plan_replay import merge_splits_zero_empty, poisoned_partials
-    from test_attention_sm100 import B200_SMS, model_cta
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_plan_replay_over_the_temporary_cache(rng, arch, force_splits):
+    """The 192/128 kernel's grid over the op's temporary cache, replayed per CTA (``model_cta`` of
+    ``test_attention_model`` (SM90) or ``test_attention_sm100``: 128-key tiles, masks, online softmax, P in 16 bits;
+    O over V's 192-wide rows, of which the kernel keeps the first 128), then the split merge: the MLA prefill of the
+    float64 reference."""
+    import test_attention_model
+    import test_attention_sm100
+    from plan_replay import merge_splits, merge_splits_zero_empty, poisoned_partials
 
-    from cute_kv.kernels.attention.sm100_config import BM, key_tile
-    from cute_kv.ops.splits import launch_shape
+    from cute_kv.kernels.attention import config, sm100_config
     from cute_kv.ops.kernel_args import score_args
+    from cute_kv.ops.splits import launch_shape
 
     spec = (64, 64, dict(head_size=128, dtype=torch.bfloat16), 2e-2)  # kv_lora_rank 64 + rope 64; K 128 + 64, V 128
     pb, q_nope, q_rope, w_uk, w_uv, tol = _inputs(rng, spec, cached=[0, 300, 2], new=[130, 1, 40], nope=128, v=128)
     c = pb.collection
     lengths = op.step_lengths(pb.input_row_offsets, c.cache_lengths)
     route = op.plan(lengths, num_heads=HEADS, kv_lora_rank=64, rope_dim=64, nope_dim=128, v_dim=128,
-                    dtype="bfloat16", arch="sm_100a")
+                    dtype="bfloat16", arch=arch)
     assert route.kernel is not None and route.head_dim == 192
     q, tmp = op.decompressed_operands(q_nope, q_rope, c, 1, w_uk, w_uv, lengths, route.head_dim)
-    bn = key_tile(192, 128)
-    assert route.kernel.key[15] == 1  # one Q tile (module sm100_config)
-    m_blocks, splits = launch_shape(tmp, HEADS, B200_SMS, BM, bn, True, num_tokens=q.shape[0])
+    bn = (config if arch == "sm_90a" else sm100_config).key_tile(192, 128)
+    assert bn == 128 and sm100_config.q_tiles(192, 128, page_size=op.PAGE, group=1) == 1  # one Q tile at SM100
+    slots = 132 if arch == "sm_90a" else test_attention_sm100.B200_SMS
+    m_blocks, splits = launch_shape(tmp, HEADS, slots, config.BM, bn, True, num_tokens=q.shape[0])
     splits = force_splits or splits
     score_scale, cap_log2 = score_args(192, 0.1, None)
     o_part, lse_part = poisoned_partials(splits, pb.total_rows, HEADS, 192)
@@ -284,14 +290,24 @@ def test_sm100_plan_replay_over_the_temporary_cache(rng, force_splits):
         pages = tmp.lookup_table[b, :-(-num_keys // op.PAGE)].long()
         k, v = (tmp.blocks[pages, kv, 0].flatten(0, 1)[:num_keys] for kv in (0, 1))  # the kernel's TMA rows
         for m_block in range(m_blocks):
-            for head in range(HEADS if m_block * BM < n else 0):
+            for head in range(HEADS if m_block * config.BM < n else 0):
                 for split in range(splits):
-                    toks, heads, live, o, lse = model_cta(q, k, v, offsets[b], n, num_keys - n, m_block, head, split,
-                                                          splits, 1, True, 0, score_scale, cap_log2, False, None, bn,
-                                                          BM, 0)
+                    if arch == "sm_90a":
+                        (toks, heads), live, o, lse = test_attention_model.model_cta(
+                            q, k, v, offsets[b], n, num_keys - n, m_block, head, split, splits, 1, True, 0, 0.1,
+                            None, None, bn=bn)
+                        toks, heads = torch.tensor(toks), torch.tensor(heads)
+                        if o is None:
+                            lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
+                            continue
+                    else:
+                        toks, heads, live, o, lse = test_attention_sm100.model_cta(
+                            q, k, v, offsets[b], n, num_keys - n, m_block, head, split, splits, 1, True, 0,
+                            score_scale, cap_log2, False, None, bn, config.BM, 0)
                     o_part[split, offsets[b] + toks[live], heads[live]] = o[live]
                     lse_part[split, offsets[b] + toks[live], heads[live]] = lse[live]
-    got = merge_splits_zero_empty(o_part, lse_part)[0][..., :128]  # (V's other columns are unwritten: any value)
+    merge = merge_splits if arch == "sm_90a" else merge_splits_zero_empty  # (SM90: a skipped split writes no O)
+    got = merge(o_part, lse_part)[0][..., :128]  # (V's other columns are unwritten: any value)
     assert not got.isnan().any()
     assert rel_err(got, _want(pb, 1, q_nope, q_rope, w_uk, w_uv, 0.1)) < tol
 
@@ -311,7 +327,8 @@ def test_sm100_value_dims():
     assert "v_dim (64)" in supported(128, 128, 192, op.PAGE, "bfloat16", v_dim=64)
     assert "v_dim (64)" in supported(8, 8, 128, op.PAGE, "bfloat16", v_dim=64)
     assert "16-bit cache" in supported(8, 8, 192, op.PAGE, "float8_e4m3fn", v_dim=128)
-    assert "head_dim must be" in supported(8, 8, 192, op.PAGE, "bfloat16")  # 192 only with its narrower values
+    assert supported(8, 8, 192, op.PAGE, "bfloat16") is None  # 192 / 192 too, in 64-key tiles
+    assert "head_dim must be" in supported(8, 8, 160, op.PAGE, "bfloat16")
 
 
 @pytest.mark.compile
@@ -369,7 +386,7 @@ def test_sm100_192_128_other_pages(page_size, flags, tmp_path):
 @pytest.mark.parametrize("cache", ["bf16", "rope-aware fp8"])
 def test_op_gpu(rng, monkeypatch, cache, path, lengths):
     """DeepSeek head dims (nope 128 + rope 64, v 128; kv_lora_rank 512 through a 576-wide or 640-byte cache), 16
-    heads; the decompressed path runs the 192/128 kernel on SM100, the padded 256 one on SM90 (strict: no reference
+    heads; the decompressed path runs the 192/128 kernel on SM100 and SM90 (strict: no reference
     fallback; the absorbed path over rope-aware FP8 caches has no kernel yet)."""
     kw = dict(head_size=576, dtype=torch.bfloat16) if cache == "bf16" else dict(
         head_size=640, dtype=torch.float8_e4m3fn, scale_dtype=torch.float32, rope_dim=64)

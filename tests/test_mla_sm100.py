@@ -14,8 +14,10 @@ rows by hand from their bytes (e4m3 and bf16 bit fields), in float64.
 """
 
 import math
+import os
 import re
 import subprocess
+import sys
 
 from typing import Optional
 
@@ -41,6 +43,12 @@ from cute_kv.reference.batch import random_paged_batch
 from numerics import rel_err
 from plan_replay import merge_splits_zero_empty, poisoned_partials
 from test_mla_rope_aware import decode_by_hand
+
+PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
+sys.path.insert(0, PERF)
+
+import mla_mma_work  # noqa: E402
+import static  # noqa: E402
 
 NEG_INF = float("-inf")
 LN2 = math.log(2.0)
@@ -678,6 +686,11 @@ def test_sm100_mla_rope_aware_scales_never_read_outside_the_row_view():
 
 # -- compile (sm_100a, no GPU) ---------------------------------------------------------------------------------------
 
+def _mma(n: int, b_mn_major: bool = False) -> static.Tcgen05Mma:
+    """A ``tcgen05.mma`` of the kernel: one CTA, M = ``BM``, K = 16 (``kind::f16``), A and B in shared memory."""
+    return static.Tcgen05Mma(BM, n, 16, 1, False, False, b_mn_major)
+
+
 COMPILE_CASES = [  # (dtype, Hq, page[, flags])
     ("bfloat16", 128, 64),
     ("float16", 16, 1),
@@ -696,9 +709,8 @@ def test_sm100_mla_ptx(case, tmp_path):
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], **flags)
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
     # Per key tile: QK over the 576 latent columns (36 MMAs of K=16, N=32) and P V for the CTA's value half
-    # (BN/16 = 2 MMAs of N=256), M=128, fp32 accumulators in TMEM.
-    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)
-    assert len(mmas) == LATENT // 16 + BN // 16
+    # (BN/16 = 2 MMAs of N=256, V read MN-major), M=128, fp32 accumulators in TMEM.
+    assert static.tcgen05_mmas(ptx) == [_mma(BN)] * (LATENT // 16) + [_mma(O_COLS, True)] * (BN // 16)
     # S read as one 32-column load; the O half rescaled and stored back (256/32 each), then read by the epilogue.
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 1 + 2 * O_COLS // 32
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == O_COLS // 32
@@ -755,7 +767,7 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], rope_dim=ROPE, **flags)
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
     # Per 16-key tile: QK over the 576 columns of the converted tile (36 MMAs, N=16), one P V MMA (K=16, N=256).
-    assert len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)) == LATENT // 16 + FP8_BN // 16
+    assert static.tcgen05_mmas(ptx) == [_mma(FP8_BN)] * (LATENT // 16) + [_mma(O_COLS, True)] * (FP8_BN // 16)
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 1  # S: one 16-column load
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 2 * O_COLS // 32
     # S full, P consumed, converted tile free: the only tcgen05.commit arrivals (the converter arrives itself).
@@ -800,6 +812,19 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
                           text=True, check=True).stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in info
     assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 200  # 320 threads, one CTA per SM
+
+
+@pytest.mark.compile
+def test_sm100_mla_mma_work_per_key():
+    """``perf/run.py mla-mma-work`` on the catalog's 128-head dense kernels (16-bit and rope-aware FP8): each of the
+    ``V_SPLIT`` CTAs of a row block computes all of S and its value half of O, 1.53x the minimum work per key."""
+    records = mla_mma_work.ours(128, artifacts.compiled)
+    assert [r["keys_per_tile"] for r in records] == [BN, FP8_BN]
+    minimum = 2 * 128 * (LATENT + V_DIM)
+    for r in records:
+        assert r["units"] == V_SPLIT and r["qk_mmas"] == LATENT // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
+        assert r["flops_per_key"] == V_SPLIT * 2 * BM * (LATENT + O_COLS)
+        assert r["min_flops_per_key"] == minimum and r["ratio"] == round(r["flops_per_key"] / minimum, 3)
 
 
 # -- GPU (B200) ------------------------------------------------------------------------------------------------------

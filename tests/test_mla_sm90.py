@@ -5,6 +5,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -42,10 +44,10 @@ def test_plan_serves_deepseek_decode_on_sm90():
     q = torch.randn(2, 128, 576).to(torch.bfloat16)
     path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
     assert path.path == "kernel" and path.kernel == "MLADecode"
-    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 0)
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 0, False)
     sinks = torch.zeros(128)
     featured = plan(pb.collection, q, "sm_90a", softcap=30.0, sinks=sinks, return_lse=True, mla_v_dim=512)
-    assert featured.key[-4:] == (True, True, True, 0)
+    assert featured.key[-5:] == (True, True, True, 0, False)
     # the key names what the launcher compiles: the kernel and the combine over the value columns
     units = mla_decode.compile_units(path.key, "sm_90a")
     assert [u[0] for u in units] == [path.key, ("attention_combine", "bfloat16", 128, 512, False)]
@@ -61,7 +63,7 @@ def test_plan_serves_rope_aware_fp8_rows_on_sm90():
     q = torch.randn(3, 128, 576).to(torch.bfloat16)
     path = plan(pb.collection, q, "sm_90a", mla_v_dim=512)
     assert path.path == "kernel" and path.kernel == "MLADecode"
-    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 64)
+    assert path.key == ("mla_decode", "bfloat16", 128, 576, 512, 64, True, False, False, False, 64, False)
     assert cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, pb.collection, 0, mla_v_dim=512,
                            arch="sm_90a").kernel == "MLADecode"
 
@@ -151,6 +153,7 @@ ROPE_CASES = [  # rope-aware FP8 rows: (..., lut vector, soft-cap, sinks, lse, r
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # DeepSeek: 512 e4m3 | 64 bf16, 640 bytes
     ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # four page slots a tile, features
 ]
+OVERLAP = (*DEEPSEEK, True, False, False, False, 0, True)  # pv_overlap: each tile's PV behind the next tile's QK
 MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
 SS = re.compile(MMA + r"%rd\d+, %rd\d+")
 SITES = 4  # the first tile and the three loops (masked at the keys' end, whole, masked at the window's start)
@@ -164,7 +167,7 @@ def _compile(case):
     return kernel, artifacts.compiled(kernel, "sm_90a")
 
 
-@pytest.fixture(scope="module", params=COMPILE_CASES + ROPE_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.fixture(scope="module", params=COMPILE_CASES + ROPE_CASES + [OVERLAP], ids=lambda c: "-".join(map(str, c)))
 def compiled_unit(request):
     return _compile(request.param)
 
@@ -188,33 +191,156 @@ def test_mma_forms_and_counts(compiled):
 
 @pytest.mark.compile
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
-    """``bar.sync 0`` once (barrier init); the loop's exchanges are the two 256-thread named barriers (and over
-    rope-aware rows the producer warpgroup's 128-thread dequantization barrier)."""
+    """``bar.sync 0`` once (barrier init); the loop's exchanges are 256-thread named barriers, the maxima and P
+    ones, and with ``pv_overlap`` the one both PVs are done at (and over rope-aware rows the producer warpgroup's
+    128-thread dequantization barrier)."""
     kernel, ptx = compiled
     assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
     named = set(re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx))
-    assert named == {("1", "256"), ("2", "256")} | ({("3", "128")} if kernel.rope_dim else set())
+    assert named == {("1", "256"), ("2", "256")} | ({("3", "256")} if kernel.pv_overlap else set()) | (
+        {("4", "128")} if kernel.rope_dim else set())
 
 
-SYNC = re.compile(r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*);|bar\.sync\s+(\d+)\b|"
-                  r"mbarrier\.arrive\.shared\.b64")
+WGMMA_EVENTS = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16|"
+                          r"wgmma\.(commit_group|wait_group)\.sync\.aligned\s*(\d*);|bar\.sync\s+(\d+)\b|"
+                          r"mbarrier\.arrive\.shared\.b64")
+
+
+def _wgmma_events(kernel, ptx):
+    """``(event, pending)`` along the PTX: each wgmma group committed (``"qk"``: N = 32, ``"pv"``: N = v_dim / 2),
+    wait (``"wait 1"``, ...), named barrier (``"bar 1"``, ...) and mbarrier arrive (``"arrive"``), with the groups
+    committed and not yet waited for after it, oldest first. A wait leaves the newest ``wait_group`` operand groups
+    pending; each site is straight-line code and leaves none pending, so reading the text in order follows every
+    path."""
+    pending, issued, out = [], set(), []
+    for m in WGMMA_EVENTS.finditer(ptx):
+        if m.group(1):
+            issued.add(int(m.group(1)))
+            continue
+        if m.group(2) == "commit_group":
+            assert issued in ({BN // 2}, {kernel.v_dim // 2}), issued  # one MMA per group
+            event = "qk" if issued == {BN // 2} else "pv"
+            pending.append(event)
+            issued = set()
+        elif m.group(2):
+            event = f"wait {m.group(3)}"
+            pending = pending[len(pending) - int(m.group(3)):] if int(m.group(3)) else []
+        else:
+            event = f"bar {m.group(4)}" if m.group(4) else "arrive"
+        out.append((event, tuple(pending)))
+    return out
+
+
+@pytest.mark.compile
+def test_pv_schedule(compiled):
+    """The consumers' MMAs, waits, barriers and stage releases (``arrive``) in order (they follow the producer's
+    code): the first tile and the three loops, then the epilogue's barrier. Without ``pv_overlap`` a tile's PV is
+    issued once P is published, waited for at once and its stage released right after, so the producer refills it
+    through the whole next step. With it, each loop site issues its tile's QK, then the previous tile's PV behind it,
+    and waits for the QK alone (``wait 1``) before the max-exchange barrier, so that PV is in flight across the
+    barrier and the softmax around it; its stage is released once both warpgroups' PVs are done (``bar 3``, after
+    which the next P is written); the last tile's PV follows the loop."""
+    kernel, ptx = compiled
+    events = [event for event, _ in _wgmma_events(kernel, ptx)]
+    consumers = events[events.index("qk"):]
+    if kernel.pv_overlap:
+        want = ["qk", "wait 0", "bar 1", "bar 2"] + ["qk", "pv", "wait 1", "bar 1", "wait 0", "bar 3", "arrive",
+                                                     "bar 2"] * (SITES - 1) + ["pv", "wait 0", "arrive"]
+    else:
+        want = ["qk", "wait 0", "bar 1", "bar 2", "pv", "wait 0", "arrive"] * SITES
+    assert consumers == want + ["bar 1"]
+
+
+PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
+
+
+_SASS = {}
+
+
+def _sass(case):
+    """``(kernel, instructions, labels, static)``: the kernel's SASS through perf/static.py (ptxas, nvdisasm)."""
+    sys.path.insert(0, PERF)
+    import static
+
+    if static.tools_available():
+        pytest.skip(static.tools_available())
+    if case not in _SASS:
+        kernel, unit = _compile(case)
+        with tempfile.TemporaryDirectory() as work:
+            text = static.disassemble(static.assemble(unit.ptx, "sm_90a", work)[1])
+        _SASS[case] = (kernel, *static.parse_sass(text), static)
+    return _SASS[case]
+
+
+@pytest.fixture(params=[DEEPSEEK, ROPE_CASES[0], OVERLAP], ids=lambda c: "-".join(map(str, c)))
+def sass(request):
+    return _sass(request.param)
+
+
+@pytest.mark.sass
+@pytest.mark.compile
+def test_sass_keeps_the_pv_schedule(sass):
+    """ptxas keeps the order of ``test_pv_schedule`` in the steady-state loop. Without ``pv_overlap``: the QK's
+    HGMMAs, a wait for them (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), the max-exchange and P barriers, the PV's HGMMAs
+    (64 x v_dim/2) and a wait for them. With it: the PV's HGMMAs follow the QK's, the warpgroup waits for all but the
+    newest group (``0x1``: the QK) and meets on the max-exchange barrier, and waits for the PV (``0x0``) only after
+    it, before the PV and P barriers."""
+    kernel, instrs, labels, static = sass
+    lp = static.main_loop(static.loops(instrs, labels))
+    cfg = static.blocks(instrs, labels)
+    events = []
+    for ins in (i for b in sorted(lp.blocks) for i in cfg[b].instrs):
+        if static.is_mma(ins.opcode):
+            kind = "pv" if ins.opcode.startswith(f"HGMMA.64x{kernel.v_dim // 2}x16") else "qk"
+            events += [kind] if events[-1:] != [kind] else []
+        elif ins.opcode.startswith("WARPGROUP.DEPBAR"):
+            events.append("wait " + ins.text.split(",")[-1].strip())
+        elif static.is_named_barrier(ins):
+            events.append("bar " + ins.text.split(",")[0].strip())
+    if kernel.pv_overlap:
+        assert events == ["qk", "pv", "wait 0x1", "bar 0x1", "wait 0x0", "bar 0x3", "bar 0x2"]
+    else:
+        assert events == ["qk", "wait 0x0", "bar 0x1", "bar 0x2", "pv", "wait 0x0"]
+
+
+@pytest.mark.sass
+@pytest.mark.compile
+def test_fp8_producer_tile_instructions():
+    """The rope-aware producer's tile (its loop), at most 6 instructions per 2 values (``bf16(float32(e4m3) *
+    scale)`` rounded once: ``cvt.rn.f16x2.e4m3x2``, two ``cvt.f32.f16``, two multiplies, one ``cvt.rn.bf16x2.f32``)
+    plus 160 a thread (one 16-byte load per 16 values and one 16-byte store per 8 at constant offsets from one
+    address a thread, the stage's waits, scales and copies): no per-row branch, no swizzle arithmetic per access.
+    Only the first tile walked takes the longer way, which clears the bytes and scales of rows past the keys (one
+    AND a word, no branch); warp 0 issues the copies. Before, a steady tile took 1,287 instructions (1,331 in
+    warp 0)."""
+    from cute_kv.kernels.mla.sm90 import WG_THREADS
+
+    kernel, instrs, labels, static = _sass(ROPE_CASES[0])
+    cfg = static.blocks(instrs, labels)
+    converts = [lp for lp in static.loops(instrs, labels)
+                if any(i.opcode.startswith("F2FP.F16.E4M3") for b in lp.blocks for i in cfg[b].instrs)]
+    assert len(converts) == 1
+    lp = converts[0]
+    ops = [i.opcode for b in lp.blocks for i in cfg[b].instrs]
+    per_thread = BN * kernel.padded_depth // WG_THREADS  # values a producer thread converts a tile
+    assert not any(op.startswith("BSSY") for op in ops)
+    assert (lp.lds, lp.sts) == (per_thread // 16, per_thread // 8)
+    assert lp.shortest <= 3 * per_thread + 160, lp.shortest  # 921 at this writing (warps 1-3, a steady tile)
+    # 1,046 at this writing: warp 0's first tile, which clears rows past the keys
+    assert lp.instructions - lp.shortest <= per_thread // 2 + 32, lp.instructions
 
 
 @pytest.mark.compile
 def test_p_tile_and_stage_reused_after_both_pvs(compiled):
     """The one P tile and a K stage (V is its first columns) are reused only once both warpgroups' PV wgmmas are
-    done: a warpgroup waits for all its wgmmas (``wait_group 0``) before each max-exchange barrier (the next P is
-    written behind it, by both) and before it arrives on a stage's empty barrier, which counts the 8 warps of both
-    consumer warpgroups."""
+    done: a warpgroup waits for all its wgmmas before it arrives on a stage's empty barrier, which counts the 8 warps
+    of both consumer warpgroups, and before the barrier behind which both write the next P (``Barrier.PV`` with
+    ``pv_overlap``, else the next max exchange); P is published (``Barrier.P``) with nothing in flight."""
     kernel, ptx = compiled
-    last, checked = None, 0
-    for m in SYNC.finditer(ptx):
-        if m.group(1):
-            last = ("wait", m.group(2)) if m.group(1) == "wait_group" else ("commit", "")
-        elif m.group(3) == "1" or m.group(3) is None:  # max-exchange barrier, or a consumer's stage release
-            assert last in (None, ("wait", "0")), (m.group(0), last)
-            checked += last is not None
-    assert checked >= 2 * SITES
+    events = _wgmma_events(kernel, ptx)
+    free = ("arrive", "bar 2", "bar 3") if kernel.pv_overlap else ("arrive", "bar 1", "bar 2")
+    assert all(pending == () for event, pending in events if event in free), events
+    assert [event for event, _ in events].count("bar 3") == (SITES - 1 if kernel.pv_overlap else 0)
     counts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
     inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+\d+)?\], (%r\d+);", ptx)
     if kernel.rope_dim:  # landed: the copies; full: the 128 dequantizing threads; empty: the 256 consumer threads
@@ -272,7 +398,9 @@ def test_rope_tile_reads_from_byte_padded_depth(compiled_rope):
 def test_rope_tile_lands_inside_its_bf16_stage(compiled_rope):
     """Per page slot: the content's 128-byte boxes land from ``BN * padded_depth`` bytes into the stage (the bf16
     columns dequantized last), the rope box at the stage's rope columns (``2 * BN * padded_depth``); every e4m3
-    value of a tile is converted once (two per ``cvt.rn.f16x2.e4m3x2``, 128 threads)."""
+    value of a tile is converted once (two per ``cvt.rn.f16x2.e4m3x2``, 128 threads) in each of the two
+    dequantizations (the first tile's, which clears rows past the keys, and the other tiles'; the compiler may
+    share their last conversions)."""
     kernel, unit = compiled_rope
     ptx = unit.ptx
     dests = sorted(int(x) for x in re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx))
@@ -282,7 +410,7 @@ def test_rope_tile_lands_inside_its_bf16_stage(compiled_rope):
     content = [stage + BN * pd + blk * BN * 128 + p * per_copy * 128 for blk in range(pd // 128) for p in slots]
     rope = [stage + 2 * BN * pd + p * per_copy * 128 for p in slots]
     assert dests == sorted(content + rope)
-    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == BN * pd // 2 // 128
+    assert BN * pd // 2 // 128 < len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) <= 2 * BN * pd // 2 // 128
 
 
 @pytest.mark.compile
@@ -321,48 +449,46 @@ def _host_dequantize(kernel):
     from cute_kv.kernels.paged import tma_tiles
 
     @cute.jit
-    def store(raw: cute.Tensor, s_k: cute.Tensor, blk: cutlass.Constexpr[int], p: cutlass.Constexpr[int],
-              t: Int32):
+    def store(raw: cute.Tensor, ring: cute.Pointer, stage: Int32, blk: cutlass.Constexpr[int],
+              p: cutlass.Constexpr[int], t: Int32):
         """Each held row's 16 bytes as the bf16 of their unsigned values (exact), stored where the kernel stores
         the dequantized values (the e4m3 conversion has no host lowering)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), kernel.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
             vals.store(cute.recast_tensor(raw[None, h], cutlass.Uint8).load().to(cutlass.Float32).to(kernel.dtype))
-            kernel.dequant_store(s_k, vals, Int32(0), blk, p, h, t)
+            kernel.dequant_store(ring, vals, stage, blk, p, h, t)
 
     @cute.jit
-    def run(buf: cute.Tensor):
-        """``MLADecode.dequantize``'s reads and stores of stage 0 on the host, for all 128 threads in an order its
+    def run(buf: cute.Tensor, stage: Int32):
+        """``MLADecode.dequantize``'s reads and stores of ``stage`` on the host, for all 128 threads in an order its
         barriers allow: a pass that writes over landed bytes reads for every thread before any stores; other passes
         read and store thread by thread, the last thread first (a store over bytes a later thread reads would
         show)."""
-        ring = tma_tiles.smem_tile_layout(kernel.dtype, BN, kernel.latent_dim, stages=STAGES)
-        s_k = tma_tiles.swizzled_tile(buf.iterator, ring, kernel.dtype)
-        s_c = tma_tiles.swizzled_tile(buf.iterator + BN * kernel.padded_depth, kernel.landing_layout(),
-                                      cutlass.Float8E4M3FN)
+        ring = buf.iterator
         raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD, WG_THREADS), cutlass.Float8E4M3FN)
         for blk in cutlass.range_constexpr(kernel.padded_depth // 128):
             for p in cutlass.range_constexpr(kernel.dequant_passes):
                 if cutlass.const_expr(kernel.writes_over_landed(blk)):
                     for t in cutlass.range(WG_THREADS):
-                        kernel.dequant_read(s_c, raw[None, None, t], Int32(0), blk, p, t)
+                        kernel.dequant_read(ring, raw[None, None, t], stage, blk, p, t)
                     for t in cutlass.range(WG_THREADS):
-                        store(raw[None, None, t], s_k, blk, p, t)
+                        store(raw[None, None, t], ring, stage, blk, p, t)
                 else:
                     for t in cutlass.range(WG_THREADS - 1, -1, -1):
-                        kernel.dequant_read(s_c, raw[None, None, t], Int32(0), blk, p, t)
-                        store(raw[None, None, t], s_k, blk, p, t)
+                        kernel.dequant_read(ring, raw[None, None, t], stage, blk, p, t)
+                        store(raw[None, None, t], ring, stage, blk, p, t)
 
     return run
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("latent,v_dim", [(576, 512), (448, 256), (320, 256)])
-def test_dequantization_in_place_on_the_host(latent, v_dim):
+@pytest.mark.parametrize("latent,v_dim,stage", [(576, 512, 1), (448, 256, 0), (320, 256, 1)])
+def test_dequantization_in_place_on_the_host(latent, v_dim, stage):
     """The e4m3 tile TMA lands at byte ``BN * padded_depth`` of a stage and the kernel's own reads and stores
     (``dequant_read`` / ``dequant_store``) move it into the stage's bf16 columns: every byte arrives at its
     column, bit for bit, and no store lands on bytes not yet read (4, 3 and 2 landed blocks: the upper-half rule for
-    even and odd counts). The values stored here are the bytes themselves (``store``)."""
+    even and odd counts), in either stage; the other stage is left as it was. The values stored here are the bytes
+    themselves (``store``)."""
     from cutlass.cute.runtime import from_dlpack
 
     import host_plans
@@ -376,11 +502,63 @@ def test_dequantization_in_place_on_the_host(latent, v_dim):
     raw = torch.zeros(STAGES * stage_bytes + 1024, dtype=torch.uint8)
     buf = raw[-raw.data_ptr() % 1024:][:STAGES * stage_bytes]
     buf.fill_(0xFF)  # bf16 NaN wherever nothing is written
-    _tma_image(content, buf[BN * pd:2 * BN * pd])
-    _host_dequantize(kernel)(from_dlpack(buf, assumed_align=1024))
+    here, other = buf[stage * stage_bytes:][:stage_bytes], buf[(1 - stage) * stage_bytes:][:stage_bytes]
+    _tma_image(content, here[BN * pd:2 * BN * pd])
+    _host_dequantize(kernel)(from_dlpack(buf, assumed_align=1024), stage)
     got = torch.zeros(BN, pd, dtype=torch.bfloat16)
-    host_plans.read_swizzled_tile(from_dlpack(buf[:BN * pd * 2].view(torch.bfloat16)), from_dlpack(got), BN, pd)
+    host_plans.read_swizzled_tile(from_dlpack(here[:BN * pd * 2].view(torch.bfloat16)), from_dlpack(got), BN, pd)
     assert torch.equal(got, content.to(torch.bfloat16))
+    assert torch.equal(here[BN * pd * 2:], torch.full_like(here[BN * pd * 2:], 0xFF)) and (other == 0xFF).all()
+
+
+@pytest.mark.compile
+def test_first_tile_clears_rows_past_the_keys_on_the_host():
+    """``clear_past_keys`` (the first tile's dequantization) run for all 128 threads, every pass and held row: the
+    bytes and the scale of a row at or past the request's keys come out zero, the others as they were, bit for bit,
+    whether the keys end before the tile, inside it (mid-pass, at a pass edge) or past it; and the threads' rows
+    (``dequant_row``) cover each of the tile's rows once per 16-byte column chunk."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint32
+    from cutlass.cute.runtime import from_dlpack
+
+    from cute_kv.kernels.mla.sm90 import (DEQUANT_CHUNK, DEQUANT_HELD, DEQUANT_PER_ROW, DEQUANT_STEP, WG_THREADS,
+                                          MLADecode, dequant_row)
+
+    kernel = MLADecode("bfloat16", 16, 576, 512, 64, True, False, False, False, 64)
+    held = BN // DEQUANT_STEP  # rows a thread holds over a tile
+    words = DEQUANT_CHUNK // 4
+
+    @cute.jit
+    def run(out: cute.Tensor, scales: cute.Tensor, rows: cute.Tensor, tile_base: Int32, num_keys: Int32):
+        for t in cutlass.range(WG_THREADS):
+            raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
+            scale = cute.make_rmem_tensor((held,), Float32)
+            scale.fill(1.5)
+            for p in cutlass.range_constexpr(kernel.dequant_passes):
+                bits = cute.recast_tensor(raw, Uint32)
+                for w in cutlass.range_constexpr(cute.size(bits)):
+                    bits[w] = Uint32(0xFFFFFFFF)
+                for h in cutlass.range_constexpr(DEQUANT_HELD):
+                    kernel.clear_past_keys(raw, scale, p, h, tile_base, num_keys, t)
+                    row_bits = cute.recast_tensor(raw[None, h], Int32)
+                    for w in cutlass.range_constexpr(words):
+                        out[t, p * DEQUANT_HELD + h, w] = row_bits[w]
+                    rows[t, p * DEQUANT_HELD + h] = dequant_row(p, h, t)
+            for j in cutlass.range_constexpr(held):
+                scales[t, j] = scale[j]
+
+    tile_base = 3 * BN
+    for num_keys in (tile_base - 5, tile_base, tile_base + 1, tile_base + 37, tile_base + 2 * DEQUANT_STEP,
+                     tile_base + BN, tile_base + BN + 9):
+        out = torch.zeros(WG_THREADS, held, words, dtype=torch.int32)
+        scales = torch.zeros(WG_THREADS, held)
+        rows = torch.zeros(WG_THREADS, held, dtype=torch.int32)
+        run(from_dlpack(out), from_dlpack(scales), from_dlpack(rows), tile_base, num_keys)
+        keep = (tile_base + rows < num_keys)
+        assert torch.equal(out, torch.where(keep[..., None], -1, 0).to(torch.int32).expand_as(out)), num_keys
+        assert torch.equal(scales, torch.where(keep, 1.5, 0.0)), num_keys
+    assert torch.equal(torch.bincount(rows.flatten(), minlength=BN), torch.full((BN,), DEQUANT_PER_ROW))
 
 
 # -- GPU: against the reference ------------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KVD, vector 
     ("float16", 16, 2, 64, 64, 2, True, False, False, False, FP8),  # fp8 without scales: a plain cast
     ("bfloat16", 32, 8, 128, 16, 2, True, True, True, True, FP8, 16),  # fp8, float32 scale per 16 dims, features
     ("bfloat16", 12, 2, 128, 16, 2, True),  # GQA 6 (does not divide 64 rows): Q by thread copies
+    ("bfloat16", 32, 8, 80, 16, 2, True),  # head dim 80: 32-byte swizzle rows, 5 k blocks
+    ("bfloat16", 128, 128, 192, 128, 2, True, False, False, False, None, None, False, 128),  # K of 192, V and O of 128
+    ("bfloat16", 32, 8, 128, 1, 2, True),  # pages of one row: K/V gathered by cp.async
+    ("bfloat16", 12, 2, 256, 8, 2, True),  # gathered 64-key tiles, Q by thread copies
 ]
 MMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.(?:bf16|f16)\.(?:bf16|f16) \{[^}]*\}, "
 SS = re.compile(MMA + r"%rd\d+, %rd\d+")  # A and B from shared memory (descriptors)
@@ -45,13 +49,13 @@ LOOPS = 3  # masked tiles at the keys' end, whole tiles, masked tiles at the win
 
 
 def test_mma_forms_and_counts(compiled):
-    """QK: D/16 SS wgmmas of N = BN at four sites (the first tile, the three loops); PV: BN/16 RS wgmmas of N = D
+    """QK: D/16 SS wgmmas of N = BN at four sites (the first tile, the three loops); PV: BN/16 RS wgmmas of N = D_v
     (P in registers, V MN-major) at four sites (the loops, the last tile)."""
     kernel, ptx, _ = compiled
     d, bn = kernel.head_dim, kernel.bn
     qk, pv = SS.findall(ptx), RS.findall(ptx)
     assert len(qk) == (1 + LOOPS) * d // 16 and set(qk) == {str(bn)}
-    assert len(pv) == (LOOPS + 1) * bn // 16 and set(pv) == {str(d)}
+    assert len(pv) == (LOOPS + 1) * bn // 16 and set(pv) == {str(kernel.v_dim)}
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == len(qk) + len(pv)
 
 
@@ -89,7 +93,8 @@ def test_descriptors_built_once(compiled):
     or'ed onto the address field), in the consumers' prologue: between their setmaxnreg and the first wgmma, not
     at each wgmma site of the loops."""
     _, ptx, _ = compiled
-    builds = [m.start() for m in re.finditer(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx) if int(m[1]) >> 62]
+    # (the swizzle mode in bits 62-63: 1 for 128 bytes, 2 for 64, 3 for 32; PTX prints the constant signed)
+    builds = [m.start() for m in re.finditer(r"or\.b64\s+%rd\d+, %rd\d+, (-?\d+);", ptx) if int(m[1]) % 2**64 >> 62]
     assert len(builds) == 3
     assert all(ptx.index("setmaxnreg.inc") < pos < ptx.index("wgmma.mma_async") for pos in builds)
 
@@ -97,7 +102,7 @@ def test_descriptors_built_once(compiled):
 def test_v_descriptors_advance_from_the_stage(compiled):
     """Each PV's V descriptors are the stage's descriptor (its first k block's) plus the k block's constant offset,
     one 64-bit add each (ptxas: one ``UIADD3.64`` per wgmma), not a low-word add per k block re-paired with the
-    high word (an add and a move per wgmma)."""
+    high word (an add and a move per wgmma): 16 keys' rows of V's swizzle width further, in 16-byte units."""
     kernel, ptx, _ = compiled
     per_tile = kernel.bn // 16
     descs = [(m.start(), m.group(2)) for m in re.finditer(MMA + r"\{%r\d+, %r\d+, %r\d+, %r\d+\}, (%rd\d+)", ptx)]
@@ -105,7 +110,7 @@ def test_v_descriptors_advance_from_the_stage(compiled):
     for site in range(LOOPS + 1):
         (_, base), *rest = descs[site * per_tile:(site + 1) * per_tile]
         for k, (pos, reg) in enumerate(rest, 1):
-            assert re.search(rf"add\.s64\s+{reg}, {base}, {k * 128};", ptx[:pos]), (site, k, reg)
+            assert re.search(rf"add\.s64\s+{reg}, {base}, {k * kernel.v_swizzle};", ptx[:pos]), (site, k, reg)
 
 
 def _definition(ptx: str, reg: str, before: int) -> tuple[str, list[str]]:
@@ -167,14 +172,14 @@ def test_softmax_in_registers(compiled):
     assert ptx.count("ex2.approx") == bn // 2 + LOOPS * (bn // 2 + 2) + (4 if kernel.sinks else 0)
     assert ptx.count("tanh.approx") == ((1 + LOOPS) * bn // 2 if kernel.softcap else 0)
     assert ptx.count("shfl.sync.bfly.b32") == (1 + LOOPS) * 2 * 2 + 2 * 2
-    chunks = kernel.head_dim // 8 * 64 // WG_THREADS
+    chunks, o_chunks = (dim // 8 * 64 // WG_THREADS for dim in (kernel.head_dim, kernel.v_dim))
     passes = 2 * kernel.bn // (WG_THREADS // (kernel.head_dim // 8))  # fp8: K and V dequantized 8 values a thread
     # Q (thread copies), then the stale V rows (16-bit cache) or the dequantized K and V (fp8)
     q_stores = 0 if kernel.q_tma else chunks
     assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == q_stores + (passes if kernel.kv_fp8 else 1)
-    assert len(re.findall(r"st\.shared\.b32", ptx)) == kernel.head_dim // 8 * 2  # O: 2 rows x D/8 pairs
+    assert len(re.findall(r"st\.shared\.b32", ptx)) == kernel.v_dim // 8 * 2  # O: 2 rows x D_v/8 pairs
     # the staged O read back in 16-byte rows, and 8 fp8 bytes per dequantized vector
-    assert len(re.findall(r"ld\.shared\.v4", ptx)) == chunks
+    assert len(re.findall(r"ld\.shared\.v4", ptx)) == o_chunks
     assert len(re.findall(r"ld\.shared\.v2\.b32", ptx)) == (passes if kernel.kv_fp8 else 0)
 
 
@@ -201,14 +206,49 @@ def test_fp8_dequantized_in_the_producer(compiled):
 
 
 def test_one_tma_per_page_slot(compiled):
-    """K and V of a tile: one TMA per page slot and 128-byte box (an fp8 row of 64: one 64-byte box), at one site
-    each (the producer's loop)."""
+    """K and V of a tile: one TMA per page slot and swizzle row of the row (128 bytes; an fp8 row of 64: one 64-byte
+    box; rows of 160 bytes: five of 32), at one site each (the producer's loop)."""
     kernel, ptx, _ = compiled
-    boxes = max(kernel.head_dim * (1 if kernel.kv_fp8 else 2) // 128, 1)
+    width = kernel.kv_dtype.width // 8
+    boxes = sum(dim * width // sw for dim, sw in zip((kernel.head_dim, kernel.v_dim), kernel.load_swizzles))
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     sites = 2 if kernel.kv_fp8 else 1  # fp8: the ring's first fill, then one tile per dequantized tile
-    q_loads = 2 * kernel.head_dim // 64 if kernel.q_tma else 0  # per warpgroup, one 128-byte-wide box each
-    assert len(loads) == 2 * kernel.k_op.copies_per_tile * boxes * sites + q_loads
+    q_loads = 2 * kernel.head_dim * 2 // kernel.swizzle if kernel.q_tma else 0  # per warpgroup, a box a swizzle row
+    kv_loads = 0 if kernel.gather else kernel.k_op.copies_per_tile * boxes * sites  # (gathered: cp.async)
+    assert len(loads) == kv_loads + q_loads
+
+
+def test_gathered_rows(compiled):
+    """Pages no TMA box tiles: per key tile each producer thread issues ``BN * D * 2 / 16 / 128`` 16-byte cp.async
+    for K and as many for V (one site each: the producer's loop), then one ``cp.async.mbarrier.arrive.noinc`` per
+    stage; each copy's row comes by ``shfl.sync.idx`` (the pass as a constant lane, segments of a row's lanes) from
+    the lane that read its lookup entry (one 4-byte load a lane and tile, no vector). A consumer fences the async
+    proxy between each wait and the wgmmas that read the stage (cp.async writes through the generic proxy). TMA
+    pages issue none of it."""
+    kernel, ptx, _ = compiled
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(?:\+\d+)?\], \[%rd\d+\], 16, 16;", ptx)
+    noinc = ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64")
+    if not kernel.gather:
+        assert not copies and not noinc
+        return
+    passes = kernel.bn * kernel.head_dim * 2 // 16 // WG_THREADS
+    assert len(copies) == 2 * passes and noinc == 2
+    producer = ptx[ptx.index("setmaxnreg.dec"):ptx.index("setmaxnreg.inc")]
+    chunks = kernel.head_dim * 2 // 16
+    segment = chunks if chunks < 32 else 32
+    lanes = re.findall(rf"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, (\d+), {(32 - segment) << 8 | 31}, -1;", producer)
+    assert sorted(map(int, lanes)) == sorted(list(range(passes)) * 2)
+    lookups = re.findall(r"ld\.global(?:\.nc)?\.(\w+)\s", producer)
+    assert lookups and set(lookups) == {"b32"}
+    consumer = ptx[ptx.index("setmaxnreg.inc"):]
+    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait", consumer)]
+    mmas = [m.start() for m in re.finditer(r"wgmma\.mma_async", consumer)]
+    fences = [m.start() for m in re.finditer(r"fence\.proxy\.async\.shared::cta", consumer)]
+    for w in waits:
+        first_mma = next((m for m in mmas if m > w), None)
+        nxt = next((x for x in waits if x > w), len(consumer))
+        if first_mma is not None and first_mma < nxt:  # a wait whose stage the next wgmmas read
+            assert any(w < f < first_mma for f in fences), consumer[w:w + 400]
 
 
 def test_q_by_tma(compiled):
@@ -228,8 +268,8 @@ def test_q_by_tma(compiled):
     tile = 64 * kernel.head_dim * 2
     regs = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[[^]]+\], (%r\d+);", producer)[:2]
     assert [int(re.search(rf"mov\.b32\s+{r}, (\d+);", ptx).group(1)) for r in regs] == [tile, tile]
-    boxes = [int(x or 0) for x in re.findall(tma, producer)][:2 * kernel.head_dim // 64]
-    box = 64 * 128  # 64 packed rows x 128 bytes
+    boxes = [int(x or 0) for x in re.findall(tma, producer)][:2 * kernel.head_dim * 2 // kernel.swizzle]
+    box = 64 * kernel.swizzle  # 64 packed rows x a swizzle row
     # the first at the Q tile's base (1024 bytes past the barriers, a register), the others at immediate offsets
     assert boxes[1:] == [1024 + i * box for i in range(1, len(boxes))]
     assert len(re.findall(r"mbarrier\.try_wait", prologue)) == 2  # Q's barrier, then the first K stage's
@@ -238,10 +278,10 @@ def test_q_by_tma(compiled):
 
 def test_request_rows_bounded_by_q(compiled):
     """Unchecked offsets (validate=False) cannot send a request's rows past ``q``/``out``: the kernel reads q's row
-    count (its shape at byte 8; parameter 6, or 8 behind Q's TMA atom and coordinates), which it otherwise never
-    needs (``request_rows``)."""
+    count (its shape at byte 8; parameter 6, or 8 behind Q's TMA atom and coordinates, 2 fewer without K's and V's
+    TMA atoms when rows are gathered), which it otherwise never needs (``request_rows``)."""
     kernel, ptx, _ = compiled
-    param = 8 if kernel.q_tma else 6
+    param = (8 if kernel.q_tma else 6) - (2 if kernel.gather else 0)
     assert re.search(rf"ld\.param\.b32\s+%r\d+, \[\w+_param_{param}\+8\];", ptx)
 
 
@@ -252,7 +292,7 @@ def test_split_without_keys_exits_at_once(compiled):
     _, ptx, _ = compiled
     first = re.search(r"st\.global\.\w+\s+\[%rd\d+\], (-?\w+);\s*bra\.uni\s+(\$L__BB\d+_\d+);", ptx)
     assert first and first[1] == "-8388608"
-    assert first.start() == ptx.index("st.global") < ptx.index("mbarrier.init") < ptx.index("cp.async.bulk")
+    assert first.start() == ptx.index("st.global") < ptx.index("mbarrier.init") < ptx.index("cp.async")
     assert re.search(rf"^{re.escape(first[2])}:\s*ret;", ptx, re.M)
 
 
@@ -263,10 +303,12 @@ def test_shared_memory_within_the_launch(compiled):
     kernel, ptx, _ = compiled
     inits = [int(x or 0) for x in re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+(?:\+(\d+))?\]", ptx)]
     assert inits and max(inits) < 1024
+    if kernel.gather:  # cp.async rows at per-thread addresses
+        return
     dests = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\S*\s+\[%r\d+\+(\d+)\]", ptx)
-    width = kernel.k_op.rows_per_copy * min(128, kernel.head_dim * kernel.kv_dtype.width // 8)  # one box's bytes
+    width = kernel.k_op.rows_per_copy * kernel.load_swizzles[1]  # one box's bytes (the last ring is V's)
     stages = kernel.fp8_stages if kernel.kv_fp8 else kernel.stages
-    stage_bytes = kernel.bn * kernel.head_dim * kernel.kv_dtype.width // 8
+    stage_bytes = kernel.bn * kernel.v_dim * kernel.kv_dtype.width // 8
     assert max(map(int, dests)) + width + (stages - 1) * stage_bytes <= kernel.smem_bytes()
 
 
@@ -311,10 +353,10 @@ def steady_loop(compiled):
 
 
 def test_o_rescale_skipped_when_no_max_moved(steady_loop):
-    """The loop's two ways differ by exactly the O rescale (D/2 FMULs a thread): taken only when some row of the
+    """The loop's two ways differ by exactly the O rescale (D_v/2 FMULs a thread): taken only when some row of the
     warp changed its max (a warp vote), so the common tile skips it."""
     kernel, lp, code = steady_loop
-    assert lp.instructions - lp.shortest == kernel.head_dim // 2
+    assert lp.instructions - lp.shortest == kernel.v_dim // 2
     assert any(i.opcode.startswith("VOTE.ANY") for i in code)
 
 

@@ -62,15 +62,24 @@ def test_explain_attention_on_each_arch(rng):
     assert h100.key[:5] == ("paged_attention", "bfloat16", 8, 2, 128)
     b200 = cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_100a")
     assert (b200.path, b200.kernel, b200.key[0]) == ("kernel", "PagedAttentionSm100", "paged_attention_sm100")
-    d96 = _batch(head_size=96)
-    args = (_q(d96, rng), d96.input_row_offsets, d96.collection, 1)
+    d112 = _batch(head_size=112)
+    args = (_q(d112, rng), d112.input_row_offsets, d112.collection, 1)
     assert cute_kv.explain(cute_kv.paged_attention, *args, arch="sm_100a").path == "reference"
 
 
+def test_explain_gathered_pages_on_sm90(rng):
+    """Pages of 1 and 8 rows (and 24, which does not tile the key tile) run ``PagedAttention`` on SM90 (rows gathered
+    by cp.async), keyed without vector lookup reads whatever the table's alignment."""
+    for page_size in (1, 8, 24):
+        pb = _batch(page_size=page_size)
+        path = cute_kv.explain("paged_attention", _q(pb, rng), pb.input_row_offsets, pb.collection, 1, arch="sm_90a")
+        assert (path.path, path.kernel) == ("kernel", "PagedAttention") and path.key[5:8] == (page_size, 2, False)
+
+
 @pytest.mark.parametrize("cache, word", [
-    ({"head_size": 96}, "head_dim must be one of"),
+    ({"head_size": 112}, "head_dim must be one of"),
     ({"num_heads": 1, "is_mla": True}, "MLA"),
-    ({"page_size": 8}, "page_size (8)"),
+    ({"page_size": 8, "dtype": FP8}, "smaller pages gather 16-bit rows only"),
 ])
 def test_explain_names_why_the_reference_runs(rng, cache, word):
     pb = _batch(**cache)
@@ -121,7 +130,7 @@ def test_explain_checks_its_arguments(rng):
 
 def test_fallback_on_cuda_warns_once_per_reason(rng, as_gpu):
     as_gpu("sm_100a")
-    pb = _batch(head_size=96)  # no kernel tiles head dim 96
+    pb = _batch(head_size=112)  # no kernel tiles head dim 112
     q = _q(pb, rng)
     with pytest.warns(cute_kv.FallbackWarning, match=r"paged_attention runs the PyTorch reference.*sm_100a") as got:
         out = _attention(pb, q)
@@ -143,7 +152,7 @@ def test_fallback_on_cuda_warns_once_per_reason(rng, as_gpu):
 
 
 def test_off_cuda_the_reference_is_silent(rng):
-    pb = _batch(head_size=96)
+    pb = _batch(head_size=112)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _attention(pb, _q(pb, rng))
@@ -156,16 +165,16 @@ def test_strict_mode_raises_before_anything_is_written(rng, as_gpu, monkeypatch,
         monkeypatch.setenv("CUTE_KV_STRICT", "1")
     else:
         cute_kv.set_strict(True)
-    pb = _batch(head_size=96)  # no kernel tiles head dim 96
+    pb = _batch(head_size=112)  # no kernel tiles head dim 112
     q = _q(pb, rng)
-    out = torch.full((q.shape[0], 8, 96), float("nan"), dtype=q.dtype)
+    out = torch.full((q.shape[0], 8, 112), float("nan"), dtype=q.dtype)
     with pytest.raises(cute_kv.FallbackError, match="sm_100a.*CUTE_KV_STRICT=1"):
         _attention(pb, q, out=out)
     assert out.isnan().all()
     hidden = torch.randn(pb.total_rows, 64, generator=rng).to(torch.bfloat16)
     n = 128 + kv_columns(pb.collection)
     weight = cute_kv.Int4Weight(torch.randint(0, 256, (n, 32), dtype=torch.uint8, generator=rng),
-                                torch.rand(n, 1, generator=rng).to(torch.bfloat16), 64)  # Q heads of 96: no kernel
+                                torch.rand(n, 1, generator=rng).to(torch.bfloat16), 64)  # Q heads of 112: no kernel
     before = pb.collection.blocks.clone()
     with pytest.raises(cute_kv.FallbackError, match="fused_qkv_matmul_kv_cache"):
         cute_kv.fused_qkv_matmul_kv_cache(hidden, pb.input_row_offsets, weight, pb.collection, 0)

@@ -18,6 +18,8 @@ sys.path.insert(0, PERF)
 import bench_fused_qkv  # noqa: E402
 import bench_store_kv  # noqa: E402
 import cases  # noqa: E402
+import mla_mma_work  # noqa: E402
+import cute_kv  # noqa: E402
 from cute_kv import reference  # noqa: E402
 from cute_kv.reference.batch import random_paged_batch  # noqa: E402
 from cute_kv.reference.ragged import positions, ragged_coords  # noqa: E402
@@ -207,6 +209,8 @@ def test_mla_decode_cpu_smoke_and_flashinfer_rows():
         records = bench.main(["--cpu-smoke", *extra])
         assert [(r["impl"], r["status"]) for r in records if r["impl"] == "cute_kv"] == [("cute_kv", "ok")]
         assert not any(k.endswith("_us") or k.startswith("speedup") for r in records for k in r)
+    records = bench.main(["--cpu-smoke", "--pv-overlap"])
+    assert [(r["impl"], r["status"]) for r in records if r["role"] == "variant"] == [("cute_kv_pv_overlap", "absent")]
     step = cases.Step((40, 0, 17), (1, 1, 1))
     pl = bench.Placements(step, 16, 2, "cpu", torch.Generator().manual_seed(0))
     for r, coll in enumerate(pl.collections):
@@ -218,6 +222,25 @@ def test_mla_decode_cpu_smoke_and_flashinfer_rows():
             assert torch.equal(fi_rows.float(), ours.float())
 
 
+def test_mla_decode_pv_overlap_variant_launches_the_ops_key_with_pv_overlap():
+    """``--pv-overlap``'s variant on CPU tensors posing as an H100's: ``MLADecode`` launched by the op's own launcher
+    with the key ``paged_attention`` plans for the call, ``pv_overlap`` on, meeting the compiled entry's contract."""
+    import bench_mla_decode as bench
+    from launch import as_cuda
+
+    step = cases.Step((40, 0, 17), (1, 1, 1))
+    pl = bench.Placements(step, 64, 1, "cpu", torch.Generator().manual_seed(0))
+    q = torch.randn(1, step.rows, bench.Q_HEADS, bench.LATENT, generator=torch.Generator().manual_seed(1))
+    q = q.to(torch.bfloat16)
+    with as_cuda("sm_90a") as launches:
+        path = cute_kv.explain(cute_kv.paged_attention, q[0], pl.offsets, pl.collections[0], 0, mla_v_dim=bench.V_DIM)
+        impl = bench._pv_overlap(pl, q, 0.05, torch.device("cuda"))
+        assert impl.absent is None and impl.role == "variant"
+        impl.fn(0)
+    assert path.key[-1] is False
+    assert [(launch.kernel, launch.key) for launch in launches] == [("MLADecode", (*path.key[:-1], True))]
+
+
 def test_plan_step_bench_runs_the_launch_paths_on_the_cpu(capsys):
     import bench_plan_step
 
@@ -227,3 +250,26 @@ def test_plan_step_bench_runs_the_launch_paths_on_the_cpu(capsys):
                      for mode in ("validate", "validate_false", "plan")} | {("plan_step", "validate")}
     assert all(r["host_us"] > 0 and r["device"] == "cpu" and r["rows"] == 128 for r in records)
     assert len(capsys.readouterr().out.splitlines()) == len(records)
+
+
+def _mmas(count: int, m: int, n: int, b_mn_major: bool, cta_group: int, reg: int) -> str:
+    """PTX of ``count`` bf16 MMAs of one shape, their descriptor moved into ``%r<reg>`` once."""
+    desc = (m // 16) << 24 | (n // 8) << 17 | b_mn_major << 16 | 0x490  # f32 accumulator, bf16 A and B
+    mma = f"\ttcgen05.mma.cta_group::{cta_group}.kind::f16 [%r1], [%r2], %rd1, %r{reg}, p;\n"
+    return f"\tmov.b32 \t%r{reg}, {desc};\n" + mma * count
+
+
+def test_mla_mma_work_counts_a_cta_pair_once():
+    # FlashMLA's head128 tile as its PTX has it: 16 QK MMAs (M=128 over the pair, N=128: 64 keys x the two halves of
+    # the 512 latent columns) and 8 P V MMAs (N=256) per 64 keys, issued once for the pair serving 128 heads.
+    ptx = ".visible .entry flash_fwd_splitkv_mla_fp8_sparse_kernel(\n" + _mmas(16, 128, 128, False, 2, 5) + \
+        _mmas(8, 128, 256, True, 2, 6)
+    rec = mla_mma_work.flashmla("head128", ptx, 128)
+    assert (rec["units"], rec["qk_mmas"], rec["pv_mmas"], rec["latent_dim"]) == (1, 16, 8, 512)
+    assert rec["flops_per_key"] == rec["min_flops_per_key"] == 2 * 512 * 128 * 2 and rec["ratio"] == 1.0
+    assert rec["qk"] == "16 x 128x128x16/2cta" and rec["pv"] == "8 x 128x256x16/2cta"
+    # 256 heads: two pairs; head64 at 128 heads: two CTAs of one CTA each.
+    assert mla_mma_work.flashmla("head128", ptx, 256)["units"] == 2
+    head64 = _mmas(18, 64, 128, False, 1, 5) + _mmas(8, 64, 256, True, 1, 6)
+    rec = mla_mma_work.flashmla("head64", head64, 128)
+    assert rec["units"] == 2 and rec["flops_per_key"] == rec["min_flops_per_key"] == 2 * (576 + 512) * 128

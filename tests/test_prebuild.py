@@ -242,6 +242,8 @@ def test_prebuild_selftest_options(capsys):
         main(["prebuild", "--quick", "--cache-dir", "unused"])
     with pytest.raises(SystemExit, match="--ops: unknown op.s. nope"):
         main(["prebuild", "--selftest", "--ops", "nope", "--cache-dir", "unused"])
+    # a refused call leaves no cache directory set for the rest of the process (its compiles would land there)
+    assert os.environ.get("CUTE_KV_CACHE_DIR") != str(Path("unused").resolve())
 
 
 class _Compiled:

@@ -17,7 +17,7 @@ import torch
 import cute_kv
 from cute_kv import reference, selftest
 from cute_kv.kernels import catalog, compile_cache
-from cute_kv.prebuild import SM_COUNTS
+from cute_kv.kernels.archs import SM_COUNTS, generation
 from cute_kv.selftest import Case
 
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU answer, also on a GPU machine
@@ -51,8 +51,8 @@ def test_cli_lists_the_cases_without_a_gpu():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[-1] == "3 cases"
-    assert lines[0].split() == ["store_kv", "bf16", "P=16", "D=128", "ragged", "sm_90a", "sm_100a"]
-    assert lines[2].split()[-1] == "sm_100a" and "sm_90a" not in lines[2]  # sparse MLA: SM100's kernel only
+    assert lines[0].split() == ["store_kv", "bf16", "P=16", "D=128", "ragged", "sm_90a", "sm_100a", "sm_103a"]
+    assert lines[2].split()[-2:] == ["sm_100a", "sm_103a"] and "sm_90a" not in lines[2]  # sparse MLA: Blackwell's
     bad = subprocess.run([sys.executable, "-m", "cute_kv", "selftest", "--list", "--ops", "store_kv,nope"],
                          capture_output=True, text=True, timeout=120, env=NO_GPU)
     assert bad.returncode != 0 and "--ops: unknown op(s) nope: choose from store_kv" in bad.stderr
@@ -65,11 +65,15 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
         "store_kv", "fused_qkv_matmul_kv_cache", "paged_attention", "mla_prefill", "sparse_mla_attention", "gather_kv"}
     for op in ("store_kv", "fused_qkv_matmul_kv_cache", "paged_attention", "gather_kv"):
         mine = [c for c in all_cases if c.op == op]
-        assert {c.step for c in mine} >= {"decode", "ragged"} and {c.page_size for c in mine} == {16, 64, 128}
+        small = {1, 2, 4, 8} if op == "paged_attention" else set()  # gathered rows (SM90 cp.async, SM100 gather4)
+        assert {c.step for c in mine} >= {"decode", "ragged"} and {c.page_size for c in mine} == {16, 64, 128} | small
     attention = [c for c in all_cases if c.op == "paged_attention"]
     assert {c.cache for c in attention} == {"bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8", "mla",
                                             "mla rope-aware"}
-    assert {c.head_size for c in attention if not c.cache.startswith("mla")} == {64, 128, 256}
+    assert {c.head_size for c in attention if not c.cache.startswith("mla")} == {64, 80, 96, 128, 192, 256}
+    small = {(c.page_size, c.head_size, c.step) for c in attention if c.page_size < 16}
+    assert small >= {(p, d, step) for p in (1, 2, 4, 8) for d in (64, 128, 256) for step in selftest.BOTH} | {
+        (1, 128, "split")}
     assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse"}
     assert {c.cache for c in attention if c.step == "split"} == {"bf16", "fp8 f32 scales", "mla", "mla rope-aware"}
     assert {c.cache for c in all_cases if c.op == "store_kv"} == {"bf16", "fp16", "fp32", "fp8 f32 scales", "mla",
@@ -78,7 +82,7 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     assert {c.variant for c in qkv} == {"", "bias", "qk-norm", "int4 g32", "int4 g64", "int4 g128", "int4 g128 zp",
                                         "fp8 weights", "latent-norm"}
     assert {(c.cache, c.head_size) for c in qkv} >= {("bf16", 256), ("mla", 576), ("mla rope-aware", 576)}
-    assert {c.archs for c in all_cases if c.op == "sparse_mla_attention"} == {("sm_100a",)}
+    assert {c.archs for c in all_cases if c.op == "sparse_mla_attention"} == {("sm_100a", "sm_103a")}
     cached, new = selftest.RAGGED
     assert 0 in cached and 0 in new and 1 in new and max(new) > 16  # empty cache, 0/1 new tokens, pages crossed
     assert set(selftest.DECODE[1]) == {1} and 0 in selftest.DECODE[0]
@@ -88,22 +92,23 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     assert selftest.cases(ops=["sparse_mla_attention"], arch="sm_90a") == []
 
 
-# The catalog family each compile key's kernel belongs to (``kernels/catalog.py``), per arch: SM100's mla_prefill
-# runs PagedAttentionSm100 at 192/128.
+# The catalog family each compile key's kernel belongs to (``kernels/catalog.py``), per arch: mla_prefill runs
+# PagedAttention (SM90) or PagedAttentionSm100 at 192/128.
 FAMILY = {
     "paged_kv_store": "paged_kv_store", "paged_kv_store_rope_aware": "paged_kv_store_rope_aware",
     "paged_kv_gather": "paged_kv_gather", "attention_combine": "attention_combine",
     ("fused_qkv_gemm", "sm_90a"): "fused_qkv_gemm_90", ("fused_qkv_gemm", "sm_100a"): "fused_qkv_gemm_100",
     "fused_qkv_gemm_w4": "fused_qkv_gemm_w4_90", "fused_qkv_gemm_w4_sm100": "fused_qkv_gemm_w4_100",
     "paged_attention": "paged_attention_sm90", "paged_attention_sm100": "paged_attention_sm100",
-    "mla_prefill_sm100": "paged_attention_sm100", "mla_decode": "mla_decode_sm90",
+    "mla_prefill_sm90": "paged_attention_sm90", "mla_prefill_sm100": "paged_attention_sm100",
+    "mla_decode": "mla_decode_sm90",
     "mla_decode_sm100": "mla_decode_sm100",
 }
 
 
 def _families(case, arch):
     units = selftest.kernel_units(case, arch, SM_COUNTS[arch])
-    return {FAMILY.get((key[0], arch), FAMILY.get(key[0])) for key, _ in units}, units
+    return {FAMILY.get((key[0], generation(arch)), FAMILY.get(key[0])) for key, _ in units}, units
 
 
 @pytest.mark.parametrize("arch", selftest.ARCHS)

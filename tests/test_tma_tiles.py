@@ -4,18 +4,23 @@ Compile (both archs; gather4 on sm_100a only): each descriptor issues the TMA in
 box count its geometry implies. GPU: the paged-tile and ragged round trips are exact.
 """
 
+import functools
 import math
 import re
 import sys
 from pathlib import Path
 
 import cutlass
+import cutlass.cute as cute
 import pytest
 import torch
+from cutlass import Int32
+from cutlass.cute.runtime import from_dlpack
 
 import artifacts
 
 from cute_kv.kernels import compile_cache
+from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.tma_tiles import padded_depth, swizzle_granularity
 from cute_kv.reference.batch import random_paged_batch
 from cute_kv.row_indices import lut_chunk, tile_geometry
@@ -101,6 +106,72 @@ def test_gather4_ptx(rope):
     assert len(set(g4)) == len(g4)  # every instruction fills its own four smem rows
     with pytest.raises(Exception):
         _ptx(probe, "sm_90a")  # gather4 is SM100+
+
+
+@cute.jit
+def _plane_rows_probe(plane: cute.Tensor, layer: Int32, coords: cute.Tensor, out: cute.Tensor, meta: cute.Tensor,
+                      count: Int32):
+    """On the CPU: ``plane_row_view(plane, layer)``'s element at each ``(row, h, d)`` of ``coords``, its row count
+    and ``plane_rows_per_page``."""
+    rows = tma_tiles.plane_row_view(plane, layer)
+    meta[0] = rows.shape[0]
+    meta[1] = tma_tiles.plane_rows_per_page(plane)
+    for i in cutlass.range(count, unroll=1):
+        out[i] = rows[coords[i, 0], coords[i, 1], coords[i, 2]]
+
+
+def _dynamic(t: torch.Tensor):
+    return from_dlpack(t).mark_layout_dynamic(leading_dim=t.ndim - 1)
+
+
+@functools.cache
+def _plane_rows():
+    """One compile serves every plane: extents and strides are runtime values."""
+    plane, table, vector = (torch.zeros(shape, dtype=torch.int32) for shape in ((1, 1, 1, 1, 1), (1, 3), (2,)))
+    return cute.compile(_plane_rows_probe, _dynamic(plane), Int32(0), _dynamic(table), _dynamic(vector),
+                        _dynamic(vector), Int32(1))
+
+
+def _planes(layout: str, n: int, nl: int, p: int, h: int, d: int) -> list[torch.Tensor]:
+    """The K and V planes ``[N, L, P, H, D]`` of a cache of distinct int32 values in ``layout``."""
+    values = lambda *shape: torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape)  # noqa: E731
+    if layout == "max":
+        blocks = values(n, 2, nl, p, h, d)
+        return [blocks[:, 0], blocks[:, 1]]
+    if layout == "padded":  # MAX's blocks, each head's row 4 values wider
+        blocks = values(n, 2, nl, p, h, d + 4)[..., :d]
+        return [blocks[:, 0], blocks[:, 1]]
+    if layout == "vllm":  # [2, N, P, H, D], one layer
+        kv = values(2, n, p, h, d)
+        return [kv[0].unsqueeze(1), kv[1].unsqueeze(1)]
+    if layout == "nhd":  # FlashInfer [N, 2, P, H, D]
+        t = values(n, 2, p, h, d)
+        return [t[:, 0].unsqueeze(1), t[:, 1].unsqueeze(1)]
+    assert layout == "hnd"  # FlashInfer [N, 2, H, P, D]
+    t = values(n, 2, h, p, d)
+    return [t[:, i].transpose(1, 2).unsqueeze(1) for i in (0, 1)]
+
+
+@pytest.mark.parametrize("layout", ["max", "padded", "vllm", "nhd", "hnd"])
+def test_plane_row_view_on_the_cpu(layout):
+    """``plane_row_view`` evaluated on the CPU (the kernels' row view of a strided plane, before TMA sees it): token
+    ``slot`` of page ``page``, head ``h``, dim ``d`` of layer ``l`` is row ``page * sN/sP + slot``, every element of
+    every plane; the view spans ``(N-1) * sN/sP + P`` rows, ``KVD*L*P`` a page in MAX's layout."""
+    n, nl, p, h, d = 3, (2 if layout in ("max", "padded") else 1), 4, 2, 8
+    pages, layers, slots, heads, dims = torch.meshgrid(*(torch.arange(x) for x in (n, nl, p, h, d)), indexing="ij")
+    for plane in _planes(layout, n, nl, p, h, d):
+        pitch = plane.stride(0) // plane.stride(2)
+        assert pitch * plane.stride(2) == plane.stride(0)
+        if layout == "max":
+            assert pitch == 2 * nl * p
+        for layer in range(nl):
+            at = layers == layer
+            coords = torch.stack([pages[at] * pitch + slots[at], heads[at], dims[at]], 1).to(torch.int32)
+            out, meta = torch.full((len(coords),), -1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+            _plane_rows()(_dynamic(plane), Int32(layer), _dynamic(coords), _dynamic(out), _dynamic(meta),
+                          Int32(len(coords)))
+            assert torch.equal(out, plane[:, layer].flatten())
+            assert meta.tolist() == [(n - 1) * pitch + p, pitch]
 
 
 # -- GPU round trips ---------------------------------------------------------------------------------------

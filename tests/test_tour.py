@@ -65,20 +65,21 @@ def test_readme_peer_metadata_recipe():
         assert torch.equal(cute_kv.paged_attention(q, peer["ro"], coll, 0), want)
 
 
-def test_readme_peer_layouts_are_views_where_it_says():
-    """The layout table's mappings: FlashInfer's one-tensor NHD cache and K/V unbound from it are views of the
-    blocks (writes through the collection land in the peer's tensor); vLLM's K/V-outermost cache is a copy."""
+def test_readme_peer_layouts_are_views():
+    """The layout table's ``from_kv`` recipes: each peer's cache is taken in place (a value written through the
+    collection lands in the peer's tensor)."""
     import torch
 
     from cute_kv import PagedKVCacheCollection, make_lookup_table
 
     n, p, h, d = 4, 16, 2, 8
-    kv = torch.randn(n, 2, p, h, d)
     lut = make_lookup_table([[2, 0]], sentinel=n)
-    coll = PagedKVCacheCollection(kv.unsqueeze(2), torch.tensor([20], dtype=torch.int32), lut, 0, 20)
-    assert coll.blocks.data_ptr() == kv.data_ptr()
-    k_cache, v_cache = kv.unbind(1)
-    assert torch.equal(coll.get_value_cache(0).gather(0, 0, 20), torch.cat([v_cache[2], v_cache[0, :4]]))
-    vllm = torch.randn(2, n, p, h, d)
-    blocks = vllm.transpose(0, 1).contiguous().unsqueeze(2)
-    assert torch.equal(blocks[:, 0, 0], vllm[0]) and torch.equal(blocks[:, 1, 0], vllm[1])
+    nhd, hnd = torch.zeros(n, 2, p, h, d), torch.zeros(n, 2, h, p, d)
+    vllm, k_cache, v_cache = torch.zeros(2, n, p, h, d), torch.zeros(n, p, h, d), torch.zeros(n, p, h, d)
+    recipes = {"vllm": (vllm[0], vllm[1]), "nhd": (nhd[:, 0], nhd[:, 1]),
+               "hnd": (hnd[:, 0].permute(0, 2, 1, 3), hnd[:, 1].permute(0, 2, 1, 3)), "fa4": (k_cache, v_cache)}
+    for name, (k, v) in recipes.items():
+        coll = PagedKVCacheCollection.from_kv(k, v, torch.tensor([20], dtype=torch.int32), lut, 0, 20)
+        assert coll.is_compact == (name == "nhd"), name
+        coll.get_value_cache(0).store(0, 1, 17, 0, torch.ones(d))  # token 17: page 0, slot 1, head 1
+        assert torch.equal(v[0, 1, 1], torch.ones(d)) and int(v.count_nonzero()) == d and not k.any(), name

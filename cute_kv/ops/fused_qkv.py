@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv import dtypes, reference
+from cute_kv.kernels.archs import ARCHS, is_blackwell
 from cute_kv.ops import paths
 from cute_kv.ops.vectors import rows_aligned
 from cute_kv.reference.norm import QKNorm
@@ -64,7 +65,7 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         w, *w_quant = _weight_args(weight)
         torch.ops.cute_kv.fused_qkv_matmul_kv_cache(
-            hidden, input_row_offsets, w, c.blocks, c.cache_lengths, c.lookup_table, c.scales, bias,
+            hidden, input_row_offsets, w, c.traced_blocks(OP), c.cache_lengths, c.lookup_table, c.scales, bias,
             None if rope is None else rope.freqs_cis, rope is not None and rope.interleaved,
             None if rope is None else rope.q_head_dim, output, layer_idx, c.max_seq_length, c.max_cache_length,
             c.quantization_granularity, *w_quant, *_norm_args(qk_norm), c.rope_dim)
@@ -216,8 +217,9 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     """The ``FusedQKVGemm`` serving these checked arguments on ``arch`` (its ``QKVSpec`` key, without bias), for a
     quantized weight the ``FusedQKVGemmW4`` (a ``QKVW4Spec`` key: the spec and the decode format, which names the
     weight dtype, group size and zero points), or why the reference runs instead: quantized weights the decode does
-    not take (``_quantized_problem``), fp32 activations, e5m2 caches, unaligned rows, or a shape the
-    kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a GPU."""
+    not take (``_quantized_problem``), fp32 activations, e5m2 caches, strided rope-aware caches, unaligned rows,
+    or a shape the kernel cannot tile (``kernels/qkv/gemm.py`` ``supported``). Host values only: testable without a
+    GPU."""
     from cute_kv.kernels.qkv.gemm import DTYPES, QKVSpec, supported
 
     def fallback(reason):
@@ -238,7 +240,12 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
         return fallback(f"hidden is {dtype_name}; the kernel takes {' or '.join(sorted(DTYPES))}")
     if hidden.shape[1] == 0:
         return fallback("hidden has no columns (K = 0)")
-    if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.blocks.data_ptr() % 16:
+    if quantized and not c.is_compact:
+        return fallback("a strided cache with a quantized weight: its epilogue writes MAX's compact blocks")
+    if c.rope_dim is not None and not c.is_compact:  # as store_kv routes it: no strided rope-aware kernel is built
+        return fallback("rope-aware rows: a strided cache")
+    if not (rows_aligned(hidden) and (quantized or rows_aligned(weight))) or c.key_blocks.data_ptr() % 16 \
+            or c.value_blocks.data_ptr() % 16:
         return fallback("hidden, weight and blocks need row-major, 16-byte aligned rows")
     if rope is not None and not rows_aligned(rope.freqs_cis):
         return fallback("rope.freqs_cis needs row-major, 16-byte aligned rows")
@@ -253,14 +260,14 @@ def plan(collection, hidden, weight, rope, arch: str, qk_norm=None) -> paths.Ker
     spec = QKVSpec(dtype_name, weight.shape[0] - kv_columns(c), c.kv_dim, c.page_size, c.num_heads, d,
                    q_head_dim(rope, d), False, None if rope is None else (rope.rope_dim, rope.interleaved),
                    *_norm_key(qk_norm), fp8=fp8, granularity=granularity, e8m0=e8m0, cross_dims=cross_dims,
-                   rope_tail=c.rope_dim or 0)
+                   rope_tail=c.rope_dim or 0, strided=not c.is_compact)
     problem = supported(spec)
     if problem:
         return fallback(problem)
     if quantized:
         from cute_kv.kernels.qkv.w4 import QKVW4Spec
 
-        name = "FusedQKVGemmW4Sm100" if arch == "sm_100a" else "FusedQKVGemmW4"
+        name = "FusedQKVGemmW4Sm100" if is_blackwell(arch) else "FusedQKVGemmW4"
         return paths.kernel(OP, name, QKVW4Spec(spec, weight_format), arch)
     return paths.kernel(OP, "FusedQKVGemm", spec, arch)
 
@@ -271,8 +278,8 @@ def _quantized_problem(weight, hidden, arch: str) -> tuple[Optional[str], str]:
     from cute_kv.kernels.qkv import w4
 
     name = type(weight).__name__
-    if arch not in (w4.ARCH, "sm_100a"):
-        return None, f"{name} weights on {arch}: the quantized-weight mainloops are sm_90a's and sm_100a's"
+    if arch not in ARCHS:
+        return None, f"{name} weights on {arch}: the quantized-weight mainloops are {', '.join(ARCHS)}'s"
     if hidden.dtype != torch.bfloat16:
         return None, f"{name} weights decode to bfloat16; hidden is {dtypes.dtype_name(hidden.dtype)}"
     fmt, problem = w4.weight_format(weight)
@@ -304,11 +311,14 @@ def _launcher(spec, arch: str, qk_norm) -> Callable:
             kernel = _gemm(_with_bias(spec, bias is not None), arch)
             fn = compiled(*compile_unit(kernel.spec, arch), arch)
             latent = latent_workspace(hidden.device, qkv, t) if qkv.last_arriver else ()
-            fn(*kernel.args(hidden, weight, out, collection.blocks, input_row_offsets.contiguous(),
-                            collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx,
-                            None if bias is None else bias.contiguous(), None if rope is None else rope.freqs_cis,
-                            *norm_weights, scales,
-                            _max_active_clusters(collection.device, kernel.cluster_shape), *latent))
+            c = collection
+            # strided: the K plane as blocks, the V plane beside it (MLA: K only)
+            blocks, value_blocks = (c.key_blocks, None if c.is_mla else c.value_blocks) if qkv.strided else (
+                c.blocks, None)
+            fn(*kernel.args(hidden, weight, out, blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
+                            c.lookup_table, layer_idx, None if bias is None else bias.contiguous(),
+                            None if rope is None else rope.freqs_cis, *norm_weights, scales,
+                            _max_active_clusters(c.device, kernel.cluster_shape), *latent, value_blocks=value_blocks))
         return out if output is None or out is output else output.copy_(out)
 
     return run
@@ -350,7 +360,7 @@ def _gemm(spec, arch: str):
     from cute_kv.kernels.qkv.gemm import FusedQKVGemm
     from cute_kv.kernels.qkv.w4 import FusedQKVGemmW4, QKVW4Spec
 
-    if isinstance(spec, QKVW4Spec) and arch == "sm_100a":
+    if isinstance(spec, QKVW4Spec) and is_blackwell(arch):
         from cute_kv.kernels.qkv.w4_sm100 import FusedQKVGemmW4Sm100
 
         return FusedQKVGemmW4Sm100(spec, arch)

@@ -88,10 +88,11 @@ def plan(collection, out: torch.Tensor, arch: str) -> paths.KernelPath:
     if c.page_size not in PAGE_SIZES or c.head_size not in HEAD_DIMS:
         return paths.reference(OP, f"page_size {c.page_size} / head_size {c.head_size}: the kernel tiles page sizes "
                                    f"{PAGE_SIZES} and head sizes {HEAD_DIMS}", arch)
-    if c.blocks.data_ptr() % 16 or out.data_ptr() % 16:
+    if c.key_blocks.data_ptr() % 16 or c.value_blocks.data_ptr() % 16 or out.data_ptr() % 16:
         return paths.reference(OP, "blocks or out is not 16-byte aligned", arch)
     key = ("paged_kv_gather", name, c.kv_dim, c.page_size, c.num_heads, c.head_size)
-    return paths.kernel(OP, "PagedKVGather", key, arch)
+    # MAX's compact blocks keep their key (and kernel); other layouts add the strided flag
+    return paths.kernel(OP, "PagedKVGather", key if c.is_compact else (*key, "strided"), arch)
 
 
 def _launch(key: tuple, arch: str, collection, layer_idx: int, kv_idx: int, out: torch.Tensor) -> None:
@@ -100,12 +101,13 @@ def _launch(key: tuple, arch: str, collection, layer_idx: int, kv_idx: int, out:
     c = collection
     page_cols = math.ceil(c.max_cache_length / c.page_size)
     if page_cols and c.batch_size:  # a grid of zero CTAs is a launch error (and nothing is cached)
-        compiled(key, lambda: _build(key), arch)(c.blocks, c.cache_lengths.contiguous(), c.lookup_table, out, kv_idx,
+        # strided: the plane to read; compact: blocks and the plane's kv index
+        blocks, index = (c.plane(kv_idx), ()) if key[-1] == "strided" else (c.blocks, (kv_idx,))
+        compiled(key, lambda: _build(key), arch)(blocks, c.cache_lengths.contiguous(), c.lookup_table, out, *index,
                                                  layer_idx, page_cols)
 
 
 def _build(key: tuple):
     from cute_kv.kernels.cache.gather import PagedKVGather
 
-    kernel = PagedKVGather(*key[1:])
-    return kernel, *kernel.fake_args()
+    return PagedKVGather(*key[1:]).build()

@@ -1,4 +1,4 @@
-"""The scalar and scale arguments the attention kernels take, made the same way by every launcher: the logits'
+"""The arguments the attention kernels take, made the same way by every launcher: the K and V sources, the logits'
 scales (SM90's ``softmax_args``, SM100's ``score_args``), the fp8 scales and the sliding window."""
 
 from __future__ import annotations
@@ -9,6 +9,15 @@ from typing import Optional
 import torch
 
 LOG2E = math.log2(math.e)
+# Why an MLA cache in another layout than MAX's compact ``blocks`` takes the reference.
+LAYOUT_PROBLEM = "a strided cache layout: the MLA kernels read MAX's compact blocks only"
+
+
+def kv_sources(collection, strided: bool) -> tuple:
+    """The MHA kernels' ``(k_src, v_src)``: MAX's compact ``blocks`` twice (the kernel picks each plane), or for a
+    ``strided`` variant the K and V planes ``[N, L, P, H, D]`` with their own strides."""
+    c = collection
+    return (c.key_blocks, c.value_blocks) if strided else (c.blocks, c.blocks)
 
 
 def softmax_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) -> tuple[float, float]:

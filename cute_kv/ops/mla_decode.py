@@ -19,7 +19,7 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.config import BM, BN, VEC, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import softmax_args, window_arg
+from cute_kv.ops.kernel_args import LAYOUT_PROBLEM, softmax_args, window_arg
 from cute_kv.row_indices import lut_vector
 
 KEY = "mla_decode"
@@ -43,6 +43,8 @@ def plan(collection, q, arch: str, *, mla_v_dim: Optional[int], softcap: Optiona
                         "of q's dtype (fp8 MLA caches take the reference for now)")
     if c.num_heads != 1:
         return fallback(f"{c.num_heads} KV heads; the kernel reads one latent head")
+    if not c.is_compact:
+        return fallback(LAYOUT_PROBLEM)
     if mla_v_dim is None:
         return fallback("no mla_v_dim")
     hq, d, p = q.shape[1], c.latent_dim, c.page_size
@@ -50,8 +52,9 @@ def plan(collection, q, arch: str, *, mla_v_dim: Optional[int], softcap: Optiona
         c.batch_size, c.num_heads, splits.query_blocks(c, hq, BM, q.shape[0]))
     if problem:
         return fallback(problem)
+    # the last field, pv_overlap, stays off: the stages refill sooner (kernels/mla/sm90.py); a bench sets it on
     key = (KEY, q_dtype_name, hq, d, mla_v_dim, p, lut_vector(c, BN), bool(softcap), sinks is not None, return_lse,
-           rope_dim)
+           rope_dim, False)
     return paths.kernel(OP, KERNEL, key, arch)
 
 

@@ -18,7 +18,7 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, V_SPLIT, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import score_args
+from cute_kv.ops.kernel_args import LAYOUT_PROBLEM, score_args
 
 KEY = "mla_decode_sm100"
 KERNEL = "MlaDecodeSm100"
@@ -41,11 +41,13 @@ def _problem(collection, q, scale, softcap, mla_v_dim) -> Optional[str]:
         return problem
     if c.num_heads != 1:
         return f"an MLA cache has one latent head, got {c.num_heads}"
+    if not c.is_compact:
+        return LAYOUT_PROBLEM
     if c.blocks.data_ptr() % 16:
         return "blocks is not 16-byte aligned"
     if c.rope_dim is not None and c.scales.data_ptr() % 4:
         return "scales is not 4-byte aligned"
-    return index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
+    return index_limits(c.num_pages, c.row_pitch, c.page_size, c.max_cache_length)
 
 
 def plan(collection, q, arch: str, *, scale: Optional[float], softcap: Optional[float],

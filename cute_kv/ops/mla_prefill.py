@@ -18,14 +18,10 @@ Per (query, key) pair the absorbed path costs ``2H (2 r + rope)`` FLOPs, the dec
 absorbed path projects every query (``2 H r (nope + v)`` each), the decompressed one every key. At DeepSeek-V3
 shapes (H = 128, r = 512, rope 64, nope = v = 128; per request, all pairs):
 
-* SM100: ``PagedAttentionSm100`` at head dim 192 with values of 128 (``qk + pv = 320``: 81,920 FLOPs a pair
-  against 278,528). Decompressed wins for ``1/T - 1/S < 196,608 / 33,554,432 = 1/170.7``: chunks of about 171 new
-  tokens or more (any fresh prompt: ``T = S``). 4k prefill: 1.51 TFLOP against 4.81 (3.2x fewer); 512 new over
-  4k keys: 0.31 against 0.60 (1.9x).
-* SM90: the SM90 kernel takes head dims 64/128/256 with values as wide as keys, so Q and K are zero-padded to 256
-  and V to 256 (output sliced): ``qk + pv = 512``, 131,072 FLOPs a pair. Still decompressed for ``1/T - 1/S <
-  147,456 / 33,554,432 = 1/227.6``: chunks of about 228 new tokens or more. 4k prefill: 2.34 TFLOP against 4.81
-  (2.1x fewer); 512 new over 4k keys: 0.41 against 0.60 (1.5x); 128 new over 4k keys: absorbed (0.15 against 0.21).
+* SM100 and SM90: ``PagedAttentionSm100`` / ``PagedAttention`` at head dim 192 with values of 128 (``qk + pv =
+  320``: 81,920 FLOPs a pair against 278,528). Decompressed wins for ``1/T - 1/S < 196,608 / 33,554,432 =
+  1/170.7``: chunks of about 171 new tokens or more (any fresh prompt: ``T = S``). 4k prefill: 1.51 TFLOP against
+  4.81 (3.2x fewer); 512 new over 4k keys: 0.31 against 0.60 (1.9x).
 * Other head dims: padded to the smallest kernel head dim that holds ``nope + rope`` and ``v`` (or unpadded, for
   the reference). CPU tensors take the SM100 rule (``qk + pv = nope + rope + v``) and the reference attention.
 
@@ -44,14 +40,16 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import DTYPE_NAMES, HEAD_DIMS
-from cute_kv.kernels.attention.sm100_config import BM, VALUE_DIMS, q_tiles
+from cute_kv.kernels.archs import generation
+from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, HEAD_DIMS, VALUE_DIMS
+from cute_kv.kernels.attention.sm100_config import q_tiles
 from cute_kv.ops import paths, units
 from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 OP = "mla_prefill"
-KEY = "mla_prefill_sm100"
+KEYS = {"sm_90a": "mla_prefill_sm90", "sm_100a": "mla_prefill_sm100"}  # the route's compile key, per arch
+KERNELS = {"sm_90a": "PagedAttention", "sm_100a": "PagedAttentionSm100"}
 DECOMPRESSED, ABSORBED = "decompressed", "absorbed"
 PAGE = 128  # tokens per page of the temporary cache: one key tile of the kernels at head dims 64-192
 
@@ -101,8 +99,8 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: t
         out = torch.empty((*q_nope.shape[:2], v_dim), dtype=q_nope.dtype, device=q_nope.device)
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table,
-                                      c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
+        torch.ops.cute_kv.mla_prefill(q_nope, q_rope, input_row_offsets, c.traced_blocks(OP), c.cache_lengths,
+                                      c.lookup_table, c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                       c.quantization_granularity, c.rope_dim, w_uk, w_uv, scale, causal, out)
     else:
         dispatch(q_nope, q_rope, input_row_offsets, c, layer_idx, w_uk, w_uv, scale, causal, out)
@@ -174,7 +172,8 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
     from cute_kv.ops.splits import grid_problem
 
     qk = nope_dim + rope_dim
-    native = arch is None or (arch == "sm_100a" and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
+    gen = None if arch is None else generation(arch)  # sm_103a runs the sm_100a kernels
+    native = arch is None or (gen in KERNELS and VALUE_DIMS.get(qk) == v_dim and dtype in DTYPE_NAMES)
     wide = max(qk, v_dim)
     head_dim = wide if native else min((d for d in HEAD_DIMS if d >= wide), default=wide)
     pv = v_dim if native else head_dim
@@ -186,15 +185,16 @@ def plan(lengths: list[tuple[int, int]], *, num_heads: int, kv_lora_rank: int, r
             total[path] += f
     path = DECOMPRESSED if total[DECOMPRESSED] <= total[ABSORBED] else ABSORBED
     kernel = None
-    # The temporary cache has the step's requests, a KV head per query head (a group of 1) and its longest run; a
-    # grid past CUDA's limits leaves the attention to paged_attention, whose plan takes the reference (with the
-    # reason). The key's Q tiles size the host's grid too (prefill_workspace).
+    # The temporary cache has the step's requests, a KV head per query head and its longest run; a grid past CUDA's
+    # limits leaves the attention to paged_attention, whose plan takes the reference (with the reason). SM100's key
+    # holds its Q tiles (one: a group of 1), which size the host's grid too (``prefill_workspace``).
     longest = max((n for n, _ in lengths), default=0)
-    tiles = q_tiles(qk, v_dim, page_size=PAGE, group=1, rows=longest)
-    if native and arch is not None and not grid_problem(len(lengths), num_heads, -(-longest // (tiles * BM))):
-        key = (KEY, dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False, v_dim,
-               tiles)
-        kernel = paths.kernel(OP, "PagedAttentionSm100", key, arch)
+    tiles = (q_tiles(qk, v_dim, page_size=PAGE, group=1, rows=longest),) if gen == "sm_100a" else ()
+    rows = BM * max(tiles, default=1)
+    if native and arch is not None and not grid_problem(len(lengths), num_heads, -(-longest // rows)):
+        key = (KEYS[gen], dtype, num_heads, num_heads, qk, PAGE, 2, True, False, False, False, dtype, None, False,
+               *tiles, v_dim)
+        kernel = paths.kernel(OP, KERNELS[gen], key, arch)
     return Route(path, total, head_dim, kernel)
 
 
@@ -237,7 +237,7 @@ def _runner(q_nope, q_rope, input_row_offsets, collection, w_uk, w_uv, scale, ca
     if route.kernel is not None:
         key, arch = route.kernel.key, route.kernel.arch
         launch = functools.partial(_launcher(key, arch), workspace=None if step is None else prefill_workspace(
-            key, tmp.cache, t, q_nope.device, causal))
+            key, arch, tmp.cache, t, q_nope.device, causal))
 
         def run(q_nope, q_rope, layer_idx, w_uk, w_uv, out):
             q = decompress(q_nope, q_rope, c, layer_idx, w_uk, w_uv, tmp)
@@ -355,45 +355,55 @@ def _latent_rows(collection, layer_idx: int, owner: torch.Tensor, pos: torch.Ten
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
-    """``(compile key, build)`` of ``PagedAttentionSm100`` at ``key``'s head and value dims, and its split-KV combine
-    over the value columns."""
+    """``(compile key, build)`` of ``arch``'s attention kernel (``KERNELS``) at ``key``'s head and value dims, and
+    its split-KV combine over the value columns."""
     def kernel_class():
+        if arch == "sm_90a":
+            from cute_kv.kernels.attention.sm90 import PagedAttention
+
+            return PagedAttention
         from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
 
         return PagedAttentionSm100
 
-    return units.with_combine(key, kernel_class, key[1], key[2], key[14], key[10])
+    return units.with_combine(key, kernel_class, key[1], key[2], key[-1], key[10])
 
 
-def prefill_workspace(key: tuple, tmp, num_tokens: int, device, causal: bool) -> tuple:
-    """``(m_blocks, splits, o_part, lse_part)`` of the SM100 launch of ``key`` over the temporary cache ``tmp``
+def prefill_workspace(key: tuple, arch: str, tmp, num_tokens: int, device, causal: bool) -> tuple:
+    """``(m_blocks, splits, o_part, lse_part)`` of the launch of ``key`` on ``arch`` over the temporary cache ``tmp``
     (``paged_attention_sm90.launch_workspace``)."""
-    from cute_kv.kernels.attention.sm100_config import key_tile
+    from cute_kv.kernels.attention import config, sm100_config
     from cute_kv.ops.splits import launch_shape, partials, sm_count
 
-    h, d, v_dim, tiles = key[2], key[4], key[14], key[15]
-    m_blocks, splits = launch_shape(tmp, h, sm_count(device), tiles * BM, key_tile(d, v_dim), causal,
-                                    num_tokens=num_tokens)
+    h, d, v_dim = key[2], key[4], key[-1]
+    key_tile, rows = (config.key_tile, BM) if arch == "sm_90a" else (sm100_config.key_tile, key[14] * BM)  # Q tiles
+    m_blocks, splits = launch_shape(tmp, h, sm_count(device), rows, key_tile(d, v_dim), causal, num_tokens=num_tokens)
     return m_blocks, splits, *partials(splits, num_tokens, h, v_dim, device)
 
 
 @functools.lru_cache(maxsize=None)
 def _launcher(key: tuple, arch: str) -> Callable:
-    """``run(q, input_row_offsets, tmp, scale, causal, out)`` for one compile-time key, built once: the SM100
-    kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm100``'s launch)."""
-    from cute_kv.kernels.attention.sm100_config import VEC
-    from cute_kv.ops.kernel_args import score_args
+    """``run(q, input_row_offsets, tmp, scale, causal, out)`` for one compile-time key, built once: ``arch``'s
+    kernel over the temporary cache, ``out`` its ``v_dim`` columns (``paged_attention_sm90`` / ``_sm100``'s
+    launches: no sinks, scales, window or lse)."""
+    from cute_kv.kernels.attention.config import VEC
+    from cute_kv.ops.kernel_args import score_args, softmax_args
     from cute_kv.ops.splits import launch_and_combine, unused_lse
 
-    _, _, h, _, d, _, _, _, _, _, _, _, _, _, v_dim, _ = key
+    h, d, v_dim = key[2], key[4], key[-1]  # SM100's key has its Q tiles before v_dim
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, tmp, scale, causal, out, workspace=None):
-        m_blocks, splits, o_part, lse_part = workspace or prefill_workspace(key, tmp, q.shape[0], q.device, causal)
-        score_scale, cap_log2 = score_args(d, scale, None)
-        launch_and_combine(units, arch, q, out, VEC, (o_part, lse_part, unused_lse(q.device, h, v_dim)),
-                           (tmp.blocks, tmp.blocks, input_row_offsets.contiguous(), tmp.cache_lengths.contiguous(),
-                            tmp.lookup_table, None, None, 0, m_blocks, splits, int(causal), 0, score_scale, cap_log2),
-                           splits, o_part, lse_part, None)
+        m_blocks, splits, o_part, lse_part = workspace or prefill_workspace(key, arch, tmp, q.shape[0], q.device,
+                                                                            causal)
+        cache = (tmp.blocks, tmp.blocks, input_row_offsets.contiguous(), tmp.cache_lengths.contiguous(),
+                 tmp.lookup_table, None)
+        if arch == "sm_90a":
+            lse_args, args = (None, o_part, lse_part), (None, *cache, 0, m_blocks, splits, int(causal), 0,
+                                                        *softmax_args(d, scale, None))
+        else:
+            lse_args, args = (o_part, lse_part, unused_lse(q.device, h, v_dim)), (
+                *cache, None, 0, m_blocks, splits, int(causal), 0, *score_args(d, scale, None))
+        launch_and_combine(units, arch, q, out, VEC, lse_args, args, splits, o_part, lse_part, None)
 
     return run

@@ -13,15 +13,16 @@ import torch
 
 from cute_kv import reference
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits
+from cute_kv.kernels.archs import BLACKWELL, SM90
+from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, layout_problem
 from cute_kv.ops import mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
 
 # The kernel family of a cache kind (MLA or not) on an arch, and each family's backend.
-FAMILIES = {(False, "sm_90a"): Family.SM90_MHA, (False, "sm_100a"): Family.SM100_MHA,
-            (True, "sm_90a"): Family.SM90_MLA, (True, "sm_100a"): Family.SM100_MLA}
+FAMILIES = {**{(False, a): Family.SM100_MHA for a in BLACKWELL}, **{(True, a): Family.SM100_MLA for a in BLACKWELL},
+            (False, SM90): Family.SM90_MHA, (True, SM90): Family.SM90_MLA}
 BACKENDS = {b.family: b for b in (paged_attention_sm90.BACKEND, paged_attention_sm100.BACKEND, mla_decode.BACKEND,
                                   mla_decode_sm100.BACKEND)}
 
@@ -49,13 +50,13 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
     chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
 
-    An MHA/GQA cache (bf16/fp16, or fp8 e4m3 read by bf16/fp16 q) with head_dim 64/128/256 runs ``PagedAttention``
-    on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would not fill the GPU); other cases (a
-    non-positive ``scale`` without soft-cap included), and CPU tensors, run the reference: on CUDA with a
-    ``FallbackWarning`` (``cute_kv.explain`` says why). ``validate=False`` (for CUDA-graph capture) skips the
-    checks that read device values, as a torch.compile trace does (``store_kv``). ``plan`` (``cute_kv.plan_step``)
-    has checked the step and keeps the path, launch shape and split-KV partials chosen by the first call of the same
-    signature: the call reads no device value and allocates only its outputs (``store_kv``).
+    An MHA/GQA cache (bf16/fp16 with head_dim 64/80/96/128/192/256, or fp8 e4m3 read by bf16/fp16 q with head_dim
+    64/128/256) runs ``PagedAttention`` on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would
+    not fill the GPU); other cases (a non-positive ``scale`` without soft-cap included), and CPU tensors, run the
+    reference: on CUDA with a ``FallbackWarning`` (``cute_kv.explain`` says why). ``validate=False`` (for CUDA-graph
+    capture) skips the checks that read device values, as a torch.compile trace does (``store_kv``). ``plan``
+    (``cute_kv.plan_step``) has checked the step and keeps the path, launch shape and split-KV partials chosen by the
+    first call of the same signature: the call reads no device value and allocates only its outputs (``store_kv``).
     """
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
@@ -74,8 +75,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                          layer_idx, c.max_seq_length, c.max_cache_length,
+        torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
+                                          c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                           c.quantization_granularity, causal, window, scale, softcap, sinks,
                                           mla_v_dim, out, lse, c.rope_dim)
     else:  # eager: skip the op's dispatcher (host time)
@@ -195,7 +196,10 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     the reference runs instead: q in another dtype than a 16-bit cache, head dims, page sizes or granules the kernel
     cannot tile (``attention/config.supported``, ``attention/sm100_config.supported``), a misaligned cache or float32
     scales, a cache past the kernels' int32 indices (``attention/config.index_limits``), a grid past CUDA's limits
-    (``splits.grid_problem``), a non-positive scale without soft-cap."""
+    (``splits.grid_problem``), a non-positive scale without soft-cap, a scaled fp8 cache in a strided layout
+    (``attention/config.layout_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
+    FlashInfer's NHD / HND, separate K and V) take the MHA kernels' strided variants, which read the K and V planes
+    in place."""
     c = collection
 
     def fallback(reason):
@@ -208,12 +212,18 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
         return fallback(f"q is {q_dtype_name}; the kernels take {' or '.join(DTYPE_NAMES)}")
     if kv_dtype_name != FP8 and c.dtype != q.dtype:
         return fallback(f"q is {q_dtype_name} but the cache is {kv_dtype_name}; the kernels need them equal")
-    if c.blocks.data_ptr() % 16:
+    if c.is_compact and c.blocks.data_ptr() % 16:
         return fallback("blocks is not 16-byte aligned")
-    problem = index_limits(c.num_pages, c.kv_dim, c.num_layers, c.page_size, c.max_cache_length)
+    if not c.is_compact and (c.key_blocks.data_ptr() % 16 or c.value_blocks.data_ptr() % 16):
+        return fallback("the K or V plane is not 16-byte aligned")
+    problem = index_limits(c.num_pages, c.row_pitch, c.page_size, c.max_cache_length)
     if problem:
         return fallback(problem)
     granularity = c.quantization_granularity if kv_dtype_name == FP8 and c.scales is not None else None
+    if not c.is_mla:  # the MLA backends say why they read only compact caches
+        problem = layout_problem(c.layout_name, c.page_size, granularity)
+        if problem:
+            return fallback(problem)
     if granularity is not None and c.scales.data_ptr() % c.scales.element_size():
         return fallback("the float32 scales are not 4-byte aligned")
     family = FAMILIES.get((c.is_mla, arch))

@@ -17,12 +17,13 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.sm100_config import BM, FP8, VEC, key_tile, q_tiles, supported, uses_gather4
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import scales_arg, score_args, window_arg
+from cute_kv.ops.kernel_args import kv_sources, scales_arg, score_args, window_arg
 from cute_kv.row_indices import lut_vector
 
 RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
 KEY = "paged_attention_sm100"
 KERNEL = "PagedAttentionSm100"
+COMPACT_KEY = 15  # a compact cache's key length (the Q tiles last); a strided cache's adds ``v_dim`` (None), ``layout``
 
 
 def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
@@ -41,11 +42,14 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     if problem:
         return paths.reference(OP, problem, arch)
     bn = key_tile(d)
+    if not c.is_compact and uses_gather4(p, bn) and h > 1 and c.key_blocks.stride(3) != d:
+        return paths.reference(OP, f"pages of {p} rows take gather4, which reads a token's {h} heads side by side; "
+                               f"this layout's heads are {c.key_blocks.stride(3)} elements apart (as in FlashInfer's HND)", arch)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    # gather4 reads one lookup entry per token; None: values as wide as the head dim.
+    # gather4 reads one lookup entry per token
     key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), bool(softcap),
-           sinks is not None, return_lse, kv_dtype_name, granularity, e8m0, None, tiles)
-    return paths.kernel(OP, KERNEL, key, arch)
+           sinks is not None, return_lse, kv_dtype_name, granularity, e8m0, tiles)
+    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, c.layout_name), arch)
 
 
 def step_q_tiles(collection, num_q_heads: int, num_tokens: int, softcap: bool) -> int:
@@ -81,14 +85,15 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
     (``launch_shape_sm100``) and split-KV partials over its head dim (``paged_attention_sm90.launch_workspace``)."""
     t, hq, d = q.shape
     shape = launch_shape_sm100(collection, hq, splits.sm_count(q.device), causal, window, num_tokens=t,
-                               tiles=key[15])
+                               tiles=key[COMPACT_KEY - 1])
     return (*shape, *splits.partials(shape[1], t, hq, d, q.device))
 
 
 @functools.lru_cache(maxsize=None)
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
-    _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0, _, _ = key
+    _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0, _ = key[:COMPACT_KEY]
+    strided = key[-1] == "strided"
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
@@ -102,7 +107,7 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
         # With splits the combine merges the splits' base-2 lse into the natural-log lse as well.
         splits.launch_and_combine(
             units, arch, q, out, VEC, (o_part, lse_part, lse_arg),
-            (c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
+            (*kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
              scales_arg(c.scales, granularity, e8m0), sinks.contiguous() if has_sinks else None, layer_idx, m_blocks,
              num_splits, int(causal), window_arg(window), score_scale, cap_log2), num_splits, o_part, lse_part, lse)
         return (out, lse) if return_lse else out

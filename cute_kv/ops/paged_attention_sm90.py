@@ -13,13 +13,14 @@ from typing import Callable, Optional
 import torch
 
 from cute_kv.dtypes import dtype_name
-from cute_kv.kernels.attention.config import BM, FP8, VEC, key_tile, supported
+from cute_kv.kernels.attention.config import BM, FP8, VEC, gathers, key_tile, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import scales_arg, softmax_args, window_arg
+from cute_kv.ops.kernel_args import kv_sources, scales_arg, softmax_args, window_arg
 from cute_kv.row_indices import lut_vector
 
 KERNEL = "PagedAttention"
+COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds ``v_dim`` (None) and ``layout``
 
 
 def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
@@ -35,9 +36,11 @@ def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optio
     if problem:
         return paths.reference(OP, problem, arch)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
-    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, lut_vector(c, key_tile(d)), bool(softcap),
+    # a gather reads one lookup entry a key: no vector reads to key on
+    vector = not gathers(p, key_tile(d)) and lut_vector(c, key_tile(d))
+    key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, vector, bool(softcap),
            sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
-    return paths.kernel(OP, KERNEL, key, arch)
+    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, c.layout_name), arch)
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
@@ -64,6 +67,7 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
+    strided = key[-1] == "strided"
     units = compile_units(key, arch)
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
@@ -76,9 +80,9 @@ def launcher(key: tuple, arch: str) -> Callable:
         sinks = None if sinks is None else sinks.contiguous()
         splits.launch_and_combine(
             units, arch, q, out, VEC, (lse, o_part, lse_part),
-            (sinks, c.blocks, c.blocks, input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
-             scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal), window_arg(window),
-             score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
+            (sinks, *kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
+             c.lookup_table, scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal),
+             window_arg(window), score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
         return (out, lse) if return_lse else out
 
     return run

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from cute_kv.kernels.archs import is_blackwell
 from cute_kv.ops import paths
 from cute_kv.ops.mla_decode_sm100 import SPARSE
 from cute_kv.ops.paged_attention import check_logits_and_output, outputs
@@ -59,10 +60,10 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.sparse_mla_attention(q, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table,
-                                               c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
-                                               c.quantization_granularity, c.rope_dim, indices, topk_lengths,
-                                               mla_v_dim, scale, softcap, sinks, out, lse)
+        torch.ops.cute_kv.sparse_mla_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths,
+                                               c.lookup_table, c.scales, layer_idx, c.max_seq_length,
+                                               c.max_cache_length, c.quantization_granularity, c.rope_dim, indices,
+                                               topk_lengths, mla_v_dim, scale, softcap, sinks, out, lse)
     else:
         dispatch(q, input_row_offsets, c, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out,
                  lse)
@@ -119,9 +120,9 @@ def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_
 def plan(collection, q, indices, topk_lengths, arch: str, mla_v_dim: int, scale: Optional[float] = None,
          softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
          return_lse: bool = False) -> paths.KernelPath:
-    """The kernel serving these checked arguments on ``arch`` (``MlaDecodeSm100`` in sparse mode on ``sm_100a``:
+    """The kernel serving these checked arguments on ``arch`` (``MlaDecodeSm100`` in sparse mode on Blackwell:
     the ``SPARSE`` backend's ``plan_sparse``), or why the reference runs instead. Host values only."""
-    if arch != "sm_100a":
+    if not is_blackwell(arch):
         return paths.reference(OP, f"no sparse MLA kernel on {arch} yet (gather4 is SM100's)", arch)
     return SPARSE.plan(collection, q, indices, arch, mla_v_dim=mla_v_dim, scale=scale, topk_lengths=topk_lengths,
                        softcap=softcap, sinks=sinks, return_lse=return_lse)

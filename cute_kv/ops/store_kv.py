@@ -46,9 +46,9 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
-        torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.blocks, c.cache_lengths, c.lookup_table, c.scales,
-                                   layer_idx, c.max_seq_length, c.max_cache_length, c.quantization_granularity,
-                                   c.rope_dim)
+        torch.ops.cute_kv.store_kv(k, v, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
+                                   c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
+                                   c.quantization_granularity, c.rope_dim)
     else:  # eager: the op's dispatcher would add ~14 µs of host time for nothing
         dispatch(k, v, input_row_offsets, c, layer_idx)
 
@@ -114,10 +114,11 @@ def plan(collection, k, arch: str) -> paths.KernelPath:
         return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
     if c.head_size % vec:
         return paths.reference(OP, f"head_size {c.head_size} is not a whole number of {vec}-element vectors", arch)
-    if c.blocks.data_ptr() % 16:
+    if c.key_blocks.data_ptr() % 16 or c.value_blocks.data_ptr() % 16:
         return paths.reference(OP, "blocks is not 16-byte aligned", arch)
     key = ("paged_kv_store", name, c.kv_dim, c.page_size, c.num_heads, c.head_size, granularity)
-    return paths.kernel(OP, "PagedKVStore", key, arch)
+    # MAX's compact blocks keep their key (and kernel); other layouts add the strided flag
+    return paths.kernel(OP, "PagedKVStore", key if c.is_compact else (*key, "strided"), arch)
 
 
 def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
@@ -127,7 +128,7 @@ def _plan_rope_aware(c, name: str, arch: str) -> paths.KernelPath:
 
     if name not in DTYPES:
         return paths.reference(OP, f"k is {name}; the kernel takes {', '.join(DTYPES)}", arch)
-    problem = supported(c.padded_depth, c.rope_dim)
+    problem = supported(c.padded_depth, c.rope_dim) or (not c.is_compact and "a strided cache")
     if problem:
         return paths.reference(OP, f"rope-aware rows: {problem}", arch)
     if c.blocks.data_ptr() % 16:
@@ -146,7 +147,7 @@ def compile_unit(key: tuple, arch: str) -> tuple:
         else:
             from cute_kv.kernels.cache.store import PagedKVStore as kernel_class
         kernel = kernel_class(*key[1:])
-        return kernel, *kernel.fake_args()
+        return kernel.build() if hasattr(kernel, "build") else (kernel, *kernel.fake_args())
 
     return key, build
 
@@ -156,11 +157,14 @@ def _launcher(key: tuple, arch: str) -> Callable:
 
     fn = compiled(*compile_unit(key, arch), arch)
     quantized = key[0] == ROPE_AWARE_KEY or key[6] is not None  # fp8 rows: vectors of 8 input values
+    strided = key[-1] == "strided"
 
     def run(k, v, input_row_offsets, collection, layer_idx):
         if k.shape[0]:  # a grid of zero CTAs is a launch error
             vec = 8 if quantized else 16 // k.element_size()
-            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), collection.blocks,
-               collection.scales, collection.cache_lengths.contiguous(), collection.lookup_table, layer_idx)
+            c = collection
+            cache = (c.key_blocks, None if c.is_mla else c.value_blocks) if strided else (c.blocks,)
+            fn(packed_heads(k, vec), packed_heads(v, vec), input_row_offsets.contiguous(), *cache, c.scales,
+               c.cache_lengths.contiguous(), c.lookup_table, layer_idx)
 
     return run

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from cute_kv import kv_layout
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.dtypes import is_fp8
 from cute_kv.metadata import input_row_offsets, make_lookup_table, max_lengths
@@ -46,7 +47,7 @@ class PagedBatch:
         """bool ``[N, KVD, L, P]``: the slots of layer ``layer_idx`` (K and V) of this step's new tokens, or with
         ``context`` of each request's whole context ``[0, cache_length + new)`` (what attention reads)."""
         c = self.collection
-        mask = torch.zeros(c.blocks.shape[:4], dtype=torch.bool, device=c.device)
+        mask = torch.zeros(c.shape[:4], dtype=torch.bool, device=c.device)
         for b, (cache_length, n) in enumerate(zip(self.cache_lengths, self.new_lengths)):
             page, slot = self.slots(b, 0 if context else cache_length, cache_length + n)
             mask[page, :, layer_idx, slot] = True
@@ -56,16 +57,17 @@ class PagedBatch:
         """NaN into every slot (values and scales) outside the contexts of layer ``layer_idx``: other layers,
         pages nobody owns, and the unwritten tail of each request's last page. A reader that touches one shows."""
         unread = ~self.step_mask(layer_idx, context=True)
-        for t in (self.collection.blocks, self.collection.scales):
+        c = self.collection
+        for t, mask in ((c.key_blocks, unread[:, 0]), (c.value_blocks, unread[:, -1]), (c.scales, unread)):
             if t is not None:
                 nan = torch.full((), float("nan"), dtype=t.dtype, device=t.device)
-                _raw(t)[unread] = _raw(nan.reshape(1))  # byte view: fp8 tensors lack masked_fill
+                _raw(t)[mask] = _raw(nan.reshape(1))  # byte view: fp8 tensors lack masked_fill
 
     def tokens(self, kv_idx: int, layer_idx: int, b: int, start: int, stop: int):
         """Stored ``(values [n, H, D], scales [n, H, G] or None)`` of tokens ``[start, stop)`` (cache dtypes)."""
         page, slot = self.slots(b, start, stop)
         c = self.collection
-        values = _raw(c.blocks)[page, kv_idx, layer_idx, slot].view(c.dtype)
+        values = _raw(c.plane(kv_idx))[page, layer_idx, slot].view(c.dtype)
         scales = None if c.scales is None else _raw(c.scales)[page, kv_idx, layer_idx, slot].view(c.scale_dtype)
         return values, scales
 
@@ -125,3 +127,37 @@ def random_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int],
     )
     return PagedBatch(collection, input_row_offsets(new_lengths, device), list(cache_lengths), list(new_lengths), pages)
 
+
+
+ENGINE_LAYOUTS = (*kv_layout.ENGINE_LAYOUTS, "strided-6d")
+
+
+def with_layout(pb: PagedBatch, layout: str, layer_idx: int) -> tuple[PagedBatch, int]:
+    """``(pb over a copy of its cache in another engine's layout, the layer index there)``: the same values and
+    metadata. ``vllm`` ``kv[2, N, P, H, D]``, ``flashinfer-nhd`` ``[N, 2, P, H, D]``, ``flashinfer-hnd``
+    ``[N, 2, H, P, D]`` and ``separate`` K / V tensors (FA4) hold layer ``layer_idx`` alone (``from_kv``, layer 0);
+    ``strided-6d`` every layer, as the 6-D view ``[N, L, KVD, H, P, D + 16 bytes]`` permuted to
+    ``[N, KVD, L, P, H, D]`` and sliced to ``D`` (rows padded, heads outermost in a page). Scales stay compact."""
+    c = pb.collection
+    n, kvd, nl, p, h, d = c.shape
+    pad = 16 // c.key_blocks.element_size()
+    if layout == "strided-6d":
+        base = torch.empty((n, nl, kvd, h, p, d + pad), dtype=c.dtype, device=c.device)
+        _raw(base)[..., d:] = 0x7f  # padding a store must not touch
+        blocks = base.permute(0, 2, 1, 4, 3, 5)[..., :d]
+        for kv in range(kvd):
+            _raw(blocks)[:, kv] = _raw(c.plane(kv))
+        out = PagedKVCacheCollection(blocks, c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length,
+                                     c.scales, quantization_granularity=c.quantization_granularity if c.scales
+                                     is not None else None, rope_dim=c.rope_dim)
+        return dataclasses.replace(pb, collection=out), layer_idx
+    if c.is_mla:
+        raise ValueError(f"layout {layout!r} holds K and V; an MLA cache has K only")
+    k, v = kv_layout.engine_kv(layout, n, p, h, d, c.dtype, c.device)
+    _raw(k)[:] = _raw(c.key_blocks[:, layer_idx])
+    _raw(v)[:] = _raw(c.value_blocks[:, layer_idx])
+    scales = None if c.scales is None else c.scales[:, :, layer_idx:layer_idx + 1].contiguous()
+    out = PagedKVCacheCollection.from_kv(k, v, c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length,
+                                         scales, quantization_granularity=c.quantization_granularity if scales
+                                         is not None else None)
+    return dataclasses.replace(pb, collection=out), 0

@@ -3,7 +3,7 @@
 For each (token, query head): ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``
 (``o_s`` already divided by its split's sum, ``lse_s`` its log2-sum-exp; an empty split has ``lse = -inf``, weight
 0, and its ``o_s`` is never read: it may be unwritten). ``D / 4`` threads share a row, 16 bytes of float32 each; a
-128-thread CTA takes ``512 / D`` rows.
+128-thread CTA takes ``128 // (D / 4)`` rows (6 at D = 80, its last 8 threads idle).
 With ``return_lse`` the merged natural-log ``lse = (M + log2 sum_s 2^(lse_s - M)) * ln 2`` (-inf for a row no split
 saw) is written too.
 """
@@ -63,7 +63,7 @@ class AttentionCombine:
         cta, _, _ = cute.arch.block_idx()
         row = cta * self.rows_per_cta + tidx // self.threads_per_row
         chunk = tidx % self.threads_per_row
-        if row < rows:
+        if row < rows and tidx < self.rows_per_cta * self.threads_per_row:
             t = row // self.num_q_heads
             h = row % self.num_q_heads
             top = NEG_INF

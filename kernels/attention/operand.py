@@ -14,21 +14,24 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.cute.runtime import make_fake_tensor
 
 from cute_kv.kernels.paged.populate import populate
-from cute_kv.kernels.paged.tma_tiles import kv_row_view
+from cute_kv.kernels.paged.tma_tiles import kv_row_view, plane_row_view, plane_rows_per_page
 from cute_kv.row_indices import lut_chunk, tile_geometry
 
 
 class KVCacheMHAOperand:
-    """Plane ``kv_idx`` (0: K, 1: V) of a paged cache ``blocks [N, KVD, L, P, H, D]``, tiles of ``bn`` tokens.
+    """Plane ``kv_idx`` (0: K, 1: V) of a paged cache ``blocks [N, KVD, L, P, H, D]``, tiles of ``bn`` tokens; with
+    ``strided`` the source is the plane itself, ``[N, L, P, H, D]`` with runtime strides (``plane_row_view``: a
+    foreign layout read in place; no scales).
 
     ``lut_vector``: the lookup table's rows are padded and aligned for vector reads of a tile's entries (else one
     entry at a time).
     """
 
-    def __init__(self, kv_idx: int, page_size: int, bn: int, lut_vector: bool):
-        self.kv_idx, self.page_size, self.bn = kv_idx, page_size, bn
+    def __init__(self, kv_idx: int, page_size: int, bn: int, lut_vector: bool, strided: bool = False):
+        self.kv_idx, self.page_size, self.bn, self.strided = kv_idx, page_size, bn, strided
         self.rows_per_copy, self.copies_per_tile = tile_geometry(bn, page_size)
         # A multi-page tile starts on a page; base_alignment = P makes populate read its entries one by one. A tile
         # inside a page (P >= BN) reads one entry either way and starts at a multiple of BN within it.
@@ -37,10 +40,30 @@ class KVCacheMHAOperand:
         self.lut_width = lut_chunk(self.copies_per_tile, self.base_alignment, page_size)
 
     def row_view(self, blocks: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
+        if self.strided:
+            return plane_row_view(blocks, layer_idx)
         return kv_row_view(blocks, self.kv_idx, layer_idx)
 
+    def fake_source(self, dtype, num_kv_heads: int, head_dim: int, kv_dim: int,
+                    heads_adjacent: bool = False) -> cute.Tensor:
+        """The compile-time stand-in of what ``row_view`` reads: ``blocks [N, KVD, L, P, H, D]``, or (``strided``)
+        a plane ``[N, L, P, H, D]`` whose strides but the depth's are runtime values, each a whole number of 16-byte
+        units (TMA's stride rule); ``heads_adjacent`` fixes the head stride to ``D`` (a view that reads a token's
+        heads as one row: gather4's). K and V share it: their planes have one shape and one set of strides."""
+        p, h, d = self.page_size, num_kv_heads, head_dim
+        if self.strided:
+            unit = lambda: cute.sym_int64(divisibility=128 // dtype.width)  # noqa: E731 -- 16 bytes
+            return make_fake_tensor(dtype, (cute.sym_int32(), cute.sym_int32(), p, h, d),
+                                    stride=(unit(), unit(), unit(), d if heads_adjacent else unit(), 1),
+                                    assumed_align=16)
+        return make_fake_tensor(dtype, (cute.sym_int32(), kv_dim, cute.sym_int32(), p, h, d), stride=(
+            cute.sym_int64(divisibility=kv_dim * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
+            h * d, d, 1), assumed_align=16)
+
     def rows_per_page(self, blocks: cute.Tensor):
-        """Row pitch of a page in the row view: ``KVD*L*P``."""
+        """Row pitch of a page in the row view: ``KVD*L*P`` (strided: ``sN / sP``)."""
+        if self.strided:
+            return plane_rows_per_page(blocks)
         return blocks.shape[1] * blocks.shape[2] * self.page_size
 
     def scale_view(self, scales: cute.Tensor, layer_idx: Int32) -> cute.Tensor:

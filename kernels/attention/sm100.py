@@ -53,12 +53,13 @@ Split-KV, sinks, soft-cap and the log-sum-exp follow ``sm90.py`` and the API: a 
 ``lse = m + log2 l`` (float32) for ``AttentionCombine``; the sink joins the denominator of split 0 only; with
 ``return_lse`` a single split writes ``lse`` (natural log) itself.
 
-The epilogue stages O (16-bit, one split) in its Q tile's shared memory and one thread stores it with D / 64 TMA stores
-when the group divides BM: a tile's packed rows are (token, head) pairs, a token's group heads contiguous in ``out``,
-so a box is (64 columns, group heads, 128 / group tokens). A request's rows are ragged inside ``out`` and a TMA store
-clips only at its tensor map's bounds, so the map is the ragged window (``tma_tiles.create_packed_ragged_store``:
-base shifted back 2^30 tokens, the request's end as an extra coordinate): rows past the request fall out of bounds
-and are dropped, never written into the next request's rows. Other groups, and split partials (float32 rows of
+The epilogue stages O (16-bit, one split) in its Q tile's shared memory and one thread stores it with a TMA store per
+swizzle row (64 columns; 32 at head dim 96, 16 at 80) when the group divides BM: a tile's packed rows are (token,
+head) pairs, a token's group heads contiguous in ``out``, so a box is (a swizzle row's columns, group heads, 128 /
+group tokens). A request's rows are ragged inside ``out`` and a TMA store clips only at its tensor map's bounds, so
+the map is the ragged window (``tma_tiles.create_packed_ragged_store``: base shifted back 2^30 tokens, the request's
+end as an extra coordinate): rows past the request fall out of bounds and are dropped, never written into the next
+request's rows. Other groups, and split partials (float32 rows of
 ``o_part``), leave by the threads' 16-byte stores (a thread's row is contiguous).
 
 No 2-CTA MMA (``cta_group::2``, M = 256 over a CTA pair, each CTA holding half of each K and V tile): it halves a
@@ -87,9 +88,11 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator, TmemAllocator
 
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
+from cute_kv.kernels.attention.config import layout_problem
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
-from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp2_scores, o_copies,
+from cute_kv.kernels.attention.config import ring_swizzle
+from cute_kv.kernels.attention.sm100_common import (NEG_INF, dequantize_row, exp2_scores, o_chunk, o_copies,
                                                       rescale_o, row_add, row_normalizer, scale_scores, update_max,
                                                       write_lse)
 from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, FP8, RESCALE_THRESHOLD, SLOTS, TMEM_COLUMNS,
@@ -107,10 +110,11 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # thread, of 384 at 168; setmaxnreg.inc takes registers only from the CTA's pool, what the other warpgroups release
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
 # softmax's inc waiting forever). The softmax holds a row of S (BN floats) and a piece of P; the correction a
-# 32-column piece of O; the MMA / load warps little. The splits ptxas measured without spills; at two Q tiles the
+# 32-column piece of O; the MMA / load warps little, but 80 TMAs a key tile (D = 80: five 32-byte boxes a row, pages of
+# 16) spilled the load warp under 184. The splits ptxas measured without spills; at two Q tiles the
 # softmax has no registers left for the FMA exp2's constants (``exp2_emulation`` 0 there).
 REGS = {(2, False, False): {"softmax": 184, "correction": 80, "other": 64},
-        (1, False, False): {"softmax": 240, "correction": 136, "other": 128},
+        (1, False, False): {"softmax": 224, "correction": 96, "other": 184},
         (1, False, True): {"softmax": 240, "correction": 136, "other": 128},
         (1, True, False): {"softmax": 200, "correction": 80, "other": 120, "convert": 112},
         (1, True, True): {"softmax": 184, "correction": 96, "other": 120, "convert": 112}}
@@ -118,7 +122,6 @@ TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q sta
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st (32 scores): a piece's scores die once it is stored
-SWIZZLE = 128  # bytes: the K-major swizzle of every MMA operand tile
 
 
 @dsl_user_op
@@ -150,10 +153,11 @@ class PagedAttentionSm100:
     """Compile-time key: dtype (of Q, O and the MMAs), heads (Hq, H), head dim, ``page_size``, KVD, whether the
     lookup table takes vector reads, the flags ``softcap``, ``sinks``, ``return_lse``, an fp8 cache:
     ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over ``granularity`` head dims (None: unscaled), float32 or,
-    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, and ``v_dim`` (None: the head dim): values are
-    the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of 128), O is ``v_dim`` wide,
-    and ``q_tiles`` (None: as many as ``sm100_config.q_tiles`` allows; the host takes one for a step whose packed
-    rows fit one tile).
+    with ``e8m0_scales``, float8_e8m0fnu passed as their uint8 bits, ``q_tiles`` (None: as many as
+    ``sm100_config.q_tiles`` allows; the host takes one for a step whose packed rows fit one tile), ``v_dim`` (None:
+    the head dim): values are the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of
+    128), O is ``v_dim`` wide, and ``layout`` ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]``
+    instead of ``blocks`` (``KVCacheMHAOperand``; gather4 pages take a token's heads side by side, ``sH == D``).
 
     An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 12-15) into one
     16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
@@ -163,17 +167,23 @@ class PagedAttentionSm100:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
                  return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
-                 e8m0_scales: bool = False, v_dim: Optional[int] = None, q_tiles: Optional[int] = None):
+                 e8m0_scales: bool = False, q_tiles: Optional[int] = None, v_dim: Optional[int] = None,
+                 layout: str = "compact"):
         kv_dtype_name = kv_dtype_name or dtype_name
-        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity, v_dim)
+        problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity,
+                            v_dim) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.kv_fp8 = kv_dtype_name == FP8
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.ring_swizzle = min(SWIZZLE, head_dim * self.kv_dtype.width // 8)  # no box wider than a row
         self.v_dim = v_dim or head_dim
+        # K-major swizzle (bytes) of the 16-bit tiles (Q, O staged in it, dequantized K and V) and of the ring as
+        # loaded, by the row's width (``config.ring_swizzle``); K and V rows alike (every ``VALUE_DIMS`` pair's do)
+        self.swizzle = ring_swizzle(head_dim, False)
+        self.ring_swizzle = ring_swizzle(head_dim, self.kv_fp8)
+        assert ring_swizzle(self.v_dim, self.kv_fp8) == self.ring_swizzle
         self.plan = tiling(head_dim, page_size, self.kv_fp8, self.v_dim, softcap, num_q_heads // num_kv_heads, q_tiles)
         self.bn, self.stages, self.q_tiles = self.plan.bn, self.plan.stages, self.plan.q_tiles
         self.softmax_warps = tuple(range(4 * self.q_tiles))
@@ -186,16 +196,18 @@ class PagedAttentionSm100:
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
         self.gather4 = self.plan.gather4
-        if not self.gather4:  # one TMA per page slot, rows from populate
-            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
-            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+        # The planes' row views; without gather4 also one TMA per page slot, rows from populate.
+        self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, layout == "strided")
+        self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, layout == "strided")
         self.box_width = self.ring_swizzle * 8 // self.kv_dtype.width  # gather4 columns an instruction: a swizzle row
         self.s_cols = self.bn  # TMEM columns of one S tile
         self.p_cols = self.bn * self.dtype.width // 32  # TMEM columns of one P tile (two 16-bit values a column)
         self.o_col = 2 * self.bn  # first TMEM column of O
-        # O leaves by TMA stores of (group heads, BM / group tokens, 64 columns) boxes when the group divides BM.
+        # O leaves by TMA stores of (group heads, BM / group tokens, a swizzle row's columns) boxes when the group
+        # divides BM.
         self.tma_store = BM % self.group == 0
-        self.o_box_width = SWIZZLE * 8 // self.dtype.width
+        self.o_box_width = self.swizzle * 8 // self.dtype.width
+        self.o_chunk = o_chunk(self.v_dim)
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -211,9 +223,7 @@ class PagedAttentionSm100:
                                             stride_order=(2, 1, 0), assumed_align=4)
         lse = make_fake_compact_tensor(Float32, (cute.sym_int32(), hq), stride_order=(1, 0), assumed_align=4)
         b, h, kvd, p = cute.sym_int32(), self.num_kv_heads, self.kv_dim, self.page_size
-        blocks = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
-            cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
-            h * d, d, 1), assumed_align=16)
+        blocks = self.k_op.fake_source(self.kv_dtype, h, d, kvd, heads_adjacent=self.gather4)  # rows_2d's view
         scales = None
         if self.granularity:
             g = d // self.granularity
@@ -245,8 +255,8 @@ class PagedAttentionSm100:
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
         tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, dv), tcgen05.OperandSource.TMEM)
-        k_rows = tma_tiles.kv_row_view(k_src, 0, layer_idx)
-        v_rows = tma_tiles.kv_row_view(v_src, 1, layer_idx)
+        k_rows = self.k_op.row_view(k_src, layer_idx)
+        v_rows = self.v_op.row_view(v_src, layer_idx)
         if cutlass.const_expr(self.gather4):
             # The index tensor only shapes the descriptor here; the kernel points it at its shared-memory rows.
             index = cute.make_tensor(cute.recast_ptr(lookup_table.iterator, dtype=Int32), cute.make_layout((bn,)))
@@ -259,13 +269,13 @@ class PagedAttentionSm100:
             tma_v, g_v, _ = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, dv, self.ring_swizzle)
         tma_o = g_out = None
         if cutlass.const_expr(self.tma_store):
-            tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, SWIZZLE)
+            tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, self.swizzle)
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
             k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
             v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
-        rows_per_page = k_src.shape[1] * k_src.shape[2] * self.page_size  # KVD*L*P: a page's pitch in rows
+        rows_per_page = self.k_op.rows_per_page(k_src)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])  # m_blocks of plan.rows rows
         # No smem= at launch: the DSL sizes it from what the kernel allocates (``plan.smem`` bounds that). One CTA
         # per SM declared (.minnctapersm 1): ptxas then knows the register count at entry and applies setmaxnreg.
@@ -324,7 +334,7 @@ class PagedAttentionSm100:
             s_rows = None
             if cutlass.const_expr(self.gather4):  # each stage's token rows, read by its gather4 instructions
                 s_rows = smem.allocate_tensor(Int32, cute.make_layout((bn, stages)), byte_alignment=16)
-            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d, stages=tiles)
+            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d, self.swizzle, stages=tiles)
             ring_k_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.ring_swizzle, stages=stages)
             ring_v_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, dv, self.ring_swizzle, stages=stages)
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
@@ -334,8 +344,8 @@ class PagedAttentionSm100:
                                           swizzle=ring_v_layout.inner)
             s_k, s_v = ring_k, ring_v  # what the MMAs read: the ring itself, or the dequantized tiles
             if cutlass.const_expr(self.kv_fp8):
-                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, stages=1)
-                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, stages=1)
+                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=1)
+                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, self.swizzle, stages=1)
                 s_k = smem.allocate_tensor(dt, k_layout.outer, byte_alignment=1024, swizzle=k_layout.inner)
                 s_v = smem.allocate_tensor(dt, v_layout.outer, byte_alignment=1024, swizzle=v_layout.inner)
             # V as the PV MMA's B operand: (D_v, BN) with D_v contiguous (MN-major), the same bytes.
@@ -878,11 +888,12 @@ class PagedAttentionSm100:
         tok = (m0 + tidx) // self.group
         head = kv_head * self.group + (m0 + tidx) % self.group
         top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
-        load, _, src, _, shape = o_copies(t_o)
+        chunk = self.o_chunk
+        load, _, src, _, shape = o_copies(t_o, chunk)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
-        for i in cutlass.range_constexpr(self.v_dim // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+        for i in cutlass.range_constexpr(self.v_dim // chunk):
+            cute.copy(load, cute.make_tensor(src.iterator + i * chunk, src.layout), vals)
             for e in cutlass.range_constexpr(0, cute.size(vals), 2):
                 vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (inv, inv))
             if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
@@ -890,11 +901,11 @@ class PagedAttentionSm100:
             if num_splits == 1:
                 res.store(vals.load().to(self.dtype))
                 if cutlass.const_expr(self.tma_store):  # every row: the TMA drops those past the request
-                    cute.autovec_copy(res, cute.local_tile(s_o[tidx, None], (O_CHUNK,), (i,)))
+                    cute.autovec_copy(res, cute.local_tile(s_o[tidx, None], (chunk,), (i,)))
                 elif tok < seq_len:
-                    cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (O_CHUNK,), (i,)))
+                    cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (chunk,), (i,)))
             elif tok < seq_len:
-                cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (O_CHUNK,), (i,)))
+                cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (chunk,), (i,)))
         if cutlass.const_expr(self.tma_store):
             if num_splits == 1:
                 self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)
@@ -904,9 +915,9 @@ class PagedAttentionSm100:
     @cute.jit
     def store_o(self, tma_o: cute.CopyAtom, g_out: cute.Tensor, s_o: cute.Tensor, q_start: Int32, seq_len: Int32,
                 m0: Int32, kv_head: Int32):
-        """The staged O tile to ``out``: one thread issues one TMA store per 64 columns, box (group heads, BM / group
-        tokens), over the request's ragged window (rows past it are dropped), and waits until they have read shared
-        memory, so the tile outlives them (the CTA's last barrier follows)."""
+        """The staged O tile to ``out``: one thread issues one TMA store per swizzle row (``o_box_width`` columns),
+        box (group heads, BM / group tokens), over the request's ragged window (rows past it are dropped), and waits
+        until they have read shared memory, so the tile outlives them (the CTA's last barrier follows)."""
         cute.arch.fence_view_async_shared()  # this thread's row (generic stores) before the TMA reads it
         pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER_ID, num_threads=BM).arrive_and_wait()
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.correction_warp:

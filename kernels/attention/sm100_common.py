@@ -20,33 +20,40 @@ from cute_kv.kernels.attention.sm100_config import EXP2_POLY
 
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
-O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue
+O_CHUNK = 32  # O columns per tcgen05.ld/st in the rescale and the epilogue (``o_chunk``)
+
+
+def o_chunk(cols: int) -> int:
+    """O columns per tcgen05.ld/st for an O of ``cols`` columns: ``O_CHUNK``, or 16 where that leaves a remainder
+    (80: pieces of 32 would drop the last 16 columns)."""
+    return math.gcd(O_CHUNK, cols)
 
 
 @cute.jit
-def o_copies(t_o: cute.Tensor):
-    """This thread's row of O in ``O_CHUNK``-column pieces: (TMEM load, TMEM store, source, destination, register
-    shape); piece ``i`` is the source / destination iterator moved by ``i * O_CHUNK``."""
+def o_copies(t_o: cute.Tensor, chunk: cutlass.Constexpr[int]):
+    """This thread's row of O in ``chunk``-column pieces: (TMEM load, TMEM store, source, destination, register
+    shape); piece ``i`` is the source / destination iterator moved by ``i * chunk``."""
     tidx = cute.arch.thread_idx()[0] % BM
-    piece = cute.composition(t_o, cute.make_layout((BM, O_CHUNK)))
+    piece = cute.composition(t_o, cute.make_layout((BM, chunk)))
     load = tcgen05.make_tmem_copy(cute.make_copy_atom(
-        tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
+        tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(chunk)), Float32), piece).get_slice(tidx)
     store = tcgen05.make_tmem_copy(cute.make_copy_atom(
-        tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(O_CHUNK)), Float32), piece).get_slice(tidx)
-    shape = load.partition_D(cute.make_identity_tensor((BM, O_CHUNK))).shape
+        tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(chunk)), Float32), piece).get_slice(tidx)
+    shape = load.partition_D(cute.make_identity_tensor((BM, chunk))).shape
     return load, store, load.partition_S(piece), store.partition_D(piece), shape
 
 
 @cute.jit
 def rescale_o(t_o: cute.Tensor, corr: Float32, cols: cutlass.Constexpr[int]):
     """This thread's row of O (its first ``cols`` columns) *= ``corr`` in TMEM, between the PV MMAs of two tiles."""
-    load, store, src, dst, shape = o_copies(t_o)
+    chunk = o_chunk(cols)
+    load, store, src, dst, shape = o_copies(t_o, chunk)
     vals = cute.make_rmem_tensor(shape, Float32)
-    for i in cutlass.range_constexpr(cols // O_CHUNK):
-        cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+    for i in cutlass.range_constexpr(cols // chunk):
+        cute.copy(load, cute.make_tensor(src.iterator + i * chunk, src.layout), vals)
         for e in cutlass.range_constexpr(0, cute.size(vals), 2):
             vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
-        cute.copy(store, vals, cute.make_tensor(dst.iterator + i * O_CHUNK, dst.layout))
+        cute.copy(store, vals, cute.make_tensor(dst.iterator + i * chunk, dst.layout))
 
 
 def row_reduce(vals: cute.Tensor, init: Float32, op) -> Float32:

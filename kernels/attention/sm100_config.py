@@ -1,18 +1,20 @@
 """``PagedAttentionSm100``'s tiling rules, free of CuTe DSL: the torch entry decides on them without importing cutlass.
 
 A CTA owns ``q_tiles`` (1 or 2) tiles of 128 packed query rows (one ``tcgen05.mma`` M, one TMEM lane per row, one
-softmax warpgroup each) and walks key tiles of ``BN`` keys; each K/V tile serves all of the CTA's rows. Tensor memory
-holds two S tiles (each Q tile's own with two Q tiles, FA4's plan: one Q tile's softmax runs while the other's QK
-and PV are on the tensor core; with one Q tile QK of key tile j+1 runs while the softmax reads tile j), each tile's P
-(16-bit, the PV MMA's A operand) over the upper half of its S, and one O accumulator per Q tile: ``2 * BN + q_tiles *
-D_v <= 512`` columns, so one CTA per SM. Two Q tiles where that and two K/V stages fit: 16-bit caches with ``D_v = D
-<= 128`` (D = 128: 2 x 128 + 2 x 128 = all 512 columns), unless registers do not (``q_tiles``). One Q tile otherwise: head dim 256 (64-key tiles: 2 x 64 +
-2 x 256 = 640 columns), K of 192 / V of 128 (two 48 KiB Q tiles and two 80 KiB K+V stages are 256 KiB; FA4 there
-shares one ring of alternating K and V slots), and fp8 caches (their converter warpgroup would make five warpgroups:
-under 104 registers a thread). Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA prefill's
-decompressed heads: K of nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which the first
-``D_v`` are read). Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take allows. Any
-page size: pages that tile the key tile load by one TMA per page slot, others by gather4 (``uses_gather4``).
+softmax warpgroup each) and walks key tiles of ``BN`` keys; each K/V tile serves all of the CTA's rows. Tensor
+memory holds two S tiles (each Q tile's own with two Q tiles, FA4's plan: one Q tile's softmax runs while the
+other's QK and PV are on the tensor core; with one Q tile QK of key tile j+1 runs while the softmax reads tile j),
+each tile's P (16-bit, the PV MMA's A operand) over the upper half of its S, and one O accumulator per Q tile: ``2 *
+BN + q_tiles * D_v <= 512`` columns, so one CTA per SM. Two Q tiles where that and two K/V stages fit: 16-bit caches
+with ``D_v = D <= 128`` (D = 128: 2 x 128 + 2 x 128 = all 512 columns), unless registers do not (``q_tiles``). One Q
+tile otherwise: head dims 80, 96 and 192 (registers for two measured at D = 64 and 128 only), 256 (64-key tiles: 2 x
+64 + 2 x 256 = 640 columns), K of 192 / V of 128 (two 48 KiB Q tiles and two 80 KiB K+V stages are 256 KiB; FA4
+there shares one ring of alternating K and V slots), and fp8 caches (their converter warpgroup would make five
+warpgroups: under 104 registers a thread). Values are ``D_v = D`` wide, or narrower where ``VALUE_DIMS`` says (MLA
+prefill's decompressed heads: K of nope + rope = 192, V of 128; the V rows are the cache's ``D``-wide rows, of which
+the first ``D_v`` are read). Shared memory holds Q and a ring of K/V stages, as deep as the 227 KiB a CTA may take
+allows. Any page size: pages that tile the key tile load by one TMA per page slot, others by gather4
+(``uses_gather4``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, HEAD_DIMS, VEC, head_problem  # noqa: F401
+from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, HEAD_DIMS, VALUE_DIMS, VEC,  # noqa: F401
+                                               head_problem, ring_swizzle)
 
 # BM: 128 packed query rows per CTA, the tcgen05.mma M (one TMEM lane each), as on SM90 (two warpgroups of 64).
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: two S tiles + an O per Q tile
@@ -37,7 +40,6 @@ RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P 
 EXP2_EMULATION = 10
 # 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
 EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
-VALUE_DIMS = {192: 128}  # head dim -> the narrower value dim it also takes (DeepSeek MLA prefill: 128 + 64 / 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +102,12 @@ def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, pa
     keeps its third K/V stage; None: any step."""
     v_dim = v_dim or head_dim
     bn = key_tile(head_dim, v_dim)
-    if kv_fp8 or softcap or (rows is not None and rows <= BM):
+    # Registers were measured for two Q tiles at D = 64 and 128 only (80 and 96: other swizzles and O pieces).
+    if kv_fp8 or softcap or head_dim not in (64, 128) or v_dim != head_dim or (rows is not None and rows <= BM):
         return 1
-    # The load warp's TMAs per K tile: page slots x 128-byte swizzle boxes of a row.
-    if page_size is not None and (uses_gather4(page_size, bn) or max(bn // page_size, 1) * head_dim * 2 // 128 > 8):
+    # The load warp's TMAs per K tile: page slots x swizzle-row boxes of a row (``ring_swizzle``).
+    boxes = head_dim * 2 // ring_swizzle(head_dim, False)
+    if page_size is not None and (uses_gather4(page_size, bn) or max(bn // page_size, 1) * boxes > 8):
         return 1
     if group is not None and (group == 1 or BM % group):
         return 1
@@ -150,14 +154,7 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
         return f"the SM100 kernel reads 16-bit or {FP8} caches, got {kv_dtype_name}"
     if page_size is None:
         return "the SM100 kernel reads paged caches"
-    if v_dim is not None and v_dim != head_dim:
-        if VALUE_DIMS.get(head_dim) != v_dim:
-            return (f"v_dim ({v_dim}) must equal head_dim ({head_dim}) or be one of the (head_dim, v_dim) pairs "
-                    f"{sorted(VALUE_DIMS.items())}")
-        if kv_dtype_name == FP8:
-            return f"a v_dim narrower than head_dim needs a 16-bit cache, got {FP8}"
-        head_dim = v_dim  # the pair is checked: what else head_problem checks (heads, no granules) is as for D_v
-    problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity)
+    problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity, v_dim)
     if problem:
         return problem
     if page_size < 1:

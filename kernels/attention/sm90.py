@@ -10,7 +10,9 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
   for each key tile, issues one TMA per page slot for K into the K ring and for V into the V ring (separate
   pipelines, so QK of a tile can start before its V lands) and then reads the lookup entries of the next tile
   (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring and the whole warpgroup
-  dequantizes them into the 16-bit rings;
+  dequantizes them into the 16-bit rings. Pages no TMA box tiles (under 16 rows, or neither dividing nor divided by
+  the key tile) are gathered instead (40 registers): the whole warpgroup issues 16-byte ``cp.async`` copies of each
+  row into the rings, one lookup entry a key (``row_gather``);
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
   registers, the online softmax runs there, ``P`` is converted in registers and fed to ``O += P V`` as the A
   operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
@@ -50,8 +52,10 @@ from cutlass.memory import SmemAllocator
 from cute_kv.kernels.quant import granule_scale
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
-from cute_kv.kernels.attention.config import BM, DTYPE_NAMES, FP8, VEC, ring_swizzle, supported, tiling
+from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, VEC, gathers, layout_problem, ring_swizzle,
+                                              supported, tiling)
 from cute_kv.kernels.attention.operand import DenseMHAOperand, KVCacheMHAOperand
+from cute_kv.kernels.attention.row_gather import RowGather
 from cute_kv.kernels.paged import tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 
@@ -59,7 +63,8 @@ WG_THREADS = 128
 THREADS = 3 * WG_THREADS  # producer + two consumer warpgroups
 WG_ROWS = 64  # packed rows per consumer warpgroup: one wgmma M
 PRODUCER_REGS = 32
-PRODUCER_REGS_FP8 = 40  # the dequantizing warpgroup: all that the launch's 168 x 384 leave beside the consumers' 232
+PRODUCER_REGS_FP8 = 40  # a working producer warpgroup (fp8 dequantization, row gathers): all that the launch's
+# 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -106,7 +111,11 @@ class PagedAttention:
     dense ``[B, S, H, D]`` cache), KVD, whether the lookup table takes vector reads, the optional features (soft-cap,
     sinks, writing the natural-log ``lse``), and an fp8 cache: ``kv_dtype_name`` ``"float8_e4m3fn"`` with scales over
     ``granularity`` head dims (None: unscaled), float32 or, with ``e8m0_scales``, float8_e8m0fnu (passed as their
-    uint8 bits).
+    uint8 bits), and ``v_dim`` (None: the head dim): values are the first ``v_dim`` dims of the V rows
+    (``config.VALUE_DIMS``: K of 192, V of 128), the PV MMA's N and O are ``v_dim`` wide. Every tile is swizzled by
+    its row's width (``config.ring_swizzle``: 32 bytes at head dim 80, 64 at 96, 128 otherwise). ``layout``
+    ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
+    (``KVCacheMHAOperand``).
 
     An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
     granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
@@ -115,32 +124,41 @@ class PagedAttention:
     def __init__(self, dtype_name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
                  sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
-                 granularity: Optional[int] = None, e8m0_scales: bool = False):
+                 granularity: Optional[int] = None, e8m0_scales: bool = False, v_dim: Optional[int] = None,
+                 layout: str = "compact"):
         self.kv_fp8 = kv_dtype_name == FP8
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
-                            granularity)
+                            granularity, v_dim) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 else PRODUCER_REGS
+        bn = tiling(head_dim, self.kv_fp8, v_dim).bn
+        # pages no TMA box tiles: the producer warpgroup gathers rows by cp.async (``row_gather``)
+        self.gather = RowGather(bn, head_dim, page_size, self.kv_dtype, ring_swizzle(head_dim, self.kv_fp8)) \
+            if gathers(page_size, bn) else None
+        self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 or self.gather else PRODUCER_REGS
         self.consumer_regs = CONSUMER_REGS
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.v_dim = v_dim or head_dim
         self.group = num_q_heads // num_kv_heads
         # Q by TMA when the group divides a warpgroup's 64 rows (power-of-two groups up to 64); else thread copies
         self.q_tma = WG_ROWS % self.group == 0
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.plan = tiling(head_dim, self.kv_fp8)
+        self.plan = tiling(head_dim, self.kv_fp8, self.v_dim)
         self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
-        self.swizzle = ring_swizzle(head_dim, False)
-        self.load_swizzle = ring_swizzle(head_dim, self.kv_fp8)  # of the tiles TMA writes
+        self.swizzle = ring_swizzle(head_dim, False)  # of Q (and O staged in it) and the K ring
+        self.v_swizzle = ring_swizzle(self.v_dim, False)
+        # of the tiles TMA writes: K's and V's (an fp8 cache has V as wide as K)
+        self.load_swizzles = (ring_swizzle(head_dim, self.kv_fp8), ring_swizzle(self.v_dim, self.kv_fp8))
         if page_size is None:
             self.k_op = self.v_op = DenseMHAOperand(self.bn)
         else:
-            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector)
-            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector)
+            lut_vector = lut_vector and not self.gather  # a gather reads one entry a key
+            self.k_op = KVCacheMHAOperand(0, page_size, self.bn, lut_vector, layout == "strided")
+            self.v_op = KVCacheMHAOperand(1, page_size, self.bn, lut_vector, layout == "strided")
 
     # -- host ------------------------------------------------------------------------------------
 
@@ -148,14 +166,14 @@ class PagedAttention:
         return self.plan.smem
 
     def fake_args(self) -> tuple:
-        dt, d, hq, h = self.dtype, self.head_dim, self.num_q_heads, self.num_kv_heads
+        dt, d, dv, hq, h = self.dtype, self.head_dim, self.v_dim, self.num_q_heads, self.num_kv_heads
         t = cute.sym_int32()
         row = lambda: cute.sym_int64(divisibility=VEC)  # noqa: E731 -- 16-byte row accesses
         q = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
-        out = make_fake_tensor(dt, (t, hq, d), stride=(row(), d, 1), assumed_align=16)
+        out = make_fake_tensor(dt, (t, hq, dv), stride=(row(), dv, 1), assumed_align=16)
         lse = make_fake_compact_tensor(Float32, (t, hq), stride_order=(1, 0), assumed_align=4) if self.return_lse \
             else None
-        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, d),
+        o_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq, dv),
                                           stride_order=(3, 2, 1, 0), assumed_align=16)
         lse_part = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), hq),
                                             stride_order=(2, 1, 0), assumed_align=4)
@@ -168,9 +186,7 @@ class PagedAttention:
             k_src, v_src, lut = cache(), cache(), None
         else:
             kvd, p = self.kv_dim, self.page_size
-            k_src = v_src = make_fake_tensor(self.kv_dtype, (cute.sym_int32(), kvd, cute.sym_int32(), p, h, d), stride=(
-                cute.sym_int64(divisibility=kvd * p * h * d), cute.sym_int64(divisibility=p * h * d), p * h * d,
-                h * d, d, 1), assumed_align=16)
+            k_src = v_src = self.k_op.fake_source(self.kv_dtype, h, d, kvd)
             if self.granularity:
                 g = d // self.granularity
                 scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
@@ -195,25 +211,28 @@ class PagedAttention:
         unused and ``softmax_scale_log2 = scale * log2(e)``; with soft-cap ``c``, ``score_scale = scale / c`` (S
         becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive. ``scales``:
         the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
-        dt, d, bn = self.dtype, self.head_dim, self.bn
+        dt, d, dv, bn = self.dtype, self.head_dim, self.v_dim, self.bn
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                          (1, 1, 1), (WG_ROWS, bn))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                                         (1, 1, 1), (WG_ROWS, d), warpgroup.OperandSource.RMEM)
+                                                         (1, 1, 1), (WG_ROWS, dv), warpgroup.OperandSource.RMEM)
         tma_q = g_q = None
         if cutlass.const_expr(self.q_tma):
             tma_q, g_q = self.q_tma_tile(q)
         k_rows = self.k_op.row_view(k_src, layer_idx)
-        tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzle)
-        tma_v, g_v, _ = tma_tiles.create_tma_tile(self.v_op.row_view(v_src, layer_idx), self.v_op.rows_per_copy, d,
-                                                  self.load_swizzle)
+        v_rows = self.v_op.row_view(v_src, layer_idx)
+        if cutlass.const_expr(self.gather is not None):  # the row views themselves, no descriptor
+            tma_k, g_k, tma_v, g_v, s_slot, v_slot = None, k_rows, None, v_rows, None, None
+        else:
+            tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzles[0])
+            tma_v, g_v, v_slot = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, dv, self.load_swizzles[1])
         k_scales = v_scales = None
         if cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
             v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, g_q, tma_k, g_k, tma_v, g_v, s_slot, q, out, lse, o_part,
-                    lse_part, sinks, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, g_q, tma_k, g_k, tma_v, g_v, s_slot, v_slot, q, out, lse,
+                    o_part, lse_part, sinks, input_row_offsets, cache_lengths, lookup_table, k_scales, v_scales,
                     self.k_op.rows_per_page(k_src), k_rows.shape[0], num_splits, causal, window, score_scale,
                     softmax_scale_log2).launch(
             grid=grid, block=(THREADS, 1, 1), smem=self.smem_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -225,20 +244,21 @@ class PagedAttention:
         t, hq, d = q.shape
         packed = cute.make_tensor(q.iterator, cute.make_layout(((hq, t), d), stride=((d, q.stride[0]), 1)))
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), packed,
-                                           tma_tiles.smem_tile_layout(self.dtype, WG_ROWS, d),
+                                           tma_tiles.smem_tile_layout(self.dtype, WG_ROWS, d, self.swizzle),
                                            ((self.group, WG_ROWS // self.group), d))
 
     # -- device ----------------------------------------------------------------------------------
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tma_q: Optional[cute.CopyAtom],
-               g_q: Optional[cute.Tensor], tma_k: cute.CopyAtom, g_k: cute.Tensor, tma_v: cute.CopyAtom,
-               g_v: cute.Tensor, s_slot: cute.ComposedLayout, q: cute.Tensor, out: cute.Tensor,
-               lse: Optional[cute.Tensor], o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
+               g_q: Optional[cute.Tensor], tma_k: Optional[cute.CopyAtom], g_k: cute.Tensor,
+               tma_v: Optional[cute.CopyAtom], g_v: cute.Tensor, s_slot: Optional[cute.ComposedLayout],
+               v_slot: Optional[cute.ComposedLayout], q: cute.Tensor, out: cute.Tensor, lse: Optional[cute.Tensor],
+               o_part: cute.Tensor, lse_part: cute.Tensor, sinks: Optional[cute.Tensor],
                input_row_offsets: cute.Tensor, cache_lengths: cute.Tensor, lookup_table: Optional[cute.Tensor],
                k_scales: Optional[cute.Tensor], v_scales: Optional[cute.Tensor], rows_per_page: Int32, oob_row: Int32,
                num_splits: Int32, causal: Int32, window: Int32, score_scale: Float32, softmax_scale_log2: Float32):
-        dt, d, bn, group, stages = self.dtype, self.head_dim, self.bn, self.group, self.stages
+        dt, d, dv, bn, group, stages = self.dtype, self.head_dim, self.v_dim, self.bn, self.group, self.stages
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
         split = head_split // self.num_kv_heads
@@ -258,8 +278,9 @@ class PagedAttention:
                 if warp_idx == 0:
                     if cutlass.const_expr(self.q_tma):
                         cpasync.prefetch_descriptor(tma_q)
-                    cpasync.prefetch_descriptor(tma_k)
-                    cpasync.prefetch_descriptor(tma_v)
+                    if cutlass.const_expr(self.gather is None):
+                        cpasync.prefetch_descriptor(tma_k)
+                        cpasync.prefetch_descriptor(tma_v)
 
                 smem = SmemAllocator()
                 mbars_k = smem.allocate_array(cutlass.Int64, 2 * stages)
@@ -274,18 +295,19 @@ class PagedAttention:
                             cute.arch.mbarrier_init(mbars_q, 1)
                             cute.arch.mbarrier_init(mbars_q + 1, 1)
                         cute.arch.mbarrier_init_fence()
-                sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, stages=2)  # one (64, D) tile per warpgroup
-                ring_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
+                # one (64, D) tile per warpgroup
+                sq_layout = tma_tiles.smem_tile_layout(dt, WG_ROWS, d, self.swizzle, stages=2)
+                k_layout = tma_tiles.smem_tile_layout(dt, bn, d, self.swizzle, stages=stages)
+                v_layout = tma_tiles.smem_tile_layout(dt, bn, dv, self.v_swizzle, stages=stages)
                 s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
-                s_k = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
-                s_v = smem.allocate_tensor(dt, ring_layout.outer, byte_alignment=1024, swizzle=ring_layout.inner)
+                s_k = smem.allocate_tensor(dt, k_layout.outer, byte_alignment=1024, swizzle=k_layout.inner)
+                s_v = smem.allocate_tensor(dt, v_layout.outer, byte_alignment=1024, swizzle=v_layout.inner)
 
-                stage_bytes = bn * d * dt.width // 8
                 one = cute.make_layout((1, 1, 1, 1))
                 consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG_THREADS // 32)
                 if cutlass.const_expr(self.kv_fp8):
                     # TMA -> fp8 ring (K and V of a tile on one barrier) -> producer warpgroup -> 16-bit rings
-                    ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzle,
+                    ring8_layout = tma_tiles.smem_tile_layout(self.kv_dtype, bn, d, self.load_swizzles[0],
                                                               stages=self.fp8_stages)
                     ring8_k = smem.allocate_tensor(self.kv_dtype, ring8_layout.outer, byte_alignment=1024,
                                                    swizzle=ring8_layout.inner)
@@ -302,15 +324,23 @@ class PagedAttention:
                                                            defer_sync=True)
                     pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
                                                            producer_group=dequantizers, consumer_group=consumers)
+                elif cutlass.const_expr(self.gather is not None):
+                    # each producer thread's cp.async.mbarrier.arrive.noinc is one of a stage's arrivals
+                    gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+                    pipe_k = pipeline.PipelineCpAsync.create(barrier_storage=mbars_k, num_stages=stages,
+                                                             producer_group=gatherers, consumer_group=consumers,
+                                                             defer_sync=True)
+                    pipe_v = pipeline.PipelineCpAsync.create(barrier_storage=mbars_v, num_stages=stages,
+                                                             producer_group=gatherers, consumer_group=consumers)
                 else:
                     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
                     pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
                                                               producer_group=producer, consumer_group=consumers,
-                                                              tx_count=stage_bytes, cta_layout_vmnk=one,
+                                                              tx_count=bn * d * dt.width // 8, cta_layout_vmnk=one,
                                                               defer_sync=True)
                     pipe_v = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_v, num_stages=stages,
                                                               producer_group=producer, consumer_group=consumers,
-                                                              tx_count=stage_bytes, cta_layout_vmnk=one)
+                                                              tx_count=bn * dv * dt.width // 8, cta_layout_vmnk=one)
                     # (the last create's sync publishes every barrier's init)
                 if warp_idx < 4:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -321,10 +351,13 @@ class PagedAttention:
                         self.produce_fp8(pipe_8, pipe_k, pipe_v, tma_k, g_k, ring8_k, tma_v, g_v, ring8_v, s_k, s_v,
                                          s_slot, lookup_table, k_scales, v_scales, b, kv_head, num_keys, rows_per_page,
                                          oob_row, last_tile, n_tiles, warp_idx)
+                    elif cutlass.const_expr(self.gather is not None):
+                        self.produce_gather(pipe_k, pipe_v, g_k, s_k, g_v, s_v, lookup_table, b, kv_head, num_keys,
+                                            rows_per_page, oob_row, last_tile, n_tiles, warp_idx)
                     else:
                         if warp_idx == 0:
-                            self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, lookup_table, b,
-                                         kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
+                            self.produce(pipe_k, pipe_v, tma_k, g_k, s_k, tma_v, g_v, s_v, s_slot, v_slot, lookup_table,
+                                         b, kv_head, num_keys, rows_per_page, oob_row, first_tile, last_tile, n_tiles)
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     wg = warp_idx // 4 - 1
@@ -346,24 +379,51 @@ class PagedAttention:
     @cute.jit
     def produce(self, pipe_k: pipeline.PipelineTmaAsync, pipe_v: pipeline.PipelineTmaAsync, tma_k: cute.CopyAtom,
                 g_k: cute.Tensor, s_k: cute.Tensor, tma_v: cute.CopyAtom, g_v: cute.Tensor, s_v: cute.Tensor,
-                s_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32, kv_head: Int32,
-                num_keys: Int32, rows_per_page: Int32, oob_row: Int32, first_tile: Int32, last_tile: Int32,
-                n_tiles: Int32):
-        """Warp 0: K then V of each tile, last to first. The next tile's lookup entries are read right after this
-        tile's copies are issued, so their latency hides behind the wait for a free stage."""
+                s_slot: cute.ComposedLayout, v_slot: cute.ComposedLayout, lookup_table: Optional[cute.Tensor], b: Int32,
+                kv_head: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32, first_tile: Int32,
+                last_tile: Int32, n_tiles: Int32):
+        """Warp 0: K then V of each tile, last to first, in boxes of K's and V's widths (``s_slot``, ``v_slot``). The
+        next tile's lookup entries are read right after this tile's copies are issued, so their latency hides behind
+        the wait for a free stage."""
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         if n_tiles > 0:
             self.k_op.populate(rows, lookup_table, b, last_tile * self.bn, num_keys, rows_per_page, oob_row)
         for i in cutlass.range(n_tiles, unroll=1):
-            for pipe, g_rows, ring, atom in ((pipe_k, g_k, s_k, tma_k), (pipe_v, g_v, s_v, tma_v)):
+            for pipe, g_rows, ring, atom, slot in ((pipe_k, g_k, s_k, tma_k, s_slot),
+                                                   (pipe_v, g_v, s_v, tma_v, v_slot)):
                 pipe.producer_acquire(state)
-                self.copy_tile(atom, g_rows, ring, s_slot, rows, state.index, kv_head,
+                self.copy_tile(atom, g_rows, ring, slot, rows, state.index, kv_head,
                                pipe.producer_get_barrier(state))
                 pipe.producer_commit(state)
             if i + 1 < n_tiles:
                 self.k_op.populate(rows, lookup_table, b, (last_tile - i - 1) * self.bn, num_keys, rows_per_page,
                                    oob_row)
+            state.advance()
+
+    @cute.jit
+    def produce_gather(self, pipe_k: pipeline.PipelineCpAsync, pipe_v: pipeline.PipelineCpAsync, g_k: cute.Tensor,
+                       s_k: cute.Tensor, g_v: cute.Tensor, s_v: cute.Tensor, lookup_table: cute.Tensor, b: Int32,
+                       kv_head: Int32, num_keys: Int32, rows_per_page: Int32, num_rows: Int32, last_tile: Int32,
+                       n_tiles: Int32, warp_idx: Int32):
+        """The producer warpgroup gathers K then V of each tile, last to first (``row_gather``): K and V rows share
+        their row numbers, so one lookup a lane serves both; the next tile's is read right after this tile's copies
+        are issued, its latency hidden behind the wait for a free stage."""
+        atom = self.gather.copy_atom()
+        lane = cute.arch.lane_idx()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        row = Int32(-1)
+        if n_tiles > 0:
+            row = self.gather.lane_row(lookup_table, b, last_tile * self.bn, warp_idx, lane, num_keys, rows_per_page,
+                                       num_rows)
+        for i in cutlass.range(n_tiles, unroll=1):
+            for pipe, g_rows, ring in ((pipe_k, g_k, s_k), (pipe_v, g_v, s_v)):
+                pipe.producer_acquire(state)
+                self.gather.copy_tile(atom, g_rows, ring[None, None, state.index], row, kv_head, warp_idx, lane)
+                pipe.producer_commit(state)
+            if i + 1 < n_tiles:
+                row = self.gather.lane_row(lookup_table, b, (last_tile - i - 1) * self.bn, warp_idx, lane,
+                                           num_keys, rows_per_page, num_rows)
             state.advance()
 
     @cute.jit
@@ -464,7 +524,7 @@ class PagedAttention:
                 causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32, score_scale: Float32,
                 softmax_scale_log2: Float32):
         """One consumer warpgroup: rows ``m0 + 64*wg ..`` of the block."""
-        d, bn, group = self.head_dim, self.bn, self.group
+        d, dv, bn, group = self.head_dim, self.v_dim, self.bn, self.group
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         rows0 = m0 + wg * WG_ROWS
         s_q_wg = s_q[None, None, wg]
@@ -481,11 +541,11 @@ class PagedAttention:
         # spills the page-16 and fp8 producers.
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q if cutlass.const_expr(d <= 128) else s_q_wg))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
-        s_vt = cute.composition(s_v, cute.make_ordered_layout((d, bn, self.stages), order=(1, 0, 2)))
+        s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_ROWS, bn)))
         t_rq, t_rk, t_rv = (pinned_descriptors(t) for t in (t_rq, t_rk, t_rv))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, d)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, dv)), Float32)
         acc_o.fill(0.0)
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, bn)), Float32)
         # (row, key) of each S register, and the key range of each of the thread's rows
@@ -578,12 +638,15 @@ class PagedAttention:
                 ready = pipe.consumer_try_wait(state)
         else:
             pipe.consumer_wait(state)
+            if cutlass.const_expr(self.gather is not None):
+                cute.arch.fence_view_async_shared()  # cp.async wrote the stage in the generic proxy; wgmma reads next
 
     @cute.jit
     def release(self, pipe: pipeline.PipelineAsync, state: pipeline.PipelineState):
         """A consumer warp is done with a K or V stage: one lane arrives for it (the stage's empty barrier counts the
-        8 consumer warps), lane 0 over an fp8 cache's dequantized rings as over the TMA ones (no ``elect.sync``)."""
-        if cutlass.const_expr(self.kv_fp8):
+        8 consumer warps), lane 0 over an fp8 cache's dequantized rings and gathered ones (whose pipeline's release
+        arrives from every lane) as over the TMA ones (no ``elect.sync``)."""
+        if cutlass.const_expr(self.kv_fp8 or self.gather is not None):
             _arrive_if(cute.arch.lane_idx() == 0, pipe.sync_object_empty.get_barrier(state.index))
         else:
             pipe.consumer_release(state)
@@ -635,9 +698,9 @@ class PagedAttention:
     def load_q_tma(self, tma_q: cute.CopyAtom, g_q: cute.Tensor, s_q: cute.Tensor, mbars_q: cute.Pointer,
                    q_start: Int32, m0: Int32, kv_head: Int32):
         """Producer warp: each consumer warpgroup's 64 packed rows (``64 / group`` tokens from ``m0 / group``, the
-        KV head's ``group`` heads) on its own barrier, one box per 128 bytes of the head dim (the swizzle's width).
-        Tokens past the request are the next requests' (their S rows are masked on masked tiles, and a row's O,
-        never stored for them, depends on its own S row only) or, past ``T``, zeros."""
+        KV head's ``group`` heads) on its own barrier, one box per swizzle row of the head dim (128 bytes; 64 at 96,
+        32 at 80). Tokens past the request are the next requests' (their S rows are masked on masked tiles, and a
+        row's O, never stored for them, depends on its own S row only) or, past ``T``, zeros."""
         group, tokens = self.group, WG_ROWS // self.group
         for wg in cutlass.range_constexpr(2):
             origin = cute.domain_offset(((kv_head * group, q_start + (m0 + wg * WG_ROWS) // group), 0), g_q)
@@ -666,8 +729,7 @@ class PagedAttention:
     @cute.jit
     def zero_stale_rows(self, s_v: cute.Tensor, stage: Int32, first_row: Int32, ctidx: Int32):
         """Both consumer warpgroups zero V rows ``[first_row, BN)`` of ``stage`` (past the request's keys)."""
-        d = self.head_dim
-        chunks = d // VEC
+        chunks = self.v_dim // VEC
         zeros = cute.make_rmem_tensor((VEC,), self.dtype)
         zeros.fill(0.0)
         cute.arch.barrier(barrier_id=int(Barrier.STALE_V), number_of_threads=2 * WG_THREADS)
@@ -684,8 +746,9 @@ class PagedAttention:
                  sinks: Optional[cute.Tensor], q_start: Int32, seq_len: Int32, rows0: Int32, kv_head: Int32,
                  split: Int32, num_splits: Int32, tidx: Int32, wg: Int32):
         """Rows' sums over the quad, the sink (split 0 only), ``O / l`` and the base-2 ``lse``; then the output through
-        the warpgroup's Q tile (its wgmmas are done with it) in 16-byte stores, or the float32 partial."""
-        d, group = self.head_dim, self.group
+        the warpgroup's Q tile (its wgmmas are done with it; O in its first ``v_dim`` columns) in 16-byte stores, or
+        the float32 partial."""
+        dv, group = self.v_dim, self.group
         n_rows = cute.size(row_max)
         inv = cute.make_rmem_tensor((n_rows,), Float32)
         lse2 = cute.make_rmem_tensor((n_rows,), Float32)
@@ -697,16 +760,17 @@ class PagedAttention:
             inv[r], lse2[r] = softmax.finish_row(softmax.quad_sum(row_sum[r]), row_max[r] * softmax_scale_log2, sink,
                                                  self.sinks)
         softmax.rescale_rows(acc_o, inv)
-        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, d))))
+        o_coords = softmax.mn_view(thr_pv.partition_C(cute.make_identity_tensor((WG_ROWS, dv))))
         o_mn = softmax.mn_view(acc_o)
         if num_splits == 1:
             o_16 = cute.make_rmem_tensor(acc_o.shape, self.dtype)
             o_16.store(acc_o.load().to(self.dtype))
             # every warp of the warpgroup is past its last QK wgmma (the only reader of these Q rows)
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
-            thr_pv.partition_C(s_q).store(o_16.load())
+            s_o = cute.local_tile(s_q, (WG_ROWS, dv), (0, 0))
+            thr_pv.partition_C(s_o).store(o_16.load())
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE_WG1) + wg, number_of_threads=WG_THREADS)
-            self.store_rows(s_q, out, q_start, seq_len, rows0, kv_head, tidx)
+            self.store_rows(s_o, out, q_start, seq_len, rows0, kv_head, tidx)
             if cutlass.const_expr(self.return_lse):
                 self.store_lse(lse, lse2, o_coords, Float32(math.log(2.0)), q_start, seq_len, rows0, kv_head, tidx)
         else:
@@ -728,8 +792,8 @@ class PagedAttention:
                    kv_head: Int32, tidx: Int32):
         """Staged 16-bit O rows to their (token, head) rows of ``out``, 16 bytes a thread at a time. Rows are walked
         from the last: with ``load_q``'s walk the compiler would keep its addresses live (spilled) through the loop."""
-        d, group = self.head_dim, self.group
-        chunks = d // VEC
+        group = self.group
+        chunks = self.v_dim // VEC
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         for j in cutlass.range_constexpr(WG_ROWS * chunks // WG_THREADS):
             idx = tidx + j * WG_THREADS

@@ -6,7 +6,8 @@ issuing all its loads before its stores so each has ``VECS_PER_THREAD`` requests
 bound by how many bytes are in flight, not by instructions). Rows past the step are never read or written, rows
 whose page is not in the cache (unchecked metadata running past a request's pages) are not written, and
 a row's destination is ``blocks[page, kv, layer, slot, :, :]``, contiguous ``H*D`` elements, so the stores of a
-row coalesce.
+row coalesce. The strided variant (``layout="strided"``, ``strided``) writes two ``[N, L, P, H, D]`` planes of
+runtime strides instead (``cute_kv/kv_layout.py``), the row's heads ``sH`` apart.
 
 FP8 caches with float32 scales (``granularity`` set): a vector is 8 input elements (bf16/fp16/fp32), the lanes
 holding one (token, head, granule) reduce its absolute maximum with warp shuffles, and each element is stored as
@@ -58,7 +59,10 @@ class PagedKVStore:
     scales over ``granularity`` head dims (a power of two in [8, 256] dividing ``head_dim``)."""
 
     def __init__(self, dtype_name: str, kv_dim: int, page_size: int, num_heads: int, head_dim: int,
-                 granularity: Optional[int] = None):
+                 granularity: Optional[int] = None, layout: str = "compact"):
+        if layout not in ("compact", "strided"):
+            raise ValueError(f"layout must be 'compact' or 'strided', got {layout!r}")
+        self.strided = layout == "strided"
         self.in_dtype = DTYPES[dtype_name]
         self.kv_dim, self.page_size, self.num_heads, self.head_dim = kv_dim, page_size, num_heads, head_dim
         self.granularity = granularity
@@ -80,7 +84,8 @@ class PagedKVStore:
     # -- host ------------------------------------------------------------------------------------
 
     def fake_args(self) -> tuple:
-        """Fake tensors with MAX's contract; the row strides of ``k``/``v`` are runtime (views of a QKV output)."""
+        """Fake tensors with MAX's contract (strided: the planes' strides runtime, whole 16-byte units); the row
+        strides of ``k``/``v`` are runtime (views of a QKV output)."""
         kvd, p, h, d, vec = self.kv_dim, self.page_size, self.num_heads, self.head_dim, self.vec
         n, nl, b, cols, t = (cute.sym_int32() for _ in range(5))
 
@@ -96,24 +101,45 @@ class PagedKVStore:
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
+        def plane():
+            unit = 128 // self.dtype.width
+            return make_fake_tensor(self.dtype, (n, nl, p, h, d), stride=(
+                *(cute.sym_int64(divisibility=unit) for _ in range(4)), 1), assumed_align=16)
+
         scales = None if self.granularity is None else cache(cutlass.Float32, d // self.granularity)
-        return (rows(), rows() if kvd == 2 else None, offsets, cache(self.dtype, d), scales, lengths, lut, Int32(0),
-                make_fake_stream(use_tvm_ffi_env_stream=True))
+        tail = (scales, lengths, lut, Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
+        if self.strided:
+            return (rows(), rows() if kvd == 2 else None, offsets, plane(), plane() if kvd == 2 else None, *tail)
+        return (rows(), rows() if kvd == 2 else None, offsets, cache(self.dtype, d), *tail)
+
+    def build(self) -> tuple:
+        """``(jit function, *fake args)``: ``__call__`` for MAX's compact layout, ``call_strided`` else."""
+        return (self.call_strided if self.strided else self), *self.fake_args()
 
     @cute.jit
     def __call__(self, k: cute.Tensor, v: Optional[cute.Tensor], input_row_offsets: cute.Tensor,
                  blocks: cute.Tensor, scales: Optional[cute.Tensor], cache_lengths: cute.Tensor,
                  lookup_table: cute.Tensor, layer_idx: Int32, stream: cuda.CUstream):
         grid = (cute.ceil_div(k.shape[0], self.rows), 1, 1)
-        self.kernel(k, v, input_row_offsets, blocks, scales, cache_lengths, lookup_table, layer_idx).launch(
+        self.kernel(k, v, input_row_offsets, blocks, None, scales, cache_lengths, lookup_table, layer_idx).launch(
             grid=grid, block=(THREADS, 1, 1), stream=stream)
+
+    @cute.jit
+    def call_strided(self, k: cute.Tensor, v: Optional[cute.Tensor], input_row_offsets: cute.Tensor,
+                     key_blocks: cute.Tensor, value_blocks: Optional[cute.Tensor], scales: Optional[cute.Tensor],
+                     cache_lengths: cute.Tensor, lookup_table: cute.Tensor, layer_idx: Int32, stream: cuda.CUstream):
+        """The strided variant: ``key_blocks`` / ``value_blocks`` ``[N, L, P, H, D]`` (``value_blocks`` None for
+        MLA), the compact ``scales`` as ever."""
+        grid = (cute.ceil_div(k.shape[0], self.rows), 1, 1)
+        self.kernel(k, v, input_row_offsets, key_blocks, value_blocks, scales, cache_lengths, lookup_table,
+                    layer_idx).launch(grid=grid, block=(THREADS, 1, 1), stream=stream)
 
     # -- device ----------------------------------------------------------------------------------
 
     @cute.kernel
     def kernel(self, k: cute.Tensor, v: Optional[cute.Tensor], input_row_offsets: cute.Tensor, blocks: cute.Tensor,
-               scales: Optional[cute.Tensor], cache_lengths: cute.Tensor, lookup_table: cute.Tensor,
-               layer_idx: Int32):
+               value_blocks: Optional[cute.Tensor], scales: Optional[cute.Tensor], cache_lengths: cute.Tensor,
+               lookup_table: cute.Tensor, layer_idx: Int32):
         vec, rows, row_vecs = self.vec, self.rows, self.row_vecs
         d_vecs = self.head_dim // vec
         tidx, _, _ = cute.arch.thread_idx()
@@ -147,7 +173,11 @@ class PagedKVStore:
                     if page >= 0:  # a row whose page is in the cache
                         h = (i % row_vecs) // d_vecs
                         slot = s_pos[r] % self.page_size
-                        dst = blocks[page, kv, layer_idx, slot, h, None]
+                        if cutlass.const_expr(self.strided):
+                            plane = blocks if cutlass.const_expr(kv == 0) else value_blocks
+                            dst = plane[page, layer_idx, slot, h, None]
+                        else:
+                            dst = blocks[page, kv, layer_idx, slot, h, None]
                         cute.autovec_copy(out, cute.local_tile(dst, (vec,), (i % d_vecs,)))
                         if cutlass.const_expr(self.granularity is not None):
                             lanes = self.granularity // vec

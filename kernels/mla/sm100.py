@@ -580,7 +580,7 @@ class MlaDecodeSm100:
         tok = (m0 + tidx) // self.group
         head = (m0 + tidx) % self.group
         top, total, inv = row_normalizer(row_max, row_sum, sinks, head, split, self.sinks)
-        load, _, src, _, shape = o_copies(t_o)
+        load, _, src, _, shape = o_copies(t_o, O_CHUNK)
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
         chunk0 = v_half * (O_COLS // O_CHUNK)  # the half's first O_CHUNK column block of the output row

@@ -7,8 +7,14 @@ A whole 128 x 512 float32 O would take all 512 columns and leave none for S; Fla
 columns with the weight-stationary ``tcgen05.mma.ws`` M=64 layout, which the DSL offers for no 16-bit kind, so the
 value columns are split across two CTAs instead (each recomputes S, the MMA work of QK is duplicated, the key rows
 are read twice, the second time mostly from L2). Per 32-key tile a CTA issues 36 QK MMAs (128 x 32 x 16) and 2 PV
-MMAs (128 x 256 x 16). M=64 tiles (non-ws) would not help: their accumulator still spans N columns, so a 64 x 512 O
-alone fills tensor memory.
+MMAs (128 x 256 x 16): 2 * 128 * (576 + 256) FLOPs per key a CTA, 1.53x the minimum 2 * 128 * (576 + 512) for the
+pair (``python perf/run.py mla-mma-work`` reads it from the PTX). M=64 tiles (non-ws) would not help: their
+accumulator still spans N columns, so a 64 x 512 O alone fills tensor memory. What would: ``cta_group::2`` with
+M=128, whose accumulator folds each CTA's 64 rows x N onto all 128 lanes in N/2 columns (the DSL's fragment is
+``((64, (N/2, 2)), ...)``), so the pair splits the heads and each CTA holds a whole 64 x 512 O in 256 columns, as
+FlashMLA's head128 decode does; its QK reads the two N halves of B from the two CTAs, so with Q in tensor memory
+(its two column halves in the two lane halves) an N = 2 x keys MMA takes each half of the latent columns from the
+CTA holding it: a key row is loaded once for the pair, S is the sum of the halves and V is split by columns.
 
 Shared memory holds Q (128 x 576 16-bit: 144 KiB), P (16-bit, the PV MMA's A operand) and a ring of key tiles of
 ``BN`` rows x the full latent width; the first 512 columns of a key tile are its values (V = the same bytes read

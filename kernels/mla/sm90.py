@@ -10,14 +10,31 @@ K stage in shared memory, so V is never loaded. Three warpgroups:
   next tile's lookup entries while the copies fly);
 * two consumer warpgroups holding the same 64 rows. Warpgroup ``w`` computes S for keys ``[32w, 32w + 32)`` of the
   tile (SS wgmma, N = 32), masks it, and publishes its rows' maxima; after a named barrier both take the max of the
-  two, exponentiate, write their half of P (16-bit) into the shared P tile and rescale their O; after a second
+  two, exponentiate, rescale their O and write their half of P (16-bit) into the shared P tile; after a second
   barrier each issues ``O[:, half w] += P V[:, half w]`` (SS wgmma, N = v_dim / 2) over the whole tile. O is 64 x
-  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated. A tile's PV
-  is left running while the warpgroup waits for the next stage and issues that tile's QK behind it; the P tile is
-  single (shared memory holds Q, two K stages and one P), so the next P is written only once both PVs are done
-  (each warpgroup waits for its own before the max-exchange barrier) and the tensor cores idle through the softmax
-  and the two exchanges: overlapping them (FlashMLA's seesaw) needs a second P the 227 KiB do not hold. The steady
-  state has the two named barriers and no CTA-wide one.
+  256 float32 per warpgroup (128 registers a thread), so neither the QK nor the PV work is duplicated.
+
+A tile's PV holds both its stage (V is the stage's first columns) and the one P tile (shared memory holds Q, two K
+stages and one P: a third stage or a second P, FlashMLA's seesaw, does not fit in the 227 KiB). Where the PV runs is
+a compile-time choice, ``pv_overlap``:
+
+* off (what the ops dispatch): each tile's PV is issued and waited for at the end of its step and its stage released
+  right then, so the producer refills it while the next tile is computed: a stage's load has a whole step to land
+  in, and over 16-bit rows the two stages' copies may fly together. The tensor cores idle through the scores, the
+  maxima exchange, the exponentials and the P writes.
+* on (FA3's intra-warpgroup overlap): a tile's PV is issued behind the next tile's QK and only the QK is waited for,
+  so the PV runs through that tile's scores, the maxima exchange and the exponentials; the next P is written once
+  both PVs are done (each warpgroup waits for its own, then both meet on a third named barrier). The tensor cores
+  idle only through the O rescale, the P writes and the P barrier, but a stage is released in the middle of the
+  next tile's step: the load refilling it has only the rescale, the P writes and the P barrier to hide behind, and
+  a tile's PV is issued only once the next tile has landed.
+
+With QK and PV the MMAs' times, S the softmax between them, P the rescale and P writes and L a stage's load (its TMA,
+and its dequantization over rope-aware rows), a tile takes at most ``max(QK + S + P + PV, L)`` off and ``QK +
+max(S, PV) + max(P, L)`` on: the overlap wins only while ``L < P + min(S, PV)``. In an event model with QK 1,100,
+PV 1,000, S 500 and P 250 cycles, on / off is 0.82, 0.98, 1.08, 1.26 and 1.60 at L = 0, 700, 1,000, 1,500 and
+2,500 cycles; a 72 KiB TMA takes longer than 750 cycles, hence off by default, and ``perf/bench_mla_decode.py
+--pv-overlap`` times both. The steady state has no CTA-wide barrier.
 
 Tiles are walked from the last to the first as in ``PagedAttention``: the first one walked holds the request's
 last key, and its rows past the keys are zeroed in the V columns once both QKs have read the stage (P is exactly 0
@@ -44,11 +61,15 @@ hold Q (72 KiB), two bf16 stages (2 x 72 KiB) and P (8 KiB) with 1 KiB to spare,
   producer warpgroup dequantizes 128 content bytes (one landed swizzle row) at a time into 128 bf16 columns, ``x *
   scale`` rounded once (scales per token read from global memory by the rows' ``populate`` entries); the 128-column
   blocks whose bf16 output covers landed bytes (the upper half) read their rows into registers and meet on a
-  warpgroup barrier before writing, two rows a thread per pass. Rows past the request's keys are written as zeros.
-  Shared memory is the 16-bit kernel's plus one landed barrier a stage; the consumers run unchanged. The cost is
-  the latency: a stage is refilled only after both warpgroups released it (as for 16-bit rows) and then waits for
-  its TMA and the dequantization (32 KiB read, 64 KiB written per tile by 128 threads) before the consumers may
-  read it.
+  warpgroup barrier before writing, two rows a thread per pass. A thread's rows lie 16 apart, so its swizzled
+  chunks are one offset of its own plus constants: every 16-byte load and store has an immediate offset. Rows past
+  the request's keys are written as zeros: only the first tile walked holds any, and only its dequantization clears
+  their bytes and scales (the others check no row). A steady-state tile is then the 6 instructions per 2 values of
+  the exact conversion (768 a thread) and about 150 more (SASS: 921 for warps 1-3, 965 for warp 0, which issues the
+  copies; 1,287 and 1,331 before the per-thread offsets). Shared memory is the 16-bit kernel's plus one landed
+  barrier a stage; the consumers run unchanged. The cost is the latency: a stage is refilled only after both
+  warpgroups released it (as for 16-bit rows) and then waits for its TMA and the dequantization (32 KiB read, 64 KiB
+  written per tile by 128 threads) before the consumers may read it.
 """
 
 from __future__ import annotations
@@ -93,27 +114,29 @@ DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 class Barrier(enum.IntEnum):
     """Named barriers (0 is the CTA-wide one, never used past the prologue)."""
 
-    MAX = 1  # both consumer warpgroups: row maxima published (and each one's previous PV done)
+    MAX = 1  # both consumer warpgroups: row maxima published (without pv_overlap: each one's last PV done)
     P = 2  # both consumer warpgroups: P halves written
-    DEQUANT = 3  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
+    PV = 3  # pv_overlap: both consumer warpgroups' previous PVs done, the P tile free
+    DEQUANT = 4  # the producer warpgroup: landed fp8 rows read by all before bf16 values are written over them
 
 
 class MLADecode:
     """Compile-time key: dtype (q, the cache, O and the MMAs), query heads, the latent width, ``v_dim`` (the value
     columns), the page size, whether the lookup table takes vector reads, the optional features (soft-cap,
-    sinks, writing the natural-log ``lse``) and ``rope_dim``: nonzero for a rope-aware FP8 cache (``latent_dim =
-    padded_depth + rope_dim``; rows of ``padded_depth + 2 * rope_dim`` bytes)."""
+    sinks, writing the natural-log ``lse``), ``rope_dim``: nonzero for a rope-aware FP8 cache (``latent_dim =
+    padded_depth + rope_dim``; rows of ``padded_depth + 2 * rope_dim`` bytes), and ``pv_overlap``: each tile's PV
+    left running through the next tile's softmax (module docstring: the ops dispatch it off)."""
 
     def __init__(self, dtype_name: str, num_q_heads: int, latent_dim: int, v_dim: int, page_size: int,
                  lut_vector: bool = True, softcap: bool = False, sinks: bool = False, return_lse: bool = False,
-                 rope_dim: int = 0):
+                 rope_dim: int = 0, pv_overlap: bool = False):
         problem = supported(num_q_heads, latent_dim, v_dim, page_size, dtype_name, rope_dim)
         if problem:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.num_q_heads, self.latent_dim, self.v_dim, self.page_size = num_q_heads, latent_dim, v_dim, page_size
         self.group = num_q_heads  # one latent KV head: every query head packs with it
-        self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
+        self.softcap, self.sinks, self.return_lse, self.pv_overlap = softcap, sinks, return_lse, pv_overlap
         self.rope_dim, self.padded_depth = rope_dim, latent_dim - rope_dim
         self.row_bytes = self.padded_depth + 2 * rope_dim if rope_dim else latent_dim * self.dtype.width // 8
         self.producer_regs, self.consumer_regs = PRODUCER_REGS_FP8 if rope_dim else PRODUCER_REGS, CONSUMER_REGS
@@ -248,8 +271,8 @@ class MLADecode:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if cutlass.const_expr(self.rope_dim):
                     self.produce_rope(pipe, mbars_landed, tma_k, g_k, s_c, s_slot, tma_r, g_r, s_slot_r, s_k,
-                                      k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile, n_tiles,
-                                      warp_idx)
+                                      ring, k_scales, lookup_table, b, num_keys, rows_per_page, oob_row, last_tile,
+                                      n_tiles, warp_idx)
                 elif warp_idx == 0:
                     self.produce(pipe, tma_k, g_k, s_k, s_slot, lookup_table, b, num_keys, rows_per_page, oob_row,
                                  last_tile, n_tiles)
@@ -289,13 +312,14 @@ class MLADecode:
     @cute.jit
     def produce_rope(self, pipe: pipeline.PipelineAsync, mbars_landed: cute.Pointer, tma_k: cute.CopyAtom,
                      g_k: cute.Tensor, s_c: cute.Tensor, s_slot: cute.ComposedLayout, tma_r: cute.CopyAtom,
-                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, k_scales: cute.Tensor,
-                     lookup_table: cute.Tensor, b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
-                     last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
+                     g_r: cute.Tensor, s_slot_r: cute.ComposedLayout, s_k: cute.Tensor, ring: cute.Pointer,
+                     k_scales: cute.Tensor, lookup_table: cute.Tensor, b: Int32, num_keys: Int32,
+                     rows_per_page: Int32, oob_row: Int32, last_tile: Int32, n_tiles: Int32, warp_idx: Int32):
         """The producer warpgroup over a rope-aware FP8 cache, each tile last to first: once the consumers have
         released its stage, warp 0 issues the tile's content and rope copies on the stage's landed barrier; every
         thread reads the scales of its rows meanwhile, waits for the bytes, dequantizes its share into the stage and
-        arrives on the stage's full barrier."""
+        arrives on the stage's full barrier. Only the first tile walked may hold rows past the request's keys: a
+        uniform branch gives it the dequantization that clears them, the others one without a check."""
         tidx = cute.arch.thread_idx()[0]
         per_copy = self.k_op.rows_per_copy
         write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -316,7 +340,10 @@ class MLADecode:
                 tma_tiles.copy_page_slots(tma_r, g_r, rope, s_slot_r, rows, per_copy, 0, bar)
             self.row_scales(scale, k_scales, rows, tidx)
             cute.arch.mbarrier_wait(bar, landed.phase)
-            self.dequantize(s_c, s_k, write.index, scale, tile_base, num_keys, tidx)
+            if tile_base + BN > num_keys:
+                self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, True)
+            else:
+                self.dequantize(ring, write.index, scale, tile_base, num_keys, tidx, False)
             cute.arch.fence_view_async_shared()  # read by wgmma next
             pipe.producer_commit(write)
             write.advance()
@@ -333,23 +360,23 @@ class MLADecode:
             scale[j] = granule_scale(k_scales, row, 0, 0, False)
 
     @cute.jit
-    def dequantize(self, s_c: cute.Tensor, s_k: cute.Tensor, stage: Int32, scale: cute.Tensor, tile_base: Int32,
-                   num_keys: Int32, tidx: Int32):
+    def dequantize(self, ring: cute.Pointer, stage: Int32, scale: cute.Tensor, tile_base: Int32, num_keys: Int32,
+                   tidx: Int32, masked: cutlass.Constexpr[bool]):
         """The landed e4m3 content of ``stage`` -> its bf16 columns ``[0, padded_depth)``, one 128-byte block of
         columns (128 bf16 values a row) at a time, a thread taking 16 bytes of each of its rows (``DEQUANT_*``). The
         bf16 block ``blk`` covers landed blocks ``2 blk - blocks`` and ``2 blk + 1 - blocks``, never a later one: a
         block whose output covers landed bytes (``2 blk + 1 >= blocks``, the upper half) reads two rows a thread,
         then the warpgroup meets before any writes them, so no thread overwrites bytes another has not read (rows of
-        earlier blocks were all read before the block's first pass). Rows past the request's keys are written as
-        zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 -> f16 -> f32
-        is exact)."""
+        earlier blocks were all read before the block's first pass). ``masked``: rows past the request's keys are
+        written as zeros (P is 0 there, but their bytes may be NaN). ``x * scale`` is rounded to bf16 once (e4m3 ->
+        f16 -> f32 is exact)."""
         raw = cute.make_rmem_tensor((DEQUANT_CHUNK, DEQUANT_HELD), cutlass.Float8E4M3FN)
         for blk in cutlass.range_constexpr(self.padded_depth // FP8_BLOCK):
             for p in cutlass.range_constexpr(self.dequant_passes):
-                self.dequant_read(s_c, raw, stage, blk, p, tidx)
+                self.dequant_read(ring, raw, stage, blk, p, tidx)
                 if cutlass.const_expr(self.writes_over_landed(blk)):
                     cute.arch.barrier(barrier_id=int(Barrier.DEQUANT), number_of_threads=WG_THREADS)
-                self.dequant_write(s_k, raw, stage, blk, p, scale, tile_base, num_keys, tidx)
+                self.dequant_write(ring, raw, stage, blk, p, scale, tile_base, num_keys, tidx, masked)
 
     @property
     def dequant_passes(self) -> int:
@@ -361,34 +388,68 @@ class MLADecode:
         ``2 blk - blocks`` and ``2 blk + 1 - blocks``)."""
         return 2 * blk + 1 >= self.padded_depth // FP8_BLOCK
 
-    @cute.jit
-    def dequant_read(self, s_c: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
-                     p: cutlass.Constexpr[int], tidx: Int32):
-        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows."""
-        for h in cutlass.range_constexpr(DEQUANT_HELD):
-            cute.autovec_copy(cute.local_tile(s_c[dequant_row(p, h, tidx), None, stage], (DEQUANT_CHUNK,),
-                                              (blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW,)), raw[None, h])
+    def ring_chunks(self, ring: cute.Pointer, dtype) -> cute.Tensor:
+        """The ring (1024-byte aligned) as ``(16 bytes of dtype, chunk)``: the dequantization's accesses."""
+        per_chunk = 128 // dtype.width
+        stage_chunks = BN * self.latent_dim * self.dtype.width // 128
+        return cute.make_tensor(cute.recast_ptr(ring, dtype=dtype), cute.make_layout((per_chunk,
+                                                                                     STAGES * stage_chunks)))
 
     @cute.jit
-    def dequant_write(self, s_k: cute.Tensor, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
-                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32):
-        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (zeros past the keys)."""
+    def dequant_read(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                     p: cutlass.Constexpr[int], tidx: Int32):
+        """Pass ``p`` of block ``blk``: this thread's 16 landed bytes of each of its ``DEQUANT_HELD`` rows. The
+        landed tile (``landing_layout``) puts byte chunk ``c`` of row ``r`` of block ``blk`` at chunk ``blk * BN * 8 +
+        r * 8 + (c ^ r % 8)``; a thread's rows are ``r0 + 16 j`` and its chunk ``c`` fixed, so its chunks are one
+        offset of its own plus constants."""
+        chunks = self.ring_chunks(ring, cutlass.Float8E4M3FN)
+        r0, c = tidx // DEQUANT_PER_ROW, tidx % DEQUANT_PER_ROW
+        own = stage * (BN * self.latent_dim // VEC) + r0 * DEQUANT_PER_ROW + (c ^ r0 % 8)
+        for h in cutlass.range_constexpr(DEQUANT_HELD):
+            j = p * DEQUANT_HELD + h
+            cute.autovec_copy(chunks[None, own + (BN * self.padded_depth + blk * BN * FP8_BLOCK) // DEQUANT_CHUNK +
+                                     j * DEQUANT_STEP * DEQUANT_PER_ROW], raw[None, h])
+
+    @cute.jit
+    def dequant_write(self, ring: cute.Pointer, raw: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+                      p: cutlass.Constexpr[int], scale: cute.Tensor, tile_base: Int32, num_keys: Int32, tidx: Int32,
+                      masked: cutlass.Constexpr[bool]):
+        """Pass ``p`` of block ``blk``: ``raw * scale`` of this thread's rows as bf16 (``masked``: the bytes and the
+        scale of rows past the keys cleared first, so they convert to zeros, whatever their slots hold; no
+        branch)."""
         vals = cute.make_rmem_tensor((DEQUANT_CHUNK,), self.dtype)
         for h in cutlass.range_constexpr(DEQUANT_HELD):
-            vals.fill(0.0)
-            if tile_base + dequant_row(p, h, tidx) < num_keys:
-                vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
-            self.dequant_store(s_k, vals, stage, blk, p, h, tidx)
+            if cutlass.const_expr(masked):
+                self.clear_past_keys(raw, scale, p, h, tile_base, num_keys, tidx)
+            vals.store((raw[None, h].load().to(Float32) * scale[p * DEQUANT_HELD + h]).to(self.dtype))
+            self.dequant_store(ring, vals, stage, blk, p, h, tidx)
 
     @cute.jit
-    def dequant_store(self, s_k: cute.Tensor, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
+    def clear_past_keys(self, raw: cute.Tensor, scale: cute.Tensor, p: cutlass.Constexpr[int],
+                        h: cutlass.Constexpr[int], tile_base: Int32, num_keys: Int32, tidx: Int32):
+        """The held bytes and the scale of this thread's row ``h`` of pass ``p`` ANDed with zeros if the row is past
+        the request's keys (with ones otherwise): no branch."""
+        keep = Uint32(0) - Uint32(tile_base + dequant_row(p, h, tidx) < num_keys)  # all ones or zero
+        words = cute.recast_tensor(raw[None, h], Uint32)
+        for w in cutlass.range_constexpr(cute.size(words)):
+            words[w] = words[w] & keep
+        scale_bits = cute.recast_tensor(scale, Uint32)
+        scale_bits[p * DEQUANT_HELD + h] = scale_bits[p * DEQUANT_HELD + h] & keep
+
+    @cute.jit
+    def dequant_store(self, ring: cute.Pointer, vals: cute.Tensor, stage: Int32, blk: cutlass.Constexpr[int],
                       p: cutlass.Constexpr[int], h: cutlass.Constexpr[int], tidx: Int32):
         """The 16 bf16 ``vals`` of this thread's row ``h`` of pass ``p`` into the stage's columns of the bytes read
-        (two 16-byte stores)."""
-        col = blk * DEQUANT_PER_ROW + tidx % DEQUANT_PER_ROW  # 16-value column chunk of the row
+        (two 16-byte stores). The stage (``smem_tile_layout``: 64-column boxes of ``BN`` 128-byte rows) puts chunk
+        ``k`` of row ``r`` of box ``x`` at chunk ``x * BN * 8 + r * 8 + (k ^ r % 8)``; the thread's 16 values are
+        chunks ``2 (c % 4)`` and ``2 (c % 4) + 1`` of box ``2 blk + c // 4``."""
+        chunks = self.ring_chunks(ring, self.dtype)
+        r0, c = tidx // DEQUANT_PER_ROW, tidx % DEQUANT_PER_ROW
+        row = stage * (BN * self.latent_dim // VEC) + (c // 4) * BN * 8 + r0 * 8
         for half in cutlass.range_constexpr(2):
-            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)), cute.local_tile(
-                s_k[dequant_row(p, h, tidx), None, stage], (VEC,), (col * 2 + half,)))
+            own = row + ((c % 4 * 2 + half) ^ r0 % 8)
+            cute.autovec_copy(cute.local_tile(vals, (VEC,), (half,)),
+                              chunks[None, own + 2 * blk * BN * 8 + dequant_row(p, h, 0) * 8])
 
     @cute.jit
     def consume(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipe: pipeline.PipelineTmaAsync,
@@ -443,8 +504,10 @@ class MLADecode:
                 read = self.step(i, read, False, False, *args)
             for i in cutlass.range(unmasked_stop, n_tiles, unroll=1):
                 read = self.step(i, read, True, False, *args)
-            warpgroup.wait_group(0)
-            pipe.consumer_release(read)
+            if cutlass.const_expr(self.pv_overlap):
+                self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)  # the last tile's PV
+                warpgroup.wait_group(0)
+                pipe.consumer_release(read)
         self.epilogue(thr_pv, acc_o, row_max, row_sum, s_sum, softmax_scale_log2, coords, out, lse, o_part,
                       lse_part, sinks, q_start, seq_len, m0, split, num_splits, tidx, wg)
 
@@ -456,17 +519,22 @@ class MLADecode:
              s_max: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, num_keys: Int32,
              wg: Int32, tidx: Int32, score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
-        """Tile ``last_tile - i``: this warpgroup's QK (behind its previous PV on the tensor cores), the maxima
-        exchange, its half of P, then the PV of the whole tile into its half of O (left running). Returns the read
-        state of the tile."""
-        if cutlass.const_expr(not first):
+        """Tile ``last_tile - i``: this warpgroup's QK, its scores, the maxima exchange, the exponentials and its half
+        of P, then the PV of the whole tile into its half of O. Without ``pv_overlap`` the PV is issued and waited
+        for at the end, and the tile's stage released. With it, the previous tile's PV is issued behind this QK and
+        runs through the softmax; once both warpgroups' are done (``Barrier.PV``) that tile's stage is released, O
+        rescaled and P written over the one P tile, and this tile's PV is issued by the next step (or after the
+        loop). Returns the read state of the tile."""
+        behind = self.pv_overlap and not first  # the previous tile's PV runs behind this QK
+        if cutlass.const_expr(behind):
             prev = read.clone()
+        if cutlass.const_expr(not first):
             read.advance()
         pipe.consumer_wait(read)
         self.gemm(tiled_mma_qk, acc_s, t_rq, t_rk[None, None, None, read.index], False)
-        warpgroup.wait_group(0)  # this QK and the previous PV: the P tile and that stage are free on this side
-        if cutlass.const_expr(not first):
-            pipe.consumer_release(prev)
+        if cutlass.const_expr(behind):
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, prev.index], True)
+        warpgroup.wait_group(1 if behind else 0)  # this QK
         tile_base = (last_tile - i) * BN
         softmax.scores(acc_s, coords, row_begin, row_end, tile_base + wg * (BN // 2), score_scale, self.softcap,
                        masked)
@@ -486,12 +554,22 @@ class MLADecode:
                 self.zero_stale_rows(s_k, read.index, num_keys - tile_base, wg, tidx)
         p16 = cute.make_rmem_tensor(acc_s.shape, self.dtype)
         softmax.to_16bit(acc_s, p16)
-        t_sp.store(p16.load())
-        cute.arch.fence_view_async_shared()  # read by wgmma next
+        if cutlass.const_expr(behind):
+            warpgroup.wait_group(0)  # the previous PV; once the other warpgroup's is done too, the P tile is free
+            self.pair_barrier(Barrier.PV)
+            # The stage's empty barrier counts every consumer warp, so releasing it before the barrier would gain
+            # only the barrier's latency; after it, lane 0's arrive follows a warp-wide sync, not only the other
+            # lanes' reads of the maxima (wgmma.wait_group syncs the warp's execution, not its memory accesses).
+            pipe.consumer_release(prev)
         if cutlass.const_expr(not first):
             softmax.rescale_rows(acc_o, row_scale)
+        t_sp.store(p16.load())
+        cute.arch.fence_view_async_shared()  # read by wgmma next
         self.pair_barrier(Barrier.P)
-        self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)
+        if cutlass.const_expr(not self.pv_overlap):
+            self.gemm(tiled_mma_pv, acc_o, t_rp, t_rv[None, None, None, read.index], True)
+            warpgroup.wait_group(0)  # the stage is free; the P tile too, once both warpgroups meet on Barrier.MAX
+            pipe.consumer_release(read)
         return read
 
     @cute.jit

@@ -5,6 +5,10 @@ Host side: call these from a ``@cute.jit`` function; each returns ``(atom, coord
 ``page * KVD*L*P + slot`` of ``[num_kv_rows, H, D]`` from the plane's base, the row ``PagedRowIndices.populate``
 returns (``populate.py``); TMA coordinates are int32, so a descriptor spans at most 2^31 - 1 rows.
 
+A strided plane ``[N, L, P, H, D]`` (K and V apart, any page, layer and head strides) has the same row view,
+row ``page * sN/sP + slot`` (``plane_row_view``): ``create_tma_tile`` takes it as it is, gather4's 2-D view
+needs a token's heads side by side (``sH == D``).
+
 * ``create_tma_tile``: 3-D ``[rows, H, D]`` seen as ``(rows, D, H)``; box ``(rows_per_copy, 1, swizzle width)``,
   the depth padded to the swizzle width (TMA zero-fills past ``D``). One copy per page slot of a BN tile.
 * ``create_ragged_tma_tile``: ``[total_rows, H, D]`` rows packed back to back (``input_row_offsets``); a request's
@@ -78,6 +82,24 @@ def kv_row_view(blocks: cute.Tensor, kv_idx, layer_idx, dtype=None, byte_offset:
     ptr = cute.recast_ptr(plane.iterator + byte_offset * 8 // blocks.element_type.width, dtype=dtype)
     layout = cute.make_layout((num_rows, h, depth), stride=(h * d // ratio, d // ratio, 1))
     return cute.make_tensor(ptr, layout)
+
+
+def plane_rows_per_page(plane: cute.Tensor) -> Int32:
+    """Rows from one page to the next in ``plane_row_view``: ``sN / sP`` (the page stride a whole number of token
+    rows)."""
+    return Int32(plane.stride[0] // plane.stride[2])
+
+
+def plane_row_view(plane: cute.Tensor, layer_idx) -> cute.Tensor:
+    """``[num_kv_rows, H, D]`` row view of layer ``layer_idx`` of a strided K or V plane ``[N, L, P, H, D]`` (strides
+    ``(sN, sL, sP, sH, 1)``: vLLM's, FlashInfer's NHD / HND or FA4's separate caches read in place): row
+    ``page * sN/sP + slot``, strides ``(sP, sH, 1)``, ``num_kv_rows = (N-1) * sN/sP + P``.
+    """
+    n, nl, p, h, d = plane.shape
+    layer = plane[None, layer_idx, None, None, None]
+    num_rows = (n - 1) * plane_rows_per_page(plane) + p
+    return cute.make_tensor(layer.iterator, cute.make_layout((num_rows, h, d),
+                                                             stride=(plane.stride[2], plane.stride[3], 1)))
 
 
 def tma_order(t: cute.Tensor) -> cute.Tensor:

@@ -6,7 +6,9 @@ shared memory (``epi_end_loop``), and once the tile is whole (``epi_end``) each 
 and walks rows: add bias, RMS-normalize (QK-norm: the sum of squares of a head is reduced across the lanes that
 hold it), rotate (RoPE at ``cache_lengths[b] + i``; a neox partner is ``R/2`` columns away in the staged tile),
 round once, and store 16 bytes to ``output[m, n:n+8]`` or ``blocks[page, kv, layer, pos % P, head, d:d+8]``
-(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 or e8m0 scale the granule's lanes reduce).
+(fp8 caches: 8 e4m3 bytes, quantized with the per-granule float32 or e8m0 scale the granule's lanes reduce). A
+strided cache (``QKVSpec.strided``) is two ``[N, L, P, H, D]`` planes of runtime strides instead, ``blocks`` (K)
+and ``value_blocks`` (V), written at ``[page, layer, pos % P, head, d:d+8]``; its scales stay compact.
 
 Rows are resolved once per tile (``epi_begin``: binary search over ``input_row_offsets``, page from the lookup
 table). A row whose page column lies past the table or whose page entry is not below the number of pages is not
@@ -57,6 +59,7 @@ class QKVEpilogueArguments(NamedTuple):
     scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32 (e8m0: uint8 bytes)
     workspace: Optional[cute.Tensor] = None  # [rows, QKVSpec.workspace_cols] float32: the latent before its finish
     counters: Optional[cute.Tensor] = None  # [M tiles * counter_groups] int32, zero between launches: tiles arrived
+    value_blocks: Optional[cute.Tensor] = None  # strided: the V plane [N, L, P, H, D] (``blocks``: the K plane)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class QKVEpilogueParams(ParamsBase):
     scales: Optional[cute.Tensor] = None  # [N, KVD, L, P, H, D / granularity] float32
     workspace: Optional[cute.Tensor] = None
     counters: Optional[cute.Tensor] = None
+    value_blocks: Optional[cute.Tensor] = None
 
 
 class QKVEpilogueMixin:
@@ -399,15 +403,33 @@ def _store_row(spec: cutlass.Constexpr, vals: cute.Tensor, s_page: cute.Tensor, 
             cute.autovec_copy(out, cute.local_tile(params.output[m, None], (VEC,), (chunk.n // VEC,)))
         elif s_page[r] >= 0:
             slot = s_pos[r] % spec.page_size
-            dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head, None]
-            if const_expr(spec.rope_tail):  # the bf16 tail, from byte cross_dims of the row
-                _store_bf16(vals, dst, 2 * chunk.dim - spec.cross_dims)
+            if const_expr(not spec.strided):
+                dst = params.blocks[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head, None]
+                _store_cache(spec, vals, kv_out, scale, dst, params, s_page, r, slot, chunk)
+            elif const_expr(spec.kv_dim == 1):
+                dst = params.blocks[s_page[r], params.layer_idx, slot, chunk.head, None]
+                _store_cache(spec, vals, kv_out, scale, dst, params, s_page, r, slot, chunk)
+            elif chunk.kv == 0:  # a plane each: one store, its destination tensor chosen per chunk
+                dst = params.blocks[s_page[r], params.layer_idx, slot, chunk.head, None]
+                _store_cache(spec, vals, kv_out, scale, dst, params, s_page, r, slot, chunk)
             else:
-                cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
-                if const_expr(spec.granularity > 0):
-                    if chunk.dim % spec.granularity == 0:
-                        params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
-                                      chunk.dim // spec.granularity] = scale.to(params.scales.element_type)
+                dst = params.value_blocks[s_page[r], params.layer_idx, slot, chunk.head, None]
+                _store_cache(spec, vals, kv_out, scale, dst, params, s_page, r, slot, chunk)
+
+
+@cute.jit
+def _store_cache(spec: cutlass.Constexpr, vals: cute.Tensor, kv_out: cute.Tensor, scale: Float32, dst: cute.Tensor,
+                 params, s_page: cute.Tensor, r: Int32, slot: Int32, chunk: _Chunk):
+    """A K/V chunk into its cache row ``dst`` (``H*D`` of one head at ``dim``), and its granule's scale (page
+    ``s_page[r]``)."""
+    if const_expr(spec.rope_tail):  # the bf16 tail, from byte cross_dims of the row
+        _store_bf16(vals, dst, 2 * chunk.dim - spec.cross_dims)
+    else:
+        cute.autovec_copy(kv_out, cute.local_tile(dst, (VEC,), (chunk.dim // VEC,)))
+        if const_expr(spec.granularity > 0):
+            if chunk.dim % spec.granularity == 0:
+                params.scales[s_page[r], chunk.kv, params.layer_idx, slot, chunk.head,
+                              chunk.dim // spec.granularity] = scale.to(params.scales.element_type)
 
 
 @cute.jit
@@ -613,7 +635,10 @@ def _finish_latent(spec: cutlass.Constexpr, s_page: cute.Tensor, s_pos: cute.Ten
         page = s_page[r]
         if m < params.output.shape[0] and page >= 0:
             slot = s_pos[r] % spec.page_size
-            dst = params.blocks[page, 0, params.layer_idx, slot, 0, None]
+            if const_expr(spec.strided):
+                dst = params.blocks[page, params.layer_idx, slot, 0, None]
+            else:
+                dst = params.blocks[page, 0, params.layer_idx, slot, 0, None]
             for j in cutlass.range_constexpr(per_lane):
                 c = lane + j * lanes
                 if c < chunks:

@@ -60,12 +60,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+from cute_kv.kernels.archs import BLACKWELL
 from cute_kv.kernels.qkv.epilogue import VEC, QKVEpilogueArguments, QKVEpilogueMixin
 
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 BN = 128
 # (tile M per MMA warpgroup / per 2-CTA pair, cluster): quack's SM90 ping-pong and SM100 2-CTA configurations.
-TILES = {"sm_90a": ((128, BN), (2, 1, 1)), "sm_100a": ((256, BN), (2, 1, 1))}
+TILES = {"sm_90a": ((128, BN), (2, 1, 1)), **{arch: ((256, BN), (2, 1, 1)) for arch in BLACKWELL}}
 MAX_SWIZZLE = 8
 CTA_ROWS = 128  # token rows of one CTA's tile on both cores (SM100's 256-row tile spans a CTA pair): an M tile
 # CTAs of a cluster along M (the most of any core): quack's scheduler rounds the M tiles up to whole clusters,
@@ -102,6 +103,8 @@ class QKVSpec:
     # arrives last (the latent RMSNorm's ``kv_lora_rank``, or a rope-aware row's e4m3 content); 0: none.
     cross_dims: int = 0
     rope_tail: int = 0  # rope-aware FP8 rows: bf16 dims after the ``cross_dims`` content bytes (``head_dim`` = sum)
+    # K and V as two [N, L, P, H, D] planes of runtime strides (cute_kv/kv_layout.py), not MAX's compact blocks
+    strided: bool = False
 
     @property
     def dtype(self):
@@ -270,7 +273,7 @@ def _gemm_classes():
     class FusedQKVGemmSm100(QKVEpilogueMixin, GemmSm100):
         pass
 
-    return {"sm_90a": FusedQKVGemmSm90, "sm_100a": FusedQKVGemmSm100}
+    return {"sm_90a": FusedQKVGemmSm90, **{arch: FusedQKVGemmSm100 for arch in BLACKWELL}}
 
 
 class FusedQKVGemm:
@@ -322,11 +325,19 @@ class FusedQKVGemm:
                 p * h * depth, h * depth, depth, 1),
                 assumed_align=16 if depth * dtype.width % 128 == 0 else dtype.width // 8)
 
+        def plane(dtype, depth):  # strided: whole 16-byte units (kv_layout.check_addressable)
+            return make_fake_tensor(dtype, (n_pages, nl, p, h, depth), stride=(
+                *(cute.sym_int64(divisibility=128 // dtype.width) for _ in range(4)), 1), assumed_align=16)
+
+        values = plane if s.strided else cache
+        value_blocks = None
         if s.rope_tail:  # rope-aware rows: e4m3 content and bf16 tail bytes, one float32 scale per token
-            blocks, scales = cache(cutlass.Float8E4M3FN, s.row_bytes), cache(Float32, 1)
+            blocks, scales = values(cutlass.Float8E4M3FN, s.row_bytes), cache(Float32, 1)
         else:
-            blocks = cache(cutlass.Float8E4M3FN if s.fp8 else dt, d)
+            blocks = values(cutlass.Float8E4M3FN if s.fp8 else dt, d)
             scales = cache(cutlass.Uint8 if s.e8m0 else Float32, d // s.granularity) if s.granularity else None
+            if s.strided and kvd == 2:
+                value_blocks = values(cutlass.Float8E4M3FN if s.fp8 else dt, d)
         offsets = make_fake_compact_tensor(Uint32, (cute.sym_int32(),), assumed_align=4)
         lengths = make_fake_compact_tensor(Uint32, (b,), assumed_align=4)
         lut = make_fake_tensor(Uint32, (b, cols), stride=(cute.sym_int64(), 1), assumed_align=4)
@@ -344,19 +355,21 @@ class FusedQKVGemm:
                                          assumed_align=16)
             counters = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
         epi = QKVEpilogueArguments(output, blocks, offsets, lengths, lut, Int32(0), bias, freqs, q_norm, k_norm,
-                                   scales, workspace, counters)
+                                   scales, workspace, counters, value_blocks)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(1), max_swizzle_size=Int32(MAX_SWIZZLE))
         return (hidden, weight, None, None, epi, scheduler, None, make_fake_stream(use_tvm_ffi_env_stream=True),
                 None, None)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None,
+             value_blocks=None) -> tuple:
         """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
-        ``workspace``/``counters``: ``latent_workspace``'s, for a spec with ``cross_dims``."""
+        ``workspace``/``counters``: ``latent_workspace``'s, for a spec with ``cross_dims``; a strided spec takes the
+        K plane as ``blocks`` and the V plane as ``value_blocks``."""
         from quack.tile_scheduler import TileSchedulerOptions
 
         epi = QKVEpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                   bias, freqs_cis, q_norm, k_norm, scales, workspace, counters)
+                                   bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, value_blocks)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         return hidden, weight, None, None, epi, scheduler, None, None, None

@@ -221,6 +221,7 @@ class QKVW4EpilogueArguments(NamedTuple):
     scales: Optional[cute.Tensor] = None
     workspace: Optional[cute.Tensor] = None
     counters: Optional[cute.Tensor] = None
+    value_blocks: Optional[cute.Tensor] = None
     column_scales: Optional[cute.Tensor] = None  # [N padded to BN] float32
 
 
@@ -320,8 +321,8 @@ def _gemm_class():
     return FusedQKVGemmW4Sm90
 
 
-def check_spec(spec: QKVW4Spec, arch: str, target: str, name: str) -> None:
-    """Raises why the quantized-weight kernel ``name`` (built for ``target``) cannot take ``spec`` on ``arch``."""
+def check_spec(spec: QKVW4Spec, arch: str, targets: tuple, name: str) -> None:
+    """Raises why the quantized-weight kernel ``name`` (built for ``targets``) cannot take ``spec`` on ``arch``."""
     problem = supported(spec.qkv)
     if problem:
         raise ValueError(problem)
@@ -329,8 +330,8 @@ def check_spec(spec: QKVW4Spec, arch: str, target: str, name: str) -> None:
         raise ValueError(f"weight_format {spec.weight_format!r} is not one of {sorted(FORMATS.values())}")
     if spec.qkv.dtype_name != "bfloat16":
         raise ValueError(f"quantized weights decode to bfloat16: hidden must be bfloat16, not {spec.qkv.dtype_name}")
-    if arch != target:
-        raise ValueError(f"{name} targets {target}, not {arch}")
+    if arch not in targets:
+        raise ValueError(f"{name} targets {' / '.join(targets)}, not {arch}")
 
 
 class FusedQKVGemmW4:
@@ -341,7 +342,7 @@ class FusedQKVGemmW4:
     cluster_shape = (1, 1, 1)  # quack's W4 takes (1, cluster_N, 1); a weight tile is not shared across tokens' CTAs
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
-        check_spec(spec, arch, ARCH, "FusedQKVGemmW4")
+        check_spec(spec, arch, (ARCH,), "FusedQKVGemmW4")
         self.spec, self.arch = spec, arch
 
     @property
@@ -375,7 +376,8 @@ class FusedQKVGemmW4:
         return (mA, hidden, d, None, epi, scheduler, None, stream, None, None)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None,
+             value_blocks=None) -> tuple:
         """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
         ``workspace``/``counters``: the cross-tile latent's (``FusedQKVGemm.args``)."""
         from quack.operand_transform.host import w4_operand_views
@@ -383,7 +385,8 @@ class FusedQKVGemmW4:
 
         blob, sf, col_scales = prepare_weight(weight)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, value_blocks,
+                                     col_scales)
         scheduler = TileSchedulerOptions(max_active_clusters=Int32(max_active_clusters), raster_order=None,
                                          max_swizzle_size=MAX_SWIZZLE)
         extent = _row_extent(hidden.device, blob.shape[0] * 64).as_strided((blob.shape[0] * 64, hidden.shape[0]),

@@ -64,6 +64,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 
+from cute_kv.kernels.archs import BLACKWELL
 from cute_kv.kernels.attention.sm100 import tmem_fence_after_sync, tmem_fence_before_sync
 from cute_kv.kernels.attention.sm100_common import O_CHUNK, o_copies
 from cute_kv.kernels.paged import tma_tiles
@@ -420,7 +421,7 @@ class W4Sm100Kernel(TransposedQKVEpilogueMixin):
         coord = (w_tile, epi_tile, None, 0)
         tensors = self.epi_begin(params, epi_smem, None, None, None, coord, None, None, tidx)
         s_c = tensors[0]
-        load, _, src, _, shape = o_copies(acc)
+        load, _, src, _, shape = o_copies(acc, O_CHUNK)
         vals = cute.make_rmem_tensor(shape, Float32)
         for i in cutlass.range_constexpr(TILE_TOKENS // O_CHUNK):
             cute.copy(load, cute.make_tensor(src.iterator + col0 + i * O_CHUNK, src.layout), vals)
@@ -481,7 +482,7 @@ class FusedQKVGemmW4Sm100:
     threads = THREADS
 
     def __init__(self, spec: QKVW4Spec, arch: str = ARCH):
-        check_spec(spec, arch, ARCH, "FusedQKVGemmW4Sm100")
+        check_spec(spec, arch, BLACKWELL, "FusedQKVGemmW4Sm100")
         assert decode_format(spec.weight_format).tile_k == K_TILE, "a stage is one 64-deep k-tile of every format"
         self.spec, self.arch = spec, arch
 
@@ -498,7 +499,7 @@ class FusedQKVGemmW4Sm100:
         s = self.spec.qkv
         n = _padded(s.n_total)
         operand = _fake_operand(self.fmt, n)
-        hidden, _, _, _, epi, _, _, stream, *_ = FusedQKVGemm(s, "sm_100a").fake_args()
+        hidden, _, _, _, epi, _, _, stream, *_ = FusedQKVGemm(s, self.arch).fake_args()
         col_scales = make_fake_compact_tensor(Float32, (n,), assumed_align=4) if self.spec.column_scales else None
         partials = make_fake_tensor(Float32, (cute.sym_int32(), BN), stride=(BN, 1), assumed_align=16)
         split_counters = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
@@ -506,7 +507,8 @@ class FusedQKVGemmW4Sm100:
                 Int32(1), Int32(1), stream)
 
     def args(self, hidden, weight, output, blocks, input_row_offsets, cache_lengths, lookup_table, layer_idx, bias,
-             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None) -> tuple:
+             freqs_cis, q_norm, k_norm, scales, max_active_clusters: int, workspace=None, counters=None,
+             value_blocks=None) -> tuple:
         """Launch arguments (torch tensors) in the compiled signature's order; the stream is the current one.
         ``workspace``/``counters``: a last arriver's (``FusedQKVGemm.args``). Split-K's count (``split_k``) and
         scratch (``kernels/qkv/scratch.py``) are chosen here, from the tiles and the grid."""
@@ -517,7 +519,8 @@ class FusedQKVGemmW4Sm100:
         blob, sf, col_scales = prepare_weight(weight)
         operand = w4_operand_views(self.fmt, blob, sf, BN)
         epi = QKVW4EpilogueArguments(output, blocks, input_row_offsets, cache_lengths, lookup_table, Int32(layer_idx),
-                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, col_scales)
+                                     bias, freqs_cis, q_norm, k_norm, scales, workspace, counters, value_blocks,
+                                     col_scales)
         w_tiles, epi_tiles = operand.blob.shape[3], 2 * -(-hidden.shape[0] // TOKENS)
         splits = split_k(w_tiles * epi_tiles // 2, hidden.shape[1] // K_TILE, max_active_clusters)
         partials, split_counters = scratch(hidden.device, "split_k", w_tiles * epi_tiles * splits * TILE_TOKENS
