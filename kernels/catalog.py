@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from cute_kv.kernels.archs import ARCHS, BLACKWELL, SM90
 from cute_kv.kernels.attention import combine, config as attention_config, sm90 as attention_sm90, sm100 as attention_sm100
+from cute_kv.kernels.attention import sm100_config as attention_sm100_config
 from cute_kv.kernels.cache import gather, store, store_rope_aware
 from cute_kv.kernels.mla import sm90 as mla_sm90
 from cute_kv.kernels.mla import sm100 as mla_sm100
@@ -61,9 +62,9 @@ class Family:
     archs: tuple
     plan: Callable[[object], Plan]
     head_dim: Optional[Callable[[object], int]] = None  # attention: S blocks are normalised by the head dim
-    # Attention: the case for a bf16, 32 q / 8 KV heads (GQA 4) problem of a head dim and page size, to set beside
-    # FA4 compiled for the same shape (``python perf/run.py static``).
-    peer_case: Optional[Callable[[int, int], tuple]] = None
+    # Attention: the case for a bf16, 32 q / 8 KV heads (GQA 4) problem of a head dim, page size and query tokens
+    # per request (1: decode), to set beside FA4 compiled for the same shape (``python perf/run.py static``).
+    peer_case: Optional[Callable[[int, int, int], tuple]] = None
     # ``(jit function, *fake args)`` of a kernel object: most kernels are the jit function themselves.
     build: Callable[[object], tuple] = lambda kernel: (kernel, *kernel.fake_args())
     roles: Callable[[object], dict] = lambda kernel: {}  # role name -> Role, of a kernel object
@@ -347,14 +348,17 @@ FAMILIES = [
     Family("paged_attention_sm90", attention_sm90.PagedAttention, tuple(ATTENTION_CASES), (SM90,),
            # S blocks: QK over the head dim, PV over the value dim.
            _attention_plan, head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
-           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
+           peer_case=lambda d, page, tokens: ("bfloat16", 32, 8, d, page, 2, True),
            roles=lambda k: _sm90_roles(attention_sm90, k.kv_fp8, k.gather is not None, k.q_tma)),
     Family("paged_attention_sm100", attention_sm100.PagedAttentionSm100, tuple(ATTENTION_SM100_CASES), BLACKWELL,
            # Warps in roles (softmax, correction, MMA, load; fp8: converters); all of tensor memory and the
            # DSL-sized rings: one CTA per SM.
            # S blocks: QK over the head dim, PV over the value dim.
            lambda k: Plan(k.threads, None, 1), head_dim=lambda k: (k.head_dim + k.v_dim) // 2,
-           peer_case=lambda d, page: ("bfloat16", 32, 8, d, page, 2, True),
+           # The Q tiles the host picks for the step (``step_q_tiles``): one for decode's 4 packed rows.
+           peer_case=lambda d, page, tokens: ("bfloat16", 32, 8, d, page, 2, True, False, False, False, None, None,
+                                              False, attention_sm100_config.q_tiles(d, page_size=page, group=4,
+                                                                                    rows=4 * tokens)),
            roles=_attention_sm100_roles),
     Family("mla_decode_sm90", mla_sm90.MLADecode, tuple(MLA_CASES), (SM90,), _mla_plan,
            # S blocks: a 64 x 64 block is QK over latent_dim plus PV over v_dim, 4 * 64 * 64 * their mean flops

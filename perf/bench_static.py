@@ -5,10 +5,11 @@ FA4's paged forward beside our attention for the same shapes. CPU only: ptxas, n
     python perf/run.py static -- --kernels attention --no-peers
     python perf/run.py static -- --keep perf/results/static-sass   # also keep each kernel's PTX and SASS
 
-Columns (``static.py`` says how each is measured): registers per thread, spill stores/loads (bytes), shared memory
-per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA-wide + named +
-mbarrier) and LDS/STS in the whole kernel; instructions and waits of the main loop, its instructions per
-64x64 block of S (attention), instructions of the softmax loop (longest and shortest way through one iteration: one S
+Columns (``static.py`` says how each is measured): threads and registers per thread, spill stores/loads (bytes),
+shared memory per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA-wide +
+named + mbarrier) and LDS/STS in the whole kernel; instructions, waits and MMAs of the main loop, on SM100 its MMAs
+per key tile of one Q tile (a QK group and its PV) and the MMA in flight (``static.mma_in_flight``: QK groups issued
+between two waits for P), its instructions per 64x64 block of S (attention), instructions of the softmax loop (longest and shortest way through one iteration: one S
 tile of one softmax warpgroup on SM100, the O rescale or mask skipped on the short way) and its MUFU.EX2 (the rest of
 the tile's exponentials on the FMA pipe), tensor-memory columns (tcgen05) and the warp roles' register targets
 (setmaxnreg).
@@ -23,17 +24,21 @@ import subprocess
 import sys
 
 import static
+import static_peers
 from report import summary
 
 COLUMNS = [  # (header, record key or function, width)
-    ("kernel", "kernel", 22), ("config", "config", 50), ("arch", "arch", 7), ("regs", "registers", 4),
+    ("kernel", "kernel", 22), ("config", "config", 50), ("arch", "arch", 7), ("thr", "threads", 4),
+    ("regs", "registers", 4),
     ("spill", lambda r: f"{r['spill_stores']}/{r['spill_loads']}", 5), ("smem", "smem", 6),
     ("CTA/SM", "ctas_per_sm", 6), ("MMA", "mma", 4),
     ("waits", lambda r: f"{r['cta_barriers']}+{r['named_barriers']}+{r['mbarrier_waits']}", 8),
     ("LDS/STS", lambda r: f"{r['lds']}/{r['sts']}", 7), ("loop", "loop_instructions", 5),
     ("loopwaits", lambda r: "loop_cta_barriers" in r and f"{r['loop_cta_barriers']}+{r['loop_named_barriers']}+"
      f"{r['loop_barrier_waits'] - r['loop_cta_barriers'] - r['loop_named_barriers']}" or None, 9),
-    ("loopMMA", "loop_mma", 7), ("/S64", "instructions_per_s_block", 6),
+    ("loopMMA", "loop_mma", 7),
+    ("MMA/tile", lambda r: r.get("loop_qk_groups") and r["loop_mma"] // r["loop_qk_groups"], 8),
+    ("inflight", "mma_in_flight", 8), ("/S64", "instructions_per_s_block", 6),
     ("/S64min", "instructions_per_s_block_shortest", 7), ("softmax", "softmax_loop_instructions", 7),
     ("smxmin", "softmax_loop_instructions_shortest", 6), ("smxEX2", "softmax_loop_ex2", 6),
     ("load", "load_loop_instructions", 5), ("copies", "load_loop_copies", 6),
@@ -88,16 +93,19 @@ def peers(archs: list[str], head_dims, page_sizes, modes) -> list[dict]:
         families = [f for f in catalog.FAMILIES if f.peer_case and arch in f.archs]
         for d in head_dims:
             for page in page_sizes:
-                for family in families:
-                    config = catalog.Config(family, family.peer_case(d, page), arch)
-                    rec = {"kernel": family.name, "config": config.label, "arch": arch, "impl": "cute-kv"}
-                    try:
-                        rec.update(static.analyze_config(config), status="ok")
-                    except Exception as e:  # noqa: BLE001 - a shape our kernel does not take is a row too
-                        rec.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                    rows.append(dict(rec, bench="static-peers", role="ours", head_dim=d, page_size=page))
-                rows += [dict(r, bench="static-peers", role="peer") for r in fa4
-                         if r.get("head_dim") == d and r.get("page_size") == page]
+                for mode in modes:
+                    tokens = 1 if mode == "decode" else static_peers.PREFILL_LEN
+                    for family in families:
+                        config = catalog.Config(family, family.peer_case(d, page, tokens), arch)
+                        rec = {"kernel": family.name, "arch": arch, "impl": "cute-kv"}
+                        try:
+                            rec.update(static.analyze_config(config), status="ok")
+                        except Exception as e:  # noqa: BLE001 - a shape our kernel does not take is a row too
+                            rec.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                        rows.append(dict(rec, config=f"{config.label} {mode}", bench="static-peers", role="ours",
+                                         head_dim=d, page_size=page, mode=mode))
+                    rows += [dict(r, bench="static-peers", role="peer") for r in fa4
+                             if (r.get("head_dim"), r.get("page_size"), r.get("mode")) == (d, page, mode)]
         rows += [dict(r, bench="static-peers", role="peer") for r in fa4 if "head_dim" not in r]
     return rows
 

@@ -159,8 +159,12 @@ def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
     return instrs, labels
 
 
+def is_tcgen05_mma(op: str) -> bool:
+    return bool(re.match(r"UTC\w*MMA", op))
+
+
 def is_mma(op: str) -> bool:
-    return op.startswith("HGMMA") or bool(re.match(r"UTC\w*MMA", op))
+    return op.startswith("HGMMA") or is_tcgen05_mma(op)
 
 
 def is_barrier_wait(op: str) -> bool:
@@ -290,6 +294,7 @@ class Loop:
     blocks: frozenset = dataclasses.field(default=frozenset(), compare=False)  # every block's start, slow paths too
     shortest: int = 0  # instructions on the shortest fast path (``instructions``: the longest; equal without branches)
     copies_in: int = 0  # global-to-shared copies issued (``is_copy_in``)
+    mma_order: str = ""  # the longest fast path's mbarrier waits and tcgen05 MMA groups in issue order (``mma_order``)
 
 
 _ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
@@ -430,8 +435,44 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
                         sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
                         sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
-                        sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code)))
+                        sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code),
+                        mma_order(code)))
     return out
+
+
+def mma_order(code: list[Instruction]) -> str:
+    """The mbarrier waits and tcgen05 MMA groups of a sequence in issue order: ``w`` a wait (``SYNCS.PHASECHK``),
+    ``QK`` / ``PV`` a group's first MMA, the one whose accumulate operand (the last) is not the constant ``UPT``
+    (zero-init, or a first k-block accumulating on a condition); ``PV`` when its A operand is in tensor memory (P, the
+    softmax's output), ``QK`` when in shared memory. Later k-blocks of a group (``UPT``) are not listed, so a wait
+    between them (FA4 waits for the last part of P half-way through a PV) stands inside its group."""
+    out = []
+    for ins in code:
+        if ins.opcode.startswith("SYNCS.PHASECHK"):
+            out.append("w")
+        elif is_tcgen05_mma(ins.opcode) and ins.text.split(",")[-1].strip() != "UPT":
+            out.append("PV" if ins.text.strip().startswith("tmem") else "QK")
+    return " ".join(out)
+
+
+def mma_in_flight(order: str) -> Optional[int]:
+    """QK groups an MMA warp's loop (``mma_order``, one iteration, repeated) issues between two waits for P: the
+    least over its P waits (a P wait: the last wait before a PV group). 0 means that the warp blocks on a softmax's P
+    with no new S tile given to the tensor core since its previous P wait. None without a PV group."""
+    events = order.split()
+    n = len(events)
+    if "PV" not in events:
+        return None
+    waits = set()
+    for k in (k for k, ev in enumerate(events) if ev == "PV"):
+        back = [(k - d) % n for d in range(1, n + 1)]
+        wait = next((i for i in back if events[i] == "w"), None)
+        if wait is None:
+            return None  # no wait in the loop: P is not waited for here
+        waits.add(wait)
+    ring = sorted(waits)
+    return min(sum(events[i % n] == "QK" for i in range(a + 1, b + (n if b <= a else 0)))
+               for a, b in zip(ring, ring[1:] + ring[:1]))
 
 
 def _paths(cfg: dict[int, Block], dom: dict[int, set], body: set, header: int, latches: set) -> tuple:
@@ -585,6 +626,9 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
                     f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
                     f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
                     f"{name}_cta_barriers": lp.cta_barriers, f"{name}_named_barriers": lp.named_barriers})
+        if name == "loop" and "PV" in lp.mma_order:  # SM100 attention: the MMA warp's loop
+            rec.update(loop_mma_order=lp.mma_order, loop_qk_groups=lp.mma_order.split().count("QK"),
+                       mma_in_flight=mma_in_flight(lp.mma_order))
         if name == "loop" and head_dim and lp.mma_flops:
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)

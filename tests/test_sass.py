@@ -46,6 +46,22 @@ def test_kernel_resources_match_plan(config):
     assert rec["ctas_per_sm"] >= rec["plan_ctas_per_sm"], rec
     if rec["mma"]:
         assert rec["loop_mma"] > 0  # the main loop found is the one issuing the MMAs
+    if config.family.name == "paged_attention_sm100":  # a QK issued before each wait for a softmax's P
+        assert rec["mma_in_flight"] >= 1, rec["loop_mma_order"]
+
+
+@pytest.mark.sass
+@pytest.mark.compile
+@needs_tools
+def test_sm100_attention_mma_in_flight():
+    """Two Q tiles at D = 128 in pages of 128: the MMA warp's loop runs a Q tile's PV, once its P is written, then
+    that tile's QK of the next key tile (``PV(j-1, t), QK(j, t)``), so each wait for P comes after a QK of the other
+    tile: one S tile for the tensor core while a softmax warpgroup works."""
+    (config,) = [c for c in catalog.configs() if c.family.name == "paged_attention_sm100" and c.arch == "sm_100a"
+                 and c.case == ("bfloat16", 32, 8, 128, 128, 2, True)]
+    assert config.kernel().q_tiles == 2
+    rec = static.analyze_config(config, compiled=artifacts.compiled)
+    assert (rec["loop_mma_order"], rec["loop_qk_groups"], rec["mma_in_flight"]) == ("w PV w QK", 1, 1)
 
 
 # The producer's TMAs issued each in its own elect loop (``ELECT`` ... ``BRA.U.ANY``), so no one loop holds a tile's
@@ -203,6 +219,39 @@ def test_sass_loops_and_counts():
     assert [static.is_cta_barrier(i) for i in instrs].count(True) == 1  # barrier 0, no count: __syncthreads
     assert main.mma_flops == 2 * 64 * 64 * 16 + 2 * 64 * 128 * 16
     assert static.softmax_loop(all_loops) == main
+
+
+def test_mma_in_flight():
+    """The MMA warp's loop as waits and MMA groups (a group starts at an MMA whose accumulate operand is not UPT; A in
+    tensor memory: PV), and the QK groups between two waits for P. Ours (a Q tile's PV, then its next QK); FA4's
+    two Q tiles, a wait for the last part of P inside each PV group; a loop that waits for both Q tiles' P before
+    its QKs (no S tile between the second P wait and the first): 0."""
+    sass = """
+.L_x_0:
+        /*0000*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR15+0x48], R4 ;
+        /*0010*/              @!P0 BRA `(.L_x_1) ;
+        /*0020*/                   UTCHMMA tmem[UR6], gdesc[UR8], tmem[UR4], tmem[UR54], idesc[UR55], UR44, UP0 ;
+        /*0030*/                   UTCHMMA tmem[UR30], gdesc[UR16], tmem[UR4], tmem[UR38], idesc[UR39], UR44, UPT ;
+        /*0040*/                   UTCBAR [UR34], URZ ;
+        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x8], R4 ;
+        /*0060*/              @!P0 BRA `(.L_x_1) ;
+        /*0070*/                   UTCHMMA gdesc[UR8], gdesc[UR10], tmem[UR6], tmem[UR52], idesc[UR53], UR40, !UPT ;
+        /*0080*/                   UTCHMMA gdesc[UR22], gdesc[UR26], tmem[UR6], tmem[UR68], idesc[UR69], UR40, UPT ;
+        /*0090*/                   UTCBAR [UR15], URZ ;
+        /*00a0*/               @P1 BRA `(.L_x_0) ;
+        /*00b0*/                   EXIT ;
+.L_x_1:
+        /*00c0*/                   BRA `(.L_x_0) ;
+"""
+    instrs, labels = static.parse_sass(sass)
+    lp = static.main_loop(static.loops(instrs, labels))
+    assert (lp.mma, lp.mma_order) == (4, "w PV w QK")
+    assert static.mma_in_flight(lp.mma_order) == 1
+    assert static.mma_in_flight("w w PV w w QK w PV w QK") == 1  # FA4, two Q tiles
+    assert static.mma_in_flight("w QK w w PV w") == 1  # FA4's S ping-pong, one Q tile
+    assert static.mma_in_flight("w PV w PV w QK QK") == 0  # blocks on the second P with no QK since the first
+    assert static.mma_in_flight("w QK QK") is None  # no PV: not an attention MMA loop
+    assert static.mma_in_flight("QK PV") is None  # no wait for P in the loop
 
 
 def test_wait_branches():
