@@ -9,10 +9,10 @@ Columns (``static.py`` says how each is measured): threads and registers per thr
 shared memory per CTA (static + what the launch passes), CTAs per SM, tensor-core MMAs, barrier waits (CTA-wide +
 named + mbarrier) and LDS/STS in the whole kernel; instructions, waits and MMAs of the main loop, on SM100 its MMAs
 per key tile of one Q tile (a QK group and its PV) and the MMA in flight (``static.mma_in_flight``: QK groups issued
-between two waits for P), its instructions per 64x64 block of S (attention), instructions of the softmax loop (longest and shortest way through one iteration: one S
-tile of one softmax warpgroup on SM100, the O rescale or mask skipped on the short way) and its MUFU.EX2 (the rest of
-the tile's exponentials on the FMA pipe), tensor-memory columns (tcgen05) and the warp roles' register targets
-(setmaxnreg).
+between two waits for P), its instructions per 64x64 block of S (attention), instructions of the softmax loop
+(longest and shortest way through one iteration: one S tile of one softmax warpgroup on SM100, the O rescale or mask
+skipped on the short way) and its MUFU.EX2 (the rest of the tile's exponentials on the FMA pipe), tensor-memory
+columns (tcgen05) and the warp roles' register targets (setmaxnreg).
 """
 
 from __future__ import annotations

@@ -295,6 +295,7 @@ class Loop:
     shortest: int = 0  # instructions on the shortest fast path (``instructions``: the longest; equal without branches)
     copies_in: int = 0  # global-to-shared copies issued (``is_copy_in``)
     mma_order: str = ""  # the longest fast path's mbarrier waits and tcgen05 MMA groups in issue order (``mma_order``)
+    p_barriers: int = 0  # mbarriers the loop waits on for P, at least (``p_barriers``)
 
 
 _ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
@@ -430,14 +431,25 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
                 work.extend(preds[n])
         longest, shortest = _paths(cfg, dom, body, header, set(latches))
         code = [i for n in longest for i in cfg[n].instrs]
+        order = mma_order(code)
         out.append(Loop(header, max(cfg[n].instrs[-1].address for n in latches), len(code),
                         sum(is_mma(i.opcode) for i in code), sum(hgmma_flops(i.opcode) for i in code),
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
                         sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
                         sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
                         sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code),
-                        mma_order(code)))
+                        order, p_barriers(cfg, body, code) if "PV" in order else 0))
     return out
+
+
+def _starts_group(ins: Instruction) -> bool:
+    """A tcgen05 MMA that starts an accumulation: its accumulate operand (the last) is not the constant ``UPT``."""
+    return is_tcgen05_mma(ins.opcode) and ins.text.split(",")[-1].strip() != "UPT"
+
+
+def _reads_p(ins: Instruction) -> bool:
+    """A tcgen05 MMA whose A operand is in tensor memory: attention's PV, P the softmax wrote there."""
+    return ins.text.strip().startswith("tmem")
 
 
 def mma_order(code: list[Instruction]) -> str:
@@ -450,15 +462,84 @@ def mma_order(code: list[Instruction]) -> str:
     for ins in code:
         if ins.opcode.startswith("SYNCS.PHASECHK"):
             out.append("w")
-        elif is_tcgen05_mma(ins.opcode) and ins.text.split(",")[-1].strip() != "UPT":
-            out.append("PV" if ins.text.strip().startswith("tmem") else "QK")
+        elif _starts_group(ins):
+            out.append("PV" if _reads_p(ins) else "QK")
     return " ".join(out)
 
 
-def mma_in_flight(order: str) -> Optional[int]:
-    """QK groups an MMA warp's loop (``mma_order``, one iteration, repeated) issues between two waits for P: the
-    least over its P waits (a P wait: the last wait before a PV group). 0 means that the warp blocks on a softmax's P
-    with no new S tile given to the tensor core since its previous P wait. None without a PV group."""
+_REGISTER = re.compile(r"\bU?R\d+\b")
+
+
+def p_barriers(cfg: dict[int, Block], body: set, code: list[Instruction]) -> int:
+    """How many mbarriers a loop waits on for P, at least: its waits whose next MMA or wait, on any way through the
+    body, is a PV group's first MMA, told apart by address; one whose address the loop changes from one iteration
+    to the next (a register it computes from one the loop carries: a slot index) is two. One P barrier is one S
+    buffer: the QK a warp issues before waiting on it is the one whose P it waits for."""
+    fast, work = set(), [code[0].address] if code else []
+    while work:  # the blocks an iteration reaches with every wait succeeding: no retry
+        n = work.pop()
+        if n not in fast:
+            fast.add(n)
+            work.extend(succ for succ, failed in cfg[n].succs if succ in body and not failed)
+    written = {r for n in body for i in cfg[n].instrs for r in _destination(i)}
+    sites = {}
+    for n in fast:
+        instrs = cfg[n].instrs
+        for k, ins in enumerate(instrs):
+            if ins.opcode.startswith("SYNCS.PHASECHK") and _next_starts_pv(cfg, body, n, k + 1):
+                address = ins.text.split("[")[1].split("]")[0]
+                sites[address] = max(sites.get(address, 1), 2 if _varies(code, written, ins, address) else 1)
+    return sum(sites.values())
+
+
+def _destination(ins: Instruction) -> list[str]:
+    """The register an instruction writes (its first operand), none where that is a memory or descriptor operand."""
+    first = ins.text.split(",")[0]
+    return [] if "[" in first else _REGISTER.findall(first)
+
+
+def _next_starts_pv(cfg: dict[int, Block], body: set, block: int, k: int) -> bool:
+    """Whether, from instruction ``k`` of ``block`` on, some fast way through the loop body meets a PV group's first
+    MMA before any other MMA or mbarrier wait."""
+    seen, work = set(), [(block, k)]
+    while work:
+        n, k = work.pop()
+        for ins in cfg[n].instrs[k:]:
+            if ins.opcode.startswith("SYNCS.PHASECHK") or is_tcgen05_mma(ins.opcode):
+                if _starts_group(ins) and _reads_p(ins):
+                    return True
+                break
+        else:
+            for succ, failed in cfg[n].succs:
+                if succ in body and not failed and succ not in seen:
+                    seen.add(succ)
+                    work.append((succ, 0))
+    return False
+
+
+def _varies(code: list[Instruction], written: set, at: Instruction, operands: str) -> bool:
+    """Whether registers of ``operands`` read by ``at`` (an instruction of ``code``, one iteration's way) may hold
+    another value each iteration: the last write before ``at`` is guarded or reads such a register, or there is none
+    in the iteration and the loop writes the register (``written``: its value comes from the previous iteration)."""
+    if at not in code:  # off the iteration's longest way: its own address
+        return False
+    pos = code.index(at)
+    for reg in _REGISTER.findall(operands):
+        last = next((i for i in reversed(code[:pos]) if _destination(i) == [reg]), None)
+        if last is None:
+            if reg in written:
+                return True
+        elif last.guard or _varies(code, written, last, ",".join(last.text.split(",")[1:])):
+            return True
+    return False
+
+
+def mma_in_flight(order: str, p_barriers: int) -> Optional[int]:
+    """QK groups an MMA warp's loop (``mma_order``, one iteration, repeated) issues between two waits for P, the least
+    over its P waits (a P wait: the last wait before a PV group), and at most one less than the P barriers (S
+    buffers): with one, the QK issued before a wait is the one whose P it waits for. 0: the warp blocks on a
+    softmax's P with no S tile given to the tensor core since that softmax's S. None without a PV group, or without
+    a wait before one."""
     events = order.split()
     n = len(events)
     if "PV" not in events:
@@ -471,8 +552,8 @@ def mma_in_flight(order: str) -> Optional[int]:
             return None  # no wait in the loop: P is not waited for here
         waits.add(wait)
     ring = sorted(waits)
-    return min(sum(events[i % n] == "QK" for i in range(a + 1, b + (n if b <= a else 0)))
-               for a, b in zip(ring, ring[1:] + ring[:1]))
+    return min([p_barriers - 1] + [sum(events[i % n] == "QK" for i in range(a + 1, b + (n if b <= a else 0)))
+                                   for a, b in zip(ring, ring[1:] + ring[:1])])
 
 
 def _paths(cfg: dict[int, Block], dom: dict[int, set], body: set, header: int, latches: set) -> tuple:
@@ -626,9 +707,9 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
                     f"{name}_mma": lp.mma, f"{name}_ex2": lp.ex2,
                     f"{name}_lds": lp.lds, f"{name}_sts": lp.sts, f"{name}_barrier_waits": lp.barrier_waits,
                     f"{name}_cta_barriers": lp.cta_barriers, f"{name}_named_barriers": lp.named_barriers})
-        if name == "loop" and "PV" in lp.mma_order:  # SM100 attention: the MMA warp's loop
+        if name == "loop" and set(lp.mma_order.split()) - {"w"}:  # tcgen05 MMAs: the MMA warp's loop
             rec.update(loop_mma_order=lp.mma_order, loop_qk_groups=lp.mma_order.split().count("QK"),
-                       mma_in_flight=mma_in_flight(lp.mma_order))
+                       loop_p_barriers=lp.p_barriers, mma_in_flight=mma_in_flight(lp.mma_order, lp.p_barriers))
         if name == "loop" and head_dim and lp.mma_flops:
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)

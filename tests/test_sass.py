@@ -47,7 +47,7 @@ def test_kernel_resources_match_plan(config):
     if rec["mma"]:
         assert rec["loop_mma"] > 0  # the main loop found is the one issuing the MMAs
     if config.family.name == "paged_attention_sm100":  # a QK issued before each wait for a softmax's P
-        assert rec["mma_in_flight"] >= 1, rec["loop_mma_order"]
+        assert (rec["mma_in_flight"] or 0) >= 1, rec["loop_mma_order"]
 
 
 @pytest.mark.sass
@@ -61,7 +61,8 @@ def test_sm100_attention_mma_in_flight():
                  and c.case == ("bfloat16", 32, 8, 128, 128, 2, True)]
     assert config.kernel().q_tiles == 2
     rec = static.analyze_config(config, compiled=artifacts.compiled)
-    assert (rec["loop_mma_order"], rec["loop_qk_groups"], rec["mma_in_flight"]) == ("w PV w QK", 1, 1)
+    assert (rec["loop_mma_order"], rec["loop_qk_groups"], rec["loop_p_barriers"], rec["mma_in_flight"]) == (
+        "w PV w QK", 1, 2, 1)
 
 
 # The producer's TMAs issued each in its own elect loop (``ELECT`` ... ``BRA.U.ANY``), so no one loop holds a tile's
@@ -223,35 +224,48 @@ def test_sass_loops_and_counts():
 
 def test_mma_in_flight():
     """The MMA warp's loop as waits and MMA groups (a group starts at an MMA whose accumulate operand is not UPT; A in
-    tensor memory: PV), and the QK groups between two waits for P. Ours (a Q tile's PV, then its next QK); FA4's
-    two Q tiles, a wait for the last part of P inside each PV group; a loop that waits for both Q tiles' P before
-    its QKs (no S tile between the second P wait and the first): 0."""
+    tensor memory: PV), the P barriers it waits on (an address the loop changes each iteration, a slot index it
+    carries, is two) and the QK groups issued between two waits for P, at most one less than the P barriers. Ours:
+    a Q tile's PV, then its next QK, the slot alternating; the same loop on one slot (FA4's one Q tile without its S
+    ping-pong): the QK before the wait is the one whose P it waits for, 0. FA4's two Q tiles (a wait for the last part
+    of P inside each PV group) and its S ping-pong; a loop that waits for both tiles' P before its QKs: 0."""
     sass = """
 .L_x_0:
-        /*0000*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR15+0x48], R4 ;
-        /*0010*/              @!P0 BRA `(.L_x_1) ;
-        /*0020*/                   UTCHMMA tmem[UR6], gdesc[UR8], tmem[UR4], tmem[UR54], idesc[UR55], UR44, UP0 ;
-        /*0030*/                   UTCHMMA tmem[UR30], gdesc[UR16], tmem[UR4], tmem[UR38], idesc[UR39], UR44, UPT ;
-        /*0040*/                   UTCBAR [UR34], URZ ;
-        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x8], R4 ;
-        /*0060*/              @!P0 BRA `(.L_x_1) ;
-        /*0070*/                   UTCHMMA gdesc[UR8], gdesc[UR10], tmem[UR6], tmem[UR52], idesc[UR53], UR40, !UPT ;
-        /*0080*/                   UTCHMMA gdesc[UR22], gdesc[UR26], tmem[UR6], tmem[UR68], idesc[UR69], UR40, UPT ;
-        /*0090*/                   UTCBAR [UR15], URZ ;
-        /*00a0*/               @P1 BRA `(.L_x_0) ;
-        /*00b0*/                   EXIT ;
+        /*0000*/                   ULEA UR15, UR12, UR7, 0x3 ;
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR15+0x48], R4 ;
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+.L_x_4:
+        /*0030*/                   UTCHMMA tmem[UR6], gdesc[UR8], tmem[UR4], tmem[UR54], idesc[UR55], UR44, UP0 ;
+        /*0040*/                   UTCHMMA tmem[UR30], gdesc[UR16], tmem[UR4], tmem[UR38], idesc[UR39], UR44, UPT ;
+        /*0050*/                   UTCBAR [UR34], URZ ;
+        /*0060*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4+0x8], R4 ;
+        /*0070*/              @!P0 BRA `(.L_x_2) ;
+        /*0080*/                   UTCHMMA gdesc[UR8], gdesc[UR10], tmem[UR6], tmem[UR52], idesc[UR53], UR40, !UPT ;
+        /*0090*/                   UTCHMMA gdesc[UR22], gdesc[UR26], tmem[UR6], tmem[UR68], idesc[UR69], UR40, UPT ;
+        /*00a0*/                   UTCBAR [UR15], URZ ;
+        /*00b0*/                   ULOP3.LUT UR12, UR12, 0x1, URZ, 0x3c, !UPT ;
+        /*00c0*/               @P1 BRA `(.L_x_0) ;
+        /*00d0*/                   EXIT ;
 .L_x_1:
-        /*00c0*/                   BRA `(.L_x_0) ;
+        /*00e0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R0+URZ+0x48], R4 ;
+        /*00f0*/              @!P0 BRA `(.L_x_1) ;
+        /*0100*/                   BRA `(.L_x_4) ;
+.L_x_2:
+        /*0110*/                   BRA `(.L_x_2) ;
 """
     instrs, labels = static.parse_sass(sass)
     lp = static.main_loop(static.loops(instrs, labels))
-    assert (lp.mma, lp.mma_order) == (4, "w PV w QK")
-    assert static.mma_in_flight(lp.mma_order) == 1
-    assert static.mma_in_flight("w w PV w w QK w PV w QK") == 1  # FA4, two Q tiles
-    assert static.mma_in_flight("w QK w w PV w") == 1  # FA4's S ping-pong, one Q tile
-    assert static.mma_in_flight("w PV w PV w QK QK") == 0  # blocks on the second P with no QK since the first
-    assert static.mma_in_flight("w QK QK") is None  # no PV: not an attention MMA loop
-    assert static.mma_in_flight("QK PV") is None  # no wait for P in the loop
+    assert (lp.mma, lp.mma_order, lp.p_barriers) == (4, "w PV w QK", 2)  # the retry's wait (0xe0) is no site
+    assert static.mma_in_flight(lp.mma_order, lp.p_barriers) == 1
+    one_slot = sass.replace("ULOP3.LUT UR12, UR12", "ULOP3.LUT UR13, UR12")
+    instrs, labels = static.parse_sass(one_slot)
+    lp = static.main_loop(static.loops(instrs, labels))
+    assert (lp.mma_order, lp.p_barriers, static.mma_in_flight(lp.mma_order, lp.p_barriers)) == ("w PV w QK", 1, 0)
+    assert static.mma_in_flight("w w PV w w QK w PV w QK", 2) == 1  # FA4, two Q tiles
+    assert static.mma_in_flight("w QK w w PV w", 2) == 1  # FA4's S ping-pong, one Q tile
+    assert static.mma_in_flight("w PV w PV w QK QK", 2) == 0  # blocks on the second P with no QK since the first
+    assert static.mma_in_flight("w QK QK", 2) is None  # no PV: not an attention MMA loop
+    assert static.mma_in_flight("QK PV", 2) is None  # no wait for P in the loop
 
 
 def test_wait_branches():
