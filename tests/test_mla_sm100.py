@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 import artifacts
 
 from cute_kv import reference as ref
-from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, O_COLS, SMEM_PER_CTA, TMEM_COLUMNS, V_SPLIT, tiling
+from cute_kv.kernels.mla.sm100_config import (BM, BN, FP8_BN, O_COLS, QK_COLS, QK_OFFSET, SLICE, SMEM_PER_CTA,
+                                              TMEM_COLUMNS, V_SPLIT, content_boxes, tiling)
 from cute_kv.ops import mla_decode_sm100
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args
@@ -175,17 +176,38 @@ def test_sm100_mla_sparse_launch_rejects_mismatched_indices():
 
 def test_sm100_mla_tiling_fits_one_cta_per_sm():
     t = tiling(LATENT)
-    # Q 128 x 576, P 128 x 32 (16-bit), two 32 x 576 key stages, barriers and row arrays: one CTA per SM.
-    assert (t.q_bytes, t.p_bytes, t.stage_bytes) == (147456, 8192, 36864)
-    assert t.smem == 230400 <= SMEM_PER_CTA
+    # A 128 x 320 Q slice, P 128 x 32 (16-bit), two 128 x 32 float32 exchange buffers, four 32 x 320 key stages,
+    # barriers and row arrays: one CTA per SM.
+    assert (t.stages, t.q_bytes, t.p_bytes, t.exchange_bytes, t.stage_bytes, t.tx_bytes) == (
+        4, 81920, 8192, 32768, 20480, 20480)
+    assert t.smem == 205824 <= SMEM_PER_CTA
     assert t.tmem_columns == 2 * BN + O_COLS == 320 <= TMEM_COLUMNS
     assert V_SPLIT * O_COLS == V_DIM
-    # Rope-aware FP8: 16-key tiles; P 128 x 16, two converted 16 x 576 16-bit tiles, four landing stages of 16 rows
-    # x (512 e4m3 + 64 bf16) bytes; row and scale arrays in the fixed kilobyte.
+    # Rope-aware FP8: 16-key tiles; P 128 x 16, two converted 16 x 320 16-bit tiles, four landing stages of 16 rows
+    # x (512 e4m3 + 64 bf16) bytes, of which a CTA loads 384 a row (three content boxes, or two and the rope); row
+    # and scale arrays in the fixed kilobytes.
     f = tiling(LATENT, ROPE)
-    assert (f.bn, f.stages, f.q_bytes, f.p_bytes, f.stage_bytes, f.mma_tiles) == (16, 4, 147456, 4096, 10240, 36864)
-    assert f.fixed == 2048 and f.smem == 231424 <= SMEM_PER_CTA
+    assert (f.bn, f.stages, f.q_bytes, f.p_bytes, f.exchange_bytes, f.stage_bytes, f.tx_bytes, f.mma_tiles) == (
+        16, 4, 81920, 4096, 16384, 10240, 6144, 20480)
+    assert f.fixed == 2048 and f.smem == 165888 <= SMEM_PER_CTA
     assert f.tmem_columns == 2 * FP8_BN + O_COLS == 288 <= TMEM_COLUMNS
+
+
+def test_sm100_mla_pair_splits_the_latent_columns():
+    """The pair's QK columns tile the latent row once, each inside its CTA's slice at 16-column MMA steps; a
+    CTA's value half is the start of its slice; an fp8 slice's content lies in the boxes it loads."""
+    covered = []
+    for rank in range(V_SPLIT):
+        cols, qk = cta_slice(rank)
+        assert cols.start >= 0 and cols.stop <= LATENT and cols.stop - cols.start == SLICE
+        assert qk.start % 16 == 0 and qk.stop <= SLICE
+        covered += list(range(cols.start + qk.start, cols.start + qk.stop))
+        assert cols.start == rank * O_COLS  # V: the slice's first O_COLS columns
+        content = range(cols.start, min(cols.stop, LATENT - ROPE))
+        boxes = content_boxes(rank, LATENT - ROPE)
+        assert boxes.start * 128 <= content.start and content.stop <= boxes.stop * 128
+    assert covered == list(range(LATENT))
+    assert [list(content_boxes(r, LATENT - ROPE)) for r in range(V_SPLIT)] == [[0, 1, 2], [2, 3]]
 
 
 def test_sm100_mla_splits_fill_the_gpu():
@@ -226,11 +248,19 @@ def _key_tile(c):
     return mla_decode_sm100.key_tile(c.rope_dim)
 
 
+def cta_slice(rank):
+    """The latent columns CTA ``rank`` of a pair holds of Q and of each key row, and the part of its slice it
+    multiplies into its partial S (the kernel's k-blocks from ``rank * QK_OFFSET / 16``)."""
+    return slice(rank * O_COLS, rank * O_COLS + SLICE), slice(rank * QK_OFFSET, rank * QK_OFFSET + QK_COLS)
+
+
 def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half, score_scale, cap_log2, softcap,
               dtype, bn, sparse=False):
-    """One CTA over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max, row_sum)`` (base 2).
-    Keys are masked past ``row_end``, and (sparse) where the entry names no row; a dense key inside ``row_end``
-    is not masked even when its row is the zero-filled one (a page column past the lookup row)."""
+    """CTA ``v_half`` of a pair over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max,
+    row_sum)`` (base 2). S is the sum of the pair's partials, each over its own slice's QK columns (the exchange);
+    V is the first ``O_COLS`` columns of the CTA's slice. Keys are masked past ``row_end``, and (sparse) where the
+    entry names no row; a dense key inside ``row_end`` is not masked even when its row is the zero-filled one (a
+    page column past the lookup row)."""
     row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
     row_sum = torch.zeros(BM, dtype=torch.float64)
     acc = torch.zeros(BM, O_COLS, dtype=torch.float64)
@@ -240,7 +270,11 @@ def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half
         for i, r in enumerate(key_rows):
             if 0 <= r < oob_row:  # TMA: rows outside the view are zero-filled
                 kt[i] = rows[r].double()
-        s = (qr @ kt.T) * score_scale
+        partials = []
+        for rank in range(V_SPLIT):
+            cols, qk = cta_slice(rank)
+            partials.append(qr[:, cols][:, qk] @ kt[:, cols][:, qk].T)
+        s = sum(partials) * score_scale
         if softcap:
             s = cap_log2 * torch.tanh(s)
         keys = torch.arange(t * bn, (t + 1) * bn)
@@ -253,7 +287,7 @@ def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half
         row_sum = row_sum * corr + p.sum(dim=1)
         row_max = new_max
         p16 = p.to(dtype).double()
-        acc = acc * corr[:, None] + p16 @ kt[:, v_half * O_COLS:(v_half + 1) * O_COLS]
+        acc = acc * corr[:, None] + p16 @ kt[:, cta_slice(v_half)[0]][:, :O_COLS]
     return acc, row_max, row_sum
 
 
@@ -708,9 +742,10 @@ def test_sm100_mla_ptx(case, tmp_path):
     flags = case[3] if case[3:] else {}
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], **flags)
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
-    # Per key tile: QK over the 576 latent columns (36 MMAs of K=16, N=32) and P V for the CTA's value half
-    # (BN/16 = 2 MMAs of N=256, V read MN-major), M=128, fp32 accumulators in TMEM.
-    assert static.tcgen05_mmas(ptx) == [_mma(BN)] * (LATENT // 16) + [_mma(O_COLS, True)] * (BN // 16)
+    # Per key tile: the partial QK over the CTA's 288 latent columns (18 MMAs of K=16, N=32) and P V for its value
+    # half (BN/16 = 2 MMAs of N=256, V read MN-major), M=128, fp32 accumulators in TMEM.
+    assert static.tcgen05_mmas(ptx) == [_mma(BN)] * (QK_COLS // 16) + [_mma(O_COLS, True)] * (BN // 16)
+    _check_exchange(ptx, BN, artifacts.compiled(kernel, "sm_100a").host_ir)
     # S read as one 32-column load; the O half rescaled and stored back (256/32 each), then read by the epilogue.
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 1 + 2 * O_COLS // 32
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == O_COLS // 32
@@ -729,10 +764,10 @@ def test_sm100_mla_ptx(case, tmp_path):
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(THREADS)
     waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
     assert waits and all(w.startswith("%r") for w in waits), waits
-    # gather4: BN/4 instructions per 64-column block, 9 blocks; every destination distinct, 512 B apart (4 rows of
-    # 128 B) and the column blocks back to back (BN x 128 B each): the swizzle is on the pointer.
+    # gather4: BN/4 instructions per 64-column block, the slice's 5 blocks; every destination distinct, 512 B apart
+    # (4 rows of 128 B) and the column blocks back to back (BN x 128 B each): the swizzle is on the pointer.
     g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
-    assert len(g4) == (BN // 4) * (LATENT // 64)
+    assert len(g4) == (BN // 4) * (SLICE // 64)
     assert len(set(g4)) == len(g4)
     offsets = [int(re.search(r"\+(\d+)$", x).group(1)) if "+" in x else 0 for x in g4]
     assert all(b - a == 512 for a, b in zip(offsets, offsets[1:]))
@@ -766,8 +801,10 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     flags = case[3] if case[3:] else {}
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], rope_dim=ROPE, **flags)
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
-    # Per 16-key tile: QK over the 576 columns of the converted tile (36 MMAs, N=16), one P V MMA (K=16, N=256).
-    assert static.tcgen05_mmas(ptx) == [_mma(FP8_BN)] * (LATENT // 16) + [_mma(O_COLS, True)] * (FP8_BN // 16)
+    # Per 16-key tile: the partial QK over the CTA's 288 columns of its converted slice (18 MMAs, N=16), one P V
+    # MMA (K=16, N=256).
+    assert static.tcgen05_mmas(ptx) == [_mma(FP8_BN)] * (QK_COLS // 16) + [_mma(O_COLS, True)] * (FP8_BN // 16)
+    _check_exchange(ptx, FP8_BN, artifacts.compiled(kernel, "sm_100a").host_ir)
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 1  # S: one 16-column load
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 2 * O_COLS // 32
     # S full, P consumed, converted tile free: the only tcgen05.commit arrivals (the converter arrives itself).
@@ -781,19 +818,21 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     counts = [(int(n), block.count("mbarrier.init")) for _, n, block in inits]
     stages = kernel.stages
     assert (33, stages) in counts and (4, stages) in counts and (128, 2) in counts, counts
-    # Two descriptors (content, rope). gather4: 4 per 128-byte content box (4 boxes: bytes [0, 512) of the rows),
-    # then 4 for the rope box; every destination distinct and 512 B apart (4 rows x 128 B), the content boxes back
-    # to back in their stage (16 x 128 B each), the rope tile in its own stage.
+    # Two descriptors (content, rope). gather4: 4 per 128-byte content box, CTA 0's boxes 0-2 (bytes [0, 384) of
+    # the rows), then CTA 1's boxes 2-3 and its 4 for the rope box; within each CTA's run every destination is 512
+    # B past the previous one (4 rows x 128 B), the content boxes back to back in their stage (16 x 128 B each, box
+    # 2 at the same place for both), the rope tile in its own stage.
     assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", ptx)) == 2
     g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\],\s*"
                     r"\[(%rd\d+),", ptx)
-    assert len(g4) == (FP8_BN // 4) * (512 // 128 + 1)
-    assert len({d for d, _ in g4}) == len(g4)
+    assert len(g4) == (FP8_BN // 4) * (3 + 2 + 1)
     descs = [t for _, t in g4]
-    assert len(set(descs[:16])) == 1 and len(set(descs[16:])) == 1 and descs[0] != descs[16]
+    assert len(set(descs[:20])) == 1 and len(set(descs[20:])) == 1 and descs[0] != descs[20]
     offsets = [int(re.search(r"\+(\d+)$", d).group(1)) for d, _ in g4]
-    assert all(b - a == 512 for a, b in zip(offsets[:16], offsets[1:16]))
-    assert all(b - a == 512 for a, b in zip(offsets[16:], offsets[17:]))
+    box = FP8_BN * 128
+    for run in (offsets[:12], offsets[12:20], offsets[20:]):
+        assert all(b - a == 512 for a, b in zip(run, run[1:]))
+    assert offsets[12] - offsets[0] == 2 * box  # CTA 1's first box is box 2
     # The scale of each lane's row: read only for a row inside the row view (0 <= row < its rows), a 4-byte global
     # load at row * 4, stored to the stage's scale array, then the lane's arrival on the stage's full barrier.
     tail = ptx[ptx.rindex("tile::gather4"):]
@@ -801,8 +840,9 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
                      r"or\.pred\s+(%p\d+), \1, \3;\s+@\4 bra[^\n]*\n\s+mul\.wide\.u32\s+(%rd\d+), \2, 4;\s+"
                      r"add\.s64\s+(%rd\d+), %rd\d+, \5;\s+ld\.global\.b32\s+%r\d+, \[\6\];", tail)
     assert re.search(r"st\.shared\.b32[^\n]*\n\s*mov\.b32[^\n]*\n\s*mbarrier\.arrive\.shared\.b64", tail)
-    # Converter: e4m3 pairs to half2 by cvt (8 values a chunk), scaled in float32, the rope read as bf16.
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4
+    # Converter: e4m3 pairs to half2 by cvt (8 values a chunk), scaled in float32, the rope read as bf16; one
+    # conversion per 64-column piece of the slice (the last: content for CTA 0, the rope for CTA 1).
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4 * SLICE // 64
     assert "cp.async.bulk.tensor.3d" not in ptx and not re.search(r"wgmma|mma\.sync", ptx)
     assert ptx.count("vote.sync.ballot.b32") == (1 if flags.get("sparse") else 0)
     assert ptx.count("tanh.approx.f32") == (FP8_BN if flags.get("softcap") else 0)
@@ -814,16 +854,35 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 200  # 320 threads, one CTA per SM
 
 
+def _check_exchange(ptx: str, bn: int, host_ir: str):
+    """The pair's partial-S exchange: launched as clusters of the two value halves; each softmax thread's row goes
+    out in ``bn / 4`` 16-byte ``st.async`` to the peer (its address and barrier by ``mapa`` of the peer's rank),
+    completing the peer's barrier, which thread 0 arms with the 128 rows' bytes; two exchange barriers of one
+    arrival each; the cluster barrier after the barriers' init and before the exit."""
+    assert static.launch_from_host_ir(host_ir).cluster == (1, V_SPLIT, 1)
+    stores = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.f32 \[(%r\d+)\], \w+, "
+                        r"\[(%r\d+)\];", ptx)
+    assert len(stores) == bn // 4 and len({bar for _, bar in stores}) == 1
+    for reg in {r for pair in stores for r in pair}:
+        assert re.search(rf"mapa\.shared::cluster\.u32\s+{reg}, %r\d+, %r\d+;", ptx), reg
+    assert re.search(rf"mov\.b32\s+(%r\d+), {BM * bn * 4};\s+mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+, "
+                     rf"\[%r\d+\], \1;", ptx)
+    assert re.search(r"mov\.b32\s+(%r\d+), 1;\s+mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;\s+"
+                     r"mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;", ptx)
+    assert ptx.count("barrier.cluster.arrive.relaxed") == 2 and ptx.count("barrier.cluster.wait") == 2
+
+
 @pytest.mark.compile
 def test_sm100_mla_mma_work_per_key():
-    """``perf/run.py mla-mma-work`` on the catalog's 128-head dense kernels (16-bit and rope-aware FP8): each of the
-    ``V_SPLIT`` CTAs of a row block computes all of S and its value half of O, 1.53x the minimum work per key."""
+    """``perf/run.py mla-mma-work`` on the catalog's 128-head dense kernels (16-bit and rope-aware FP8): the pair's
+    CTAs each compute a partial S over half the latent columns and their value half of O, so the pair does the
+    minimum work per key."""
     records = mla_mma_work.ours(128, artifacts.compiled)
     assert [r["keys_per_tile"] for r in records] == [BN, FP8_BN]
     minimum = 2 * 128 * (LATENT + V_DIM)
     for r in records:
-        assert r["units"] == V_SPLIT and r["qk_mmas"] == LATENT // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
-        assert r["flops_per_key"] == V_SPLIT * 2 * BM * (LATENT + O_COLS)
+        assert r["units"] == V_SPLIT and r["qk_mmas"] == QK_COLS // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
+        assert r["flops_per_key"] == V_SPLIT * 2 * BM * (QK_COLS + O_COLS) == minimum and r["ratio"] == 1.0
         assert r["min_flops_per_key"] == minimum and r["ratio"] == round(r["flops_per_key"] / minimum, 3)
 
 
