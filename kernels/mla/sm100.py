@@ -25,8 +25,9 @@ is computed twice (``sm100_config`` gives the columns). A CTA is (row block, val
   rows_per_page + k % P`` for keys of the request. Sparse rows: MAX's ``get_tma_row`` of the encoded entry ``enc =
   page * P + offset``, ``(enc // P) * rows_per_page + enc % P``. A key past the request (past ``topk_lengths``),
   ``-1`` or any entry outside ``[0, N * P)`` gets the row one past the row view, which TMA zero-fills: nothing
-  outside the cache is read. The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
-  gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
+  outside the cache is read. The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a
+  lane each, and one ballot gives every thread the tile's valid keys (no hand-off of the load warp's row array
+  across proxies).
 
 Rope-aware FP8 caches (MAX's rows ``[padded_depth e4m3 | rope_dim bf16]``, one float32 scale per token; why this
 way and the shared-memory budget: ``sm100_config``) take 16-key tiles and 320 threads:
