@@ -77,8 +77,9 @@ from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize
                                                       rescale_o, row_reduce, row_normalizer, scale_scores,
                                                       softmax_pipelines, write_lse)
 from cute_kv.kernels.mla.sm100_config import (BM, CONTENT_BOX, EXCHANGE, FP8, FP8_MMA_STAGES, GATHER_WIDTH, O_COLS,
-                                              QK_COLS, QK_OFFSET, ROW_LANES, SLICE, TMEM_COLUMNS, V_SPLIT,
-                                              content_boxes, supported, tiling)
+                                              QK_COLS, ROW_LANES, SLICE, TMEM_COLUMNS, V_SPLIT, content_boxes,
+                                              exchange_rotation, exchange_slot, live_warps, qk_start, slice_start,
+                                              supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 from cute_kv.kernels.quant import granule_scale
@@ -417,7 +418,7 @@ class MlaDecodeSm100:
             s_scales[lane, prod.index] = scale
             cute.arch.mbarrier_arrive(bar)
         else:
-            self.gather(tma_k, cute.domain_offset((0, rank * O_COLS), g_k), ring[None, None, prod.index], rows,
+            self.gather(tma_k, cute.domain_offset((0, slice_start(rank)), g_k), ring[None, None, prod.index], rows,
                         GATHER_WIDTH, range(SLICE // GATHER_WIDTH), bar)
 
     @cute.jit
@@ -454,7 +455,7 @@ class MlaDecodeSm100:
         strided eighth of a piece's 16-byte chunks; the stage is released once converted."""
         per_row = CONVERT_THREADS // self.bn
         width = self.rope_dim
-        first = rank * (O_COLS // width)  # the slice's first piece of the row
+        first = slice_start(rank) // width  # the slice's first piece of the row
         t = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
         r, part = t // per_row, t % per_row
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -484,14 +485,14 @@ class MlaDecodeSm100:
             t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe, s_pipe: pipeline.PipelineUmmaAsync,
             p_pipe: pipeline.PipelineAsyncUmma, n_tiles: Int32, rank: Int32):
         """MMA warp: the partial ``S = Q K_j^T`` over CTA ``rank``'s ``QK_COLS`` columns for tile j (its slice's
-        k-blocks from ``rank * QK_OFFSET / 16``), then ``O += P V`` of tile j-1 (V: the CTA's value half of the
+        k-blocks from ``qk_start(rank) / 16``), then ``O += P V`` of tile j-1 (V: the CTA's value half of the
         same key tile, released by the commit of that PV MMA). ``kv_pipe``: the landing ring (16-bit caches) or the
         converter's two tiles (fp8)."""
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_kv))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
-        k0 = rank * (QK_OFFSET // 16)
+        k0 = qk_start(rank) // 16
         kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mma_stages)
         kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mma_stages)
         s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
@@ -538,6 +539,7 @@ class MlaDecodeSm100:
                 row_end = cutlass.min(cache_len + tok + 1, num_keys)
         if tok >= seq_len:
             row_end = Int32(0)  # a padding row: everything masked
+        live = live_warps(cutlass.min(seq_len * self.group - m0, BM))  # rows past seq_len * group are padding
 
         s_tile = t_s[(None, None), 0, 0, 0]
         bn = self.bn
@@ -562,7 +564,7 @@ class MlaDecodeSm100:
             tmem_fence_before_sync()
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
-            self.exchange(scores, s_x, x_bars, j, rank)
+            self.exchange(scores, s_x, x_bars, j, rank, live)
 
             scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # most tiles of a dense context are whole
@@ -610,31 +612,39 @@ class MlaDecodeSm100:
         return row_max, row_sum
 
     @cute.jit
-    def exchange(self, scores: cute.Tensor, s_x: cute.Tensor, x_bars: cute.Pointer, j: Int32, rank: Int32):
+    def exchange(self, scores: cute.Tensor, s_x: cute.Tensor, x_bars: cute.Pointer, j: Int32, rank: Int32,
+                 live: Int32):
         """Thread ``tidx``'s row of tile ``j``'s partial S (``scores``) into the peer CTA's exchange buffer
-        ``j % EXCHANGE`` (``st.async``, 16 bytes each, completing the peer's barrier of that buffer), then, once
+        (``exchange_slot``; ``st.async``, 16 bytes each, completing the peer's barrier of that buffer), then, once
         the peer's row has landed in ours, ``scores += peer``: the same sum in both CTAs (addition commutes).
-        Thread 0 arms the local barrier with the bytes the peer's 128 rows bring. A buffer is rewritten two tiles
-        later, by a peer that has since received this tile's row from each thread, after its reads here."""
-        from quack.utils import store_shared_remote_x4  # here: importing quack imports triton
+        Only the first ``live`` warps exchange (the others' rows are padding, masked whatever their scores);
+        thread 0 arms the local barrier with the bytes of their rows. The peer rewrites a buffer for tile j + 2
+        only once this CTA's rows of tile j + 1 reached it, each sent after this thread's reads of tile j (and the
+        fence.proxy.async of its P write); the wait is followed by a cluster-scope acquire of the completed phase,
+        which pairs with the peer's release by ``st.async``."""
+        from quack.pipeline import mbarrier_acquire_cluster  # here: importing quack imports triton
+        from quack.utils import store_shared_remote_x4
 
         tidx, _, _ = cute.arch.thread_idx()
         chunks = self.bn // CHUNK
-        buf = j % EXCHANGE
+        buf, parity = exchange_slot(j)
         bar = x_bars + buf
         if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, BM * self.bn * 4)
-        row = s_x[tidx, None, buf]
-        for c in cutlass.range_constexpr(chunks):
-            slot = cute.local_tile(row, (CHUNK,), (c ^ (tidx % chunks),))  # rotated: 8 rows, 8 bank groups
-            store_shared_remote_x4(scores[c * CHUNK], scores[c * CHUNK + 1], scores[c * CHUNK + 2],
-                                   scores[c * CHUNK + 3], slot.iterator, bar, 1 - rank)
-        cute.arch.mbarrier_wait(bar, (j // EXCHANGE) % 2)
-        peer = cute.make_rmem_tensor((CHUNK,), Float32)
-        for c in cutlass.range_constexpr(chunks):
-            cute.autovec_copy(cute.local_tile(row, (CHUNK,), (c ^ (tidx % chunks),)), peer)
-            for e in cutlass.range_constexpr(CHUNK):
-                scores[c * CHUNK + e] = scores[c * CHUNK + e] + peer[e]
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, live * 32 * self.bn * 4)
+        if tidx // 32 < live:
+            row = s_x[tidx, None, buf]
+            rotation = exchange_rotation(tidx, chunks)
+            for c in cutlass.range_constexpr(chunks):
+                slot = cute.local_tile(row, (CHUNK,), (c ^ rotation,))
+                store_shared_remote_x4(scores[c * CHUNK], scores[c * CHUNK + 1], scores[c * CHUNK + 2],
+                                       scores[c * CHUNK + 3], slot.iterator, bar, 1 - rank)
+            cute.arch.mbarrier_wait(bar, parity)
+            mbarrier_acquire_cluster(bar, parity)
+            peer = cute.make_rmem_tensor((CHUNK,), Float32)
+            for c in cutlass.range_constexpr(chunks):
+                cute.autovec_copy(cute.local_tile(row, (CHUNK,), (c ^ rotation,)), peer)
+                for e in cutlass.range_constexpr(CHUNK):
+                    scores[c * CHUNK + e] = scores[c * CHUNK + e] + peer[e]
 
     @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
@@ -675,7 +685,7 @@ class MlaDecodeSm100:
         a time (all warps); rows past the request are 0. Made visible to the MMA (async proxy) before the CTA's
         first barrier."""
         chunks = SLICE // VEC
-        q = cute.domain_offset((0, 0, rank * O_COLS), q)
+        q = cute.domain_offset((0, 0, cute.assume(slice_start(rank), divby=O_COLS)), q)  # 16-byte loads
         tidx, _, _ = cute.arch.thread_idx()
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):

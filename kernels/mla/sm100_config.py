@@ -11,7 +11,10 @@ through distributed shared memory: each softmax thread stores its row of the par
 CTAs hold the same S bit for bit, run the same softmax and write P V for their own value half. Per 32-key tile a CTA
 issues 18 QK MMAs (128 x 32 x 16) and 2 PV MMAs (128 x 256 x 16): 2 * 128 * (288 + 256) FLOPs per key a CTA, the
 pair exactly the minimum 2 * 128 * (576 + 512) (``python perf/run.py mla-mma-work`` reads it from the PTX); a key
-row's 1,152 bytes are loaded as 2 x 640 (the 64 columns [256, 320) by both). FlashMLA's head-128 decode reaches the
+row's 1,152 bytes are loaded as 2 x 640 (the 64 columns [256, 320) by both). The exchange costs 512 bytes of
+distributed shared memory per key and CTA (128 float32 partial scores), beside 640 bytes of key loads (384 for fp8
+rows), and a round trip between the CTAs on the softmax's path each tile (the QK of the next tile proceeds
+meanwhile); warps whose 32 rows are all padding (fewer than 128 packed rows, e.g. 16 heads of one token) stay out. FlashMLA's head-128 decode reaches the
 minimum with a ``cta_group::2`` pair instead, splitting the heads and folding each CTA's 64 x 512 O onto 128 lanes.
 
 Shared memory holds the Q slice (128 x 320 16-bit: 80 KiB), P (16-bit, the PV MMA's A operand), the two exchange
@@ -42,8 +45,10 @@ O_COLS = 256  # value columns per CTA
 V_SPLIT = 2  # CTAs of a cluster sharing a row block, one value half each
 SLICE = 320  # latent columns a CTA holds of Q and of each key row, from r * O_COLS
 QK_COLS = 288  # latent columns a CTA multiplies into its partial S, from r * QK_COLS
-QK_OFFSET = V_SPLIT * QK_COLS // 2 - O_COLS  # where CTA 1's QK columns start in its slice
+QK_OFFSET = QK_COLS - O_COLS  # where CTA 1's QK columns start in its slice
 EXCHANGE = 2  # partial-S buffers (tile j + 1's partial may arrive while tile j's is read)
+# The column arithmetic below is a pair's: the second CTA's QK columns continue the first's, at an MMA K step.
+assert V_SPLIT == 2 and QK_OFFSET % 16 == 0 and QK_OFFSET + QK_COLS <= SLICE
 TMEM_COLUMNS = 512  # allocation (a power of two): S double buffer + the O half use 2 * BN + O_COLS
 SMEM_PER_CTA = 227 * 1024
 RESERVED_BYTES = 64
@@ -87,9 +92,38 @@ class MlaTiling:
         return 2 * self.bn + O_COLS
 
 
+def slice_start(rank):
+    """The first latent column of CTA ``rank``'s slice (a Python int, or the kernel's ``Int32``)."""
+    return rank * O_COLS
+
+
+def qk_start(rank):
+    """Where CTA ``rank``'s ``QK_COLS`` columns start in its slice."""
+    return rank * QK_OFFSET
+
+
+def exchange_slot(j):
+    """``(buffer, parity)`` of tile ``j``'s partial-S exchange: the buffers alternate, so a buffer's barrier
+    completes its phase ``j // EXCHANGE`` for tile ``j``, and a wait on that phase waits on its parity."""
+    return j % EXCHANGE, (j // EXCHANGE) % 2
+
+
+def live_warps(rows):
+    """Softmax warps holding one of a row block's ``rows`` (1 to ``BM``) packed rows that are not padding, the
+    others' rows all padding: the warps that take part in the exchange (the same in both CTAs of the pair)."""
+    return (rows + 31) // 32
+
+
+def exchange_rotation(row, chunks: int):
+    """The rotation of row ``row``'s ``chunks`` 16-byte chunks in an exchange buffer (``chunk ^ rotation``): the
+    8 threads of a 128-byte access phase, ``8 / chunks`` rows to a 128-byte line, land in 8 distinct bank
+    groups."""
+    return (row // (8 // chunks)) % chunks
+
+
 def content_boxes(rank: int, content_dim: int) -> range:
     """The 128-byte content boxes of a rope-aware fp8 row CTA ``rank``'s slice reads."""
-    first = rank * O_COLS
+    first = slice_start(rank)
     return range(first // CONTENT_BOX, -(-min(first + SLICE, content_dim) // CONTENT_BOX))
 
 
