@@ -6,7 +6,8 @@ of being traced and compiled again. Enabled by ``CUTE_KV_CACHE_DIR``; without it
 
 An entry's file name is a digest of the compile-time key, the arch, the host ISA, the versions of the CuTe DSL and of
 the libraries kernels are traced with (``TRACED_LIBRARIES``) and the source of every module kernels are traced from
-(``KERNEL_SOURCES``), so editing a kernel or upgrading the DSL never serves a stale binary: it is a miss, and the fresh compile is written beside the old entry.
+(``KERNEL_SOURCES``), so editing a kernel or upgrading the DSL never serves a stale binary: it is a miss, and the
+fresh compile is written beside the old entry.
 
 The host launcher in an entry is built for the ISA's baseline CPU (x86-64 with SSE2, or generic AArch64), not for
 the compiling machine's CPU, which the DSL targets by default: a build machine with AVX-512 would otherwise emit

@@ -14,8 +14,11 @@ pair exactly the minimum 2 * 128 * (576 + 512) (``python perf/run.py mla-mma-wor
 row's 1,152 bytes are loaded as 2 x 640 (the 64 columns [256, 320) by both). The exchange costs 512 bytes of
 distributed shared memory per key and CTA (128 float32 partial scores), beside 640 bytes of key loads (384 for fp8
 rows), and a round trip between the CTAs on the softmax's path each tile (the QK of the next tile proceeds
-meanwhile); warps whose 32 rows are all padding (fewer than 128 packed rows, e.g. 16 heads of one token) stay out. FlashMLA's head-128 decode reaches the
-minimum with a ``cta_group::2`` pair instead, splitting the heads and folding each CTA's 64 x 512 O onto 128 lanes.
+meanwhile); warps whose 32 rows are all padding (fewer than 128 packed rows, e.g. 16 heads of one token) stay out.
+The wait on the exchange is followed by a cluster-scope acquire of the completed phase (in SASS a phase check and an
+L1 invalidation per softmax warp and tile): the peer's ``st.async`` releases at cluster scope, which a wait acquiring
+at CTA scope does not formally pair with. FlashMLA's head-128 decode reaches the minimum with a ``cta_group::2`` pair
+instead, splitting the heads and folding each CTA's 64 x 512 O onto 128 lanes.
 
 Shared memory holds the Q slice (128 x 320 16-bit: 80 KiB), P (16-bit, the PV MMA's A operand), the two exchange
 buffers (128 x ``bn`` float32 each) and a ring of key slices of ``bn`` rows x ``SLICE`` columns; the first 256
