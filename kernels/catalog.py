@@ -177,6 +177,7 @@ MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, lut vector, soft-cap
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64),  # rope-aware FP8 rows (512 e4m3 | 64 bf16)
     ("bfloat16", 16, 576, 512, 16, False, True, True, True, 64),  # rope-aware, four page slots, features
     ("bfloat16", 128, 576, 512, 64, True, False, False, False, 0, True),  # pv_overlap: each PV behind the next QK
+    ("bfloat16", 128, 576, 512, 64, True, False, False, False, 64, True),  # pv_overlap over rope-aware FP8 rows
 ]
 MLA_SM100_CASES = [  # (dtype, Hq, latent dim, v dim, page size, sparse, soft-cap, sinks, lse, topk_lengths, rope_dim)
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3 dense decode, 128 heads

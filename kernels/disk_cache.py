@@ -4,9 +4,10 @@ A kernel compiled on a CPU machine for ``sm_90a`` / ``sm_100a`` (``python -m cut
 relocatable object (host launcher + cubin, TVM-FFI entry point) and loaded by a GPU server in milliseconds instead
 of being traced and compiled again. Enabled by ``CUTE_KV_CACHE_DIR``; without it nothing touches the disk.
 
-An entry's file name is a digest of the compile-time key, the arch, the host ISA, the CuTe DSL version and the source
-of every module kernels are traced from (``KERNEL_SOURCES``), so editing a kernel or upgrading the DSL never
-serves a stale binary: it is a miss, and the fresh compile is written beside the old entry.
+An entry's file name is a digest of the compile-time key, the arch, the host ISA, the versions of the CuTe DSL and of
+the libraries kernels are traced with (``TRACED_LIBRARIES``) and the source of every module kernels are traced from
+(``KERNEL_SOURCES``), so editing a kernel or upgrading the DSL never serves a stale binary: it is a miss, and the
+fresh compile is written beside the old entry.
 
 The host launcher in an entry is built for the ISA's baseline CPU (x86-64 with SSE2, or generic AArch64), not for
 the compiling machine's CPU, which the DSL targets by default: a build machine with AVX-512 would otherwise emit
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -28,6 +30,7 @@ from typing import Callable, Hashable, Optional
 CACHE_DIR_ENV = "CUTE_KV_CACHE_DIR"
 # Packages and modules whose code runs when a kernel is traced (the kernels import the lookup-table geometry).
 KERNEL_SOURCES = ("cute_kv.kernels", "cute_kv.layouts", "cute_kv.row_indices")
+TRACED_LIBRARIES = ("quack-kernels",)  # distributions whose device code is traced into ours (GEMMs, st.async)
 _SYMBOL = "cute_kv_kernel"  # every object exports one function; each is loaded into its own engine
 # LLVM (target_cpu, target_features) of the host functions per ISA: each ISA's baseline.
 _PORTABLE_HOST = {"x86_64": ("x86-64", "+sse2"), "aarch64": ("generic", "+neon")}
@@ -41,11 +44,13 @@ def cache_dir() -> Optional[Path]:
 
 @functools.lru_cache(maxsize=None)
 def code_version() -> str:
-    """Digest of what decides the generated code besides the key: the DSL version, the host ISA and the source of
-    every module kernels are traced from (``KERNEL_SOURCES``)."""
+    """Digest of what decides the generated code besides the key: the DSL version, the host ISA, the versions of
+    ``TRACED_LIBRARIES`` and the source of every module kernels are traced from (``KERNEL_SOURCES``)."""
     import cutlass
 
     h = hashlib.sha256(f"{getattr(cutlass, '__version__', 'unknown')} {platform.machine()}".encode())
+    for dist in TRACED_LIBRARIES:
+        h.update(f"{dist}=={importlib.metadata.version(dist)}".encode())
     for name in KERNEL_SOURCES:
         module = importlib.import_module(name)
         root = Path(module.__file__).parent

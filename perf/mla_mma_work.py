@@ -9,8 +9,8 @@ minimum ``2 * latent_dim * heads + 2 * v_dim * heads`` (S and O each computed on
     python perf/run.py mla-mma-work -- --flashmla head64=head64_v32.ptx head128=head128_decode_k512.ptx
 
 cute-kv: ``MlaDecodeSm100`` over a 16-bit cache and over rope-aware FP8 rows (the catalog's 128-head dense
-configurations); a CTA takes ``BM`` packed rows and one of ``V_SPLIT`` value halves, so ``ceil(heads / BM) *
-V_SPLIT`` CTAs serve a token. FlashMLA's SM100 decode is C++, compiled outside (``nvcc -arch=sm_100a -ptx`` with its
+configurations); a CTA takes ``BM`` packed rows, half the latent columns of QK and one of ``V_SPLIT`` value
+halves, so ``ceil(heads / BM) * V_SPLIT`` CTAs serve a token. FlashMLA's SM100 decode is C++, compiled outside (``nvcc -arch=sm_100a -ptx`` with its
 CUTLASS submodule's includes, ``perf/README.md``) and read the same way: ``head64``
 (``csrc/sm100/decode/head64/instantiations/v32.cu``, DeepSeek-V3.2's 576/512: 64 heads a CTA, 64 keys a tile; 128
 heads run as two) and ``head128`` (``csrc/sm100/prefill/sparse/fwd_for_small_topk/head128/instantiations/

@@ -33,7 +33,10 @@ from hypothesis import strategies as st
 import artifacts
 
 from cute_kv import reference as ref
-from cute_kv.kernels.mla.sm100_config import BM, BN, FP8_BN, O_COLS, SMEM_PER_CTA, TMEM_COLUMNS, V_SPLIT, tiling
+from cute_kv.kernels import catalog
+from cute_kv.kernels.mla.sm100_config import (BM, BN, EXCHANGE, FP8_BN, O_COLS, QK_COLS, SLICE, SMEM_PER_CTA,
+                                              TMEM_COLUMNS, V_SPLIT, content_boxes, exchange_rotation, exchange_slot,
+                                              live_warps, qk_start, slice_start, tiling)
 from cute_kv.ops import mla_decode_sm100
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args
@@ -47,6 +50,7 @@ from test_mla_rope_aware import decode_by_hand
 PERF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf")
 sys.path.insert(0, PERF)
 
+import barriers  # noqa: E402
 import mla_mma_work  # noqa: E402
 import static  # noqa: E402
 
@@ -175,17 +179,142 @@ def test_sm100_mla_sparse_launch_rejects_mismatched_indices():
 
 def test_sm100_mla_tiling_fits_one_cta_per_sm():
     t = tiling(LATENT)
-    # Q 128 x 576, P 128 x 32 (16-bit), two 32 x 576 key stages, barriers and row arrays: one CTA per SM.
-    assert (t.q_bytes, t.p_bytes, t.stage_bytes) == (147456, 8192, 36864)
-    assert t.smem == 230400 <= SMEM_PER_CTA
+    # A 128 x 320 Q slice, P 128 x 32 (16-bit), two 128 x 32 float32 exchange buffers, four 32 x 320 key stages,
+    # barriers and row arrays: one CTA per SM.
+    assert (t.stages, t.q_bytes, t.p_bytes, t.exchange_bytes, t.stage_bytes, t.tx_bytes) == (
+        4, 81920, 8192, 32768, 20480, 20480)
+    assert t.smem == 205824 <= SMEM_PER_CTA
     assert t.tmem_columns == 2 * BN + O_COLS == 320 <= TMEM_COLUMNS
     assert V_SPLIT * O_COLS == V_DIM
-    # Rope-aware FP8: 16-key tiles; P 128 x 16, two converted 16 x 576 16-bit tiles, four landing stages of 16 rows
-    # x (512 e4m3 + 64 bf16) bytes; row and scale arrays in the fixed kilobyte.
+    # Rope-aware FP8: 16-key tiles; P 128 x 16, two converted 16 x 320 16-bit tiles, four landing stages of 16 rows
+    # x (512 e4m3 + 64 bf16) bytes, of which a CTA loads 384 a row (three content boxes, or two and the rope); row
+    # and scale arrays in the fixed kilobytes.
     f = tiling(LATENT, ROPE)
-    assert (f.bn, f.stages, f.q_bytes, f.p_bytes, f.stage_bytes, f.mma_tiles) == (16, 4, 147456, 4096, 10240, 36864)
-    assert f.fixed == 2048 and f.smem == 231424 <= SMEM_PER_CTA
+    assert (f.bn, f.stages, f.q_bytes, f.p_bytes, f.exchange_bytes, f.stage_bytes, f.tx_bytes, f.mma_tiles) == (
+        16, 4, 81920, 4096, 16384, 10240, 6144, 20480)
+    assert f.fixed == 2048 and f.smem == 165888 <= SMEM_PER_CTA
     assert f.tmem_columns == 2 * FP8_BN + O_COLS == 288 <= TMEM_COLUMNS
+
+
+def test_sm100_mla_pair_splits_the_latent_columns():
+    """The pair's QK columns tile the latent row once, each inside its CTA's slice at 16-column MMA steps; a
+    CTA's value half is the start of its slice; an fp8 slice's content lies in the boxes it loads."""
+    covered = []
+    for rank in range(V_SPLIT):
+        cols, qk = cta_slice(rank)
+        assert cols.start >= 0 and cols.stop <= LATENT and cols.stop - cols.start == SLICE
+        assert qk.start % 16 == 0 and qk.stop <= SLICE
+        covered += list(range(cols.start + qk.start, cols.start + qk.stop))
+        assert cols.start == rank * O_COLS  # V: the slice's first O_COLS columns
+        content = range(cols.start, min(cols.stop, LATENT - ROPE))
+        boxes = content_boxes(rank, LATENT - ROPE)
+        assert boxes.start * 128 <= content.start and content.stop <= boxes.stop * 128
+    assert covered == list(range(LATENT))
+    assert [list(content_boxes(r, LATENT - ROPE)) for r in range(V_SPLIT)] == [[0, 1, 2], [2, 3]]
+
+
+def test_sm100_mla_live_warps_hold_every_request_row():
+    for rows in range(1, BM + 1):
+        live = live_warps(rows)
+        assert 1 <= live <= BM // 32 and (rows - 1) // 32 < live and 32 * (live - 1) < rows
+
+
+@pytest.mark.parametrize("bn", [BN, FP8_BN])
+def test_sm100_mla_exchange_rows_avoid_bank_conflicts(bn):
+    """Each 8-thread phase of the exchange's 16-byte stores and loads (chunk ``c`` of rows t..t+7) hits 8 distinct
+    bank groups (16 bytes each of a 128-byte line), for every chunk."""
+    chunks = bn // 4
+    for c in range(chunks):
+        for first in range(0, BM, 8):
+            groups = {(t * bn * 4 + (c ^ exchange_rotation(t, chunks)) * 16) // 16 % 8 for t in range(first, first + 8)}
+            assert len(groups) == 8, (bn, c, first, groups)
+
+
+class _Barrier:
+    """An mbarrier under PTX's phase rules: a phase completes when its pending arrivals and its transaction count
+    are both 0 (the count may go negative: bytes landing before the expect-tx)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def _settle(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def arrive_expect_tx(self, nbytes):
+        self.tx += nbytes
+        self.pending -= 1
+        assert self.pending >= 0
+        self._settle()
+
+    def complete_tx(self, nbytes):
+        self.tx -= nbytes
+        self._settle()
+
+    def parity_done(self, parity):  # try_wait.parity: the phase of that parity has completed
+        return self.phase % 2 != parity
+
+
+def _exchange_schedule(rng, slot, threads, live, tiles, buffers):
+    """One random interleaving of ``MlaDecodeSm100.exchange`` over a pair of CTAs of ``threads`` softmax threads,
+    the first ``live`` exchanging: thread 0 arms its barrier ``slot(j)[0]`` with ``live`` rows' bytes, each live
+    thread stores its row into the peer (landing any time later, in any order), waits on ``slot(j)``'s parity and
+    reads the peer's row. Raises on a deadlock, a read of another tile's row, a row overwritten before it was read,
+    or a wait that passes on a phase other than its tile's."""
+    bars = [[_Barrier(1) for _ in range(buffers)] for _ in range(2)]
+    rows = [[[None] * threads for _ in range(buffers)] for _ in range(2)]
+    unread = [[[False] * threads for _ in range(buffers)] for _ in range(2)]
+    flight = []  # (CTA, buffer, row, tile) stores on their way
+    pc = {(c, t): [0, 0] for c in range(2) for t in range(threads)}  # tile, step: arm, send, wait, read
+    while True:
+        ready = []
+        for (c, t), (j, step) in pc.items():
+            if j < tiles and not (step == 2 and t < live and not bars[c][slot(j)[0]].parity_done(slot(j)[1])):
+                ready.append((c, t))
+        if not ready and not flight:
+            assert all(j == tiles for j, _ in pc.values()), f"deadlock: {pc}"
+            return
+        pick = rng.randrange(len(ready) + len(flight))
+        if pick >= len(ready):
+            c, b, r, j = flight.pop(pick - len(ready))
+            assert not unread[c][b][r], f"tile {j} overwrote CTA {c}'s unread row {r} of tile {rows[c][b][r]}"
+            rows[c][b][r], unread[c][b][r] = j, True
+            bars[c][b].complete_tx(1)
+            continue
+        c, t = ready[pick]
+        j, step = pc[(c, t)]
+        b, parity = slot(j)
+        if step == 0 and t == 0:
+            bars[c][b].arrive_expect_tx(live)
+        elif step == 1 and t < live:
+            flight.append((1 - c, b, t, j))
+        elif step == 2 and t < live:
+            assert bars[c][b].phase == j // buffers + 1, f"tile {j} passed its wait in phase {bars[c][b].phase}"
+        elif step == 3 and t < live:
+            assert rows[c][b][t] == j, f"CTA {c} row {t} read tile {rows[c][b][t]} for tile {j}"
+            unread[c][b][t] = False
+        pc[(c, t)] = [j, step + 1] if step < 3 else [j + 1, 0]
+
+
+def test_sm100_mla_exchange_protocol_replays():
+    """The exchange's buffers and parities (``exchange_slot``) under random interleavings of the pair's threads and
+    of the stores' landing: no deadlock, every row read is the peer's row of the same tile, none is overwritten
+    before it is read, with padding warps out of the exchange. The model can fail: one buffer, or a parity that
+    alternates every tile, each break it."""
+    import random
+
+    rng = random.Random(7)
+    for seed in range(300):
+        _exchange_schedule(rng, exchange_slot, 4, 1 + seed % 4, 7, EXCHANGE)
+    broken = {"one buffer": (lambda j: (0, j % 2), 1), "parity of j": (lambda j: (j % EXCHANGE, j % 2), EXCHANGE)}
+    for name, (slot, buffers) in broken.items():
+        failures = 0
+        for _ in range(300):
+            try:
+                _exchange_schedule(rng, slot, 4, 4, 7, buffers)
+            except AssertionError:
+                failures += 1
+        assert failures, name
 
 
 def test_sm100_mla_splits_fill_the_gpu():
@@ -226,11 +355,19 @@ def _key_tile(c):
     return mla_decode_sm100.key_tile(c.rope_dim)
 
 
+def cta_slice(rank):
+    """The latent columns CTA ``rank`` of a pair holds of Q and of each key row, and the part of its slice it
+    multiplies into its partial S (the kernel's k-blocks from ``qk_start(rank) / 16``)."""
+    return slice(slice_start(rank), slice_start(rank) + SLICE), slice(qk_start(rank), qk_start(rank) + QK_COLS)
+
+
 def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half, score_scale, cap_log2, softcap,
               dtype, bn, sparse=False):
-    """One CTA over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max, row_sum)`` (base 2).
-    Keys are masked past ``row_end``, and (sparse) where the entry names no row; a dense key inside ``row_end``
-    is not masked even when its row is the zero-filled one (a page column past the lookup row)."""
+    """CTA ``v_half`` of a pair over its packed rows ``qr [BM, 576]``: ``(O half / l [BM, 256], row_max,
+    row_sum)`` (base 2). S is the sum of the pair's partials, each over its own slice's QK columns (the exchange);
+    V is the first ``O_COLS`` columns of the CTA's slice. Keys are masked past ``row_end``, and (sparse) where the
+    entry names no row; a dense key inside ``row_end`` is not masked even when its row is the zero-filled one (a
+    page column past the lookup row)."""
     row_max = torch.full((BM,), NEG_INF, dtype=torch.float64)
     row_sum = torch.zeros(BM, dtype=torch.float64)
     acc = torch.zeros(BM, O_COLS, dtype=torch.float64)
@@ -240,7 +377,11 @@ def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half
         for i, r in enumerate(key_rows):
             if 0 <= r < oob_row:  # TMA: rows outside the view are zero-filled
                 kt[i] = rows[r].double()
-        s = (qr @ kt.T) * score_scale
+        partials = []
+        for rank in range(V_SPLIT):
+            cols, qk = cta_slice(rank)
+            partials.append(qr[:, cols][:, qk] @ kt[:, cols][:, qk].T)
+        s = sum(partials) * score_scale
         if softcap:
             s = cap_log2 * torch.tanh(s)
         keys = torch.arange(t * bn, (t + 1) * bn)
@@ -253,7 +394,7 @@ def model_cta(qr, keys_rows, rows, oob_row, row_end, first_tile, n_tiles, v_half
         row_sum = row_sum * corr + p.sum(dim=1)
         row_max = new_max
         p16 = p.to(dtype).double()
-        acc = acc * corr[:, None] + p16 @ kt[:, v_half * O_COLS:(v_half + 1) * O_COLS]
+        acc = acc * corr[:, None] + p16 @ kt[:, cta_slice(v_half)[0]][:, :O_COLS]
     return acc, row_max, row_sum
 
 
@@ -708,9 +849,10 @@ def test_sm100_mla_ptx(case, tmp_path):
     flags = case[3] if case[3:] else {}
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], **flags)
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
-    # Per key tile: QK over the 576 latent columns (36 MMAs of K=16, N=32) and P V for the CTA's value half
-    # (BN/16 = 2 MMAs of N=256, V read MN-major), M=128, fp32 accumulators in TMEM.
-    assert static.tcgen05_mmas(ptx) == [_mma(BN)] * (LATENT // 16) + [_mma(O_COLS, True)] * (BN // 16)
+    # Per key tile: the partial QK over the CTA's 288 latent columns (18 MMAs of K=16, N=32) and P V for its value
+    # half (BN/16 = 2 MMAs of N=256, V read MN-major), M=128, fp32 accumulators in TMEM.
+    assert static.tcgen05_mmas(ptx) == [_mma(BN)] * (QK_COLS // 16) + [_mma(O_COLS, True)] * (BN // 16)
+    _check_exchange(kernel, ptx, BN, artifacts.compiled(kernel, "sm_100a").host_ir)
     # S read as one 32-column load; the O half rescaled and stored back (256/32 each), then read by the epilogue.
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 1 + 2 * O_COLS // 32
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == O_COLS // 32
@@ -729,10 +871,10 @@ def test_sm100_mla_ptx(case, tmp_path):
     assert re.search(r"\.reqntid (\d+)", ptx).group(1) == str(THREADS)
     waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
     assert waits and all(w.startswith("%r") for w in waits), waits
-    # gather4: BN/4 instructions per 64-column block, 9 blocks; every destination distinct, 512 B apart (4 rows of
-    # 128 B) and the column blocks back to back (BN x 128 B each): the swizzle is on the pointer.
+    # gather4: BN/4 instructions per 64-column block, the slice's 5 blocks; every destination distinct, 512 B apart
+    # (4 rows of 128 B) and the column blocks back to back (BN x 128 B each): the swizzle is on the pointer.
     g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\]", ptx)
-    assert len(g4) == (BN // 4) * (LATENT // 64)
+    assert len(g4) == (BN // 4) * (SLICE // 64)
     assert len(set(g4)) == len(g4)
     offsets = [int(re.search(r"\+(\d+)$", x).group(1)) if "+" in x else 0 for x in g4]
     assert all(b - a == 512 for a, b in zip(offsets, offsets[1:]))
@@ -748,6 +890,31 @@ def test_sm100_mla_ptx(case, tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in info
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     assert regs <= 168  # measured 96 (dense) to 154 (sparse with every flag); 192 threads, one CTA per SM
+
+
+PAIR_HELPERS = {  # a variant of each sm100_config helper the kernel must take its arithmetic from
+    "exchange_slot: buffer": ("exchange_slot", lambda j: (j * 0, (j // EXCHANGE) % 2)),
+    "exchange_slot: parity": ("exchange_slot", lambda j: (j % EXCHANGE, (j // EXCHANGE + 1) % 2)),
+    "exchange_rotation": ("exchange_rotation", lambda row, chunks: 0),
+    "live_warps": ("live_warps", lambda rows: rows // 32),
+    "slice_start": ("slice_start", lambda rank: rank * (O_COLS - 64)),
+    "qk_start": ("qk_start", lambda rank: rank * 16),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("variant", PAIR_HELPERS)
+def test_sm100_mla_kernel_takes_the_pair_arithmetic_from_its_helpers(variant, monkeypatch):
+    """The tests model the pair with ``sm100_config``'s helpers (the replay, the exchange protocol, the bank
+    groups): the kernel must compute with the same ones, so another helper is another kernel."""
+    from cute_kv.kernels import compile_cache
+    from cute_kv.kernels.mla import sm100
+
+    kernel = sm100.MlaDecodeSm100("bfloat16", 16, LATENT, V_DIM, 64)
+    base = artifacts.compiled(kernel, "sm_100a").ptx
+    name, helper = PAIR_HELPERS[variant]
+    monkeypatch.setattr(sm100, name, helper)
+    assert compile_cache.compile_ptx(lambda: (kernel, *kernel.fake_args()), "sm_100a") != base
 
 
 ROPE_AWARE_CASES = [  # (dtype, Hq, page[, flags]) over DeepSeek's rope-aware FP8 rows
@@ -766,8 +933,10 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     flags = case[3] if case[3:] else {}
     kernel = MlaDecodeSm100(case[0], case[1], LATENT, V_DIM, case[2], rope_dim=ROPE, **flags)
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
-    # Per 16-key tile: QK over the 576 columns of the converted tile (36 MMAs, N=16), one P V MMA (K=16, N=256).
-    assert static.tcgen05_mmas(ptx) == [_mma(FP8_BN)] * (LATENT // 16) + [_mma(O_COLS, True)] * (FP8_BN // 16)
+    # Per 16-key tile: the partial QK over the CTA's 288 columns of its converted slice (18 MMAs, N=16), one P V
+    # MMA (K=16, N=256).
+    assert static.tcgen05_mmas(ptx) == [_mma(FP8_BN)] * (QK_COLS // 16) + [_mma(O_COLS, True)] * (FP8_BN // 16)
+    _check_exchange(kernel, ptx, FP8_BN, artifacts.compiled(kernel, "sm_100a").host_ir)
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 1  # S: one 16-column load
     assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == 2 * O_COLS // 32
     # S full, P consumed, converted tile free: the only tcgen05.commit arrivals (the converter arrives itself).
@@ -781,19 +950,21 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     counts = [(int(n), block.count("mbarrier.init")) for _, n, block in inits]
     stages = kernel.stages
     assert (33, stages) in counts and (4, stages) in counts and (128, 2) in counts, counts
-    # Two descriptors (content, rope). gather4: 4 per 128-byte content box (4 boxes: bytes [0, 512) of the rows),
-    # then 4 for the rope box; every destination distinct and 512 B apart (4 rows x 128 B), the content boxes back
-    # to back in their stage (16 x 128 B each), the rope tile in its own stage.
+    # Two descriptors (content, rope). gather4: 4 per 128-byte content box, CTA 0's boxes 0-2 (bytes [0, 384) of
+    # the rows), then CTA 1's boxes 2-3 and its 4 for the rope box; within each CTA's run every destination is 512
+    # B past the previous one (4 rows x 128 B), the content boxes back to back in their stage (16 x 128 B each, box
+    # 2 at the same place for both), the rope tile in its own stage.
     assert len(re.findall(r"\.param \.align 64 \.b8 \S+\[128\]", ptx)) == 2
     g4 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile::gather4\S*\s+\[([^\]]*)\],\s*"
                     r"\[(%rd\d+),", ptx)
-    assert len(g4) == (FP8_BN // 4) * (512 // 128 + 1)
-    assert len({d for d, _ in g4}) == len(g4)
+    assert len(g4) == (FP8_BN // 4) * (3 + 2 + 1)
     descs = [t for _, t in g4]
-    assert len(set(descs[:16])) == 1 and len(set(descs[16:])) == 1 and descs[0] != descs[16]
+    assert len(set(descs[:20])) == 1 and len(set(descs[20:])) == 1 and descs[0] != descs[20]
     offsets = [int(re.search(r"\+(\d+)$", d).group(1)) for d, _ in g4]
-    assert all(b - a == 512 for a, b in zip(offsets[:16], offsets[1:16]))
-    assert all(b - a == 512 for a, b in zip(offsets[16:], offsets[17:]))
+    box = FP8_BN * 128
+    for run in (offsets[:12], offsets[12:20], offsets[20:]):
+        assert all(b - a == 512 for a, b in zip(run, run[1:]))
+    assert offsets[12] - offsets[0] == 2 * box  # CTA 1's first box is box 2
     # The scale of each lane's row: read only for a row inside the row view (0 <= row < its rows), a 4-byte global
     # load at row * 4, stored to the stage's scale array, then the lane's arrival on the stage's full barrier.
     tail = ptx[ptx.rindex("tile::gather4"):]
@@ -801,8 +972,9 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
                      r"or\.pred\s+(%p\d+), \1, \3;\s+@\4 bra[^\n]*\n\s+mul\.wide\.u32\s+(%rd\d+), \2, 4;\s+"
                      r"add\.s64\s+(%rd\d+), %rd\d+, \5;\s+ld\.global\.b32\s+%r\d+, \[\6\];", tail)
     assert re.search(r"st\.shared\.b32[^\n]*\n\s*mov\.b32[^\n]*\n\s*mbarrier\.arrive\.shared\.b64", tail)
-    # Converter: e4m3 pairs to half2 by cvt (8 values a chunk), scaled in float32, the rope read as bf16.
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4
+    # Converter: e4m3 pairs to half2 by cvt (8 values a chunk), scaled in float32, the rope read as bf16; one
+    # conversion per 64-column piece of the slice (the last: content for CTA 0, the rope for CTA 1).
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 4 * SLICE // 64
     assert "cp.async.bulk.tensor.3d" not in ptx and not re.search(r"wgmma|mma\.sync", ptx)
     assert ptx.count("vote.sync.ballot.b32") == (1 if flags.get("sparse") else 0)
     assert ptx.count("tanh.approx.f32") == (FP8_BN if flags.get("softcap") else 0)
@@ -814,16 +986,102 @@ def test_sm100_mla_rope_aware_ptx(case, tmp_path):
     assert int(re.search(r"Used (\d+) registers", info).group(1)) <= 200  # 320 threads, one CTA per SM
 
 
+def _feeds(ptx: str):
+    """``reaches(reg, sources)``: whether register ``reg``'s value is computed (through any chain of definitions)
+    from one of ``sources``; ``sources``: registers."""
+    defs: dict = {}
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:@!?%p\d+\s+)?[a-z][\w.:]*\s+(\{[^}]*\}|%\w+)\s*,(.*);", line)
+        if m and not line.strip().startswith(("st.", "@")):
+            for dst in re.findall(r"%\w+", m[1]):
+                defs.setdefault(dst, set()).update(re.findall(r"%\w+", m[2]))
+
+    def reaches(reg, sources):
+        seen, todo = set(), [reg]
+        while todo:
+            r = todo.pop()
+            if r in sources:
+                return True
+            if r not in seen:
+                seen.add(r)
+                todo.extend(defs.get(r, ()))
+        return False
+
+    return reaches
+
+
+def _check_exchange(kernel, ptx: str, bn: int, host_ir: str):
+    """The pair's partial-S exchange and column split: launched as clusters of the two value halves; the CTA's
+    rank (``ctaid.y & 1``) places its slice (``<< 8``: 256 columns, the gather4 column and the Q load), its QK
+    k-blocks (``<< 2``: 64 bytes into the first MMA's descriptors; every QK descriptor, no P V one, depends on it)
+    and names the peer (``^ 1``, the ``mapa`` of every
+    store); each softmax thread's row goes out in ``bn / 4`` 16-byte ``st.async``, completing the peer's barrier,
+    which thread 0 arms with the live rows' bytes (``live_warps * 32 * bn * 4``: a shift of the warp count);
+    the exchange barriers (two, one arrival each) are waited on, then acquired at cluster scope; the cluster
+    barrier after the barriers' init and before the exit."""
+    assert static.launch_from_host_ir(host_ir).cluster == (1, V_SPLIT, 1)
+    reaches = _feeds(ptx)
+    cta_y = re.search(r"mov\.u32\s+(%r\d+), %ctaid\.y;", ptx)[1]
+    rank = re.search(rf"and\.b32\s+(%r\d+), {cta_y}, 1;", ptx)[1]
+    by = {op: {m[1] for m in re.finditer(rf"{op}\s+(%r\d+), {rank}, (\d+);", ptx) if int(m[2]) == k}
+          for op, k in (("shl.b32", 8), ("xor.b32", 1))}
+    column = by["shl.b32"]
+    kblock = {m[1] for m in re.finditer(rf"shl\.b32\s+(%r\d+), {rank}, 2;", ptx)}
+    assert column and kblock and by["xor.b32"]
+    g4 = re.findall(r"tile::gather4\S*\s+\[[^\]]*\],\s*\[%rd\d+, \{(%r\d+),", ptx)
+    if kernel.fp8:  # the content boxes of each rank's slice (and the rope's at 0) are constants under a branch
+        cols = [int(re.search(rf"mov\.b32\s+{c}, (\d+);", ptx)[1]) for c in g4]
+        assert cols == [0] * 4 + [128] * 4 + [256] * 4 + [256] * 4 + [384] * 4 + [0] * 4, cols
+    else:
+        assert g4 and all(reaches(c, column) for c in g4), g4
+    q_loads = re.findall(r"ld\.global\.v4\.\w+\s+\{[^}]*\}, \[(%rd\d+)\];", ptx)
+    assert any(reaches(a, column) for a in q_loads) and "ld.global.b16" not in ptx  # Q in 16-byte loads
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\], (%rd\d+), (%rd\d+),", ptx)
+    qk, pv = mmas[:QK_COLS // 16], mmas[QK_COLS // 16:]
+    # Every QK descriptor (Q and the key slice) depends on the rank, the first by the 64-byte shift; V, the first
+    # O_COLS columns of the slice, does not.
+    assert reaches(qk[0][0], kblock) and reaches(qk[0][1], kblock)
+    assert all(reaches(a, {rank}) and reaches(b, {rank}) for a, b in qk), qk
+    assert pv and not any(reaches(a, {rank}) or reaches(b, {rank}) for a, b in pv), pv
+    stores = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.f32 \[(%r\d+)\], \w+, "
+                        r"\[(%r\d+)\];", ptx)
+    assert len(stores) == bn // 4 and len({bar for _, bar in stores}) == 1
+    for reg in {r for pair in stores for r in pair}:
+        mapa = re.search(rf"mapa\.shared::cluster\.u32\s+{reg}, %r\d+, (%r\d+);", ptx)
+        assert mapa and reaches(mapa[1], by["xor.b32"]), reg
+    # Thread 0 arms the exchange barrier (the one every store's mapa names in the peer) with the live warps' bytes;
+    # warps at or past that count branch over the stores; the wait on the barrier is followed by the cluster-scope
+    # acquire of the same barrier and parity.
+    (bar, nbytes), = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+, \[(%r\d+)\], (%r\d+);", ptx)
+    assert {re.search(rf"mapa\.shared::cluster\.u32\s+{b}, (%r\d+), %r\d+;", ptx)[1] for _, b in stores} == {bar}
+    live = re.search(rf"shl\.b32\s+{nbytes}, (%r\d+), {(32 * bn * 4).bit_length() - 1};", ptx)[1]
+    tid = re.search(r"mov\.u32\s+(%r\d+), %tid\.x;", ptx)[1]
+    warp = {m[1] for m in re.finditer(rf"shr\.u32\s+(%r\d+), {tid}, 5;", ptx)}
+    gates = [m for m in re.finditer(rf"setp\.ge\.s32\s+(%p\d+), (%r\d+), {live};\s*@\1 bra\s+(\$L__BB\d+_\d+);",
+                                    ptx) if m[2] in warp]
+    assert len(gates) == 1 and ptx.index("st.async", gates[0].end()) < ptx.index(gates[0][3] + ":")
+    acquired = re.findall(rf"mbarrier\.try_wait\.parity\.shared\.b64 \w+, \[{bar}\], (%r\d+), \d+;\s*(?:[^\n]*\n)"
+                          rf"{{1,6}}?\s*mbarrier\.test_wait\.parity\.acquire\.cluster\.shared::cta\.b64 %p\d+, "
+                          rf"\[{bar}\], \1;", ptx)
+    assert len(acquired) == 1 and ptx.count("mbarrier.test_wait.parity.acquire.cluster") == 1
+    family = next(f for f in catalog.FAMILIES if f.name == "mla_decode_sm100")
+    report = barriers.analyze(ptx, family.roles(kernel), (1, V_SPLIT, 1))
+    exchange = [r for r in report.rows if any("arrive.expect_tx, lane 0" in a for a in r.arrivers)]
+    assert [(r.array.stages, r.count, r.per_phase) for r in exchange] == [(EXCHANGE, 1, 1)]
+    assert ptx.count("barrier.cluster.arrive.relaxed") == 2 and ptx.count("barrier.cluster.wait") == 2
+
+
 @pytest.mark.compile
 def test_sm100_mla_mma_work_per_key():
-    """``perf/run.py mla-mma-work`` on the catalog's 128-head dense kernels (16-bit and rope-aware FP8): each of the
-    ``V_SPLIT`` CTAs of a row block computes all of S and its value half of O, 1.53x the minimum work per key."""
+    """``perf/run.py mla-mma-work`` on the catalog's 128-head dense kernels (16-bit and rope-aware FP8): the pair's
+    CTAs each compute a partial S over half the latent columns and their value half of O, so the pair does the
+    minimum work per key."""
     records = mla_mma_work.ours(128, artifacts.compiled)
     assert [r["keys_per_tile"] for r in records] == [BN, FP8_BN]
     minimum = 2 * 128 * (LATENT + V_DIM)
     for r in records:
-        assert r["units"] == V_SPLIT and r["qk_mmas"] == LATENT // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
-        assert r["flops_per_key"] == V_SPLIT * 2 * BM * (LATENT + O_COLS)
+        assert r["units"] == V_SPLIT and r["qk_mmas"] == QK_COLS // 16 and r["pv_mmas"] == r["keys_per_tile"] // 16
+        assert r["flops_per_key"] == V_SPLIT * 2 * BM * (QK_COLS + O_COLS) == minimum and r["ratio"] == 1.0
         assert r["min_flops_per_key"] == minimum and r["ratio"] == round(r["flops_per_key"] / minimum, 3)
 
 

@@ -149,6 +149,23 @@ def test_code_version_covers_kernel_sources(tmp_path, monkeypatch):
         disk_cache.code_version.cache_clear()
 
 
+def test_code_version_covers_traced_libraries(monkeypatch):
+    """quack's GEMMs and cluster stores are traced into our kernels: another quack release is another entry."""
+    import importlib.metadata
+
+    from cute_kv.kernels import disk_cache
+
+    disk_cache.code_version.cache_clear()
+    try:
+        before = disk_cache.entry_name(STORE_KEY, "sm_90a")
+        real = importlib.metadata.version
+        monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.0.0" if d == "quack-kernels" else real(d))
+        disk_cache.code_version.cache_clear()
+        assert disk_cache.entry_name(STORE_KEY, "sm_90a") != before
+    finally:
+        disk_cache.code_version.cache_clear()
+
+
 @pytest.mark.compile
 def test_prebuild_then_a_second_process_compiles_nothing(tmp_path):
     cmd = [sys.executable, "-m", "cute_kv", "prebuild", "--model", "llama3-8b", "--arch", "sm_90a",

@@ -2,7 +2,8 @@
 
 Dense (``paged_attention`` over an MLA cache on ``sm_100a``): ``plan`` / ``launcher``, ``BACKEND``. Sparse
 (``sparse_mla_attention``, DeepSeek-V3.2 top-k): ``plan_sparse`` / ``launch_sparse``, ``SPARSE``.
-Both launch the kernel on ``2 * splits`` CTAs per row block (two value halves, ``kernels/mla/sm100_config``) and
+Both launch the kernel on ``2 * splits`` CTAs per row block (clusters of two, one per value half,
+``kernels/mla/sm100_config``) and
 merge split partials with the attention combine (512-wide rows). Caches: 16-bit of q's dtype, or MAX's rope-aware
 FP8 rows (``rope_dim`` set: the kernel dequantizes them with their per-token scales, in 16-key tiles).
 """

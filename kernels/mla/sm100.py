@@ -5,43 +5,52 @@ encoded rows).
 An MLA cache has one latent head of ``latent_dim`` = kv_lora_rank + rope_dim (576) values a row; every query head
 attends to it, so the heads are packed in M: packed row ``i * Hq + h`` is token ``i``, head ``h``. Keys are the
 latent rows, values their first ``v_dim`` (512) columns: ``S = Q K^T`` over 576 columns, ``O = P V`` with V the same
-key tile in shared memory read MN-major. Why the value columns are split across two CTAs (tensor memory cannot hold
-a 128 x 512 float32 O beside S) is in ``sm100_config``. A CTA is (row block, value half x split, request) dense, or
+key tile in shared memory read MN-major. A cluster of two CTAs serves a row block, one value half each (tensor
+memory cannot hold a 128 x 512 float32 O beside S); each holds a 320-column slice of Q and of the key rows, computes
+a partial S over half the latent columns, and the pair sums the partials through distributed shared memory, so no QK
+is computed twice (``sm100_config`` gives the columns). A CTA is (row block, value half x split, request) dense, or
 (row block of one token's heads, value half x split, token) sparse. Warp roles follow the MHA kernel
 (``attention/sm100.py``):
 
-* warps 0-3, softmax: thread ``t`` owns packed row ``t`` (TMEM lane ``t``): reads its row of S (``tcgen05.ld``),
-  masks, optionally soft-caps, runs the online softmax in base 2, writes P (16-bit) to shared memory and rescales its
-  row of the O half in TMEM before the MMA warp adds ``P V``; at the end divides by the row sum (with the sink's
-  term) and writes the output half, or a split's partial.
-* warp 4, MMA: ``S[j % 2] = Q K_j^T`` (36 MMAs of K=16), then ``O += P_{j-1} V_{j-1}`` (the value half of the same
-  stage), so the QK of one tile overlaps the softmax of the previous one. Owns the TMEM allocation.
+* warps 0-3, softmax: thread ``t`` owns packed row ``t`` (TMEM lane ``t``): reads its row of the partial S
+  (``tcgen05.ld``), sends it to the peer CTA and adds the peer's (``exchange``), masks, optionally soft-caps, runs
+  the online softmax in base 2, writes P (16-bit) to shared memory and rescales its row of the O half in TMEM before
+  the MMA warp adds ``P V``; at the end divides by the row sum (with the sink's term) and writes the output half, or
+  a split's partial.
+* warp 4, MMA: the partial ``S[j % 2] = Q K_j^T`` (18 MMAs of K=16), then ``O += P_{j-1} V_{j-1}`` (the value half
+  of the same stage), so the QK of one tile overlaps the softmax of the previous one. Owns the TMEM allocation.
 * warp 5, load: each lane resolves key rows of the tile into the stage's row array, then gather4 TMAs bring 4 rows x
-  64 columns each straight into the MMA's 128-byte-swizzled tile (the swizzle on the smem pointer, so each
-  instruction lands 512 bytes past the previous one). Dense rows: ``lookup_table[b, k // P] * rows_per_page + k % P``
-  for keys of the request. Sparse rows: MAX's ``get_tma_row`` of the encoded entry ``enc = page * P + offset``,
-  ``(enc // P) * rows_per_page + enc % P``. A key past the request (past ``topk_lengths``), ``-1`` or any entry
-  outside ``[0, N * P)`` gets the row one past the row view, which TMA zero-fills: nothing outside the cache is read.
-  The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a lane each, and one ballot
-  gives every thread the tile's valid keys (no hand-off of the load warp's row array across proxies).
+  64 columns of the CTA's slice each straight into the MMA's 128-byte-swizzled tile (the swizzle on the smem pointer,
+  so each instruction lands 512 bytes past the previous one). Dense rows: ``lookup_table[b, k // P] *
+  rows_per_page + k % P`` for keys of the request. Sparse rows: MAX's ``get_tma_row`` of the encoded entry ``enc =
+  page * P + offset``, ``(enc // P) * rows_per_page + enc % P``. A key past the request (past ``topk_lengths``),
+  ``-1`` or any entry outside ``[0, N * P)`` gets the row one past the row view, which TMA zero-fills: nothing
+  outside the cache is read. The softmax masks those keys: each softmax warp resolves the tile's 32 keys again, a
+  lane each, and one ballot gives every thread the tile's valid keys (no hand-off of the load warp's row array
+  across proxies).
 
 Rope-aware FP8 caches (MAX's rows ``[padded_depth e4m3 | rope_dim bf16]``, one float32 scale per token; why this
 way and the shared-memory budget: ``sm100_config``) take 16-key tiles and 320 threads:
 
-* warp 5 gathers a tile's content (``padded_depth / 128`` boxes of 128 e4m3 bytes from byte 0 of the rows) into a
-  landing stage in the 128-byte swizzle and its rope (as MAX's ``create_rope_gather4_tma_tile``: the bf16 view of
-  the same rows from byte ``padded_depth``) into a row-major bf16 landing stage, then each lane loads its row's scale
+* warp 5 gathers the content boxes of a tile the CTA's slice needs (128 e4m3 bytes each, box ``c`` from byte
+  ``128 c`` of the rows: ``sm100_config.content_boxes``) into a landing stage in the 128-byte swizzle and (CTA 1)
+  its rope (as MAX's ``create_rope_gather4_tma_tile``: the bf16 view of the same rows from byte ``padded_depth``)
+  into a row-major bf16 landing stage, then each lane loads its row's scale
   (``ld.global``, indexed by the row; 0 for no row, whose bytes TMA zero-fills) into the stage's scale array and
   arrives on the stage's full barrier (the expect-tx arrival and the 32 lanes').
-* warps 6-9, converter: a tile row per 8 threads writes ``content * scale`` (float32, rounded once to q's dtype)
-  and the rope into one of two 16-bit ``16 x latent_dim`` key tiles, which the MMAs read as the 16-bit path reads
-  its landing stages (K for QK, its first ``v_dim`` columns as V); a landing stage is free once converted, a key
-  tile once the P V MMA that read it completed.
+* warps 6-9, converter: a tile row per 8 threads writes the slice of ``content * scale`` (float32, rounded once to
+  q's dtype) and the rope into one of two 16-bit ``16 x SLICE`` key tiles, which the MMAs read as the 16-bit path
+  reads its landing stages (K for QK, its first ``O_COLS`` columns as V); a landing stage is free once converted, a
+  key tile once the P V MMA that read it completed.
 
 TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
 (``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait): the allocation,
 S (QK commit -> softmax loads; softmax loads -> the next QK into the buffer), P/O (softmax rescale -> PV MMA), O
 (PV commit -> rescale / epilogue loads) and the dealloc.
+
+The pair's exchange barriers count one local arrival (thread 0's expect-tx of the peer's bytes) and the peer's
+``st.async`` bytes; a cluster barrier follows their init (before either CTA stores into the other) and precedes the
+exit (no store of a CTA's own in flight as it leaves).
 
 Split-KV, sinks, soft-cap and the log-sum-exp follow the MHA kernels: a split writes its half of ``O/l`` and (value
 half 0) ``lse = m + log2 l`` for ``AttentionCombine``; the sink joins the denominator of split 0 only.
@@ -67,8 +76,10 @@ from cute_kv.kernels.attention.sm100 import PagedAttentionSm100, tmem_fence_afte
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, O_CHUNK, dequantize_row, exp_scores, o_copies,
                                                       rescale_o, row_reduce, row_normalizer, scale_scores,
                                                       softmax_pipelines, write_lse)
-from cute_kv.kernels.mla.sm100_config import (BM, FP8, FP8_MMA_STAGES, GATHER_WIDTH, O_COLS, ROW_LANES, TMEM_COLUMNS,
-                                              V_SPLIT, supported, tiling)
+from cute_kv.kernels.mla.sm100_config import (BM, CONTENT_BOX, EXCHANGE, FP8, FP8_MMA_STAGES, GATHER_WIDTH, O_COLS,
+                                              QK_COLS, ROW_LANES, SLICE, TMEM_COLUMNS, V_SPLIT, content_boxes,
+                                              exchange_rotation, exchange_slot, live_warps, qk_start, slice_start,
+                                              supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 from cute_kv.kernels.quant import granule_scale
@@ -84,7 +95,7 @@ FP8_THREADS = 32 * (CONVERT_WARPS[-1] + 1)
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 SWIZZLE = 128  # bytes: the K-major swizzle of Q and the key tiles (and of the fp8 content landing stages)
-CONTENT_BOX = 128  # e4m3 columns per content gather4: one 128-byte swizzle row
+CHUNK = 4  # float32 values per st.async of the partial-S exchange (16 bytes)
 
 
 class MlaDecodeSm100:
@@ -191,7 +202,7 @@ class MlaDecodeSm100:
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_k, g_k, tma_r, g_r, scale_rows, q, out, o_part, lse_part, lse,
                     input_row_offsets, cache_lengths, lookup_table, indices, topk_lengths, sinks, rows_per_page,
                     rows.shape[0], num_slots, num_splits, causal, score_scale, cap_log2).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=(self.threads, 1, 1), cluster=(1, V_SPLIT, 1), stream=stream, min_blocks_per_mp=1)
 
     def row_views(self, blocks: cute.Tensor, scales: Optional[cute.Tensor], layer_idx):
         """The layer's row views the kernel loads from: rows ``[num_kv_rows, 1, row width]`` of the cache's type
@@ -218,7 +229,7 @@ class MlaDecodeSm100:
         dt, d, group, bn, stages = self.dtype, self.latent_dim, self.group, self.bn, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, half_split, b = cute.arch.block_idx()
-        v_half = half_split % V_SPLIT
+        v_half = half_split % V_SPLIT  # the CTA's rank in its cluster (1, V_SPLIT, 1): the pair has one split
         split = half_split // V_SPLIT
         # Dense: request b's new tokens, after cache_len keys. Sparse: token b alone, its top-k entries the keys.
         q_start, seq_len, cache_len, num_keys = b, Int32(1), Int32(0), Int32(0)
@@ -231,7 +242,7 @@ class MlaDecodeSm100:
             cache_len = Int32(cache_lengths[b])
             num_keys = cache_len + seq_len
         m0 = m_block * BM
-        if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
+        if m0 < seq_len * group:  # the CTA has query rows (uniform over the cluster: the pair leaves otherwise)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if cutlass.const_expr(self.sparse):
                 causal = Int32(0)  # the indices decide which keys a token sees
@@ -242,16 +253,21 @@ class MlaDecodeSm100:
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
             s_bars = smem.allocate_array(cutlass.Int64, 4)
             p_bars = smem.allocate_array(cutlass.Int64, 2)
+            x_bars = smem.allocate_array(cutlass.Int64, EXCHANGE)
             s_rows = smem.allocate_tensor(Int32, cute.make_layout((ROW_LANES, stages)), byte_alignment=16)
             mma_bars = s_scales = ring_r = None
             if cutlass.const_expr(self.fp8):
                 mma_bars = smem.allocate_array(cutlass.Int64, 2 * FP8_MMA_STAGES)
                 s_scales = smem.allocate_tensor(Float32, cute.make_layout((ROW_LANES, stages)), byte_alignment=16)
-            sq_layout = tma_tiles.smem_tile_layout(dt, BM, d)
+            sq_layout = tma_tiles.smem_tile_layout(dt, BM, SLICE)
             sp_layout = tma_tiles.smem_tile_layout(dt, BM, bn, 2 * bn)  # a row of P: bn 16-bit values
             s_q = smem.allocate_tensor(dt, sq_layout.outer, byte_alignment=1024, swizzle=sq_layout.inner)
             s_p = smem.allocate_tensor(dt, sp_layout.outer, byte_alignment=1024, swizzle=sp_layout.inner)
-            kv_layout = tma_tiles.smem_tile_layout(dt, bn, d, SWIZZLE, stages=self.mma_stages)
+            # The peer's partial S, a row per softmax thread (its 16-byte chunks rotated by the row: conflict-free
+            # stores and loads); written by the peer's st.async, which completes x_bars[buffer].
+            s_x = smem.allocate_tensor(Float32, cute.make_layout((BM, bn, EXCHANGE), stride=(bn, 1, BM * bn)),
+                                       byte_alignment=16)
+            kv_layout = tma_tiles.smem_tile_layout(dt, bn, SLICE, SWIZZLE, stages=self.mma_stages)
             if cutlass.const_expr(self.fp8):
                 # Landing stages (content e4m3 in the MMA's swizzle, rope bf16 row-major as its gather4 writes
                 # it); the converter turns each into one of two 16-bit key tiles ``s_kv``.
@@ -267,10 +283,9 @@ class MlaDecodeSm100:
             else:
                 ring = smem.allocate_tensor(dt, kv_layout.outer, byte_alignment=1024, swizzle=kv_layout.inner)
                 s_kv = ring  # what the MMAs read: the landing stages themselves
-            # V as the PV MMA's B operand: this CTA's value half of the key tile, (O_COLS, bn) with the value dim
-            # contiguous (MN-major), the same bytes (a key tile is bn x latent_dim).
-            s_vt = cute.composition(cute.domain_offset((0, v_half * O_COLS, 0), s_kv),
-                                    cute.make_layout((O_COLS, bn, self.mma_stages), stride=(bn, 1, bn * d)))
+            # V as the PV MMA's B operand: this CTA's value half, the first O_COLS columns of its key slice, as
+            # (O_COLS, bn) with the value dim contiguous (MN-major), the same bytes.
+            s_vt = cute.composition(s_kv, cute.make_layout((O_COLS, bn, self.mma_stages), stride=(bn, 1, bn * SLICE)))
 
             one_cta = cute.make_layout((1, 1, 1, 1))
             thread = pipeline.Agent.Thread
@@ -281,7 +296,7 @@ class MlaDecodeSm100:
                     barrier_storage=kv_bars, num_stages=stages,
                     producer_group=pipeline.CooperativeGroup(thread, 1 + ROW_LANES),
                     consumer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS // 32),
-                    tx_count=self.plan.stage_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
+                    tx_count=self.plan.tx_bytes, cta_layout_vmnk=one_cta, defer_sync=True)
                 mma_pipe = pipeline.PipelineAsyncUmma.create(
                     barrier_storage=mma_bars, num_stages=FP8_MMA_STAGES,
                     producer_group=pipeline.CooperativeGroup(thread, CONVERT_THREADS),
@@ -289,17 +304,23 @@ class MlaDecodeSm100:
             else:
                 kv_pipe = pipeline.PipelineTmaUmma.create(
                     barrier_storage=kv_bars, num_stages=stages, producer_group=pipeline.CooperativeGroup(thread),
-                    consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.stage_bytes,
+                    consumer_group=pipeline.CooperativeGroup(thread), tx_count=self.plan.tx_bytes,
                     cta_layout_vmnk=one_cta, defer_sync=True)
                 mma_pipe = kv_pipe
             s_pipe, p_pipe = softmax_pipelines(s_bars, p_bars, one_cta, SOFTMAX_THREADS)
+            if tidx == 0:
+                for i in cutlass.range_constexpr(EXCHANGE):
+                    cute.arch.mbarrier_init(x_bars + i, 1)  # the local arrive.expect_tx; the peer's bytes
 
             tmem = TmemAllocator(barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER_ID,
                                                                             num_threads=self.threads),
                                  allocator_warp_id=MMA_WARP)
             tmem.allocate(TMEM_COLUMNS)
-            self.load_q(s_q, q, q_start, seq_len, m0)
+            self.load_q(s_q, q, q_start, seq_len, m0, v_half)
             cute.arch.mbarrier_init_fence()
+            # Both CTAs' barriers initialized before either stores into the other's exchange buffer.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
             tmem_fence_before_sync()  # the allocation before the barrier that publishes it
             tmem.wait_for_alloc()  # all threads: barriers initialized, Q staged, TMEM allocated
             tmem_fence_after_sync()
@@ -322,25 +343,28 @@ class MlaDecodeSm100:
                 for _ in cutlass.range(n_tiles, unroll=1):
                     self.gather_tile(kv_pipe, prod, first_tile + prod.count, tma_k, g_k, ring, tma_r, g_r, ring_r,
                                      s_rows, s_scales, scale_rows, lookup_table, indices, b, num_keys, rows_per_page,
-                                     oob_row, num_slots)
+                                     oob_row, num_slots, v_half)
                     prod.advance()
                 kv_pipe.producer_tail(prod)  # every stage released: no MMA commit lands after the CTA exits
             if warp_idx == MMA_WARP:
                 self.mma(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, s_q, s_kv, s_p, s_vt, t_s, t_o, mma_pipe,
-                         s_pipe, p_pipe, n_tiles)
+                         s_pipe, p_pipe, n_tiles, v_half)
             if cutlass.const_expr(self.fp8):
                 if warp_idx >= CONVERT_WARPS[0]:
-                    self.convert(kv_pipe, mma_pipe, ring, ring_r, s_kv, s_scales, n_tiles)
+                    self.convert(kv_pipe, mma_pipe, ring, ring_r, s_kv, s_scales, n_tiles, v_half)
             if warp_idx < SOFTMAX_THREADS // 32:
-                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_pipe, p_pipe, indices, b, first_tile, n_tiles, m0,
-                                                seq_len, cache_len, num_keys, causal, rows_per_page, oob_row,
-                                                num_slots, score_scale, cap_log2)
+                row_max, row_sum = self.softmax(t_s, t_o, s_p, s_x, x_bars, s_pipe, p_pipe, indices, b, first_tile,
+                                                n_tiles, m0, seq_len, cache_len, num_keys, causal, rows_per_page,
+                                                oob_row, num_slots, score_scale, cap_log2, v_half)
                 self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
                               v_half, split, num_splits)
             tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
             cute.arch.sync_threads()
             tmem_fence_after_sync()  # ... and the dealloc after it
             tmem.free(tmem_ptr)
+            # No CTA of the pair leaves while a store of its own into the peer's buffer may be in flight.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def key_row(self, lookup_table: Optional[cute.Tensor], indices: Optional[cute.Tensor], b: Int32, key: Int32,
@@ -365,12 +389,13 @@ class MlaDecodeSm100:
                     ring_r: Optional[cute.Tensor], s_rows: cute.Tensor, s_scales: Optional[cute.Tensor],
                     scale_rows: Optional[cute.Tensor], lookup_table: Optional[cute.Tensor],
                     indices: Optional[cute.Tensor], b: Int32, num_keys: Int32, rows_per_page: Int32, oob_row: Int32,
-                    num_slots: Int32):
+                    num_slots: Int32, rank: Int32):
         """Load warp: key tile ``tile`` into stage ``prod.index``: a lane per key row into the stage's row array,
-        then gather4, 4 rows x one 128-byte swizzle row per instruction: ``latent_dim / 64`` column blocks of a
-        16-bit cache; of a rope-aware fp8 cache ``padded_depth / 128`` e4m3 blocks and the bf16 rope (one
-        ``rope_dim``-wide box from byte ``padded_depth``), then each lane's row scale (``ld.global``; 0 for no
-        row) into the stage's scale array, which every lane's arrival on the full barrier publishes."""
+        then gather4, 4 rows x one 128-byte swizzle row per instruction: the ``SLICE / 64`` column blocks of CTA
+        ``rank``'s slice of a 16-bit cache; of a rope-aware fp8 cache the e4m3 blocks of its slice
+        (``content_boxes``) and (rank 1) the bf16 rope (one ``rope_dim``-wide box from byte ``padded_depth``), then
+        each lane's row scale (``ld.global``; 0 for no row) into the stage's scale array, which every lane's arrival
+        on the full barrier publishes."""
         bn = self.bn
         lane = cute.arch.lane_idx()
         pipe.producer_acquire(prod)
@@ -381,15 +406,20 @@ class MlaDecodeSm100:
         bar = pipe.producer_get_barrier(prod)
         rows = s_rows[None, prod.index].iterator
         if cutlass.const_expr(self.fp8):
-            self.gather(tma_k, g_k, ring[None, None, prod.index], rows, CONTENT_BOX, self.content_dim, bar)
-            self.gather(tma_r, g_r, ring_r[None, None, prod.index], rows, self.rope_dim, self.rope_dim, bar)
+            for r in cutlass.range_constexpr(V_SPLIT):
+                if rank == r:
+                    boxes = content_boxes(r, self.content_dim)
+                    self.gather(tma_k, g_k, ring[None, None, prod.index], rows, CONTENT_BOX, boxes, bar)
+                    if cutlass.const_expr(r == V_SPLIT - 1):  # the rope columns end the last slice
+                        self.gather(tma_r, g_r, ring_r[None, None, prod.index], rows, self.rope_dim, range(1), bar)
             scale = Float32(0.0)
             if lane < bn:
                 scale = self.row_scale(scale_rows, row, oob_row)
             s_scales[lane, prod.index] = scale
             cute.arch.mbarrier_arrive(bar)
         else:
-            self.gather(tma_k, g_k, ring[None, None, prod.index], rows, GATHER_WIDTH, self.latent_dim, bar)
+            self.gather(tma_k, cute.domain_offset((0, slice_start(rank)), g_k), ring[None, None, prod.index], rows,
+                        GATHER_WIDTH, range(SLICE // GATHER_WIDTH), bar)
 
     @cute.jit
     def row_scale(self, scale_rows: cute.Tensor, row: Int32, oob_row: Int32) -> Float32:
@@ -400,13 +430,14 @@ class MlaDecodeSm100:
 
     @cute.jit
     def gather(self, atom: cute.CopyAtom, g_rows: cute.Tensor, dst: cute.Tensor, rows: cute.Pointer,
-               width: cutlass.Constexpr[int], depth: cutlass.Constexpr[int], bar):
-        """The stage's ``bn`` rows (``rows``: their indices in shared memory) x ``depth`` columns of ``g_rows`` into
-        the ``(bn, depth)`` tile ``dst``, one gather4 copy per ``width`` columns (``bn / 4`` instructions each)."""
+               width: cutlass.Constexpr[int], blocks: cutlass.Constexpr, bar):
+        """Column blocks ``blocks`` (``width`` columns each) of the stage's ``bn`` rows (``rows``: their indices in
+        shared memory) of ``g_rows`` into the same blocks of the tile ``dst``, one gather4 copy per block (``bn /
+        4`` instructions each)."""
         bn = self.bn
         index = cute.zipped_divide(cute.make_tensor(rows, cute.make_layout((bn, width), stride=(1, 0))),
                                    (bn, width))
-        for c in cutlass.range_constexpr(depth // width):
+        for c in cutlass.range_constexpr(blocks.start, blocks.stop):
             src = cute.zipped_divide(cute.domain_offset((0, c * width), g_rows), (bn, width))
             t_s, t_g, t_i = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                   cute.group_modes(cute.local_tile(dst, (bn, width), (0, c)), 0, 2),
@@ -415,13 +446,16 @@ class MlaDecodeSm100:
 
     @cute.jit
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, mma_pipe: pipeline.PipelineAsyncUmma, ring: cute.Tensor,
-                ring_r: cute.Tensor, s_kv: cute.Tensor, s_scales: cute.Tensor, n_tiles: Int32):
-        """Converter warpgroup (rope-aware fp8): each landing stage -> one of the two 16-bit key tiles, once the
-        P V MMA that read it last completed: ``content * scale`` (float32 product, rounded once to q's dtype) in
-        columns ``[0, padded_depth)``, the rope in q's dtype after it (bf16 q: copied unchanged; fp16 q: rounded
-        to fp16, values beyond its range overflow). A row of the tile is ``CONVERT_THREADS / bn`` threads' (8),
-        each a strided eighth of its 16-byte chunks; the stage is released once converted."""
+                ring_r: cute.Tensor, s_kv: cute.Tensor, s_scales: cute.Tensor, n_tiles: Int32, rank: Int32):
+        """Converter warpgroup (rope-aware fp8): CTA ``rank``'s slice of each landing stage -> one of the two
+        16-bit key tiles, once the P V MMA that read it last completed: ``content * scale`` (float32 product,
+        rounded once to q's dtype) for the slice's content columns, the rope in q's dtype for its columns past
+        ``padded_depth`` (bf16 q: copied unchanged; fp16 q: rounded to fp16, values beyond its range overflow). The
+        slice goes in ``rope_dim``-wide pieces; a row of the tile is ``CONVERT_THREADS / bn`` threads' (8), each a
+        strided eighth of a piece's 16-byte chunks; the stage is released once converted."""
         per_row = CONVERT_THREADS // self.bn
+        width = self.rope_dim
+        first = slice_start(rank) // width  # the slice's first piece of the row
         t = cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]
         r, part = t // per_row, t % per_row
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -430,11 +464,13 @@ class MlaDecodeSm100:
             kv_pipe.consumer_wait(read)
             mma_pipe.producer_acquire(write)
             scale = s_scales[r, read.index]
-            dst = s_kv[r, None, write.index]
-            dequantize_row(ring[r, None, read.index], dst, part, per_row, True, lambda c: scale, self.dtype)
-            dequantize_row(ring_r[r, None, read.index],
-                           cute.local_tile(dst, (self.rope_dim,), (self.content_dim // self.rope_dim,)), part,
-                           per_row, True, None, self.dtype)
+            for p in cutlass.range_constexpr(SLICE // width):
+                dst = cute.local_tile(s_kv[r, None, write.index], (width,), (p,))
+                if first + p < self.content_dim // width:
+                    dequantize_row(cute.local_tile(ring[r, None, read.index], (width,), (first + p,)), dst, part,
+                                   per_row, True, lambda c: scale, self.dtype)
+                else:
+                    dequantize_row(ring_r[r, None, read.index], dst, part, per_row, True, None, self.dtype)
             cute.arch.fence_view_async_shared()  # the MMAs read the tile next
             mma_pipe.producer_commit(write)
             write.advance()
@@ -447,14 +483,16 @@ class MlaDecodeSm100:
     def mma(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, thr_qk: cute.ThrMma,
             thr_pv: cute.ThrMma, s_q: cute.Tensor, s_kv: cute.Tensor, s_p: cute.Tensor, s_vt: cute.Tensor,
             t_s: cute.Tensor, t_o: cute.Tensor, kv_pipe, s_pipe: pipeline.PipelineUmmaAsync,
-            p_pipe: pipeline.PipelineAsyncUmma, n_tiles: Int32):
-        """MMA warp: ``S = Q K_j^T`` for tile j, then ``O += P V`` of tile j-1 (V: the CTA's value half of the
+            p_pipe: pipeline.PipelineAsyncUmma, n_tiles: Int32, rank: Int32):
+        """MMA warp: the partial ``S = Q K_j^T`` over CTA ``rank``'s ``QK_COLS`` columns for tile j (its slice's
+        k-blocks from ``qk_start(rank) / 16``), then ``O += P V`` of tile j-1 (V: the CTA's value half of the
         same key tile, released by the commit of that PV MMA). ``kv_pipe``: the landing ring (16-bit caches) or the
         converter's two tiles (fp8)."""
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_kv))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_A(s_p))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
+        k0 = qk_start(rank) // 16
         kv_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mma_stages)
         kv_done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mma_stages)
         s_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
@@ -465,9 +503,10 @@ class MlaDecodeSm100:
                 s_pipe.producer_acquire(s_write)
                 tmem_fence_after_sync()  # the softmax's loads of this S buffer before the MMA overwrites it
                 acc_s = t_s[None, None, None, s_write.index]
-                for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
+                for kb in cutlass.range_constexpr(QK_COLS // 16):
                     tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, kb], t_rk[None, None, kb, kv_read.index], acc_s)
+                    k = k0 + kb
+                    cute.gemm(tiled_mma_qk, acc_s, t_rq[None, None, k], t_rk[None, None, k, kv_read.index], acc_s)
                 s_pipe.producer_commit(s_write)
                 s_write.advance()
                 kv_read.advance()
@@ -484,13 +523,14 @@ class MlaDecodeSm100:
                 kv_done.advance()
 
     @cute.jit
-    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_pipe: pipeline.PipelineUmmaAsync,
-                p_pipe: pipeline.PipelineAsyncUmma, indices: Optional[cute.Tensor], b: Int32, first_tile: Int32,
-                n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32, num_keys: Int32, causal: Int32,
-                rows_per_page: Int32, oob_row: Int32, num_slots: Int32, score_scale: Float32, cap_log2: Float32):
-        """Softmax warpgroup: row ``tidx`` of every S tile -> P; rescales the O half's row. Masked: keys past the
-        row's causal end (dense), and (sparse) keys past ``topk_lengths`` or naming no row. Returns ``(row_max,
-        row_sum)`` (base 2) after waiting for the last PV MMA."""
+    def softmax(self, t_s: cute.Tensor, t_o: cute.Tensor, s_p: cute.Tensor, s_x: cute.Tensor, x_bars: cute.Pointer,
+                s_pipe: pipeline.PipelineUmmaAsync, p_pipe: pipeline.PipelineAsyncUmma, indices: Optional[cute.Tensor],
+                b: Int32, first_tile: Int32, n_tiles: Int32, m0: Int32, seq_len: Int32, cache_len: Int32,
+                num_keys: Int32, causal: Int32, rows_per_page: Int32, oob_row: Int32, num_slots: Int32,
+                score_scale: Float32, cap_log2: Float32, rank: Int32):
+        """Softmax warpgroup: row ``tidx`` of every S tile (the CTA's partial plus the peer's) -> P; rescales the O
+        half's row. Masked: keys past the row's causal end (dense), and (sparse) keys past ``topk_lengths`` or
+        naming no row. Returns ``(row_max, row_sum)`` (base 2) after waiting for the last PV MMA."""
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         row_end = num_keys
@@ -499,6 +539,7 @@ class MlaDecodeSm100:
                 row_end = cutlass.min(cache_len + tok + 1, num_keys)
         if tok >= seq_len:
             row_end = Int32(0)  # a padding row: everything masked
+        live = live_warps(cutlass.min(seq_len * self.group - m0, BM))  # rows past seq_len * group are padding
 
         s_tile = t_s[(None, None), 0, 0, 0]
         bn = self.bn
@@ -523,6 +564,7 @@ class MlaDecodeSm100:
             tmem_fence_before_sync()
             s_pipe.consumer_release(s_read)  # S read: the MMA warp may compute QK of tile j + 2 into it
             s_read.advance()
+            self.exchange(scores, s_x, x_bars, j, rank, live)
 
             scale_scores(scores, score_scale, self.softcap, cap_log2)
             masked = Int32(0)  # most tiles of a dense context are whole
@@ -570,6 +612,41 @@ class MlaDecodeSm100:
         return row_max, row_sum
 
     @cute.jit
+    def exchange(self, scores: cute.Tensor, s_x: cute.Tensor, x_bars: cute.Pointer, j: Int32, rank: Int32,
+                 live: Int32):
+        """Thread ``tidx``'s row of tile ``j``'s partial S (``scores``) into the peer CTA's exchange buffer
+        (``exchange_slot``; ``st.async``, 16 bytes each, completing the peer's barrier of that buffer), then, once
+        the peer's row has landed in ours, ``scores += peer``: the same sum in both CTAs (addition commutes).
+        Only the first ``live`` warps exchange (the others' rows are padding, masked whatever their scores);
+        thread 0 arms the local barrier with the bytes of their rows. The peer rewrites a buffer for tile j + 2
+        only once this CTA's rows of tile j + 1 reached it, each sent after this thread's reads of tile j (and the
+        fence.proxy.async of its P write); the wait is followed by a cluster-scope acquire of the completed phase,
+        which pairs with the peer's release by ``st.async``."""
+        from quack.pipeline import mbarrier_acquire_cluster  # here: importing quack imports triton
+        from quack.utils import store_shared_remote_x4
+
+        tidx, _, _ = cute.arch.thread_idx()
+        chunks = self.bn // CHUNK
+        buf, parity = exchange_slot(j)
+        bar = x_bars + buf
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, live * 32 * self.bn * 4)
+        if tidx // 32 < live:
+            row = s_x[tidx, None, buf]
+            rotation = exchange_rotation(tidx, chunks)
+            for c in cutlass.range_constexpr(chunks):
+                slot = cute.local_tile(row, (CHUNK,), (c ^ rotation,))
+                store_shared_remote_x4(scores[c * CHUNK], scores[c * CHUNK + 1], scores[c * CHUNK + 2],
+                                       scores[c * CHUNK + 3], slot.iterator, bar, 1 - rank)
+            cute.arch.mbarrier_wait(bar, parity)
+            mbarrier_acquire_cluster(bar, parity)
+            peer = cute.make_rmem_tensor((CHUNK,), Float32)
+            for c in cutlass.range_constexpr(chunks):
+                cute.autovec_copy(cute.local_tile(row, (CHUNK,), (c ^ rotation,)), peer)
+                for e in cutlass.range_constexpr(CHUNK):
+                    scores[c * CHUNK + e] = scores[c * CHUNK + e] + peer[e]
+
+    @cute.jit
     def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
                  out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
                  seq_len: Int32, m0: Int32, v_half: Int32, split: Int32, num_splits: Int32):
@@ -603,10 +680,12 @@ class MlaDecodeSm100:
                 write_lse(lse, lse_part, q_start, tok, head, split, num_splits, top, total, self.return_lse)
 
     @cute.jit
-    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32):
-        """Packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at a time (all warps); rows past the
-        request are 0. Made visible to the MMA (async proxy) before the CTA's first barrier."""
-        chunks = self.latent_dim // VEC
+    def load_q(self, s_q: cute.Tensor, q: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, rank: Int32):
+        """CTA ``rank``'s ``SLICE`` columns of packed rows ``m0 + r`` of ``q`` into the swizzled Q tile, 16 bytes at
+        a time (all warps); rows past the request are 0. Made visible to the MMA (async proxy) before the CTA's
+        first barrier."""
+        chunks = SLICE // VEC
+        q = cute.domain_offset((0, 0, cute.assume(slice_start(rank), divby=O_COLS)), q)  # 16-byte loads
         tidx, _, _ = cute.arch.thread_idx()
         vals = cute.make_rmem_tensor((VEC,), self.dtype)
         for idx in cutlass.range(tidx, BM * chunks, self.threads, unroll=1):
