@@ -318,20 +318,15 @@ class PagedAttention:
                         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS // 32),
                         tx_count=2 * bn * d, cta_layout_vmnk=one, defer_sync=True)
-                    dequantizers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
-                    pipe_k = pipeline.PipelineAsync.create(barrier_storage=mbars_k, num_stages=stages,
-                                                           producer_group=dequantizers, consumer_group=consumers,
-                                                           defer_sync=True)
-                    pipe_v = pipeline.PipelineAsync.create(barrier_storage=mbars_v, num_stages=stages,
-                                                           producer_group=dequantizers, consumer_group=consumers)
-                elif cutlass.const_expr(self.gather is not None):
-                    # each producer thread's cp.async.mbarrier.arrive.noinc is one of a stage's arrivals
-                    gatherers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
-                    pipe_k = pipeline.PipelineCpAsync.create(barrier_storage=mbars_k, num_stages=stages,
-                                                             producer_group=gatherers, consumer_group=consumers,
-                                                             defer_sync=True)
-                    pipe_v = pipeline.PipelineCpAsync.create(barrier_storage=mbars_v, num_stages=stages,
-                                                             producer_group=gatherers, consumer_group=consumers)
+                if cutlass.const_expr(self.kv_fp8 or self.gather is not None):
+                    # The producer warpgroup fills the 16-bit rings: every thread's arrival (fp8: after its
+                    # dequantized stores; gather: its cp.async.mbarrier.arrive.noinc) is one of a stage's.
+                    ring_pipe = pipeline.PipelineAsync if cutlass.const_expr(self.kv_fp8) else pipeline.PipelineCpAsync
+                    producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS)
+                    pipe_k = ring_pipe.create(barrier_storage=mbars_k, num_stages=stages, producer_group=producers,
+                                              consumer_group=consumers, defer_sync=True)
+                    pipe_v = ring_pipe.create(barrier_storage=mbars_v, num_stages=stages, producer_group=producers,
+                                              consumer_group=consumers)
                 else:
                     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
                     pipe_k = pipeline.PipelineTmaAsync.create(barrier_storage=mbars_k, num_stages=stages,
