@@ -141,20 +141,16 @@ def launcher(key: tuple, arch: str) -> Callable:
     _, _, hq, d, _, _, _, has_softcap, has_sinks, _, _, rope_dim = key
     unit, combine_unit = compile_units(key, arch)
 
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
-        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
-            return (out, lse) if return_lse else out
-        c = collection
-        m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
+    def launch(q, input_row_offsets, c, layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse,
+               return_lse):
+        m_blocks, num_splits, o_part, lse_part = workspace
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         _run(unit, combine_unit, arch, q, out, lse, num_splits, o_part, lse_part, (
             c.blocks, c.scales if rope_dim else None, input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
             c.lookup_table, None, None, sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, num_splits,
             c.batch_size, int(causal), score_scale, cap_log2), return_lse)
-        return (out, lse) if return_lse else out
 
-    return run
+    return splits.dense_run(key, launch_workspace, launch)
 
 
 @functools.lru_cache(maxsize=None)

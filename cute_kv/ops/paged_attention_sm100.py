@@ -96,12 +96,9 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
     strided = key[-1] == "strided"
     units = compile_units(key, arch)
 
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
-        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
-            return (out, lse) if return_lse else out
-        c = collection
-        m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
+    def launch(q, input_row_offsets, c, layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse,
+               return_lse):
+        m_blocks, num_splits, o_part, lse_part = workspace
         lse_arg = lse if return_lse and num_splits == 1 else splits.unused_lse(q.device, hq, d)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
         # With splits the combine merges the splits' base-2 lse into the natural-log lse as well.
@@ -110,9 +107,8 @@ def launcher_sm100(key: tuple, arch: str) -> Callable:
             (*kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
              scales_arg(c.scales, granularity, e8m0), sinks.contiguous() if has_sinks else None, layer_idx, m_blocks,
              num_splits, int(causal), window_arg(window), score_scale, cap_log2), num_splits, o_part, lse_part, lse)
-        return (out, lse) if return_lse else out
 
-    return run
+    return splits.dense_run(key, launch_workspace, launch)
 
 
 BACKEND = Backend(Family.SM100_MHA, KERNEL, plan_sm100, compile_units, launcher_sm100, launch_workspace)

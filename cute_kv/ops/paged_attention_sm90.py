@@ -70,12 +70,9 @@ def launcher(key: tuple, arch: str) -> Callable:
     strided = key[-1] == "strided"
     units = compile_units(key, arch)
 
-    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
-        if q.shape[0] == 0:  # a grid of zero CTAs is a launch error
-            return (out, lse) if return_lse else out
-        c = collection
-        m_blocks, num_splits, o_part, lse_part = workspace or launch_workspace(key, q, c, causal, window)
+    def launch(q, input_row_offsets, c, layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse,
+               return_lse):
+        m_blocks, num_splits, o_part, lse_part = workspace
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
         splits.launch_and_combine(
@@ -83,9 +80,8 @@ def launcher(key: tuple, arch: str) -> Callable:
             (sinks, *kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
              c.lookup_table, scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal),
              window_arg(window), score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
-        return (out, lse) if return_lse else out
 
-    return run
+    return splits.dense_run(key, launch_workspace, launch)
 
 
 BACKEND = Backend(Family.SM90_MHA, KERNEL, plan, compile_units, launcher, launch_workspace)

@@ -116,6 +116,23 @@ def _device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def dense_run(key: tuple, launch_workspace, launch):
+    """``run(...)`` with ``paged_attention``'s launcher signature for one compile-time ``key``: an empty step
+    returns at once (a grid of zero CTAs is a launch error); otherwise ``launch(q, input_row_offsets, collection,
+    layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse, return_lse)`` with the plan's
+    ``(m_blocks, splits, o_part, lse_part)`` or ``launch_workspace``'s."""
+
+    def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
+        if q.shape[0]:
+            workspace = workspace or launch_workspace(key, q, collection, causal, window)
+            launch(q, input_row_offsets, collection, layer_idx, workspace, causal, window, scale, softcap, sinks, out,
+                   lse, return_lse)
+        return (out, lse) if return_lse else out
+
+    return run
+
+
 def launch_and_combine(units: tuple, arch: str, q: torch.Tensor, out: torch.Tensor, vec: int, lse_args: tuple,
                        args: tuple, num_splits: int, o_part, lse_part, combine_lse) -> None:
     """The attention unit of ``units`` (``(attention, combine)`` compile units) launched as ``(q packed, dst,
