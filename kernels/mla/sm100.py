@@ -226,7 +226,7 @@ class MlaDecodeSm100:
                indices: Optional[cute.Tensor], topk_lengths: Optional[cute.Tensor], sinks: Optional[cute.Tensor],
                rows_per_page: Int32, oob_row: Int32, num_slots: Int32, num_splits: Int32, causal: Int32,
                score_scale: Float32, cap_log2: Float32):
-        dt, d, group, bn, stages = self.dtype, self.latent_dim, self.group, self.bn, self.stages
+        dt, group, bn, stages = self.dtype, self.group, self.bn, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         m_block, half_split, b = cute.arch.block_idx()
         v_half = half_split % V_SPLIT  # the CTA's rank in its cluster (1, V_SPLIT, 1): the pair has one split
