@@ -1,0 +1,155 @@
+"""FA4's SM90 forward (``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90``) built on the CPU for real
+torch CPU tensors, as its own interface (``flash_attn.cute.interface._flash_attn_fwd``) builds and launches it.
+
+    from ptxsim.peers import fa4_sm90            # sets the target env (below) if unset: import before cutlass
+    fn, args = fa4_sm90.build(q, k, v, page_table=None, seqused_k=None, causal=False)
+    fn(*args)                                     # the peer's real launch (on a GPU; ptxsim.capture on the CPU)
+    out = args[fa4_sm90.OUT]                      # written by the launch
+    ref = fa4_sm90.reference(q, k, v, page_table=..., seqused_k=..., causal=...)   # float64
+
+How the build works: the interface is called under torch ``FakeTensorMode`` with fake CUDA tensors of the real
+tensors' shapes, dtypes and strides (``FLASH_ATTENTION_ARCH=sm_90``, ``CUTE_DSL_ARCH=sm_90a``,
+``FLASH_ATTENTION_NUM_SMS=132``), so every choice (tile 128 x N, pack_gqa, intra-WG overlap, RS PV MMA,
+``paged_kv_non_tma`` when the page size is not tile N, the compile key) is the interface's own; its
+``cute.compile(..., options="--enable-tvm-ffi")`` is wrapped to keep the compiled object. In fake mode the interface
+compiles but does not launch; ``call_args`` is then built exactly as its non-fake branch does for arch 9x
+(interface.py, ``call_args = [q_call, k_call, ...]``).
+
+What the compiled object is called with (a ``TVMFFI...`` JIT executor: torch tensors are passed directly, through
+DLPack; ``None`` is an absent optional; the stream is TVM-FFI's environment stream, not an argument), in order:
+
+    0 q            (B, Sq, Hq, D) bf16/fp16, last dim contiguous
+    1 k            dense (B, Sk, Hkv, D) or paged (num_pages, page_size, Hkv, D)
+    2 v            as k (head dim Dv)
+    3 out          (B, Sq, Hq, Dv), same dtype as q, written by the kernel (``OUT``)
+    4 lse          None, or (B, Hq, Sq) float32 when ``return_lse``
+    5 softmax_scale  python float (1/sqrt(D) by default)
+    6 cu_seqlens_q, 7 cu_seqlens_k, 8 seqused_q: None here
+    9 seqused_k    None or (B,) int32: keys used per batch (paged: a page table row may be longer)
+    10 page_table  None or (B, max_pages) int32, row-major
+    11 window_size_left, 12 window_size_right: None (causal is compile-time; the interface maps causal to
+       window_right=0 and back to causal=True, windows None)
+    13 learnable_sink: None
+    14 block-sparse tensors: None
+    15 AuxData(None, None)  (flash_attn.cute.utils.AuxData, a NamedTuple of aux tensors/scalars)
+    16 cu_total_m_blocks, 17 cu_total_splits_m_blocks: None (only varlen-q with large batches)
+
+The launch itself (grid, cluster, block 384 threads = producer WG + 2 MMA WGs, dynamic smem) is decided inside the
+compiled host function from these arguments; ``fn.__ptx__`` is the kernel's PTX when ``CUTE_DSL_KEEP_PTX=1`` (set
+here). The TVM-FFI executor checks the tensors' device against what it was compiled for (CUDA) when it is really
+called: capture has to intercept the launch, not expect the call to accept CPU tensors as-is.
+
+Limits of this recipe: bf16/fp16 only (FA4 takes fp8 only on SM100), no varlen q/k, no split-KV (SM90 asserts
+``num_splits == 1``), no score/mask mods, no local windows, no sinks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+for _k, _v in (("FLASH_ATTENTION_ARCH", "sm_90"), ("CUTE_DSL_ARCH", "sm_90a"), ("FLASH_ATTENTION_NUM_SMS", "132"),
+               ("CUTE_DSL_KEEP_PTX", "1"), ("CUTE_DSL_DISABLE_FILE_CACHING", "1")):
+    os.environ.setdefault(_k, _v)
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="fa4-sm90-"))
+
+import torch  # noqa: E402
+
+OUT = 3  # index of the output tensor in call_args
+LSE = 4
+
+
+def _import_interface():
+    """``flash_attn.cute.interface``; quack (FA4's dependency) imports triton at import time: it must be installed
+    (perf/static_peers.py shows a stub for machines without it)."""
+    from flash_attn.cute import interface
+
+    return interface
+
+
+def _fake_like(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
+
+def build(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=None, return_lse=False):
+    """``(compiled_fn, call_args)`` of FA4's SM90 forward for these real CPU tensors (see the module docstring);
+    ``call_args[OUT]`` is a fresh output tensor, ``call_args[LSE]`` a float32 LSE when ``return_lse``."""
+    import cutlass.cute as cute
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    iface = _import_interface()
+    from flash_attn.cute.utils import AuxData
+
+    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype
+    for t in (q, k, v):
+        assert t.stride(-1) == 1, "last dim must be contiguous (the interface would copy)"
+    if page_table is not None:
+        assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
+    if seqused_k is not None:
+        assert seqused_k.dtype == torch.int32 and seqused_k.is_contiguous()
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+
+    compiled, original = [], cute.compile
+
+    def keep(*args, **kwargs):
+        fn = original(*args, **kwargs)
+        compiled.append(fn)
+        return fn
+
+    iface._flash_attn_fwd.compile_cache.clear()  # a hit would compile nothing to keep
+    cute.compile = keep
+    try:
+        with FakeTensorMode():
+            iface._flash_attn_fwd(_fake_like(q), _fake_like(k), _fake_like(v), seqused_k=_fake_like(seqused_k),
+                                  page_table=_fake_like(page_table), softmax_scale=softmax_scale, causal=causal,
+                                  return_lse=return_lse, _arch=90)
+    finally:
+        cute.compile = original
+    (fn,) = compiled
+
+    batch, seqlen_q, num_head = q.shape[:3]
+    out = torch.empty(batch, seqlen_q, num_head, v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(batch, num_head, seqlen_q, dtype=torch.float32) if return_lse else None
+    call_args = [q.detach(), k.detach(), v.detach(), out, lse, softmax_scale,
+                 None, None, None, seqused_k, page_table,  # cu_seqlens_q, cu_seqlens_k, seqused_q
+                 None, None, None,  # window_size_left, window_size_right, learnable_sink
+                 None, AuxData(None, None),  # block-sparse tensors, aux data
+                 None, None]  # cu_total_m_blocks, cu_total_splits_m_blocks
+    return fn, call_args
+
+
+def dense_kv(k, v, page_table):
+    """Paged ``(num_pages, page_size, H, D)`` K/V gathered to dense ``(B, pages * page_size, H, D)``."""
+    idx = page_table.long()
+    b, n = idx.shape
+    kd = k[idx].reshape(b, n * k.shape[1], *k.shape[2:])
+    vd = v[idx].reshape(b, n * v.shape[1], *v.shape[2:])
+    return kd, vd
+
+
+def reference(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=None):
+    """``(out, lse)`` in float64: softmax(scale * Q K^T) V per batch and query head (GQA: head h reads KV head
+    h // (Hq / Hkv)); keys past ``seqused_k[b]`` are masked; causal is bottom-right aligned as FA's (query i sees key
+    j iff j <= i + Sk_b - Sq); a row with no key gives out 0 and lse -inf. ``lse`` is (B, Hq, Sq)."""
+    if page_table is not None:
+        k, v = dense_kv(k, v, page_table)
+    q, k, v = (t.double() for t in (q, k, v))
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    lens = torch.full((b,), sk) if seqused_k is None else seqused_k.long()
+    j = torch.arange(sk)
+    mask = j[None, None, None, :] < lens[:, None, None, None]
+    if causal:
+        i = torch.arange(sq)
+        mask = mask & (j[None, None, None, :] <= (i[None, None, :, None] + lens[:, None, None, None] - sq))
+    s = s.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse
