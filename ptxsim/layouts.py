@@ -71,8 +71,8 @@ class SmemDesc:
 
 
 def smem_desc_decode(desc: int) -> SmemDesc:
-    """Decode the 64-bit wgmma shared-memory matrix descriptor, PTX ISA 9.7.15.5.1.2.1 "Matrix Descriptor Format"
-    (sm_90 / wgmma form; the tcgen05 descriptor of sm_100 differs and is not decoded here).
+    """Decode the 64-bit wgmma shared-memory matrix descriptor, PTX ISA 9.7.15.5.1.2 "Shared Memory Matrix
+    Layout" / "Matrix Descriptor Format" (sm_90 wgmma form; the tcgen05 descriptor of sm_100 differs).
 
       bits  0-13  matrix start address  >> 4      bits 16-29  leading dimension byte offset >> 4
       bits 32-45  stride dimension byte offset >> 4
@@ -90,7 +90,8 @@ def smem_desc_decode(desc: int) -> SmemDesc:
 
 
 def smem_desc_encode(start_addr: int, lbo: int, sbo: int, swizzle: int, base_offset: int = 0) -> int:
-    """Inverse of ``smem_desc_decode`` (PTX ISA 9.7.15.5.1.2.1); byte values must be multiples of 16 and < 2**18."""
+    """Inverse of ``smem_desc_decode`` (PTX ISA 9.7.15.5.1.2 Matrix Descriptor Format); byte values must be
+    multiples of 16 below 2**18."""
     for name, v in (("start_addr", start_addr), ("lbo", lbo), ("sbo", sbo)):
         if v % 16 or not 0 <= v < (1 << 18):
             raise ValueError(f"{name}={v}: must be a multiple of 16 below 2**18")
@@ -101,8 +102,8 @@ def smem_desc_encode(start_addr: int, lbo: int, sbo: int, swizzle: int, base_off
 
 def wgmma_operand_addrs(desc: int, rows: int, kcols: int, elem_bits: int, k_major: bool) -> np.ndarray:
     """Shared byte address of element (row, k) of one wgmma's A (rows = M = 64) or B (rows = N) operand read
-    through a matrix descriptor: PTX ISA 9.7.15.5.1.2 "Shared Memory Matrix Layout" (canonical layouts) and
-    9.7.15.5.1.2.1 "Matrix Descriptor Format".
+    through a matrix descriptor: PTX ISA 9.7.15.5.1.2 "Shared Memory Matrix Layout" (canonical layouts,
+    "Matrix Descriptor Format"). k_major = not imm-trans-a (resp. imm-trans-b): 0 = K-major for both A and B.
 
     Returns int64 (rows, kcols); for 8/16/32-bit elements, the address of the element's first byte.
     With T = 16 bytes (one core-matrix row), in bytes, r = row, kb = k*elem_bytes, mb = row*elem_bytes
@@ -129,8 +130,8 @@ def wgmma_operand_addrs(desc: int, rows: int, kcols: int, elem_bits: int, k_majo
     if rows % 8:
         raise Unsupported(f"wgmma operand with {rows} rows (must be a multiple of 8)")
     if d.base_offset != 0:
-        raise Unsupported(f"wgmma matrix descriptor base_offset = {d.base_offset} (PTX ISA 9.7.15.5.1.2.1; "
-                          "only 0 is modelled)")
+        raise Unsupported(f"wgmma matrix descriptor base_offset = {d.base_offset} (PTX ISA 9.7.15.5.1.2 Matrix "
+                          "Descriptor Format; only 0 is modelled)")
     r = np.arange(rows, dtype=np.int64)[:, None]
     k = np.arange(kcols, dtype=np.int64)[None, :]
     W = d.swizzle
@@ -217,21 +218,21 @@ TMA_SMEM_ALIGN = {0: 128, 32: 256, 64: 512, 128: 1024}
 
 def tma_box_shape(tmap: TensorMap) -> tuple[int, ...]:
     """Elements of the box in shared memory per dimension (innermost first): ceil(box_i / elem_strides_i)
-    (PTX ISA 5.5 "Tensors" / "Tensor access modes": traversal stride; with stride s only every s-th element is moved)."""
+    (PTX ISA 5.5 "Tensors", traversal stride: with stride s only every s-th element is moved)."""
     return tuple(-(-b // s) for b, s in zip(tmap.box, tmap.elem_strides))
 
 
-def tma_box_addrs(tmap: TensorMap, coords: tuple[int, ...], smem_addr: int):
+def tma_box_addrs(tmap: TensorMap, coords: tuple[int, ...], smem_dst: int):
     """Element maps of one tile-mode ``cp.async.bulk.tensor`` (PTX ISA 9.7.9.24 "cp.async.bulk.tensor" and
     5.5 "Tensors": tile-mode bounding box, traversal stride, out-of-bound access,
     swizzling modes). Same map for loads (global -> shared) and stores (shared -> global, also
-    cp.reduce.async.bulk.tensor): ``smem_addr`` is the destination resp. source.
+    cp.reduce.async.bulk.tensor): ``smem_dst`` is the shared destination (load) resp. source (store).
 
     Box element j = (j_0, .., j_{r-1}) (j_i < ceil(box_i/elem_strides_i), innermost first, flattened with j_0
     fastest) has tensor coordinate c_i = coords_i + j_i*elem_strides_i;
       gaddr    = tmap.address + sum_i c_i*strides_i           (meaningful only where in_bounds)
       in_bounds = all(0 <= c_i < dims_i)  (out-of-bound elements: loads fill zero/NaN, stores skip; the core's job)
-      saddr    = swizzle_addr(smem_addr + elem_bytes * flat(j), tmap.swizzle)  (box dense in smem, innermost dim
+      saddr    = swizzle_addr(smem_dst + elem_bytes * flat(j), tmap.swizzle)  (box dense in smem, innermost dim
                  contiguous; the swizzle pattern on absolute shared address bits)
     Returns (gaddr int64 (n,), in_bounds bool (n,), saddr int64 (n,)), n = prod(tma_box_shape(tmap)).
 
@@ -264,8 +265,8 @@ def tma_box_addrs(tmap: TensorMap, coords: tuple[int, ...], smem_addr: int):
             raise Unsupported(f"TMA box inner dimension {inner_bytes} B below the {sw}B swizzle span "
                               "(short swizzled rows not modelled)")
     align = TMA_SMEM_ALIGN[sw]
-    if smem_addr % align:
-        raise MemoryFault(f"cp.async.bulk.tensor shared address {smem_addr:#x} not {align}-byte aligned "
+    if smem_dst % align:
+        raise MemoryFault(f"cp.async.bulk.tensor shared address {smem_dst:#x} not {align}-byte aligned "
                           f"(PTX ISA 9.7.9.24: 128 B; swizzle {sw}B pattern repeat {align} B)")
     # j grids, innermost first, flattened with j_0 fastest
     grids = np.meshgrid(*[np.arange(s, dtype=np.int64) for s in reversed(shape)], indexing="ij")
@@ -281,7 +282,7 @@ def tma_box_addrs(tmap: TensorMap, coords: tuple[int, ...], smem_addr: int):
         inb &= (c >= 0) & (c < int(tmap.dims[i]))
         flat += js[i] * pitch
         pitch *= shape[i]
-    saddr = swizzle_addr(int(smem_addr) + flat * eb, sw).astype(np.int64)
+    saddr = swizzle_addr(int(smem_dst) + flat * eb, sw).astype(np.int64)
     return gaddr, inb, saddr
 
 
@@ -320,8 +321,9 @@ def ldmatrix_map(num: int, trans: bool, elem_bits: int = 16, shape: str = "m8n8"
 
 
 def stmatrix_map(num: int, trans: bool, elem_bits: int = 16, shape: str = "m8n8"):
-    """Lane maps of ``stmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16`` (PTX ISA 9.7.14.5.16 "stmatrix", next to ldmatrix):
-    the inverse direction of ldmatrix with the same fragment: source register m, half h of lane l is written to
-    (matrix m, row, col) = ``ldmatrix_map(...)[1][l, m, h]``, at addr[addr_lane[m, row]] + 2*col.
+    """Lane maps of ``stmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16`` (PTX ISA 9.7.14.5.16
+    "stmatrix", next to 9.7.14.5.15 ldmatrix): the inverse direction of ldmatrix with the same fragment:
+    source register m, half h of lane l is written to (matrix m, row, col) = ``ldmatrix_map(...)[1][l, m, h]``,
+    at addr[addr_lane[m, row]] + 2*col.
     Returns the same (addr_lane, src) pair as ``ldmatrix_map``."""
     return ldmatrix_map(num, trans, elem_bits, shape)
