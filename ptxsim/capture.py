@@ -108,8 +108,6 @@ _LAUNCH_ATTR_NAMES = {
 # PTX helpers
 
 _ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$.][\w$.]*)\s*\((.*?)\)", re.S)
-_PARAM_RE = re.compile(
-    r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+(?:\.ptr\s+(?:\.\w+\s+)*)?([\w$.]+)\s*(?:\[(\d+)\])?")
 _TYPE_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
                "b32": 4, "u32": 4, "s32": 4, "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
 
@@ -121,17 +119,20 @@ def entry_params(ptx: str, kernel: str) -> list[tuple[str, int, int]]:
             continue
         out = []
         for decl in m.group(2).split(","):
-            decl = decl.strip()
-            if not decl:
+            toks = decl.split()
+            if not toks:
                 continue
-            p = _PARAM_RE.search(decl)
-            if p is None:
+            name, count = re.fullmatch(r"([\w$.]+)(?:\[(\d+)\])?", toks[-1]).groups()
+            if toks[0] != ".param" or len(toks) < 3:
                 raise ValueError(f"unparsed .param declaration {decl!r} of {kernel}")
-            align, ty, name, count = p.groups()
+            i, align = 1, None
+            if toks[1] == ".align":  # alignment of the parameter itself (a later .ptr ... .align is the pointee's)
+                align, i = int(toks[2]), 3
+            ty = toks[i].lstrip(".")
             if ty not in _TYPE_BYTES:
                 raise ValueError(f"unknown .param type .{ty} in {decl!r}")
             size = _TYPE_BYTES[ty] * (int(count) if count else 1)
-            out.append((name, size, int(align) if align else _TYPE_BYTES[ty]))
+            out.append((name, size, align or _TYPE_BYTES[ty]))
         return out
     raise KeyError(f".entry {kernel} not in the PTX")
 
