@@ -15,10 +15,14 @@ Usage::
         fn(cuda_view(a), cuda_view(b), cuda_view(c))          # torch CPU tensors, relabelled as CUDA device 0
     (launch,) = launches
 
-Functions must be *compiled* inside a ``capturing`` block (or after :func:`install`): the stubs are registered
-when the JIT engine is created, before it resolves its symbols; registering later crashes the process. While
-installed, every compile gets a fresh JIT engine (the in-memory/disk caches are bypassed for PTX: we force
-``keep_ptx``, which the DSL answers by disabling its cache) and its PTX is kept in a temporary dump dir.
+Functions must be *compiled* inside a ``capturing`` block: the stubs are registered when the JIT engine is created,
+before it resolves its symbols (registering later crashes the process), and only launches of functions compiled
+inside a block are captured. Inside the outermost block the DSL is patched (undone on leaving it): ``Compiler.jit``
+registers the stubs on each new engine; ``keep_ptx`` is forced, which makes the DSL bypass its in-memory and disk
+caches (every compile is fresh, its PTX dumped to a temporary dir and kept as the launch's PTX, matched to the
+launch through the engine that loaded the library); the "can the runtime arch run this" test answers yes (without a
+GPU the DSL assumes sm_100a and would build no engine for sm_90a); ``num_devices`` answers 1. A project cache of
+compiled functions (``compile_cache.compiled``) must be bypassed inside the block.
 
 What the capture path exercises (real, unmodified):
   * the DSL front end and MLIR pipeline as for a GPU of the requested arch (tensors relabelled as CUDA device 0, so
@@ -380,24 +384,42 @@ def _register(engine: Any) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Hooks into the DSL
 
-_INSTALLED = False
-_DUMP_DIR: str | None = None
+_MISSING = object()
 
 
-def install(arch: str = "sm_90a") -> None:
-    """Patch the DSL so every later compile's JIT engine gets the runtime stubs (idempotent; process-wide)."""
-    global _INSTALLED, _DUMP_DIR
-    if arch not in DEVICES:
-        raise ValueError(f"arch {arch!r}: one of {sorted(DEVICES)}")
-    _STATE.arch = arch
-    if _INSTALLED:
-        return
+class _Patches:
+    """Attribute replacements made on entering the outermost ``capturing`` block and undone on leaving it."""
+
+    def __init__(self) -> None:
+        self.undo: list = []
+        self.depth = 0
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        old = vars(obj).get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)
+        self.undo.append((obj, name, old))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        for obj, name, old in reversed(self.undo):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self.undo.clear()
+
+
+_PATCHES = _Patches()
+
+
+def _install() -> None:
+    """Patch the DSL so that compiles made from now on get stubbed JIT engines (undone by ``_PATCHES.restore``)."""
     from cutlass.base_dsl import compiler as _compiler
     from cutlass.base_dsl import jit_executor as _jx
     from cutlass.cutlass_dsl import cuda_jit_executor as _cjx
     from cutlass.cutlass_dsl import tvm_ffi_provider as _tvm
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
+    P = _PATCHES
     orig_jit = _compiler.Compiler.jit
 
     def jit(self, module, opt_level=2, shared_libs=()):
@@ -405,21 +427,15 @@ def install(arch: str = "sm_90a") -> None:
         _register(engine)
         return engine
 
-    _compiler.Compiler.jit = jit
+    P.set(_compiler.Compiler, "jit", jit)
 
-    # Every compile keeps its PTX (the DSL then also bypasses its caches, so each compile builds a stubbed engine).
+    # Every compile keeps its PTX (the DSL then bypasses its in-memory and disk caches, so each compile builds a
+    # fresh, stubbed engine; a cached function compiled before the block would call the real runtime).
     dsl = CuTeDSL._get_dsl()
-    _DUMP_DIR = tempfile.mkdtemp(prefix="ptxsim_capture_")
-    dsl.envar.keep_ptx = True
-    dsl.envar.dump_dir = _DUMP_DIR
+    P.set(dsl.envar, "keep_ptx", True)
+    P.set(dsl.envar, "dump_dir", tempfile.mkdtemp(prefix="ptxsim_capture_"))
     # No GPU: the DSL's runtime arch defaults to sm_100a and it would build no JIT engine for another arch.
-    orig_can_run = type(dsl)._runtime_can_run_compiled
-
-    def can_run(self, runtime_arch, compile_arch):
-        return True
-
-    type(dsl)._runtime_can_run_compiled = can_run
-    del orig_can_run
+    P.set(type(dsl), "_runtime_can_run_compiled", lambda self, runtime_arch, compile_arch: True)
 
     # Remember each compiled function's PTX under its engine's token.
     orig_init = _jx.JitCompiledFunction.__init__
@@ -430,8 +446,8 @@ def install(arch: str = "sm_90a") -> None:
         if entry is not None and entry[0] is self.engine and self.__ptx__:
             _STATE.ptx_by_token[entry[1]] = self.__ptx__
 
-    _jx.JitCompiledFunction.__init__ = init
-    _cjx.CudaDialectJitCompiledFunction.num_devices = property(lambda self: 1)
+    P.set(_jx.JitCompiledFunction, "__init__", init)
+    P.set(_cjx.CudaDialectJitCompiledFunction, "num_devices", property(lambda self: 1))
 
     # TVM-FFI: use the stubbed MCJIT engine's entry instead of rebuilding the object with JITLink.
     def create_tvm_ffi_function(self):
@@ -456,8 +472,7 @@ def install(arch: str = "sm_90a") -> None:
         return tvm_ffi.Function.__from_extern_c__(ctypes.cast(cb, ctypes.c_void_p).value,
                                                    keep_alive_object=self.engine)
 
-    _tvm.TVMFFIJitCompiledFunctionBase._create_tvm_ffi_function = create_tvm_ffi_function
-    _INSTALLED = True
+    P.set(_tvm.TVMFFIJitCompiledFunctionBase, "_create_tvm_ffi_function", create_tvm_ffi_function)
 
 
 class Capture(list):
@@ -467,20 +482,28 @@ class Capture(list):
 
 @contextlib.contextmanager
 def capturing(arch: str = "sm_90a") -> Iterator[list[Launch]]:
-    """Install the stubs (once per process) and collect every launch made inside the block."""
+    """Collect every launch made inside the block by functions compiled inside it (``arch``: the device the
+    queries describe). The DSL patches are in place only inside the outermost block."""
+    if arch not in DEVICES:
+        raise ValueError(f"arch {arch!r}: one of {sorted(DEVICES)}")
     with _LOCK:
-        install(arch)
-        prev = _STATE.active
+        if _PATCHES.depth == 0:
+            _install()
+        _PATCHES.depth += 1
+        prev = (_STATE.active, _STATE.arch, _STATE.unknown_queries, _STATE.errors)
         out = Capture()
         out.unknown_queries = _STATE.unknown_queries = []
         _STATE.errors = []
-        _STATE.active = out
+        _STATE.active, _STATE.arch = out, arch
         try:
             yield out
             if _STATE.errors:
-                raise _STATE.errors[0]
+                raise RuntimeError(f"a CUDA runtime stub failed: {_STATE.errors[0]!r}") from _STATE.errors[0]
         finally:
-            _STATE.active = prev
+            _STATE.active, _STATE.arch, _STATE.unknown_queries, _STATE.errors = prev
+            _PATCHES.depth -= 1
+            if _PATCHES.depth == 0:
+                _PATCHES.restore()
 
 
 # --------------------------------------------------------------------------------------------------------------

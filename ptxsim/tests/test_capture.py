@@ -100,3 +100,16 @@ def test_entry_params_parse():
 \t.param .u32 k_param_2
 )"""
     assert entry_params(ptx, "k") == [("k_param_0", 128, 64), ("k_param_1", 8, 8), ("k_param_2", 4, 4)]
+
+
+def test_sm100_device_and_patches_undone():
+    from cutlass.base_dsl import compiler
+
+    from ptxsim.tests._tma_probe import capture_descriptor
+
+    jit_before = compiler.Compiler.jit
+    launch, t = capture_descriptor("bf16", (64, 32), (1, 64), (32, 8), 3, arch="sm_100a")
+    assert compiler.Compiler.jit is jit_before
+    assert ".target sm_100a" in launch.ptx and launch.grid == (1, 1, 1) and launch.block == (32, 1, 1)
+    m = decode([p for p in launch.params if len(p) == 128][0])
+    assert (m.address, m.dims, m.box, m.swizzle) == (t.data_ptr(), (64, 32), (32, 8), 128)
