@@ -151,8 +151,8 @@ def _round(x, fmt, mode="rn", resid=None, satfinite=False):
     nan = np.isnan(x)
     inf = np.isinf(x)
     axf = np.where(nan | inf, 0.0, ax)
-    _, e = np.frexp(axf)
-    q = np.maximum(e.astype(np.int64) - 1, 1 - bias) - m
+    _, e = np.frexp(axf)  # axf = f * 2**e, f in [0.5, 1); frexp(0) gives e = 0, so zeros take the subnormal quantum
+    q = np.where(axf == 0, 1 - bias, np.maximum(e.astype(np.int64) - 1, 1 - bias)) - m
     scaled = np.ldexp(axf, (-q).astype(np.int32))
     nf = np.floor(scaled)
     frac = scaled - nf
@@ -403,6 +403,12 @@ def _float_arith(op, mods, types):
                 s, e = _two_sum(v[0], v[1] if op == "add" else -v[1])
             else:
                 s, e = _two_sum(v[0] * v[1], v[2])
+            if rnd == "rm" and op != "mul":
+                # IEEE 754 6.3: an exact zero sum is -0 under roundTowardNegative unless both terms are +0
+                t0 = v[0] * v[1] if op == "fma" else v[0]
+                t1 = v[2] if op == "fma" else (v[1] if op == "add" else -v[1])
+                both_pos0 = (t0 == 0) & (t1 == 0) & ~np.signbit(t0) & ~np.signbit(t1)
+                s = np.where((s == 0) & ~both_pos0, -0.0, s)
             if sat:
                 s = np.where(s > 0, np.minimum(s, 1.0), 0.0)
                 e = None if e is None else np.where((s > 0) & (s < 1), e, 0.0)
@@ -1390,10 +1396,23 @@ def _b_cvt(op, mods, types):
         mode = frnd or "rn"
         fast_bf16 = df is _BF16 and sf is _F32 and mode == "rn" and not (satf or relu or sat or ftz)
 
+        widen = not narrowing and not sat and not satf and not relu
+
         def f2f(s):
             a = s[0]
             if fast_bf16:
                 return _f32_to_bf16_rn(a)
+            if widen:  # exact; NaN payloads carried over as the hardware's bit moves do
+                if sf is _BF16 and df is _F32:
+                    out = a.astype(U32) << U32(16)
+                elif df is _F32:
+                    out = _dec(a, sf).astype(np.float32).view(U32)
+                elif df is _F64:
+                    out = (_flush(a, sf) if ftz and sf is _F32 else a).view(np.float32).astype(np.float64).view(U64) \
+                        if sf is _F32 else _dec(a, sf).view(U64)
+                else:
+                    out = _encode(_dec(a, sf), df, "rn")
+                return _flush(out, df) if ftz and df is _F32 else out
             if ftz and sf is _F32:
                 a = _flush(a, sf)
             x = _dec(a, sf)
