@@ -467,7 +467,7 @@ def run_case(case: Case, device, ours: Optional[Callable] = None, *, time_calls:
         checks += [(rel_err(a, b), setup.tolerance) for a, b in zip(got, want)]
         err = max(e for e, _ in checks)
         row = Row(case, path, err, all(e <= tol for e, tol in checks))
-        if device.type == "cuda" and path == "reference":
+        if paths.on_cuda(device) and path == "reference":
             row.ok, row.error = False, "no kernel launched (cute_kv.explain says why)"
         if time_calls and device.type == "cuda":
             row.ours_ms = _time_ms(lambda: setup.call(fn, pb.collection))
@@ -482,7 +482,7 @@ def run_case(case: Case, device, ours: Optional[Callable] = None, *, time_calls:
 def _launched(call: Callable, device) -> tuple[str, object]:
     """``(path, result)`` of ``call()``: ``kernel <compile keys' names>`` for the kernels it asked for on CUDA, else
     ``reference``."""
-    if device.type != "cuda":
+    if not paths.on_cuda(device):
         return "reference", call()
     from cute_kv.kernels import compile_cache
 
@@ -730,6 +730,10 @@ def add_parser(commands) -> None:
     p.add_argument("--cache-dir", default=None,
                    help=f"compiled kernels (default $CUTE_KV_CACHE_DIR, else ./{DEFAULT_CACHE_DIR}; "
                         f"'prebuild --selftest' fills it)")
+    p.add_argument("--simulate", action="store_true",
+                   help="run the kernels in the PTX simulator on the CPU (no GPU needed; small cases, minutes)")
+    p.add_argument("--arch", default="sm_90a", help="with --simulate: the arch compiled for (default sm_90a)")
+    p.add_argument("--seeds", type=int, default=1, help="with --simulate: schedules per case (default 1)")
     p.set_defaults(func=run)
 
 
@@ -746,6 +750,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c.op:26s} {c.config:36s} {' '.join(c.archs)}")
         print(f"{len(chosen)} cases")
         return 0
+    if args.simulate:
+        return run_simulated(chosen, args)
     if not torch.cuda.is_available():
         print("cute-kv selftest: no CUDA device, nothing to test (the kernels run on SM90/SM100 GPUs; on the CPU "
               "every op is its PyTorch reference)")
@@ -779,3 +785,36 @@ def run(args: argparse.Namespace) -> int:
     run_isolated(here, "cuda", timeout=args.timeout, cache_dir=directory, on_start=start, on_row=done)
     print(summary(rows))
     return 0 if all(r.ok for r in rows) else 1
+
+
+def run_simulated(chosen: Sequence[Case], args: argparse.Namespace) -> int:
+    """Every case with a kernel on ``args.arch``, its kernels executed by the PTX simulator under ``args.seeds``
+    schedules, in this process. A case passes only if a kernel ran and every check held under every seed."""
+    from cute_kv.simulate import simulated
+
+    arch = args.arch
+    here = [c for c in chosen if arch in c.archs]
+    print(f"cute-kv selftest --simulate ({arch}, {args.seeds} seed(s) per case): {len(here)} cases "
+          f"({len(chosen) - len(here)} without a kernel on {arch} left out)", flush=True)
+    print(f"{'op':26s} {'config':40s} {'seed':>4s} {'launches':>8s} {'warp instr':>10s} {'s':>7s}  result")
+    rows: list[Row] = []
+    for case in here:
+        for seed in range(args.seeds):
+            start = time.perf_counter()
+            try:
+                with simulated(arch, seed=seed) as record:
+                    row = run_case(case, "cpu")
+                if row.ok and not record.launches:
+                    row.ok, row.error = False, "no kernel ran in the simulator"
+            except Exception as e:  # noqa: BLE001 - a hazard or deadlock fails this case, not the run
+                record = None
+                row = Row(case, "error", math.inf, False, error=f"{type(e).__name__}: {e}")
+            row.run_s = time.perf_counter() - start
+            rows.append(row)
+            result = "ok" if row.ok else f"FAIL {row.error or f'max error {row.max_err:.3g}'}"
+            print(f"{case.op:26s} {case.config:40s} {seed:4d} {len(record.launches) if record else 0:8d} "
+                  f"{record.instructions if record else 0:10d} {row.run_s:7.1f}  {result}", flush=True)
+    print(summary(rows))
+    if args.json:
+        _write_json(args.json, {"device": f"ptxsim {arch}", "arch": arch}, rows)
+    return 0 if rows and all(r.ok for r in rows) else 1
