@@ -54,16 +54,6 @@ def _unsup(op, mods, types, why=""):
     return Unsupported(f"alu: {words} is not implemented{': ' + why if why else ''}")
 
 
-def _quiet(fn):
-    """Run ``fn`` with numpy's floating-point warnings off (overflow to inf, NaN compares are the semantics)."""
-
-    @functools.wraps(fn)
-    def wrapped(srcs):
-        with np.errstate(all="ignore"):
-            return fn(srcs)
-
-    return wrapped
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Floating-point formats: decode to float64 (exact) and round float64 (+ residual sign) to the format's bits.
@@ -199,14 +189,41 @@ def _round(x, fmt, mode="rn", resid=None, satfinite=False):
 
 def _to_f32_rn(x64):
     r = x64.astype(np.float32)
-    return np.where(np.isnan(r), U32(_F32.nan), r.view(U32))
+    out = r.view(U32)
+    np.putmask(out, r != r, _F32.nan)
+    return out
+
+
+_F32_MIN_NORMAL = np.float32(2.0**-126)
+
+
+def _ftz32(f):
+    """.ftz on float32 values: subnormals -> sign-preserving zero (x * False = +-0; NaN/inf/normal unchanged)."""
+    return f * (np.abs(f) >= _F32_MIN_NORMAL)
+
+
+def _f32_out(r, ftz):
+    """float32 result -> bits with .ftz flush and canonical NaN."""
+    if ftz:
+        r = _ftz32(r)
+    r = np.asarray(r)
+    out = r.view(U32)
+    np.putmask(out, r != r, _F32.nan)
+    return out
+
+
+def _bf16_rn_hi(b32):
+    """f32 bits -> uint32 whose high 16 bits are the bf16 rounded to nearest even (bit trick: add 0x7FFF + lsb;
+    overflow carries into inf; NaN -> 0x7FFF)."""
+    r = b32 + ((b32 >> U32(16)) & U32(1))
+    r += U32(0x7FFF)
+    np.putmask(r, (b32 & U32(0x7FFFFFFF)) > U32(0x7F800000), 0x7FFF0000)
+    return r
 
 
 def _f32_to_bf16_rn(b32):
-    """f32 bits -> bf16 bits, round to nearest even (exact bit trick; inf/overflow -> inf; NaN -> 0x7FFF)."""
-    r = (b32 + (U32(0x7FFF) + ((b32 >> U32(16)) & U32(1)))) >> U32(16)
-    nan = (b32 & U32(0x7FFFFFFF)) > U32(0x7F800000)
-    return np.where(nan, U32(0x7FFF), r).astype(U16)
+    """f32 bits -> bf16 bits, round to nearest even."""
+    return (_bf16_rn_hi(b32) >> U32(16)).astype(U16)
 
 
 def _encode(x64, fmt, mode="rn", resid=None, satfinite=False, relu=False, ftz=False):
@@ -369,14 +386,32 @@ def _float_arith(op, mods, types):
         return xs
 
     if fmt is _F32 and rnd == "rn" and op in ("add", "sub", "mul") and len(types) == 1 and not relu:
+        uf = {"add": np.add, "sub": np.subtract, "mul": np.multiply}[op]
+
         def scal(srcs):
-            a, b = prep(srcs)
-            fa, fb = a.view(np.float32), b.view(np.float32)
-            r = fa + fb if op == "add" else (fa - fb if op == "sub" else fa * fb)
+            fa, fb = srcs[0].view(np.float32), srcs[1].view(np.float32)
+            if ftz:
+                fa, fb = _ftz32(fa), _ftz32(fb)
+            r = uf(fa, fb)
             if sat:
                 r = np.where(r > 0, np.minimum(r, np.float32(1)), np.float32(0))
-            out = np.where(np.isnan(r), U32(_F32.nan), r.view(U32))
-            return _flush(out, _F32) if ftz else out
+            return _f32_out(r, ftz)
+    elif fmt is _F32 and rnd == "rn" and op in ("fma", "mad") and len(types) == 1 and not relu and not sat:
+        tie_mask, tie_val = np.int64((1 << 29) - 1), np.int64(1 << 28)
+
+        def scal(srcs):
+            fa, fb, fc = (x.view(np.float32) for x in srcs)
+            if ftz:
+                fa, fb, fc = _ftz32(fa), _ftz32(fb), _ftz32(fc)
+            p = fa.astype(np.float64) * fb.astype(np.float64)  # exact
+            c = fc.astype(np.float64)
+            s = p + c
+            # double rounding can only go wrong when s lands exactly on an f32 tie (or in the f32 subnormal range)
+            risky = ((s.view(np.int64) & tie_mask) == tie_val) | ((np.abs(s) < 2.0**-125) & (s != 0))
+            if risky.any():
+                s2, e = _two_sum(p, c)
+                s = _odd_fix(s2, e)
+            return _f32_out(s.astype(np.float32), ftz)
     elif fmt is _F64 and op in ("fma", "mad"):
         def scal(srcs):
             a, b, c = (s.view(np.float64) for s in srcs)
@@ -504,6 +539,15 @@ def _float_unary_exact(op, mods, types):
 
     exact = {"div": exact_div, "rcp": exact_rcp, "sqrt": exact_sqrt}.get(op)
 
+    if fmt is _F32 and not directed and op != "div":
+        def scal32(srcs):
+            a = srcs[0].view(np.float32)
+            if ftz:
+                a = _ftz32(a)
+            return _f32_out(fn64(a.astype(np.float64)).astype(np.float32), ftz)
+
+        return _quiet(scal32)
+
     def scal(srcs):
         xs = [(_flush(s, fmt) if ftz else s) for s in srcs[:nin]]
         v = [_dec(s, fmt) for s in xs]
@@ -576,6 +620,32 @@ def _float_minmax(op, mods, types):
         if nanp:
             d = np.where(na | nb, canon, d)
         return d
+
+    if fmt in (_F32, _F64) and not xs and not ab:
+        fdt = np.float32 if fmt is _F32 else np.float64
+        uf = (np.minimum if is_min else np.maximum) if nanp else (np.fmin if is_min else np.fmax)
+        zbits = np.bitwise_or if is_min else np.bitwise_and  # both zeros: min is -0 if either is, max only if both
+
+        def fast(srcs):
+            fs = [x.view(fdt) for x in srcs]
+            if ftz:
+                fs = [_ftz32(f) for f in fs]
+            r = uf(fs[0], fs[1])
+            out = r.view(fmt.udt)
+            z = (fs[0] == 0) & (fs[1] == 0)
+            if z.any():
+                np.putmask(out, z, zbits(fs[0].view(fmt.udt), fs[1].view(fmt.udt)))
+            if len(fs) == 3:
+                r2 = uf(r, fs[2])
+                out2 = r2.view(fmt.udt)
+                z = (r == 0) & (fs[2] == 0)
+                if z.any():
+                    np.putmask(out2, z, zbits(out, fs[2].view(fmt.udt)))
+                r, out = r2, out2
+            np.putmask(out, r != r, fmt.nan)
+            return out
+
+        return _quiet(fast)
 
     def scal(srcs):
         vals = [(_flush(s, fmt) if ftz else s) for s in srcs]
@@ -750,6 +820,10 @@ def _int_mul(op, mods, types):
     if "sat" in ms and not (op == "mad" and half == "hi" and t == "s32"):
         raise _unsup(op, mods, types)
     wd = _UD[2 * w] if half == "wide" else ud
+    if half == "lo" and not (cc or carry_in):
+        if not is_mad:
+            return lambda s: s[0] * s[1]
+        return lambda s: s[0] * s[1] + s[2]
 
     def fn(srcs):
         a, b = srcs[0], srcs[1]
@@ -921,11 +995,17 @@ def _b_shift(op, mods, types):
     w = _bitw(t)
     ud, sd = _UD[w], _SD[w]
     wu = U32(w)
-    if op == "shl":
-        return lambda s: np.where(s[1] >= wu, ud(0), s[0] << (s[1] & U32(w - 1)).astype(ud))
     if t[0] == "s":
         return lambda s: (s[0].view(sd) >> np.minimum(s[1], U32(w - 1)).astype(ud).view(sd)).view(ud)
-    return lambda s: np.where(s[1] >= wu, ud(0), s[0] >> (s[1] & U32(w - 1)).astype(ud))
+    uf = np.left_shift if op == "shl" else np.right_shift
+
+    def sh(s):
+        a, n = s
+        if n.ndim == 0:
+            return uf(a, ud(n)) if n < wu else np.zeros_like(a)
+        return uf(a, (n & U32(w - 1)).astype(ud)) * (n < wu)
+
+    return sh
 
 
 def _b_shf(op, mods, types):
@@ -1073,8 +1153,27 @@ def _b_prmt(op, mods, types):
         raise _unsup(op, mods, types)
     mode = next(iter(ms)) if ms else None
 
+    def uniform(a, b, cv):
+        v = (b.astype(U64) << U64(32)) | a.astype(U64)
+        if mode is None:
+            sels = [(cv >> (4 * k)) & 0xF for k in range(4)]
+        else:
+            sels = list(_PRMT_MODES[mode][cv & 3])
+        d = None
+        for k, sel in enumerate(sels):
+            byte = (v >> U64(8 * (sel & 7))) & U64(0xFF)
+            if sel & 8:
+                byte = (byte >> U64(7)) * U64(0xFF)
+            byte = byte << U64(8 * k) if k else byte
+            d = byte if d is None else d | byte
+        return d.astype(U32)
+
     def fn(s):
         a, b, c = s
+        if c.ndim == 0:
+            return uniform(a, b, int(c))
+        if c.size and (c == c.flat[0]).all():
+            return uniform(a, b, int(c.flat[0]))
         v = (b.astype(U64) << U64(32)) | a.astype(U64)
         c = c.astype(U64)
         d = np.zeros(np.broadcast(a, b, c).shape, U64)
@@ -1443,9 +1542,18 @@ def _b_cvt(op, mods, types):
             raise _unsup(op, mods, types)
         fast = df is _BF16 and frnd == "rn" and not (satf or relu)
 
+        if fast:
+            def pack2f(s):
+                hi = _bf16_rn_hi(s[0])
+                hi &= U32(0xFFFF0000)
+                hi |= _bf16_rn_hi(s[1]) >> U32(16)
+                return hi
+
+            return pack2f
+
         def pack2(s):
-            if fast:
-                hi, lo = _f32_to_bf16_rn(s[0]), _f32_to_bf16_rn(s[1])
+            if False:
+                pass
             else:
                 hi = _encode(_dec(s[0], _F32), df, frnd, None, satfinite=satf, relu=relu)
                 lo = _encode(_dec(s[1], _F32), df, frnd, None, satfinite=satf, relu=relu)
@@ -1465,9 +1573,9 @@ def _b_cvt(op, mods, types):
             else:
                 xh = _dec((s[0] >> U32(16)).astype(U16), _F16)
                 xl = _dec((s[0] & U32(0xFFFF)).astype(U16), _F16)
-            hi = _encode(xh, df, "rn", None, satfinite=True, relu=relu)
-            lo = _encode(xl, df, "rn", None, satfinite=True, relu=relu)
-            return (hi.astype(U16) << U16(8)) | lo.astype(U16)
+            xh, xl = np.broadcast_arrays(xh, xl)
+            both = _encode(np.stack([xh, xl]), df, "rn", None, satfinite=True, relu=relu).astype(U16)
+            return (both[0] << U16(8)) | both[1]
 
         return _quiet(packf8)
 
@@ -1561,17 +1669,40 @@ _BUILDERS: dict[str, Callable] = {
 OPS = frozenset(_BUILDERS)
 
 
+_QUIET = True
+
+
+def _quiet(fn):  # noqa: F811 - the dispatch decides at compile time whether to wrap
+    if not _QUIET:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(srcs):
+        with np.errstate(all="ignore"):
+            return fn(srcs)
+
+    return wrapped
+
+
 @functools.lru_cache(maxsize=None)
-def _compile(op, mods, types):
+def _compile(op, mods, types, quiet=True):
+    global _QUIET
     b = _BUILDERS.get(op)
     if b is None or not types:
         raise _unsup(op, mods, types)
-    return b(op, mods, types)
+    _QUIET = quiet
+    try:
+        return b(op, mods, types)
+    finally:
+        _QUIET = True
 
 
-def compile(op: str, mods: tuple[str, ...], types: tuple[str, ...]) -> Callable:  # noqa: A001
-    """Resolve one static instruction to ``fn(srcs) -> bits | tuple``; raises Unsupported for forms not implemented."""
-    return _compile(op, tuple(mods), tuple(types))
+def compile(op: str, mods: tuple[str, ...], types: tuple[str, ...], quiet: bool = True) -> Callable:  # noqa: A001
+    """Resolve one static instruction to ``fn(srcs) -> bits | tuple``; raises Unsupported for forms not implemented.
+
+    quiet=True wraps float forms in ``np.errstate(all="ignore")`` (~1 us a call); a caller that runs its whole loop
+    under ``np.errstate(all="ignore")`` can pass quiet=False."""
+    return _compile(op, tuple(mods), tuple(types), quiet)
 
 
 def evaluate(op: str, mods: tuple[str, ...], types: tuple[str, ...], srcs: list[np.ndarray]):
