@@ -12,7 +12,7 @@ venv=${CUTE_KV_VENV:-.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
 extras="test,plot,sass"
-if ! "$py" -c "import cute_kv, torch, cutlass, quack, pytest, xdist, pytest_timeout, coverage, hypothesis, matplotlib, transformers
+if ! "$py" -c "import cute_kv, ptxsim, torch, cutlass, quack, pytest, xdist, pytest_timeout, coverage, hypothesis, matplotlib, transformers
 from importlib.metadata import version
 for extra in ('nvidia-cuda-nvcc', 'nvidia-cuda-nvdisasm', 'nvidia-cuda-cuobjdump', 'flash-attn-4'): version(extra)" 2>/dev/null; then
     # torch first and pinned: an open 'torch' requirement would pull a multi-GB CUDA build onto a CPU box.

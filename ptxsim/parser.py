@@ -337,6 +337,7 @@ def _function(name: str, entry: bool, params: list, body: str, base_line: int) -
             elif text.startswith(".reg"):
                 for nm in _reg_names(text):
                     decl[blk].add(nm)
+                    decl[blk].update(f"{nm}.{c}" for c in _vec_comps(text))
             stmts.append((kind, line, text, blk))
 
     def resolve(nm: str, blk: int) -> str:
@@ -348,9 +349,11 @@ def _function(name: str, entry: bool, params: list, body: str, base_line: int) -
         return nm
 
     regs: dict = {}
+    vec_regs: dict = {}
     instrs: list = []
     labels: dict = {}
     local_vars: dict = {}
+    vec_regs: dict = {}  # vector register variable -> its element registers
     for kind, line, text, blk in stmts:
         if kind == "label":
             labels[resolve(text, blk)] = len(instrs)
@@ -363,7 +366,13 @@ def _function(name: str, entry: bool, params: list, body: str, base_line: int) -
             if bits is None:
                 raise Unsupported(f"PTX line {line}: register type .{m.group(2)}")
             for nm in _reg_names(text):
-                regs[resolve(nm, blk)] = bits
+                comps = _vec_comps(text)
+                if comps:  # PTX ISA 5.4.2 Vectors: one scalar register per element (.x .y .z .w)
+                    for c in comps:
+                        regs[resolve(f"{nm}.{c}", blk)] = bits
+                    vec_regs[resolve(nm, blk)] = tuple(Reg(resolve(f"{nm}.{c}", blk)) for c in comps)
+                else:
+                    regs[resolve(nm, blk)] = bits
             continue
         if text.startswith(".local"):
             m = re.match(r"^\.local\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+([\w$]+)\s*(?:\[(\d+)\])?", " ".join(text.split()))
@@ -377,14 +386,37 @@ def _function(name: str, entry: bool, params: list, body: str, base_line: int) -
             raise Unsupported(f"PTX line {line}: declaration inside a function body: {text!r}")
         if text.startswith("."):
             continue  # other directives carry no semantics the simulator uses
-        instrs.append(_instr(text, line, lambda nm, b=blk: resolve(nm, b)))
+        ins = _instr(text, line, lambda nm, b=blk: resolve(nm, b))
+        if vec_regs and any(isinstance(o, Reg) and o.name in vec_regs for o in ins.operands):
+            # a vector variable named whole is the brace list of its elements (PTX ISA 5.4.2 Vectors)
+            ins = dataclasses.replace(ins, operands=tuple(
+                Vec(vec_regs[o.name]) if isinstance(o, Reg) and o.name in vec_regs else o for o in ins.operands))
+        instrs.append(ins)
     return Function(name, entry, params, regs, instrs, labels, local_vars=local_vars)
+
+
+def _vec_comps(text: str) -> tuple:
+    """Element suffixes of a ``.reg .v2/.v4`` declaration (PTX ISA 5.4.2 Vectors), () for a scalar one."""
+    m = _REG_DECL.match(" ".join(text.split()))
+    if not m or not m.group(1):
+        return ()
+    n = int(m.group(1))
+    if n not in (2, 4):
+        raise Unsupported(f"register vector .v{n}: {text!r}")
+    return ("x", "y", "z", "w")[:n]
 
 
 def _reg_names(text: str) -> list[str]:
     m = _REG_DECL.match(" ".join(text.split()))
     if not m:
         return []
+    if m.group(1):  # .reg .v4 .s32 abcd: the vector and its elements abcd.x .. abcd.w (PTX ISA 5.4.2 "Vectors")
+        names = []
+        for part in m.group(3).split(","):
+            part = part.strip()
+            names.append(part)
+            names.extend(f"{part}.{c}" for c in "xyzw"[:int(m.group(1))])
+        return names
     names = []
     for part in m.group(3).split(","):
         part = part.strip()

@@ -145,18 +145,25 @@ def compile_mbarrier(sim, ins):
         remote = space == "shared::cluster"
 
         def body(w, m, pc):
+            # PTX ISA 9.7.13.15.13 mbarrier.arrive: each executing thread arrives on the mbarrier its own address
+            # names; lanes of one instruction may name different mbarriers (e.g. one per CTA of the cluster through
+            # mapa), so the lanes are grouped by address and each group arrives on its barrier.
             ctx = sim.ctx(w, ins, m)
-            bar = mbar_of(sim, w, _shared_addrs(sim, w, ag, m, space), ctx)
-            lanes = int(m.sum())
-            if expect:
-                bar.expect_tx(int(tx_get(w)[m].astype(np.int64).sum()), ctx)
-            count = int(cnt_get(w)[m].astype(np.int64).sum()) if cnt_get is not None else lanes
-            token = bar.phase
-            if drop:
-                bar.expected -= count
-            bar.arrive(count, ctx)
+            a_all = np.zeros(32, np.int64)
+            a_all[m] = _shared_addrs(sim, w, ag, m, space)
+            tokens = np.zeros(32, np.uint64)
+            for addr in sorted(set(a_all[m].tolist())):
+                g = m & (a_all == addr)
+                bar = mbar_of(sim, w, np.array([addr], np.int64), ctx)
+                if expect:
+                    bar.expect_tx(int(tx_get(w)[g].astype(np.int64).sum()), ctx)
+                count = int(cnt_get(w)[g].astype(np.int64).sum()) if cnt_get is not None else int(g.sum())
+                tokens[g] = bar.phase
+                if drop:
+                    bar.expected -= count
+                bar.arrive(count, ctx)
             if state_put is not None:
-                state_put(w, np.full(32, token, np.uint64), m)
+                state_put(w, tokens, m)
         return body
     if kind in ("test_wait", "try_wait"):
         parity = "parity" in words
@@ -463,6 +470,12 @@ def compile_setmaxnreg(sim, ins):
         if not hasattr(cta, "reg_pool"):
             cta.reg_pool = Waiter()
             base = min(255, 65536 // max(128, (cta.nthreads + 127) // 128 * 128)) // 8 * 8
+            # The per-thread count at launch is the kernel's register count, which ptxas picks (it is not in the
+            # PTX). ptxas (CUDA 13.0, sm_90a) gives a kernel with setmaxnreg its largest .inc target when that fits
+            # the launch bounds: 232 for a 256-thread kernel that increases to 232, 168 = 65536/384 for 384 threads.
+            incs = [int(i.operands[0].text, 0) for i in sim.prog.instrs if i.words[:2] == ("setmaxnreg", "inc")]
+            if incs:
+                base = min(base, max(incs))
             for x in cta.warps:
                 x.nreg_budget = base
         if w.nreg_budget is None:
@@ -547,7 +560,44 @@ def compile_barrier_cluster(sim, ins):
 
 
 def compile_st_async(sim, ins):
-    raise Unsupported("st.async")
+    """PTX ISA 9.7.9.12 st.async: an asynchronous store into the shared memory of a CTA of the cluster (a
+    shared::cluster address) whose completion performs complete-tx of its bytes on the mbarrier ``[remote_bar]`` of
+    that same CTA. The bytes are in flight until then (a read of them before the barrier's phase is observed is a
+    hazard)."""
+    from ..machine import AsyncOp
+    from .memops import _vec_and_type
+    from .operands import TYPE_BITS
+    words = ins.words
+    if "mbarrier::complete_tx::bytes" not in words:
+        raise Unsupported(f"{ins.opcode}")
+    vec, ty = _vec_and_type(words)
+    ebits = TYPE_BITS[ty]
+    ag = addr_getter(sim, ins.operands[0])
+    src = ins.operands[1]
+    gets = [getter(sim, s, ebits) for s in (src.items if isinstance(src, P.Vec) else (src,))]
+    bg = addr_getter(sim, ins.operands[2])
+    nb = ebits // 8 * len(gets)
+    edt = DTYPE[ebits]
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        a, b = ag(w), bg(w)
+        vals = np.stack([g(w).astype(edt) for g in gets], axis=1)
+        for lane in np.flatnonzero(m).tolist():
+            if (a[lane] >> CLUSTER_SHIFT) != (b[lane] >> CLUSTER_SHIFT):
+                raise Hazard(f"st.async into one CTA completing the mbarrier of another (lane {lane}){ctx()}")
+            cta, idx = sim.shared_index(w.cta, np.array([a[lane]]), nb, ctx, cluster=True)
+            bar = mbar_of(sim, w, np.array([int(b[lane])]), ctx)
+            data = np.ascontiguousarray(vals[lane]).view(np.uint8).reshape(1, nb)
+            cta.smem.check(idx, "st.async destination", ctx)
+            cta.smem.inflight[idx] += 1
+
+            def land(cta=cta, idx=idx, data=data, bar=bar, ctx=ctx):
+                cta.smem.inflight[idx] -= 1
+                cta.smem.write(idx, data, "st.async", ctx)
+                bar.complete_tx(nb, ctx)
+            sim.pending.append(AsyncOp(w.cta, "st.async", ins.line, land))
+    return body
 
 
 COMPILERS = {"mbarrier": compile_mbarrier, "bar": compile_bar, "barrier": compile_bar, "shfl": compile_shfl,

@@ -14,18 +14,10 @@ from cutlass.cute.runtime import from_dlpack, make_fake_stream  # noqa: E402
 from ptxsim.capture import capturing, cuda_view, entry_params  # noqa: E402
 from ptxsim.tensormap import decode  # noqa: E402
 
-_SNIPPET = "/work/shared/docs/cute_dsl_snippets/06_wgmma_gemm_sm90.py"
-
-
 @pytest.fixture(scope="module")
 def g06():
-    try:
-        spec = importlib.util.spec_from_file_location("snippet_06_wgmma_gemm_sm90", _SNIPPET)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except FileNotFoundError:
-        pytest.skip(f"{_SNIPPET} not present")
-    return mod
+    from ptxsim.tests import wgmma_gemm
+    return wgmma_gemm
 
 
 def _tensors():
