@@ -1508,7 +1508,7 @@ def _b_cvt(op, mods, types):
                     out = _dec(a, sf).astype(np.float32).view(U32)
                 elif df is _F64:
                     out = (_flush(a, sf) if ftz and sf is _F32 else a).view(np.float32).astype(np.float64).view(U64) \
-                        if sf is _F32 else _dec(a, sf).view(U64)
+                        if sf is _F32 else _dec(a, sf).view(U64).copy()
                 else:
                     out = _encode(_dec(a, sf), df, "rn")
                 return _flush(out, df) if ftz and df is _F32 else out
@@ -1552,11 +1552,8 @@ def _b_cvt(op, mods, types):
             return pack2f
 
         def pack2(s):
-            if False:
-                pass
-            else:
-                hi = _encode(_dec(s[0], _F32), df, frnd, None, satfinite=satf, relu=relu)
-                lo = _encode(_dec(s[1], _F32), df, frnd, None, satfinite=satf, relu=relu)
+            hi = _encode(_dec(s[0], _F32), df, frnd, None, satfinite=satf, relu=relu)
+            lo = _encode(_dec(s[1], _F32), df, frnd, None, satfinite=satf, relu=relu)
             return (hi.astype(U32) << U32(16)) | lo.astype(U32)
 
         return _quiet(pack2)
