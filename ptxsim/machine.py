@@ -63,6 +63,8 @@ class Warp:
         self.R = [np.zeros(32, DTYPE[b]) for b in nregs]
         self.waits: list = []  # (mask, waiter, version, why, soft: a failed try_wait)
         self.coll_wait = np.zeros(32, bool)  # lanes at a collective whose members have not arrived
+        self.coll_flag = False  # coll_wait has a lane
+        self.blocked_epoch = -1  # the simulator's epoch when this warp was last found unable to run
         self.pending_regs: set = set()  # registers an in-flight wgmma will write
         bx, by, bz = cta.block
         tid = first + LANES
@@ -80,6 +82,9 @@ class Warp:
         self.cc = None  # the carry flag of add.cc and friends
 
     def runnable(self) -> np.ndarray:
+        """The lanes that may run now (not to be modified: it may be ``active`` itself)."""
+        if not self.waits and not self.coll_flag:
+            return self.active
         m = self.active.copy()
         if self.waits:
             keep = []
@@ -89,7 +94,7 @@ class Warp:
                     m &= ~mask
                     keep.append(entry)
             self.waits = keep
-        return m & ~self.coll_wait
+        return m & ~self.coll_wait if self.coll_flag else m
 
     def describe_wait(self) -> str:
         parts = []
@@ -288,35 +293,57 @@ class Simulator:
                 "instructions_per_second": self.instructions / dt if dt else 0.0}
 
     def _run_wave(self, ctas: list) -> None:
-        warps = [w for cta in ctas for w in cta.warps]
+        live = [w for cta in ctas for w in cta.warps if w.active.any()]
         rng = self.rng
         released_at = -1
-        while True:
-            live = [w for w in warps if w.active.any()]
-            if not live and not self.pending:
-                break
+        while live or self.pending:
             # land asynchronous work now and then
             if self.pending and rng.random() < self.async_rate:
                 self._land_one()
-            runnable = [w for w in live if w.runnable().any()]
-            if not runnable:
+            w = self._pick(live)
+            if w is None:
                 if self.pending:
                     if not self._land_one(force=True):
                         self._deadlock(live, "asynchronous operations are pending but none may land")
                     continue
+                if not live:
+                    break
                 # lanes whose try_wait failed retry only after their barrier changes; if nothing else can run,
                 # they retry once more (a try_wait may legally fail and the code go on) before it is a deadlock
-                soft = [w for w in live if any(e[4] for e in w.waits)]
+                soft = [x for x in live if any(e[4] for e in x.waits)]
                 if soft and released_at != self.epoch:
+                    for x in soft:
+                        x.waits = [e for e in x.waits if not e[4]]
+                    self.epoch += 1
                     released_at = self.epoch
-                    for w in soft:
-                        w.waits = [e for e in w.waits if not e[4]]
                     continue
                 self._deadlock(live, "every live thread waits")
-            w = runnable[int(rng.integers(len(runnable)))]
             self._run_warp(w, int(rng.integers(1, self.max_quantum + 1)))
+            if not w.active.any():
+                live.remove(w)
             if self.instructions > self.max_steps:
                 raise SimError(f"more than {self.max_steps} warp instructions: a livelock?")
+
+    def _pick(self, live: list):
+        """A random warp that can run, or None. A warp found unable to run stays so until the epoch moves (every
+        change that can release a waiting lane moves it)."""
+        epoch, n = self.epoch, len(live)
+        if not n:
+            return None
+        for _ in range(6):
+            w = live[int(self.rng.integers(n))]
+            if w.blocked_epoch != epoch:
+                if w.runnable().any():
+                    return w
+                w.blocked_epoch = epoch
+        cands = []
+        for w in live:
+            if w.blocked_epoch != epoch:
+                if w.runnable().any():
+                    cands.append(w)
+                else:
+                    w.blocked_epoch = epoch
+        return cands[int(self.rng.integers(len(cands)))] if cands else None
 
     def _land_one(self, force: bool = False) -> bool:
         ready = [op for op in self.pending if op.ready()]
@@ -358,8 +385,9 @@ class Simulator:
                 raise SimError(f"warp {w.wid} of CTA {w.cta.ctaid} ran past the last instruction (no ret/exit)")
             w.last_ins = pc
             self.instructions += 1
-            if w.coll_wait.any():
+            if w.coll_flag:
                 w.coll_wait[:] = False  # others moved: collectives may retry
+                w.coll_flag = False
             if self.trace:
                 print(f"[{w.cta.ctaid} w{w.wid} {_lanes(group)}] {instrs[pc].line}: {instrs[pc].text.strip()}")
             handlers[pc](w, group, pc)

@@ -32,6 +32,7 @@ def wrap(sim, ins, body):
                 except Hold:
                     w.pc[group] = pc
                     w.coll_wait |= group
+                    w.coll_flag = True
         return handler
 
     def handler(w, group, pc):
@@ -41,6 +42,7 @@ def wrap(sim, ins, body):
         except Hold:
             w.pc[group] = pc
             w.coll_wait |= group
+            w.coll_flag = True
     return handler
 
 
