@@ -1,0 +1,41 @@
+"""The quick selftest grid (one case per kernel family) with its sm_90a kernels executed by the PTX simulator: the
+op's real launch path on CPU tensors standing for CUDA ones, every check of the selftest (NaN-poisoned outputs, the
+cache's bits outside the step, tolerances), and a kernel must have run."""
+
+import pytest
+
+pytestmark = pytest.mark.sim
+
+from cute_kv import selftest  # noqa: E402
+from cute_kv.simulate import simulated  # noqa: E402
+
+ARCH = "sm_90a"
+QUICK = selftest.cases(quick=True, arch=ARCH)
+
+
+@pytest.mark.parametrize("case", QUICK, ids=[f"{c.op}-{c.config}".replace(" ", "_") for c in QUICK])
+def test_quick_case_runs_in_the_simulator(case):
+    with simulated(ARCH, seed=1) as record:
+        row = selftest.run_case(case, "cpu")
+    assert row.path.startswith("kernel"), row.path
+    assert record.launches, "no kernel ran in the simulator"
+    assert row.ok, (row.error, row.max_err)
+
+
+def test_simulated_selftest_fails_a_wrong_kernel(monkeypatch):
+    """The harness can fail: a kernel that writes one stored element wrong is caught by the cache bit check."""
+    import ptxsim
+
+    case = next(c for c in QUICK if c.op == "store_kv")
+    real = ptxsim.simulate
+
+    def corrupting(launch, reads=(), writes=(), seed=0, **kw):
+        stats = real(launch, reads=reads, writes=writes, seed=seed, **kw)
+        cache = max(dict(writes).values(), key=lambda t: t.numel())
+        cache.view(-1)[cache.numel() // 3] ^= 0x40  # one byte of the cache storage flipped after the kernel
+        return stats
+    monkeypatch.setattr(ptxsim, "simulate", corrupting)
+    with simulated(ARCH) as record:
+        row = selftest.run_case(case, "cpu")
+    assert record.launches
+    assert not row.ok
