@@ -246,7 +246,7 @@ def compile_atom(sim, ins):
         out = np.zeros(32, dt)
         for lane in np.flatnonzero(m).tolist():
             addr = np.array([a[lane]], np.int64)
-            old = int(np.ascontiguousarray(read(sim, w, space, addr, nb, ctx)).view(dt)[0])
+            old = int(np.ascontiguousarray(read(sim, w, space, addr, nb, ctx)).view(dt).ravel()[0])
             b = int(bv[0][lane])
             c = int(bv[1][lane]) if len(bv) > 1 else 0
             new = combine(old, b, c)

@@ -1,0 +1,290 @@
+"""The executor on small hand-written kernels: control flow and divergence, warp collectives, named barriers,
+mbarriers, and each hazard with the evidence its report must carry."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ptxsim import Deadlock, GlobalMemory, Hazard, LaunchSpec, MemoryFault, Simulator, SimError
+
+pytestmark = pytest.mark.sim
+
+HEADER = ".version 8.8\n.target sm_90a\n.address_size 64\n"
+
+
+def kernel(body: str, regs: str = "", shared: str = "") -> str:
+    return (HEADER + shared + "\n.visible .entry k(\n\t.param .u64 k_param_0\n)\n{\n"
+            "\t.reg .pred %p<16>;\n\t.reg .b32 %r<64>;\n\t.reg .b64 %rd<32>;\n" + regs + body + "\n\tret;\n}\n")
+
+
+def run(ptx: str, out: torch.Tensor, block=(32, 1, 1), grid=(1, 1, 1), seed=0, dyn_smem=0, writable=True, **kw):
+    gmem = GlobalMemory()
+    gmem.add_tensor(out, "out", writable=writable)
+    spec = LaunchSpec(ptx, "k", grid, block, (1, 1, 1), dyn_smem, [struct.pack("<Q", out.data_ptr())])
+    return Simulator(spec, gmem, seed, **kw).run()
+
+
+# out[tid] = f(tid): the address of out[tid] in %rd3
+PROLOGUE = """
+\tld.param.u64 %rd1, [k_param_0];
+\tmov.u32 %r1, %tid.x;
+\tmul.wide.u32 %rd2, %r1, 4;
+\tadd.s64 %rd3, %rd1, %rd2;
+"""
+
+
+def test_divergent_branches_reconverge():
+    body = PROLOGUE + """
+\tand.b32 %r2, %r1, 1;
+\tsetp.eq.b32 %p1, %r2, 0;
+\t@%p1 bra EVEN;
+\tmul.lo.s32 %r3, %r1, 3;
+\tbra.uni JOIN;
+EVEN:
+\tadd.s32 %r3, %r1, 100;
+JOIN:
+\tadd.s32 %r3, %r3, 1;
+\tst.global.u32 [%rd3], %r3;
+"""
+    out = torch.full((32,), -1, dtype=torch.int32)
+    run(kernel(body), out)
+    t = torch.arange(32, dtype=torch.int32)
+    assert torch.equal(out, torch.where(t % 2 == 0, t + 101, 3 * t + 1))
+
+
+def test_shfl_modes():
+    body = PROLOGUE + """
+\tshfl.sync.bfly.b32 %r2, %r1, 1, 31, -1;
+\tshfl.sync.down.b32 %r3|%p2, %r1, 3, 31, -1;
+\tselp.b32 %r4, 1000, 0, %p2;
+\tadd.s32 %r2, %r2, %r3;
+\tadd.s32 %r2, %r2, %r4;
+\tst.global.u32 [%rd3], %r2;
+"""
+    out = torch.full((32,), -1, dtype=torch.int32)
+    run(kernel(body), out)
+    t = np.arange(32)
+    down = np.where(t + 3 <= 31, t + 3, t)
+    want = (t ^ 1) + down + np.where(t + 3 <= 31, 1000, 0)
+    assert out.numpy().tolist() == want.tolist()
+
+
+def test_vote_and_elect():
+    body = PROLOGUE + """
+\tsetp.lt.u32 %p1, %r1, 5;
+\tvote.sync.ballot.b32 %r2, %p1, -1;
+\telect.sync %r5|%p3, -1;
+\tselp.b32 %r6, 1, 0, %p3;
+\tvote.sync.ballot.b32 %r7, %p3, -1;
+\tpopc.b32 %r8, %r7;
+\tadd.s32 %r2, %r2, %r8;
+\tst.global.u32 [%rd3], %r2;
+"""
+    for seed in range(4):
+        out = torch.full((32,), -1, dtype=torch.int32)
+        run(kernel(body), out, seed=seed)
+        assert (out == 0b11111 + 1).all()  # one leader, whichever the seed picks
+
+
+def test_named_barrier_orders_shared_memory():
+    # warp 1 writes shared memory, bar.sync, warp 0 reads it
+    body = PROLOGUE + """
+\tmov.u32 %r10, smem;
+\tshl.b32 %r11, %r1, 2;
+\tadd.s32 %r12, %r10, %r11;
+\tsetp.ge.u32 %p1, %r1, 32;
+\t@!%p1 bra SKIP;
+\tsub.s32 %r13, %r12, 128;
+\tst.shared.u32 [%r13], %r1;
+SKIP:
+\tbar.sync 0;
+\tsetp.ge.u32 %p2, %r1, 32;
+\t@%p2 bra DONE;
+\tld.shared.u32 %r14, [%r12];
+\tst.global.u32 [%rd3], %r14;
+DONE:
+"""
+    out = torch.full((64,), -1, dtype=torch.int32)
+    for seed in range(3):
+        run(kernel(body, shared=".shared .align 16 .b8 smem[256];\n"), out, block=(64, 1, 1), seed=seed)
+        assert out[:32].tolist() == list(range(32, 64))
+
+
+def test_read_of_unwritten_shared_memory_is_poison():
+    body = PROLOGUE + """
+\tmov.u32 %r10, smem;
+\tld.shared.u32 %r14, [%r10];
+\tst.global.u32 [%rd3], %r14;
+"""
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(Hazard, match="nothing wrote since the CTA began"):
+        run(kernel(body, shared=".shared .align 16 .b8 smem[256];\n"), out)
+
+
+def test_global_write_outside_the_tensors():
+    body = PROLOGUE + """
+\tadd.s64 %rd4, %rd3, 128;
+\tst.global.u32 [%rd4], %r1;
+"""
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(MemoryFault, match="outside every tensor of the launch.*out"):
+        run(kernel(body), out)
+
+
+def test_write_to_a_read_only_tensor():
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(MemoryFault, match="may only read"):
+        run(kernel(PROLOGUE + "\tst.global.u32 [%rd3], %r1;\n"), out, writable=False)
+
+
+def test_misaligned_global_access():
+    body = PROLOGUE + """
+\tadd.s64 %rd4, %rd3, 2;
+\tld.global.u32 %r2, [%rd4];
+"""
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(MemoryFault, match="misaligned"):
+        run(kernel(body), out)
+
+
+MBAR = """
+\tmov.u32 %r10, bar;
+\tsetp.eq.u32 %p1, %r1, 0;
+\t@!%p1 bra W;
+\tmbarrier.init.shared.b64 [%r10], {count};
+W:
+\tbar.sync 0;
+"""
+
+
+def test_mbarrier_phase_and_parity():
+    # each of 2 warps arrives once (lane 0); both then wait for phase 0 to complete
+    body = PROLOGUE + MBAR.format(count=2) + """
+\tand.b32 %r2, %r1, 31;
+\tsetp.eq.u32 %p2, %r2, 0;
+\t@!%p2 bra WAIT;
+\tmbarrier.arrive.shared.b64 %rd5, [%r10];
+WAIT:
+\tmov.u32 %r3, 0;
+LOOP:
+\tmbarrier.try_wait.parity.shared.b64 %p3, [%r10], %r3;
+\t@!%p3 bra LOOP;
+\tst.global.u32 [%rd3], %r1;
+"""
+    for seed in range(3):
+        out = torch.full((64,), -1, dtype=torch.int32)
+        run(kernel(body, shared=".shared .align 8 .b8 bar[8];\n"), out, block=(64, 1, 1), seed=seed)
+        assert out.tolist() == list(range(64))
+
+
+def test_mbarrier_deadlock_reports_the_barrier_state():
+    body = PROLOGUE + MBAR.format(count=3) + """
+\tand.b32 %r2, %r1, 31;
+\tsetp.eq.u32 %p2, %r2, 0;
+\t@!%p2 bra WAIT;
+\tmbarrier.arrive.shared.b64 %rd5, [%r10];
+WAIT:
+\tmov.u32 %r3, 0;
+LOOP:
+\tmbarrier.try_wait.parity.shared.b64 %p3, [%r10], %r3;
+\t@!%p3 bra LOOP;
+"""
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(Deadlock) as e:
+        run(kernel(body, shared=".shared .align 8 .b8 bar[8];\n"), out, block=(64, 1, 1))
+    msg = str(e.value)
+    assert "pending arrivals 1 of 3" in msg and "warp 0" in msg and "warp 1" in msg and "parity 0" in msg
+
+
+def test_mbarrier_arrival_beyond_count():
+    body = PROLOGUE + MBAR.format(count=1) + """
+\tmbarrier.arrive.shared.b64 %rd5, [%r10], 2;
+"""
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(Hazard, match="arrival beyond its count"):
+        run(kernel(body, shared=".shared .align 8 .b8 bar[8];\n"), out, block=(32, 1, 1))
+
+
+def test_bar_sync_count_mismatch():
+    body = PROLOGUE + """
+\tsetp.ge.u32 %p1, %r1, 32;
+\t@%p1 bra B;
+\tbar.sync 1, 64;
+\tbra.uni E;
+B:
+\tbar.sync 1, 96;
+E:
+"""
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(Hazard, match="count 96 here, 64 from an earlier|count 64 here, 96 from an earlier"):
+        run(kernel(body), out, block=(64, 1, 1))
+
+
+def test_bar_sync_never_completed_is_a_deadlock():
+    body = PROLOGUE + """
+\tsetp.ge.u32 %p1, %r1, 32;
+\t@%p1 bra E;
+\tbar.sync 1, 64;
+E:
+"""
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(Deadlock, match="bar.sync 1"):
+        run(kernel(body), out, block=(64, 1, 1))
+
+
+def test_setmaxnreg_budget_beyond_the_register_file():
+    # 384 threads (3 warpgroups, 168 registers each at launch) all raising to 240: 92160 > 65536 registers
+    body = PROLOGUE + "\tsetmaxnreg.inc.sync.aligned.u32 240;\n"
+    out = torch.zeros(384, dtype=torch.int32)
+    with pytest.raises(Deadlock, match="setmaxnreg.inc 240"):
+        run(kernel(body), out, block=(384, 1, 1))
+
+
+def test_setmaxnreg_within_the_register_file():
+    # FA3/FA4's split: the producer warpgroup gives registers back (24), two consumers take 240 each
+    body = PROLOGUE + """
+\tsetp.lt.u32 %p1, %r1, 128;
+\t@!%p1 bra C;
+\tsetmaxnreg.dec.sync.aligned.u32 24;
+\tbra.uni E;
+C:
+\tsetmaxnreg.inc.sync.aligned.u32 240;
+E:
+\tst.global.u32 [%rd3], %r1;
+"""
+    out = torch.full((384,), -1, dtype=torch.int32)
+    for seed in range(3):
+        run(kernel(body), out, block=(384, 1, 1), seed=seed)
+        assert out.tolist() == list(range(384))
+
+
+def test_atomics_serialize():
+    body = """
+\tld.param.u64 %rd1, [k_param_0];
+\tatom.global.add.u32 %r2, [%rd1], 1;
+\tmul.wide.u32 %rd2, %r2, 4;
+\tadd.s64 %rd3, %rd1, %rd2;
+\tst.global.u32 [%rd3+4], %r2;
+"""
+    out = torch.full((65,), -1, dtype=torch.int32)
+    out[0] = 0
+    run(kernel(body), out, block=(64, 1, 1))
+    assert out[0] == 64 and sorted(out[1:].tolist()) == list(range(64))
+
+
+def test_unsupported_instruction_names_the_line():
+    body = "\tbrev.b32 %r1, %r2;\n\tfoo.bar.b32 %r1, %r2;\n"
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(SimError, match="foo.bar"):
+        run(kernel(body), out)
+
+
+def test_instruction_rate_is_reported():
+    body = PROLOGUE + "\tst.global.u32 [%rd3], %r1;\n"
+    out = torch.zeros(32, dtype=torch.int32)
+    stats = run(kernel(body), out)
+    assert stats["instructions"] == 6 and stats["instructions_per_second"] > 0
