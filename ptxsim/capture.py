@@ -50,6 +50,7 @@ import ctypes
 import dataclasses
 import os
 import re
+import sys
 import tempfile
 import threading
 from typing import Any, Iterator
@@ -495,11 +496,25 @@ def capturing(arch: str = "sm_90a") -> Iterator[list[Launch]]:
         out.unknown_queries = _STATE.unknown_queries = []
         _STATE.errors = []
         _STATE.active, _STATE.arch = out, arch
+        # the DSL's target (what FA4 and quack ask for): CUTE_DSL_ARCH as read when the DSL was first built, which
+        # may precede the caller's setting; the block's arch while it lasts
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL
+        envar = CuTeDSL._get_dsl().envar
+        saved_arch = envar._arch
+        envar.arch = arch
+        # quack's compile cache would hand back a function built before the block (its engine unstubbed)
+        quack_cache = sys.modules.get("quack.cache")
+        saved_quack = quack_cache.CACHE_ENABLED if quack_cache is not None else None
+        if quack_cache is not None:
+            quack_cache.CACHE_ENABLED = False
         try:
             yield out
             if _STATE.errors:
                 raise RuntimeError(f"a CUDA runtime stub failed: {_STATE.errors[0]!r}") from _STATE.errors[0]
         finally:
+            envar._arch = saved_arch
+            if quack_cache is not None:
+                quack_cache.CACHE_ENABLED = saved_quack
             _STATE.active, _STATE.arch, _STATE.unknown_queries, _STATE.errors = prev
             _PATCHES.depth -= 1
             if _PATCHES.depth == 0:

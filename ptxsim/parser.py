@@ -367,6 +367,8 @@ def _function(name: str, entry: bool, params: list, body: str, base_line: int) -
                 raise Unsupported(f"PTX line {line}: register type .{m.group(2)}")
             for nm in _reg_names(text):
                 comps = _vec_comps(text)
+                if comps and "." in nm:
+                    continue  # an element name _reg_names lists too (identifiers have no '.'): declared below
                 if comps:  # PTX ISA 5.4.2 Vectors: one scalar register per element (.x .y .z .w)
                     for c in comps:
                         regs[resolve(f"{nm}.{c}", blk)] = bits
