@@ -133,3 +133,60 @@ def test_fa4_weakened_wgmma_wait_is_a_hazard():
     bad = dataclasses.replace(launch, ptx=launch.ptx.replace(old, "wgmma.wait_group.sync.aligned \t2;"))
     with pytest.raises(ptxsim.Hazard, match="in-flight wgmma"):
         ptxsim.simulate(bad, reads=reads, writes={"out": out, "lse": lse}, seed=0)
+
+
+def test_fa4_missing_proxy_fence_is_a_hazard():
+    """The epilogue writes O to shared memory with generic stores (``st.shared``/``stmatrix`` by the MMA warpgroups)
+    and then a TMA store (``cp.async.bulk.tensor`` shared::cta -> global, an async-proxy read) copies it out. The PTX
+    has exactly one ``fence.proxy.async.shared::cta``, between those writes and the TMA store; it is removed. Without
+    it the generic writes are not made visible to the async proxy: PTX ISA 8.6 "Proxies" / 9.7.13.4 (membar/fence:
+    ``fence.proxy.async`` orders generic-proxy accesses with async-proxy accesses to shared memory), so the TMA store
+    may read stale bytes. The simulator's async-proxy read check (``SharedMemory.read(..., generic=False)``) flags it."""
+    launch, out, lse, _, reads = _case("dense")
+    fence = "\tfence.proxy.async.shared::cta;\n"
+    assert launch.ptx.count(fence) == 1
+    bad = dataclasses.replace(launch, ptx=launch.ptx.replace(fence, "\n"))  # a blank line: PTX line numbers kept
+    with pytest.raises(ptxsim.Hazard, match="no fence.proxy.async") as e:
+        ptxsim.simulate(bad, reads=reads, writes={"out": out, "lse": lse}, seed=0)
+    print(e.value)
+
+
+@pytest.mark.parametrize("name", ["paged_tma", "paged_cp_async"])
+def test_fa4_page_past_the_cache(name):
+    """The request's first page-table entry (page 0 of the keys, seen by every query row, causal included) is set to
+    ``num_pages`` (``k.shape[0]``: one past the last page of the pool). The page table is read by the kernel at run
+    time, so the captured launch runs as is over the modified table (restored afterwards).
+
+    - page 128 (= tile N; TMA page loads): the page index is the outermost TMA coordinate, so the K and V boxes of that
+      page lie wholly outside the tensor and are zero-filled (PTX ISA 9.7.9.25.5.1 cp.async.bulk.tensor / 5.5.6
+      "Out of Bound Access": out-of-bound elements of the bounding box are filled, with zeros here): no fault, the
+      kernel silently attends to 128 keys of score 0 with value 0, and O differs from the reference with the original
+      table (lse too).
+    - page 64 (``paged_kv_non_tma``: per-thread ``cp.async`` 16-B copies, PTX ISA 9.7.9.25.3 cp.async): each copy
+      reads global memory at the address computed from the page index (no bounds, no fill), one page past the end of
+      the K and V pools: a ``MemoryFault`` (``global read ... outside every tensor of the launch``, PTX line of the
+      ``cp.async.cg.shared.global``). Which host bytes follow a pool is the allocator's choice: here V's allocation
+      starts right where K's ends, so the K read lands in V (legal for the simulator, which knows only the named
+      tensors) and the fault comes from the V read past V's end. Were V's end also followed by a named tensor, the run
+      would complete with wrong values instead; the test accepts that outcome too (and then requires O to differ)."""
+    launch, out, lse, (q, k, v, page_table, seqused_k, causal), reads = _case(name)
+    ref_out, ref_lse = fa4_sm90.reference(q, k, v, page_table=page_table, seqused_k=seqused_k, causal=causal)
+    saved = page_table.clone()
+    page_table[0, 0] = k.shape[0]
+    try:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        try:
+            ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=0)
+        except ptxsim.MemoryFault as e:
+            assert name == "paged_cp_async", f"TMA boxes out of bounds are zero-filled, not a fault: {e}"
+            assert "global read" in str(e) and "cp.async.cg.shared.global" in str(e), str(e)
+            print(e)
+        else:
+            assert not torch.isnan(out).any()
+            err = (out.double() - ref_out).abs().max().item()
+            lerr = (lse.double() - ref_lse).abs().max().item()
+            print(f"{name}: O max err {err:.3g}, lse max err {lerr:.3g}")
+            assert err > 0.05 and lerr > 0.05  # far above _check's bounds (2^-8 relative, lse 1e-5)
+    finally:
+        page_table.copy_(saved)

@@ -12,6 +12,7 @@ ulp plus fp32 accumulation); quack's W4 decode multiplies in bf16 (``bf16((code 
 reference takes those bf16 weights, and the exact-weight float64 reference holds within the extra 2^-8 sum|a||w|.
 """
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -141,3 +142,23 @@ def test_w4a16(M, N, K, wformat, seed):
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + mag * 2.0 ** -8).all()
     print(f"quack w4a16 {wformat} {M}x{N}x{K} seed {seed}: max err {err:.3g}, {st['instructions']} instr in "
           f"{st['seconds']:.2f} s ({st['instructions_per_second']:.0f}/s)")
+
+
+def test_gemm_missing_proxy_fence_is_a_hazard():
+    """quack's epilogue writes each D subtile to shared memory with generic stores (``stmatrix``/``st.shared`` from
+    the accumulator registers), then one thread issues a TMA store (``cp.async.bulk.tensor`` shared::cta -> global,
+    an async-proxy read) of it. Its PTX has 16 ``fence.proxy.async.shared::cta``: 12 in the epilogue (one per unrolled
+    subtile, after the ``stmatrix`` writes and before the named barrier and the TMA store) and 4 in the tile
+    scheduler (after its ``ld.shared`` of the tile info, before the slot is released for the next ``st.async``);
+    every one is removed (the epilogue's are the ones this test needs). Without them the generic writes are not made
+    visible to the async proxy (PTX ISA 8.6 "Proxies" / 9.7.13.4: ``fence.proxy.async`` orders generic-proxy
+    accesses with async-proxy accesses), so the TMA store may read stale bytes: the simulator's async-proxy read check
+    (``SharedMemory.read(..., generic=False)``) flags the first TMA store."""
+    launch, A, B, D = _gemm(192, 192, 128, True)
+    fence = "\tfence.proxy.async.shared::cta;\n"
+    assert launch.ptx.count(fence) == 16
+    bad = dataclasses.replace(launch, ptx=launch.ptx.replace(fence, "\n"))  # blank lines: PTX line numbers kept
+    D.fill_(float("nan"))
+    with pytest.raises(ptxsim.Hazard, match="no fence.proxy.async") as e:
+        ptxsim.simulate(bad, reads={"A": A, "B": B}, writes={"D": D}, seed=0)
+    print(e.value)
