@@ -750,7 +750,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c.op:26s} {c.config:36s} {' '.join(c.archs)}")
         print(f"{len(chosen)} cases")
         return 0
-    if args.simulate:
+    if getattr(args, "simulate", False):
         return run_simulated(chosen, args)
     if not torch.cuda.is_available():
         print("cute-kv selftest: no CUDA device, nothing to test (the kernels run on SM90/SM100 GPUs; on the CPU "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import types
 from typing import Iterator
@@ -21,7 +22,11 @@ import torch
 from cute_kv.kernels import compile_cache
 from cute_kv.ops import paths
 
-CAPABILITY = {"sm_90a": (9, 0), "sm_100a": (10, 0), "sm_103a": (10, 3)}
+
+def capability(arch: str) -> tuple[int, int]:
+    """``sm_90a`` -> (9, 0), ``sm_103a`` -> (10, 3)."""
+    digits = arch[3:].rstrip("a")
+    return int(digits[:-1]), int(digits[-1])
 
 
 @dataclasses.dataclass
@@ -67,19 +72,43 @@ def _reset_memos() -> None:
 
 
 @contextlib.contextmanager
+def standing_in(arch: str, sms: int, compiled) -> Iterator[None]:
+    """CPU tensors taken for tensors of a CUDA GPU of ``arch`` with ``sms`` SMs: the device-type test, torch's device
+    queries and quack's cluster count answer for that GPU, and ``compile_cache.compiled`` is ``compiled``."""
+    import quack.cute_dsl_utils
+
+    saved = (paths.on_cuda, torch.cuda.is_available, torch.cuda.get_device_capability,
+             torch.cuda.get_device_properties, quack.cute_dsl_utils.get_max_active_clusters, compile_cache.compiled,
+             os.environ.pop("CUTE_DSL_ARCH", None))
+    paths.on_cuda = lambda device: True
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: capability(arch)
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=sms)
+    quack.cute_dsl_utils.get_max_active_clusters = lambda cluster_size, device_capacity=None, device_id=0: \
+        sms // cluster_size
+    compile_cache.compiled = compiled
+    _reset_memos()
+    try:
+        yield
+    finally:
+        (paths.on_cuda, torch.cuda.is_available, torch.cuda.get_device_capability, torch.cuda.get_device_properties,
+         quack.cute_dsl_utils.get_max_active_clusters, compile_cache.compiled, env) = saved
+        if env is not None:
+            os.environ["CUTE_DSL_ARCH"] = env
+        _reset_memos()
+
+
+@contextlib.contextmanager
 def simulated(arch: str = "sm_90a", seed: int = 0, sms: int = 132, **sim_options) -> Iterator[Record]:
     """Ops called inside on CPU tensors run their kernels in the simulator (schedule ``seed``); yields a ``Record``
     of the launches. A simulator error (hazard, deadlock, fault) propagates out of the op call."""
     import cutlass.cute as cute
-    import quack.cute_dsl_utils
 
     import ptxsim
     from ptxsim.capture import capturing
 
     record = Record()
     compiled: dict = {}
-    saved = (paths.on_cuda, torch.cuda.is_available, torch.cuda.get_device_capability,
-             torch.cuda.get_device_properties, quack.cute_dsl_utils.get_max_active_clusters, compile_cache.compiled)
 
     def simulated_compiled(key, build, arch_):
         if compile_cache._recordings:
@@ -114,19 +143,5 @@ def simulated(arch: str = "sm_90a", seed: int = 0, sms: int = 132, **sim_options
                 record.launches.append((lau.kernel, lau.grid, lau.block, stats))
         return launch
 
-    with capturing(arch) as launches:
-        paths.on_cuda = lambda device: True
-        torch.cuda.is_available = lambda: True
-        torch.cuda.get_device_capability = lambda device=None: CAPABILITY[arch]
-        torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(multi_processor_count=sms)
-        quack.cute_dsl_utils.get_max_active_clusters = lambda cluster_size, device_capacity=None, device_id=0: \
-            sms // cluster_size
-        compile_cache.compiled = simulated_compiled
-        _reset_memos()
-        try:
-            yield record
-        finally:
-            (paths.on_cuda, torch.cuda.is_available, torch.cuda.get_device_capability,
-             torch.cuda.get_device_properties, quack.cute_dsl_utils.get_max_active_clusters,
-             compile_cache.compiled) = saved
-            _reset_memos()
+    with capturing(arch) as launches, standing_in(arch, sms, simulated_compiled):
+        yield record

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 import types
 from typing import Any, Callable, Optional
 
@@ -37,6 +36,7 @@ from tvm_ffi._dtype import DataTypeCode
 
 from cute_kv.kernels import compile_cache
 from cute_kv.ops import paths
+from cute_kv.simulate import standing_in
 from cute_kv.kernels.mla.sm100_config import V_SPLIT
 from cute_kv.ops.splits import MAX_GRID_Y, MAX_GRID_Z
 
@@ -69,7 +69,6 @@ GRID_Z = {"PagedKVGather": "cache_lengths.shape[0]", "PagedAttention": "cache_le
           "MlaDecodeSm100": "batch"}
 
 ARCHS = ("sm_90a", "sm_100a")
-CAPABILITY = {"sm_90a": (9, 0), "sm_100a": (10, 0), "sm_80a": (8, 0), "sm_103a": (10, 3), "sm_120a": (12, 0)}
 
 
 class ContractError(AssertionError):
@@ -310,37 +309,12 @@ def _contract(key, arch: str, build) -> Contract:
     return _contracts[(key, arch)]
 
 
-def _reset_device_memos() -> None:
-    """Forget what the op modules memoized (launchers holding ``compiled``, SM and cluster counts): a test's
-    stand-ins must neither leak out nor be shadowed by another test's."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("cute_kv.ops."):
-            for value in vars(module).values():
-                if hasattr(value, "cache_clear") and getattr(value, "__module__", None) == name:
-                    value.cache_clear()
-
-
 @contextlib.contextmanager
 def as_cuda(arch: str, sms: int = 132):
     """CPU tensors seen as on a CUDA GPU of ``arch`` with ``sms`` SMs; yields the ``Launches`` of the ops run
-    inside. Replaced: the device-type test (``paths.on_cuda``), torch's device queries, quack's cluster count and
-    ``compile_cache.compiled``; tensors made inside on the host are marked (``HostTensors``)."""
-    import quack.cute_dsl_utils
-
+    inside. Replaced (``cute_kv.simulate.standing_in``): the device-type test (``paths.on_cuda``), torch's device
+    queries, quack's cluster count and ``compile_cache.compiled``; tensors made inside on the host are marked
+    (``HostTensors``)."""
     launches = Launches()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(paths, "on_cuda", lambda device: True)
-        mp.setattr(torch.cuda, "is_available", lambda: True)
-        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: CAPABILITY[arch])
-        mp.setattr(torch.cuda, "get_device_properties",
-                   lambda device=None: types.SimpleNamespace(multi_processor_count=sms))
-        mp.setattr(quack.cute_dsl_utils, "get_max_active_clusters",
-                   lambda cluster_size, device_capacity=None, device_id=0: sms // cluster_size)
-        mp.setattr(compile_cache, "compiled", launches.compiled)
-        mp.delenv("CUTE_DSL_ARCH", raising=False)
-        _reset_device_memos()
-        try:
-            with HostTensors():
-                yield launches
-        finally:
-            _reset_device_memos()
+    with standing_in(arch, sms, launches.compiled), HostTensors():
+        yield launches
