@@ -185,15 +185,26 @@ class Program:
 class Simulator:
     """One launch. ``run()`` executes it to completion or raises a ``SimError`` with the evidence."""
 
-    def __init__(self, spec: LaunchSpec, gmem: GlobalMemory, seed: int = 0, *, async_rate: float = 0.25,
-                 max_quantum: int = 48, max_steps: int = 200_000_000, strict_poison: bool = True,
+    # Schedules by seed: (chance an async op lands between two warp quanta, longest quantum). Seed 0 interleaves
+    # finely with prompt landings; seed 1 lands late (copies and MMAs stay in flight across many instructions, so a
+    # read that does not wait meets them); seed 2 runs warps in long stretches; others vary both.
+    SCHEDULES = ((0.25, 48), (0.02, 16), (0.6, 400))
+
+    def __init__(self, spec: LaunchSpec, gmem: GlobalMemory, seed: int = 0, *, async_rate: Optional[float] = None,
+                 max_quantum: Optional[int] = None, max_steps: int = 200_000_000, strict_poison: bool = True,
                  concurrent_ctas: int = 132, trace: bool = False):
         self.spec, self.gmem, self.seed = spec, gmem, seed
         self.rng = np.random.default_rng(seed)
         self.module = P.parse(spec.ptx)
         self.fn = self.module.entry(spec.kernel)
         self.prog = Program(self.module, self.fn)
-        self.async_rate, self.max_quantum, self.max_steps = async_rate, max_quantum, max_steps
+        if seed < len(self.SCHEDULES):
+            rate, quantum = self.SCHEDULES[seed]
+        else:
+            rate, quantum = float(self.rng.uniform(0.01, 0.7)), int(self.rng.integers(1, 300))
+        self.async_rate = rate if async_rate is None else async_rate
+        self.max_quantum = quantum if max_quantum is None else max_quantum
+        self.max_steps = max_steps
         self.strict_poison = strict_poison
         self.concurrent_ctas = concurrent_ctas
         self.trace = trace
