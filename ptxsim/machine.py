@@ -80,6 +80,7 @@ class Warp:
         self.nreg_budget = None
         self.last_ins = None
         self.cc = None  # the carry flag of add.cc and friends
+        self.observed: dict = {}  # completion id -> phases observed complete (see SharedMemory.read)
 
     def runnable(self) -> np.ndarray:
         """The lanes that may run now (not to be modified: it may be ``active`` itself)."""
@@ -136,7 +137,7 @@ class CTA:
         self.sim = sim
         self.ctaid, self.cluster_id, self.rank = ctaid, cluster_id, rank
         self.block = sim.spec.block
-        self.smem = SharedMemory(sim.smem_size, sim.rng)
+        self.smem = SharedMemory(sim.smem_size, sim.rng, sim.completions)
         self.barriers = [NamedBarrier() for _ in range(16)]
         nthreads = self.block[0] * self.block[1] * self.block[2]
         self.nthreads = nthreads
@@ -210,6 +211,7 @@ class Simulator:
         self.trace = trace
         self.elect_random = True
         self._warp_ids = 0
+        self.completions: dict = {}  # completion id -> describe() (mbarriers, cp.async copies)
         self.instructions = 0
         self.pending: list[AsyncOp] = []
         self.epoch = 0  # moves on every synchronization state change (deadlock detection)
@@ -253,6 +255,12 @@ class Simulator:
         self.reg_budget_total = 65536
 
     # ------------------------------------------------------------------------------------------------------------
+    def new_completion(self, describe) -> int:
+        """A fresh completion id (``SharedMemory.landed``); ``describe()`` names it in reports."""
+        cid = len(self.completions) + 1
+        self.completions[cid] = describe
+        return cid
+
     def next_warp_id(self) -> int:
         self._warp_ids += 1
         return self._warp_ids - 1

@@ -131,14 +131,19 @@ class SharedMemory:
       ``fence.proxy.async`` (an async-proxy read of it is a hazard), and the PTX line of that write.
     """
 
-    def __init__(self, size: int, rng: np.random.Generator):
+    def __init__(self, size: int, rng: np.random.Generator, completions: Optional[dict] = None):
         self.size = size
+        self.completions = {} if completions is None else completions  # completion id -> describe()
         self.data = rng.integers(0, 256, size, dtype=np.uint8)  # poison: random bytes, never zeros
         self.written = np.zeros(size, bool)
         self.inflight = np.zeros(size, np.int16)
         self.mma_reads = np.zeros(size, np.int16)
         self.dirty = np.zeros(size, np.int32)
         self.dirty_line = np.zeros(size, np.int32)
+        # bytes an asynchronous write landed in, and what a reader must have observed first: the completion id (an
+        # mbarrier's, or a cp.async's) and the count of its phases that must have completed
+        self.land_id = np.zeros(size, np.int32)
+        self.land_need = np.zeros(size, np.int32)
         self.mbarriers: dict = {}  # offset -> MBarrier
         self.strict_poison = True
 
@@ -151,12 +156,27 @@ class SharedMemory:
             raise MemoryFault(f"{what} at shared offset {bad:#x} outside the CTA's {self.size} B of shared memory"
                               f"{ctx()}")
 
-    def read(self, idx: np.ndarray, what: str, ctx, generic: bool = True) -> np.ndarray:
+    def read(self, idx: np.ndarray, what: str, ctx, generic: bool = True, observed: Optional[dict] = None
+             ) -> np.ndarray:
+        """``observed``: the reader's completion ids -> phases it has observed complete (its own waits, and what
+        barriers it synchronized on carried to it); bytes an asynchronous write landed in need theirs."""
         self.check(idx, what, ctx)
         if self.inflight[idx].any():
             bad = idx[self.inflight[idx] > 0].ravel()[0]
             raise Hazard(f"{what} of shared offset {int(bad):#x}: an asynchronous copy into it has not completed "
                          f"(its mbarrier phase or wait_group was not observed){ctx()}")
+        if observed is not None:
+            ids = self.land_id[idx]
+            if ids.any():
+                need = self.land_need[idx]
+                for cid in np.unique(ids[ids > 0]).tolist():
+                    want = int(need[ids == cid].max())
+                    if observed.get(cid, 0) < want:
+                        bad = idx[ids == cid].ravel()[0]
+                        raise Hazard(f"{what} of shared offset {int(bad):#x}: an asynchronous write landed there, but "
+                                     f"the reader has not observed its completion ({self.describe(cid, want)}; "
+                                     f"it observed {observed.get(cid, 0)} phase(s)): no wait on that barrier, or on "
+                                     f"one ordered after it{ctx()}")
         if self.strict_poison and not self.written[idx].all():
             bad = idx[~self.written[idx]].ravel()[0]
             raise Hazard(f"{what} of shared offset {int(bad):#x}, which nothing wrote since the CTA began{ctx()}")
@@ -183,8 +203,25 @@ class SharedMemory:
                          f"flight{ctx()}")
         self.data[idx] = data
         self.written[idx] = True
+        self.land_id[idx] = 0
         if writer >= 0:
             self.dirty[idx] = writer + 1
             self.dirty_line[idx] = line
         else:
             self.dirty[idx] = 0
+
+    def describe(self, cid: int, need: int) -> str:
+        d = self.completions.get(cid)
+        return f"{d() if d else 'completion ' + str(cid)}, phase {need} needed"
+
+    def landed(self, idx: np.ndarray, cid: int, need: int) -> None:
+        """Bytes an asynchronous write just wrote: readers must have observed ``need`` phases of ``cid``."""
+        self.land_id[idx] = cid
+        self.land_need[idx] = need
+
+
+def merge(into: dict, other: dict) -> None:
+    """What ``other`` observed becomes observed by ``into`` (max per completion)."""
+    for k, v in other.items():
+        if into.get(k, 0) < v:
+            into[k] = v

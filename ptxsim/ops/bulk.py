@@ -121,6 +121,7 @@ def _issue_load(sim, w, ins, tm, coords, dst, bar_addr, ctamask, ctx):
         for cta, bar in zip(targets, bars):
             cta.smem.inflight[idx] -= 1
             cta.smem.write(idx, data, "TMA load", ctx)
+            cta.smem.landed(idx, bar.cid, bar.phase + 1)  # readers must observe the phase this completes
             bar.complete_tx(nbytes, ctx)
     sim.pending.append(AsyncOp(w.cta, "TMA load", ins.line, land))
 
@@ -133,7 +134,7 @@ def _issue_store(sim, w, ins, tm, coords, src, rop, ctx):
     eb = tm.elem_bytes
     idx = saddr[:, None] + np.arange(eb)
     smem = w.cta.smem
-    data = smem.read(idx, "TMA store source", ctx, generic=False).copy()
+    data = smem.read(idx, "TMA store source", ctx, generic=False, observed=w.observed).copy()
     smem.mma_reads[idx] += 1  # the source is read until the bulk group's wait_group.read
 
     def land():
@@ -189,6 +190,7 @@ def compile_bulk(sim, ins):
                     data = sim.gmem.read(np.array([s]), n, ctx)
                     cta.smem.inflight[idx] -= 1
                     cta.smem.write(idx, data, "cp.async.bulk", ctx)
+                    cta.smem.landed(idx, bar.cid, bar.phase + 1)
                     bar.complete_tx(n, ctx)
                 sim.pending.append(AsyncOp(w.cta, "bulk load", ins.line, land))
             else:

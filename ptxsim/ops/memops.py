@@ -62,7 +62,7 @@ def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True):
         return sim.gmem.read(addrs, nbytes, ctx)
     if space.startswith("shared"):
         cta, idx = sim.shared_index(w.cta, addrs, nbytes, ctx, cluster=True)
-        return cta.smem.read(idx, "shared read", ctx)
+        return cta.smem.read(idx, "shared read", ctx, observed=w.observed)
     if space.startswith("param"):
         idx = addrs[:, None] + np.arange(nbytes)
         if idx.min() < 0 or idx.max() >= sim.param_buf.size:
@@ -331,6 +331,7 @@ def compile_cp_async(sim, ins):
         cta, idx = sim.shared_index(w.cta, d, size, ctx)
         cta.smem.check(idx, "cp.async destination", ctx)
         cta.smem.inflight[idx] += 1
+        cid = sim.new_completion(lambda: f"cp.async of PTX line {ins.line} by warp {w.wid} of CTA {w.cta.ctaid}")
 
         def land():
             data = np.zeros((len(d), size), np.uint8)
@@ -344,7 +345,9 @@ def compile_cp_async(sim, ins):
                     data[live] = got
             cta.smem.inflight[idx] -= 1
             cta.smem.write(idx, data, "cp.async", ctx)
+            cta.smem.landed(idx, cid, 1)  # observed by the issuer's wait_group, or through the noinc arrive
         op = AsyncOp(w.cta, "cp.async", ins.line, land)
+        op.cid = cid
         sim.pending.append(op)
         w.cp_open.append(op)
     return body
@@ -372,6 +375,7 @@ def compile_cp_async_wait(sim, ins):
         for grp in w.cp_groups[:len(w.cp_groups) - n]:
             for op in grp:
                 sim.land(op)
+                w.observed[op.cid] = 1
         w.cp_groups = keep
     return body
 
@@ -391,7 +395,8 @@ def compile_cp_async_mbarrier_arrive(sim, ins):
         prior = [op for grp in w.cp_groups for op in grp] + list(w.cp_open)
         if not noinc:
             bar.pending += count
-        op = AsyncOp(w.cta, "cp.async.mbarrier.arrive", ins.line, lambda: bar.arrive(count, ctx),
+        copies = {p.cid: 1 for p in prior}  # the arrive releases the copies it waited for
+        op = AsyncOp(w.cta, "cp.async.mbarrier.arrive", ins.line, lambda: bar.arrive(count, ctx, copies),
                      ready=lambda: all(p.done for p in prior))
         sim.pending.append(op)
     return body
@@ -424,7 +429,7 @@ def compile_ldmatrix(sim, ins):
             a = a & WINDOW_MASK
         rows = a[:8 * num].reshape(num, 8)  # lane 8j + r gives row r of matrix j
         cta, idx = sim.shared_index(w.cta, rows.ravel(), 16, ctx)
-        data = cta.smem.read(idx, "ldmatrix", ctx).reshape(num, 8, 8, 2).view(np.uint16)[..., 0]  # (mat, row, col)
+        data = cta.smem.read(idx, "ldmatrix", ctx, observed=w.observed).reshape(num, 8, 8, 2).view(np.uint16)[..., 0]
         for j in range(num):
             mat = data[j].T if trans else data[j]
             # thread t holds row t // 4, cols 2 (t % 4) and 2 (t % 4) + 1

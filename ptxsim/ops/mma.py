@@ -200,7 +200,8 @@ def compile_wgmma(sim, ins):
             a_addrs = layouts.wgmma_operand_addrs(a, M, 256 // ebits, ebits, trans_a == 0)
             idxs.append((a_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64))
         for ix in idxs:
-            smem.read(ix, "wgmma operand", ctx, generic=False)
+            for p in op.parts.values():  # each issuing warp must have observed what landed in its operands
+                smem.read(ix, "wgmma operand", ctx, generic=False, observed=p["warp"].observed)
             smem.mma_reads[ix] += 1
         op.smem_idx = idxs
         cta.wg_waiter.version += 1

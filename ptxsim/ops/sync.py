@@ -15,7 +15,7 @@ import numpy as np
 from .. import parser as P
 from ..errors import Hazard, MemoryFault, Unsupported
 from ..machine import DTYPE, MASK, Waiter, _lanes
-from ..memory import CLUSTER_SHIFT, WINDOW_MASK
+from ..memory import CLUSTER_SHIFT, WINDOW_MASK, merge
 from .control import Hold
 from .memops import addr_getter, space_of
 from .operands import getter, reg_bits, setter
@@ -28,7 +28,7 @@ class MBarrier(Waiter):
     tx-count (range [-(2^20 - 1), 2^20 - 1]). A phase completes when the pending count and the tx-count are both 0;
     the pending count then resets to the expected count. ``phase`` counts completed phases (its parity is the
     current phase's)."""
-    __slots__ = ("sim", "cta", "offset", "expected", "pending", "tx", "phase", "line")
+    __slots__ = ("sim", "cta", "offset", "expected", "pending", "tx", "phase", "line", "cid", "released", "carried")
 
     def __init__(self, sim, cta, offset, count, line):
         super().__init__()
@@ -37,13 +37,21 @@ class MBarrier(Waiter):
         self.tx = 0
         self.phase = 0
         self.line = line
+        # memory-model bookkeeping (PTX ISA 8 "Memory Consistency Model": an arrive releases, a wait that observes
+        # the phase complete acquires): what the arrivers of this phase had observed, and what every completed
+        # phase carried
+        self.cid = sim.new_completion(lambda: f"mbarrier at shared offset {offset:#x} of CTA {cta.ctaid}")
+        self.released: dict = {}
+        self.carried: dict = {}
 
     def state(self) -> str:
         return (f"mbarrier at shared offset {self.offset:#x} of CTA {self.cta.ctaid} (init at PTX line {self.line}): "
                 f"phase {self.phase} (parity {self.phase & 1}), pending arrivals {self.pending} of {self.expected}, "
                 f"tx-count {self.tx}")
 
-    def arrive(self, count: int, ctx) -> None:
+    def arrive(self, count: int, ctx, observed: dict = None) -> None:
+        if observed:
+            merge(self.released, observed)
         self.pending -= count
         if self.pending < 0:
             raise Hazard(f"mbarrier arrival beyond its count: {self.state()} after {count} arrival(s){ctx()}")
@@ -62,6 +70,8 @@ class MBarrier(Waiter):
 
     def _maybe_complete(self):
         if self.pending == 0 and self.tx == 0:
+            merge(self.carried, self.released)
+            self.released = {}
             self.phase += 1
             self.pending = self.expected
             self.version += 1
@@ -180,6 +190,10 @@ def compile_mbarrier(sim, ins):
             else:
                 done = bar.phase > s.astype(np.int64)
             put(w, done, m)
+            if (done & m).any():  # the lanes that saw the phase complete acquire what it carried
+                merge(w.observed, bar.carried)
+                if w.observed.get(bar.cid, 0) < bar.phase:
+                    w.observed[bar.cid] = bar.phase
             waiting = m & ~done
             if waiting.any():
                 # the lanes retry only after the barrier changes (or when nothing else can run)
@@ -207,6 +221,14 @@ def _bar_check(sim, cta, bid, ctx):
     if b.arrived and b.arrived >= expected:
         if b.arrived > expected:
             raise Hazard(f"named barrier {bid}: {b.arrived} threads arrived for a count of {expected}{ctx()}")
+        # every participant's observations reach the waiters (bar.sync orders memory among them)
+        seen: dict = {}
+        for x, _ in b.waiting:
+            merge(seen, x.observed)
+        for x, waits in b.waiting:
+            if waits:
+                merge(x.observed, seen)
+        b.waiting = []
         b.arrived = 0
         b.expected = None
         b.version += 1
@@ -257,6 +279,7 @@ def compile_bar(sim, ins):
             raise Hazard(f"named barrier {bid} used without a count here, with {b.expected} by others in the "
                          f"same phase{ctx()}")
         b.arrived += 32 if aligned else int(m.sum())
+        b.waiting.append((w, wait))
         version = b.version
         if wait:
             w.waits.append((m.copy(), b, version, lambda bid=bid, b=b:
@@ -595,6 +618,7 @@ def compile_st_async(sim, ins):
             def land(cta=cta, idx=idx, data=data, bar=bar, ctx=ctx):
                 cta.smem.inflight[idx] -= 1
                 cta.smem.write(idx, data, "st.async", ctx)
+                cta.smem.landed(idx, bar.cid, bar.phase + 1)
                 bar.complete_tx(nb, ctx)
             sim.pending.append(AsyncOp(w.cta, "st.async", ins.line, land))
     return body

@@ -146,3 +146,21 @@ def test_elect_leader_is_any_lane(small):
     for seed in (3, 4):
         _, err = _run(launch, a, b, c, seed)
         assert err < 1e-3
+
+
+def test_consumer_skips_its_full_barrier_wait(deep):
+    """The consumers' wait on the full barrier made a no-op: their wgmmas read stages whose TMA has not landed, or
+    has landed without the consumers observing the phase that completes it. Under every schedule a hazard, whether
+    the copy is still in flight (late landings) or already there (prompt ones: the memory model's check)."""
+    import re
+
+    launch, a, b, c = deep
+    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[(%r\d+)\], (%r\d+), \d+;",
+                                            launch.ptx)]
+    assert len(waits) >= 2
+    start = waits[1]  # the first is the producer's wait for an empty stage, the second the consumers'
+    end = launch.ptx.index(";", start) + 1
+    bad = dataclasses.replace(launch, ptx=launch.ptx[:start] + "setp.eq.u32 P1, 0, 0;" + launch.ptx[end:])
+    for seed in (0, 1, 2):
+        with pytest.raises(Hazard, match="not observed its completion|has not completed"):
+            _run(bad, a, b, c, seed)
