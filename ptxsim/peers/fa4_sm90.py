@@ -1,15 +1,16 @@
 """FA4's SM90 forward (``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90``) built on the CPU for real
 torch CPU tensors, as its own interface (``flash_attn.cute.interface._flash_attn_fwd``) builds and launches it.
 
-    from ptxsim.peers import fa4_sm90            # sets the target env (below) if unset: import before cutlass
-    fn, args = fa4_sm90.build(q, k, v, page_table=None, seqused_k=None, causal=False)
+    from ptxsim.peers import fa4_sm90
+    with capturing("sm_90a") as launches:      # ptxsim.capture: the DSL's target for the block
+        fn, args = fa4_sm90.build(q, k, v, page_table=None, seqused_k=None, causal=False)
     fn(*args)                                     # the peer's real launch (on a GPU; ptxsim.capture on the CPU)
     out = args[fa4_sm90.OUT]                      # written by the launch
     ref = fa4_sm90.reference(q, k, v, page_table=..., seqused_k=..., causal=...)   # float64
 
 How the build works: the interface is called under torch ``FakeTensorMode`` with fake CUDA tensors of the real
-tensors' shapes, dtypes and strides (``FLASH_ATTENTION_ARCH=sm_90``, ``CUTE_DSL_ARCH=sm_90a``,
-``FLASH_ATTENTION_NUM_SMS=132``), so every choice (tile 128 x N, pack_gqa, intra-WG overlap, RS PV MMA,
+tensors' shapes, dtypes and strides (``ENV``: ``FLASH_ATTENTION_ARCH=sm_90``, ``FLASH_ATTENTION_NUM_SMS=132``, set
+while building only; the compile target is the capturing block's), so every choice (tile 128 x N, pack_gqa, intra-WG overlap, RS PV MMA,
 ``paged_kv_non_tma`` when the page size is not tile N, the compile key) is the interface's own; its
 ``cute.compile(..., options="--enable-tvm-ffi")`` is wrapped to keep the compiled object. In fake mode the interface
 compiles but does not launch; ``call_args`` is then built exactly as its non-fake branch does for arch 9x
@@ -46,15 +47,13 @@ Limits of this recipe: bf16/fp16 only (FA4 takes fp8 only on SM100), no varlen q
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
-for _k, _v in (("FLASH_ATTENTION_ARCH", "sm_90"), ("CUTE_DSL_ARCH", "sm_90a"), ("FLASH_ATTENTION_NUM_SMS", "132"),
-               ("CUTE_DSL_KEEP_PTX", "1"), ("CUTE_DSL_DISABLE_FILE_CACHING", "1")):
-    os.environ.setdefault(_k, _v)
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="fa4-sm90-"))
+import torch
 
-import torch  # noqa: E402
+from ptxsim.peers import target_env
+
+# What FA4's interface reads from the environment to pick and size its SM90 kernel (set only while building).
+ENV = {"FLASH_ATTENTION_ARCH": "sm_90", "FLASH_ATTENTION_NUM_SMS": "132"}
 
 OUT = 3  # index of the output tensor in call_args
 LSE = 4
@@ -78,7 +77,8 @@ def build(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=
     import cutlass.cute as cute
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    iface = _import_interface()
+    with target_env(ENV):
+        iface = _import_interface()
     from flash_attn.cute.utils import AuxData
 
     assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype
@@ -101,7 +101,7 @@ def build(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=
     iface._flash_attn_fwd.compile_cache.clear()  # a hit would compile nothing to keep
     cute.compile = keep
     try:
-        with FakeTensorMode():
+        with target_env(ENV), FakeTensorMode():
             iface._flash_attn_fwd(_fake_like(q), _fake_like(k), _fake_like(v), seqused_k=_fake_like(seqused_k),
                                   page_table=_fake_like(page_table), softmax_scale=softmax_scale, causal=causal,
                                   return_lse=return_lse, _arch=90)

@@ -13,10 +13,9 @@ compiled object and the arguments quack would launch it with.
     fn(*args); out = quack_sm90.w4_output(args)                  # (M, N) bf16
     ref = quack_sm90.w4a16_reference(act, q, sf, wformat="int4") # float64
 
-Environment (set here if unset, before cutlass is imported): ``QUACK_ARCH=sm_90`` (quack's dispatch arch, used
-instead of asking CUDA), ``CUTE_DSL_ARCH=sm_90a`` (compile target), ``CUTE_DSL_KEEP_PTX=1`` (``fn.__ptx__``),
-``CUTE_DSL_DISABLE_FILE_CACHING=1``, ``QUACK_CACHE_ENABLED=0`` (quack's disk cache would hand back a
-``tvm_ffi.core.Function`` loaded from an ``.o``, without ``__ptx__``). ``cutlass.utils.HardwareInfo`` is replaced by one answering the H100's 132 SMs
+Environment (``ENV``, set while building only): ``QUACK_ARCH=sm_90`` (quack's dispatch arch, used instead of asking
+CUDA). Build inside ``ptxsim.capture.capturing("sm_90a")``: it sets the compile target, keeps the PTX and turns
+quack's compile cache off (a cached function would come without its PTX). ``cutlass.utils.HardwareInfo`` is replaced by one answering the H100's 132 SMs
 (quack's persistent scheduler asks ``get_max_active_clusters``): ``max_active_clusters = 132 // cluster size``.
 
 ``build_gemm``: ``quack.gemm.gemm`` (the dense entry ``gemm_interface`` dispatches to), persistent, static
@@ -48,19 +47,13 @@ the launch, not expect the call to accept CPU tensors as-is.
 
 from __future__ import annotations
 
-import os
+import contextlib
 
-for _k, _v in (("QUACK_ARCH", "sm_90"), ("CUTE_DSL_ARCH", "sm_90a"), ("CUTE_DSL_KEEP_PTX", "1"),
-               ("CUTE_DSL_DISABLE_FILE_CACHING", "1"), ("QUACK_CACHE_ENABLED", "0")):
-    os.environ.setdefault(_k, _v)
-if "CUTE_DSL_DUMP_DIR" not in os.environ:
-    import tempfile
+import torch
 
-    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="quack-sm90-")
+from ptxsim.peers import target_env
 
-import contextlib  # noqa: E402
-
-import torch  # noqa: E402
+ENV = {"QUACK_ARCH": "sm_90"}  # what quack reads to pick its SM90 kernels (set only while building)
 
 NUM_SMS = 132  # H100 SXM
 D_ARG = 2
@@ -95,7 +88,8 @@ def _captured_launch():
     quack.gemm.launch_gemm = host.launch_gemm = record
     cutlass.utils.HardwareInfo = _HardwareInfo
     try:
-        yield launches
+        with target_env(ENV):
+            yield launches
     finally:
         quack.gemm.launch_gemm, host.launch_gemm, cutlass.utils.HardwareInfo = saved
 
@@ -139,7 +133,8 @@ def build_w4a16(act, q, sf, wformat="int4", tile_m=None, tile_n=None, split_k=1,
     "int4_g32"); N must be a multiple of 128 (quack pads the weight otherwise and the output is sliced)."""
     from quack.gemm_w4 import gemm_w4a16, prepare_w4_weight
 
-    blob, sf_blob = prepare_w4_weight(q, sf, wformat=wformat)
+    with target_env(ENV):
+        blob, sf_blob = prepare_w4_weight(q, sf, wformat=wformat)
     assert q.shape[0] % 128 == 0, "N a multiple of 128 (the padded weight would need a padded out)"
     if out is None:
         out = torch.empty(act.shape[0], q.shape[0], dtype=torch.bfloat16)
