@@ -327,3 +327,183 @@ def stmatrix_map(num: int, trans: bool, elem_bits: int = 16, shape: str = "m8n8"
     at addr[addr_lane[m, row]] + 2*col.
     Returns the same (addr_lane, src) pair as ``ldmatrix_map``."""
     return ldmatrix_map(num, trans, elem_bits, shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sm_100a (tcgen05): shared-memory matrix descriptor, instruction descriptor, TMEM data-movement maps
+# Section numbers are those of the PTX ISA 9.1 (9.7.16 "TensorCore 5th Generation Family Instructions").
+# ----------------------------------------------------------------------------------------------------------------
+
+#: tcgen05 descriptor swizzling mode (bits 61-63) -> swizzle span in bytes; 1 (128B with 32B atomicity) is separate
+_UMMA_LAYOUT_SWIZZLE = {0: 0, 2: 128, 4: 64, 6: 32}
+UMMA_SWIZZLE_128B_BASE32B = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UmmaSmemDesc:
+    start_addr: int   # bytes (field << 4)
+    lbo: int          # leading dimension byte offset, bytes (field << 4)
+    sbo: int          # stride dimension byte offset, bytes (field << 4)
+    version: int      # bits 46-48: the ISA fixes them to 0b001
+    base_offset: int  # bits 49-51
+    lbo_mode: int     # bit 52: 0 byte offset relative, 1 byte address absolute (sm_103a)
+    layout: int       # bits 61-63, raw swizzling mode
+    swizzle: int      # span in bytes (0 none, 32, 64, 128); -1 for 128B_BASE32B
+
+
+def umma_smem_desc_decode(desc: int) -> UmmaSmemDesc:
+    """The 64-bit tcgen05 shared memory descriptor, PTX ISA 9.1 9.7.16.4.1 "Shared memory descriptor" (Table 40):
+
+      bits  0-13  matrix start address >> 4         bits 16-29  leading dimension byte offset >> 4
+      bits 32-45  stride dimension byte offset >> 4   bits 46-48  fixed constant 0b001
+      bits 49-51  matrix base offset                  bit  52     leading dimension stride mode
+      bits 53-60  fixed 0                             bits 61-63  swizzling mode: 0 none, 1 128B with 32B atomic,
+                                                                  2 128B, 4 64B, 6 32B (3, 5, 7 invalid)
+    where matrix-descriptor-encode(x) = (x & 0x3FFFF) >> 4. Same bitfields as CUTLASS ``cute::UMMA::SmemDescriptor``
+    (cute/arch/mma_sm100_desc.hpp: version_ = 1 at bits [46,48), lbo_mode_ at 52, layout_type_ at [61,64)).
+    Raises ``Hazard`` for a descriptor the ISA calls invalid (fixed bits wrong, swizzle 3/5/7)."""
+    from .errors import Hazard
+    desc = int(desc) & 0xFFFF_FFFF_FFFF_FFFF
+    version = (desc >> 46) & 0x7
+    layout = (desc >> 61) & 0x7
+    if version != 1 or (desc >> 53) & 0xFF:
+        raise Hazard(f"tcgen05 shared memory descriptor {desc:#018x}: bits 46-48 must be 0b001 and bits 53-60 zero "
+                     f"(PTX ISA 9.7.16.4.1 Table 40)")
+    if layout in (3, 5, 7):
+        raise Hazard(f"tcgen05 shared memory descriptor {desc:#018x}: swizzling mode {layout} is invalid "
+                     f"(PTX ISA 9.7.16.4.1 Table 40)")
+    return UmmaSmemDesc(
+        start_addr=(desc & 0x3FFF) << 4,
+        lbo=((desc >> 16) & 0x3FFF) << 4,
+        sbo=((desc >> 32) & 0x3FFF) << 4,
+        version=version,
+        base_offset=(desc >> 49) & 0x7,
+        lbo_mode=(desc >> 52) & 1,
+        layout=layout,
+        swizzle=_UMMA_LAYOUT_SWIZZLE.get(layout, -1),
+    )
+
+
+def umma_smem_desc_encode(start_addr: int, lbo: int, sbo: int, swizzle: int, base_offset: int = 0) -> int:
+    """Inverse of ``umma_smem_desc_decode`` for the relative-LBO modes (what CUTLASS ``make_umma_desc`` writes)."""
+    for name, v in (("start_addr", start_addr), ("lbo", lbo), ("sbo", sbo)):
+        if v % 16 or not 0 <= v < (1 << 18):
+            raise ValueError(f"{name}={v}: must be a multiple of 16 below 2**18")
+    lt = {0: 0, 128: 2, 64: 4, 32: 6}[swizzle]
+    return ((start_addr >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 46) | ((base_offset & 7) << 49)
+            | (lt << 61))
+
+
+def umma_operand_addrs(desc: int, rows: int, kcols: int, elem_bits: int, k_major: bool) -> np.ndarray:
+    """Shared byte address of element (row, k) of a tcgen05.mma A (rows = M) or B (rows = N) operand read through a
+    shared memory descriptor: PTX ISA 9.1 9.7.16.10.6 "Shared Memory Layout and Swizzling" (the canonical layouts,
+    which are those of wgmma: CUTLASS make_umma_desc documents them as
+      K-major : Swizzle<B,4,3> o ((8,m),(T,2)):((W/16 T, SBO),(1, LBO or T))
+      MN-major: Swizzle<B,4,3> o ((T,W/16,m),(8,k)):((1,T,LBO),(W/16 T,SBO))   (no swizzle: SBO and LBO swap)
+    in units of T = 16 bytes). k_major = not "Transpose A/B" of the instruction descriptor (9.7.16.10.6).
+
+    In bytes, r = row, kb = k*elem_bytes, mb = row*elem_bytes, W = swizzle span:
+      K-major, no swizzle : (r%8)*16 + (r//8)*SBO + kb%16 + (kb//16)*LBO
+      K-major, W swizzle  : (r%8)*W  + (r//8)*SBO + kb
+      MN-major, no swizzle: mb%16 + (mb//16)*SBO + (k%8)*16 + (k//8)*LBO
+      MN-major, W swizzle : mb%W  + (mb//W)*LBO  + (k%8)*W  + (k//8)*SBO
+    added to the start address, then ``swizzle_addr`` on the absolute address (pattern anchored at 1024/512/256-byte
+    boundaries, Table 41). Not modelled (``Unsupported``): base offset != 0, the absolute LBO mode (sm_103a),
+    128B swizzling with 32B atomicity (the only form of transposed tf32), sub-byte elements. kcols must be the
+    instruction's K: 32 bytes of elements (Table 39: K = 16 f16/bf16, 8 tf32, 32 f8).
+    """
+    d = umma_smem_desc_decode(desc)
+    if elem_bits not in (8, 16, 32):
+        raise Unsupported(f"tcgen05.mma operand of {elem_bits}-bit elements in shared memory")
+    eb = elem_bits // 8
+    if kcols * eb != 32:
+        raise Unsupported(f"tcgen05.mma operand K = {kcols} x {elem_bits}-bit: the dense K extent is 32 bytes")
+    if rows % 8:
+        raise Unsupported(f"tcgen05.mma operand with {rows} rows (must be a multiple of 8)")
+    if d.base_offset != 0:
+        raise Unsupported(f"tcgen05 shared memory descriptor base offset {d.base_offset} (only 0 is modelled)")
+    if d.lbo_mode:
+        raise Unsupported("tcgen05 shared memory descriptor with the absolute leading-dimension mode (sm_103a)")
+    if d.swizzle < 0:
+        raise Unsupported("tcgen05 shared memory descriptor swizzling mode 128B with 32B atomicity")
+    if not k_major and elem_bits == 32:
+        raise Unsupported(
+            "transposed (MN-major) tf32 tcgen05.mma operand: valid only with 128B/32B-atomic swizzle (Table 54)")
+    r = np.arange(rows, dtype=np.int64)[:, None]
+    k = np.arange(kcols, dtype=np.int64)[None, :]
+    W = d.swizzle
+    if k_major:
+        kb = k * eb
+        if W == 0:
+            off = (r % 8) * 16 + (r // 8) * d.sbo + kb % 16 + (kb // 16) * d.lbo
+        else:
+            off = (r % 8) * W + (r // 8) * d.sbo + kb
+    else:
+        mb = r * eb
+        if W == 0:
+            off = mb % 16 + (mb // 16) * d.sbo + (k % 8) * 16 + (k // 8) * d.lbo
+        else:
+            off = mb % W + (mb // W) * d.lbo + (k % 8) * W + (k // 8) * d.sbo
+    return swizzle_addr(d.start_addr + off, W).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class UmmaInstrDesc:
+    sparse_sel: int
+    sparse: int
+    saturate: int
+    dtype: int
+    atype: int
+    btype: int
+    neg_a: int
+    neg_b: int
+    trans_a: int
+    trans_b: int
+    n: int
+    m: int
+    max_shift: int
+    reserved: int  # bits 6, 23, 29 (must be 0)
+
+
+def umma_instr_desc_decode(idesc: int) -> UmmaInstrDesc:
+    """The 32-bit tcgen05.mma instruction descriptor for .kind::tf32/f16/f8f6f4/i8, PTX ISA 9.1 9.7.16.4.2
+    "Instruction descriptor" (Table 42):
+      0-1 sparsity selector, 2 sparsity, 3 saturate, 4-5 dtype (F16 0, F32 1, S32 2), 6 reserved,
+      7-9 atype, 10-12 btype (f16 kind: F16 0, BF16 1; tf32: TF32 2; f8f6f4: E4M3 0, E5M2 1, E2M3 3, E3M2 4,
+      E2M1 5), 13 negate A, 14 negate B, 15 transpose A, 16 transpose B, 17-22 N >> 3, 23 reserved,
+      24-28 M >> 4, 29 reserved, 30-31 maximum shift (.ws only).
+    Same bitfields as CUTLASS ``cute::UMMA::InstrDescriptor`` (cute/arch/mma_sm100_desc.hpp)."""
+    i = int(idesc) & 0xFFFFFFFF
+    return UmmaInstrDesc(
+        sparse_sel=i & 3, sparse=(i >> 2) & 1, saturate=(i >> 3) & 1, dtype=(i >> 4) & 3,
+        atype=(i >> 7) & 7, btype=(i >> 10) & 7, neg_a=(i >> 13) & 1, neg_b=(i >> 14) & 1,
+        trans_a=(i >> 15) & 1, trans_b=(i >> 16) & 1, n=((i >> 17) & 0x3F) << 3, m=((i >> 24) & 0x1F) << 4,
+        max_shift=(i >> 30) & 3, reserved=((i >> 6) & 1) | (((i >> 23) & 1) << 1) | (((i >> 29) & 1) << 2))
+
+
+def umma_instr_desc_encode(m: int, n: int, dtype: int, atype: int, btype: int, trans_a: int = 0, trans_b: int = 0,
+                           neg_a: int = 0, neg_b: int = 0) -> int:
+    """Inverse of ``umma_instr_desc_decode`` for dense descriptors (CUTLASS ``make_instr_desc``)."""
+    return ((dtype << 4) | (atype << 7) | (btype << 10) | (neg_a << 13) | (neg_b << 14) | (trans_a << 15)
+            | (trans_b << 16) | ((n >> 3) << 17) | ((m >> 4) << 24))
+
+
+def tmem_ld_st_map(shape: str, num: int, warp_in_wg: int, taddr: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lane, column) of Tensor Memory that each (thread, register) of a ``tcgen05.ld`` / ``tcgen05.st`` accesses:
+    two int64 arrays of shape (32 threads, nregs). PTX ISA 9.1 9.7.16.2.3.1.1 "Matrix fragments for shape .32x32b"
+    (Figure 183): a warp accesses 32 TMEM lanes, thread t lane ``taddr.lane + t``, and each lane (32 * .num) bits:
+    register r holds column ``taddr.column + r``. 9.7.16.8.1 "Access restrictions": warp w of its warpgroup may
+    access lanes 32*(w%4) .. 32*(w%4)+31 only; an access outside them raises ``MemoryFault``.
+
+    The .16x64b/.16x128b/.16x256b/.16x32bx2 shapes are defined by figures (184-187) we could not read: they raise
+    ``Unsupported`` rather than guess."""
+    lane0, col0 = (taddr >> 16) & 0xFFFF, taddr & 0xFFFF
+    if shape != "32x32b":
+        raise Unsupported(f"tcgen05.ld/st shape .{shape} (only .32x32b is modelled)")
+    lo = 32 * (warp_in_wg % 4)
+    if lane0 != lo:
+        raise MemoryFault(f"tcgen05.ld/st .32x32b by warp {warp_in_wg % 4} of its warpgroup at TMEM lane {lane0}: "
+                          f"that warp may access lanes {lo}-{lo + 31} only (PTX ISA 9.7.16.8.1)")
+    t = np.arange(32, dtype=np.int64)[:, None]
+    r = np.arange(num, dtype=np.int64)[None, :]
+    return np.broadcast_to(lane0 + t, (32, num)).copy(), np.broadcast_to(col0 + r, (32, num)).copy()

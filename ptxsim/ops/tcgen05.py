@@ -1,0 +1,656 @@
+"""The 5th-generation TensorCore family of sm_100a: PTX ISA 9.1 9.7.16 "TensorCore 5th Generation Family
+Instructions" — Tensor Memory (9.7.16.1), tcgen05.alloc / dealloc / relinquish_alloc_permit (9.7.16.7.1),
+tcgen05.mma (9.7.16.10.9.1), tcgen05.commit (9.7.16.12.1), tcgen05.ld / st / wait (9.7.16.8),
+tcgen05.fence (9.7.16.11.1).
+
+Tensor Memory (TMEM): per CTA 128 lanes x 512 columns of 32-bit cells (9.7.16.1, sm_100a), a numpy uint32 array
+created on the CTA the first time a tcgen05 instruction touches it, with per-cell state for the hazard checks:
+
+- ``written``: a write (tcgen05.st, an MMA result) landed since the columns were allocated; a read of a cell nothing
+  wrote is a ``Hazard`` (TMEM starts as random bits, like shared memory);
+- ``mma_w`` / ``mma_r``: in-flight MMAs write (D) / read (A from TMEM) the cell;
+- ``land_id`` / ``land_need`` / ``wop``: an MMA result landed there; -1 until the ``tcgen05.commit`` that tracks the
+  MMA arrives on its mbarrier, then that mbarrier's completion id and the phase count a reader must have observed
+  (9.7.16.6.4.2: mma -> commit -> mbarrier wait -> fence::after_thread_sync -> ld); ``wop``: which MMA wrote it;
+- ``ld_pend`` / ``st_pend``: a tcgen05.ld reads / tcgen05.st writes the cell and its warp has not executed
+  ``tcgen05.wait::ld`` / ``wait::st`` yet.
+
+Accesses outside the allocated columns are ``MemoryFault``s. Allocation (9.7.16.1.2, 9.7.16.7.1): powers of 2 in
+[32, 512] columns; the simulator places each at a free column range aligned to its size, chosen by the seed (so a
+kernel that assumes its address breaks under some seed); an allocation that does not fit waits for a dealloc (a
+deadlock if none comes).
+
+MMAs (single-thread semantics, 9.7.16.10.9.1): each issuing thread's MMAs run in issue order (9.7.16.6.2 "Pipelined
+tcgen05 Instructions": mma -> mma with the same accumulator; we order all MMAs of a thread, which the ISA allows) and
+land at times the seed picks. Shared operands are checked at issue (landed and observed by the issuing warp,
+fenced if written by the generic proxy) and locked against writes until the MMA lands. Numerics: exact products
+summed in float64, rounded once to the f32/f16 accumulator (the ISA does not specify the order or intermediate
+precision of the sums).
+
+``.cta_group::2`` (CTA pairs), ``.ws``, sparse, block-scaled, ``.kind::i8``/mxf*, sub-byte types, tcgen05.cp,
+tcgen05.shift, M = 64 (datapath Layout F) and the .16x* ld/st shapes raise ``Unsupported``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .. import layouts
+from .. import parser as P
+from ..errors import Hazard, MemoryFault, Unsupported
+from ..machine import AsyncOp, Waiter, _lanes
+from ..memory import CLUSTER_SHIFT, WINDOW_MASK
+from .memops import addr_getter, space_of
+from .mma import decode_elems
+from .operands import getter
+
+LANES, COLS = 128, 512
+_uid = itertools.count(1)
+
+# .kind -> {instruction-descriptor atype/btype code: element type}, K in elements (PTX ISA 9.7.16.4.2 Table 42,
+# 9.7.16.2.1 Table 39)
+_KIND_TYPES = {"kind::f16": ({0: "f16", 1: "bf16"}, 16), "kind::tf32": ({2: "tf32"}, 8),
+               "kind::f8f6f4": ({0: "e4m3", 1: "e5m2"}, 32)}
+_KIND_DTYPES = {"kind::f16": {0: "f16", 1: "f32"}, "kind::tf32": {1: "f32"}, "kind::f8f6f4": {0: "f16", 1: "f32"}}
+_BITS = {"f16": 16, "bf16": 16, "tf32": 32, "e4m3": 8, "e5m2": 8}
+
+
+class TMem:
+    """One CTA's Tensor Memory and its allocation and hazard state (see the module docstring)."""
+
+    def __init__(self, rng):
+        self.data = rng.integers(0, 1 << 32, (LANES, COLS), dtype=np.uint32)
+        self.written = np.zeros((LANES, COLS), bool)
+        self.mma_w = np.zeros((LANES, COLS), np.int16)
+        self.mma_r = np.zeros((LANES, COLS), np.int16)
+        self.land_id = np.zeros((LANES, COLS), np.int32)
+        self.land_need = np.zeros((LANES, COLS), np.int32)
+        self.wop = np.zeros((LANES, COLS), np.int64)
+        self.ld_pend = np.zeros((LANES, COLS), np.int16)
+        self.st_pend = np.zeros((LANES, COLS), np.int16)
+        self.allocated = np.zeros(COLS, bool)
+        self.allocs: dict = {}  # first column -> number of columns
+        self.last_ncols = None
+        self.relinquished = False
+        self.waiter = Waiter()  # moves on dealloc
+        self.fifo: dict = {}  # issuing (warp gid, lane) -> its MMAs not yet landed, in issue order
+        self.uncommitted: dict = {}  # issuing (warp gid, lane) -> MMAs issued since its last tcgen05.commit
+
+
+def tmem(cta) -> TMem:
+    tm = getattr(cta, "tmem", None)
+    if tm is None:
+        tm = cta.tmem = TMem(cta.sim.rng)
+    return tm
+
+
+def _warp_state(w):
+    if not hasattr(w, "tc_ld"):
+        w.tc_ld = []  # (register indices, (lanes, cols)) of tcgen05.ld not yet waited
+        w.tc_st = []  # (lanes, cols) of tcgen05.st not yet waited
+    return w
+
+
+def _split(taddr: int):
+    return (taddr >> 16) & 0xFFFF, taddr & 0xFFFF
+
+
+def _check_alloc(tm, cols, what, ctx):
+    cols = np.asarray(cols)
+    if cols.size and (cols.min() < 0 or cols.max() >= COLS or not tm.allocated[cols].all()):
+        bad = sorted(set(np.asarray(cols).ravel().tolist()) - set(np.flatnonzero(tm.allocated).tolist()))
+        raise MemoryFault(f"{what}: Tensor Memory column(s) {bad[:4]}{'...' if len(bad) > 4 else ''} outside every "
+                          f"tcgen05.alloc allocation of the CTA (allocated: "
+                          f"{ {c: n for c, n in sorted(tm.allocs.items())} }){ctx()}")
+
+
+def _check_read(tm, lanes, cols, what, ctx, observed, describe=None):
+    """A read of TMEM cells (tcgen05.ld, an MMA's A operand): allocated, written, no in-flight MMA writing them, no
+    unwaited tcgen05.st, and an MMA result there must have its commit's mbarrier phase observed by the reader."""
+    _check_alloc(tm, cols, what, ctx)
+    if tm.mma_w[lanes, cols].any():
+        i = np.flatnonzero(tm.mma_w[lanes, cols].ravel())[0]
+        raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])} while an in-flight "
+                     f"tcgen05.mma still writes it (no wait on the mbarrier its tcgen05.commit arrives on){ctx()}")
+    if tm.st_pend[lanes, cols].any():
+        i = np.flatnonzero(tm.st_pend[lanes, cols].ravel())[0]
+        raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}, which a tcgen05.st "
+                     f"writes and its warp has not executed tcgen05.wait::st (PTX ISA 9.7.16.6.4.4){ctx()}")
+    if not tm.written[lanes, cols].all():
+        i = np.flatnonzero(~tm.written[lanes, cols].ravel())[0]
+        raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}, which nothing "
+                     f"wrote since it was allocated{ctx()}")
+    ids = tm.land_id[lanes, cols]
+    if (ids < 0).any():
+        i = np.flatnonzero(ids.ravel() < 0)[0]
+        raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}: an MMA result "
+                     f"landed there but no tcgen05.commit tracking that MMA has arrived on its mbarrier, so no reader "
+                     f"can have observed its completion{ctx()}")
+    if (ids > 0).any() and observed is not None:
+        need = tm.land_need[lanes, cols]
+        for cid in np.unique(ids[ids > 0]).tolist():
+            want = int(need[ids == cid].max())
+            if observed.get(cid, 0) < want:
+                i = np.flatnonzero((ids == cid).ravel())[0]
+                f = (describe or {}).get(cid)
+                d = f() if f else f"completion {cid}"
+                raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}: the MMA "
+                             f"result there is released by {d}, phase {want} needed, but the reader observed "
+                             f"{observed.get(cid, 0)} phase(s) (no wait on the tcgen05.commit's mbarrier){ctx()}")
+
+
+def _check_write(tm, lanes, cols, what, ctx, warp=None):
+    _check_alloc(tm, cols, what, ctx)
+    for arr, why in ((tm.mma_w, "an in-flight tcgen05.mma writes it"), (tm.mma_r, "an in-flight tcgen05.mma reads "
+                                                                                 "it (A operand)"),
+                     (tm.ld_pend, "a tcgen05.ld not yet retired by tcgen05.wait::ld reads it")):
+        v = arr[lanes, cols]
+        if v.any():
+            i = np.flatnonzero(v.ravel())[0]
+            raise Hazard(f"{what} to TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])} while {why}"
+                         f"{ctx()}")
+
+
+class UmmaOp:
+    __slots__ = ("uid", "line", "cta", "m", "n", "k", "dtype", "atype", "btype", "neg_a", "neg_b", "d_lane", "d_col",
+                 "a_tmem", "a_idx", "b_idx", "a_cells", "enable_d", "scale_d", "mask", "async_op", "key")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def compile_tcgen05(sim, ins):
+    words = ins.words
+    kind = words[1]
+    if any(wd == "cta_group::2" for wd in words):
+        raise Unsupported(f"{ins.opcode}: .cta_group::2 (CTA-pair Tensor Memory and MMAs) is not modelled")
+    if kind == "alloc":
+        return _alloc(sim, ins)
+    if kind == "dealloc":
+        return _dealloc(sim, ins)
+    if kind == "relinquish_alloc_permit":
+        return _relinquish(sim, ins)
+    if kind == "mma":
+        return _mma(sim, ins)
+    if kind == "commit":
+        return _commit(sim, ins)
+    if kind in ("ld", "st"):
+        return _ldst(sim, ins, kind)
+    if kind in ("wait::ld", "wait::st"):
+        return _wait(sim, ins, kind)
+    if kind in ("fence::before_thread_sync", "fence::after_thread_sync"):
+        return _fence(sim, ins)
+    raise Unsupported(f"tcgen05.{kind}")
+
+
+def _aligned(sim, w, m, ins, ctx):
+    if not (m == w.active).all():
+        raise Hazard(f"{ins.opcode} (.sync.aligned) executed by part of a warp (lanes {_lanes(m)} of "
+                     f"{_lanes(w.active)}){ctx()}")
+
+
+def _uniform(vals, what, ctx) -> int:
+    u = set(np.asarray(vals).tolist())
+    if len(u) != 1:
+        raise Hazard(f"{what} differs across the lanes of the warp: {sorted(u)[:4]}{ctx()}")
+    return int(u.pop())
+
+
+def _alloc(sim, ins):
+    """PTX ISA 9.7.16.7.1 tcgen05.alloc.cta_group::1.sync.aligned{.shared::cta}.b32 [dst], nCols: allocates nCols
+    columns (a power of 2 in [32, 512], not more than the previous allocation of the CTA, never after
+    relinquish_alloc_permit) and writes the TMEM address (lane 0 << 16 | first column) to shared memory at dst (a weak
+    generic-proxy store). Blocks while the columns are not available."""
+    space = space_of(ins.words)
+    if space not in ("shared::cta", "generic", "shared"):
+        raise Unsupported(f"{ins.opcode}: destination space {space}")
+    ag = addr_getter(sim, ins.operands[0])
+    ng = getter(sim, ins.operands[1], 32)
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        _aligned(sim, w, m, ins, ctx)
+        tm = tmem(w.cta)
+        ncols = _uniform(ng(w)[m], "tcgen05.alloc nCols", ctx)
+        dst = _uniform(ag(w)[m], "tcgen05.alloc destination", ctx)
+        if space == "generic":
+            dst &= WINDOW_MASK
+        if ncols < 32 or ncols > 512 or ncols & (ncols - 1):
+            raise Hazard(f"tcgen05.alloc of {ncols} columns: must be a power of 2 in [32, 512] (PTX ISA "
+                         f"9.7.16.7.1){ctx()}")
+        if tm.relinquished:
+            raise Hazard(f"tcgen05.alloc after the CTA executed tcgen05.relinquish_alloc_permit (PTX ISA "
+                         f"9.7.16.7.1){ctx()}")
+        if tm.last_ncols is not None and ncols > tm.last_ncols:
+            raise Hazard(f"tcgen05.alloc of {ncols} columns after one of {tm.last_ncols}: the number of columns "
+                         f"allocated must not increase between two allocations of a CTA (PTX ISA 9.7.16.7.1){ctx()}")
+        free = [c for c in range(0, COLS, ncols) if not tm.allocated[c:c + ncols].any()]
+        if not free:
+            w.pc[m] = pc
+            w.waits.append((m.copy(), tm.waiter, tm.waiter.version,
+                            lambda: f"tcgen05.alloc of {ncols} columns (PTX line {ins.line}): Tensor Memory "
+                                    f"allocations {dict(sorted(tm.allocs.items()))} leave no room", False))
+            return
+        col = free[int(sim.rng.integers(len(free)))]
+        tm.allocated[col:col + ncols] = True
+        tm.allocs[col] = ncols
+        tm.last_ncols = ncols
+        tm.written[:, col:col + ncols] = False
+        cta, idx = sim.shared_index(w.cta, np.array([dst]), 4, ctx)
+        cta.smem.write(idx, np.array([[col & 0xFF, col >> 8, 0, 0]], np.uint8), "tcgen05.alloc", ctx, writer=w.gid,
+                       line=ins.line)
+    return body
+
+
+def _dealloc(sim, ins):
+    """PTX ISA 9.7.16.7.1 tcgen05.dealloc.cta_group::1.sync.aligned.b32 taddr, nCols: frees an allocation made by
+    tcgen05.alloc (same address and size). A dealloc while an MMA, tcgen05.ld or tcgen05.st on those columns is still
+    in flight is a ``Hazard`` (the ISA requires the accesses to be complete)."""
+    tg = getter(sim, ins.operands[0], 32)
+    ng = getter(sim, ins.operands[1], 32)
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        _aligned(sim, w, m, ins, ctx)
+        tm = tmem(w.cta)
+        taddr = _uniform(tg(w)[m], "tcgen05.dealloc taddr", ctx)
+        ncols = _uniform(ng(w)[m], "tcgen05.dealloc nCols", ctx)
+        lane, col = _split(taddr)
+        if lane != 0 or tm.allocs.get(col) != ncols:
+            raise Hazard(f"tcgen05.dealloc of {ncols} columns at TMEM address {taddr:#x}: not an allocation of the "
+                         f"CTA (allocations: {dict(sorted(tm.allocs.items()))}){ctx()}")
+        sl = np.s_[:, col:col + ncols]
+        for arr, why in ((tm.mma_w, "an in-flight tcgen05.mma writes"), (tm.mma_r, "an in-flight tcgen05.mma reads"),
+                         (tm.ld_pend, "a tcgen05.ld not retired by wait::ld reads"),
+                         (tm.st_pend, "a tcgen05.st not retired by wait::st writes")):
+            if arr[sl].any():
+                raise Hazard(f"tcgen05.dealloc of columns {col}-{col + ncols - 1} while {why} them{ctx()}")
+        ids = tm.land_id[sl]
+        if (ids < 0).any():
+            raise Hazard(f"tcgen05.dealloc of columns {col}-{col + ncols - 1}: an MMA result landed there whose "
+                         f"tcgen05.commit has not arrived{ctx()}")
+        del tm.allocs[col]
+        tm.allocated[col:col + ncols] = False
+        tm.written[sl] = False
+        tm.land_id[sl] = 0
+        tm.waiter.version += 1
+        sim.epoch += 1
+    return body
+
+
+def _relinquish(sim, ins):
+    """PTX ISA 9.7.16.7.1 tcgen05.relinquish_alloc_permit: the CTA may not tcgen05.alloc afterwards."""
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        _aligned(sim, w, m, ins, ctx)
+        tmem(w.cta).relinquished = True
+    return body
+
+
+def _fence(sim, ins):
+    """PTX ISA 9.7.16.11.1 tcgen05.fence::before_thread_sync / after_thread_sync: order asynchronous tcgen05
+    operations before/after a thread synchronization (9.7.16.6.3). No effect here: the simulator performs each
+    tcgen05.ld/st's TMEM access when it is issued and each MMA when it lands, under one sequentially consistent
+    order; what the fences cannot fix (a missing tcgen05.wait or mbarrier wait) is caught by the TMEM hazards. A
+    missing fence is not detected."""
+    return lambda w, m, pc: None
+
+
+def _wait(sim, ins, kind):
+    """PTX ISA 9.7.16.8.5 tcgen05.wait::ld / wait::st: the executing thread's prior tcgen05.ld (their destination
+    registers become readable) / tcgen05.st have completed."""
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        _aligned(sim, w, m, ins, ctx)
+        _warp_state(w)
+        tm = tmem(w.cta)
+        if kind == "wait::ld":
+            for regs, (ln, cl) in w.tc_ld:
+                np.subtract.at(tm.ld_pend, (ln, cl), 1)
+                for i in regs:
+                    w.pending_regs.discard(i)
+            w.tc_ld = []
+        else:
+            for ln, cl in w.tc_st:
+                np.subtract.at(tm.st_pend, (ln, cl), 1)
+            w.tc_st = []
+    return body
+
+
+def _ldst(sim, ins, kind):
+    """PTX ISA 9.7.16.8.3 tcgen05.ld.sync.aligned.shape.num.b32 r, [taddr] and 9.7.16.8.4 tcgen05.st: move
+    32-bit cells between TMEM and registers by ``layouts.tmem_ld_st_map`` (only .32x32b). The access happens at
+    issue; tcgen05.ld's destination registers may not be read or written until ``tcgen05.wait::ld`` (the register
+    hazard of wgmma accumulators), and the cells a tcgen05.ld reads / tcgen05.st writes may not be written / read by
+    others until the matching wait. .pack::16b / .unpack::16b, .red and .16x32bx2 raise ``Unsupported``."""
+    words = ins.words
+    shapes = [wd for wd in words if wd in ("32x32b", "16x64b", "16x128b", "16x256b", "16x32bx2")]
+    nums = [wd for wd in words if wd.startswith("x") and wd[1:].isdigit()]
+    if len(shapes) != 1 or len(nums) != 1 or "b32" not in words:
+        raise Unsupported(f"{ins.opcode}")
+    if "red" in words or any(wd.startswith(("pack::", "unpack::")) for wd in words):
+        raise Unsupported(f"{ins.opcode}: .red / .pack::16b / .unpack::16b")
+    shape, num = shapes[0], int(nums[0][1:])
+    if shape != "32x32b":
+        raise Unsupported(f"{ins.opcode}: shape .{shape} (only .32x32b is modelled; the ISA defines the others by "
+                          f"figures not encoded here)")
+    ops = ins.operands
+    vec, addr = (ops[0], ops[1]) if kind == "ld" else (ops[1], ops[0])
+    if not isinstance(vec, P.Vec) or len(vec.items) != num:
+        raise Unsupported(f"{ins.opcode}: {num} registers expected")
+    ag = addr_getter(sim, addr)
+    regs = [sim.prog.reg_index[r.name] for r in vec.items]
+    srcs = [getter(sim, r, 32) for r in vec.items] if kind == "st" else None
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        _aligned(sim, w, m, ins, ctx)
+        _warp_state(w)
+        tm = tmem(w.cta)
+        taddr = _uniform(ag(w)[m] & 0xFFFFFFFF, f"tcgen05.{kind} taddr", ctx)
+        try:
+            ln, cl = layouts.tmem_ld_st_map(shape, num, w.wid % 4, taddr)
+        except MemoryFault as e:
+            raise MemoryFault(f"{e}{ctx()}") from None
+        act = np.flatnonzero(w.active)
+        ln, cl = ln[act], cl[act]  # lanes of threads that do not exist move nothing
+        if kind == "ld":
+            _check_read(tm, ln, cl, "tcgen05.ld", ctx, w.observed, sim.completions)
+            vals = tm.data[ln, cl]
+            for r, idx in enumerate(regs):
+                if idx in w.pending_regs:
+                    raise Hazard(f"tcgen05.ld into register {vec.items[r].name}, which an earlier tcgen05.ld not yet "
+                                 f"retired by tcgen05.wait::ld also writes{ctx()}")
+                w.R[idx][act] = vals[:, r]
+            np.add.at(tm.ld_pend, (ln, cl), 1)
+            w.tc_ld.append((set(regs), (ln, cl)))
+            w.pending_regs.update(regs)
+        else:
+            _check_write(tm, ln, cl, "tcgen05.st", ctx)
+            if tm.st_pend[ln, cl].any():
+                raise Hazard(f"tcgen05.st to TMEM cells another tcgen05.st not yet retired by wait::st writes{ctx()}")
+            vals = np.stack([g(w) for g in srcs], axis=1)[act]
+            tm.data[ln, cl] = vals
+            tm.written[ln, cl] = True
+            tm.land_id[ln, cl] = 0
+            tm.wop[ln, cl] = 0
+            np.add.at(tm.st_pend, (ln, cl), 1)
+            w.tc_st.append((ln, cl))
+    return body
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def _mma(sim, ins):
+    """PTX ISA 9.7.16.10.9.1 tcgen05.mma.cta_group::1.kind [d-tmem], a-desc | [a-tmem], b-desc, idesc,
+    {disable-output-lane}?, enable-input-d {, scale-input-d}: D = A*B + (enable-input-d ? D * 2^-scale-input-d : 0),
+    A M x K, B K x N, D M x N in TMEM at d-tmem (row m in lane m, column n in column d + n: datapath Layout D, M = 128,
+    9.7.16.10.5.4; an f16 D element sits unpacked in the low 16 bits of its cell, 9.7.16.10.4.1; we write the high
+    16 bits as 0). The instruction descriptor (``layouts.umma_instr_desc_decode``) gives M, N, types, negation and
+    transposes; shared operands are read by ``layouts.umma_operand_addrs``. A in TMEM: row m in lane a + m, K
+    elements packed low bits first in consecutive 32-bit columns (9.7.16.10.4.2). Lanes whose disable-output-lane
+    bit is set keep their D. Only ``.collector::a::discard`` (the default) is accepted: A is read from memory.
+    Operands are read when the MMA lands; they are locked against writes from issue to landing."""
+    words = ins.words
+    kinds = [wd for wd in words if wd.startswith("kind::")]
+    if len(kinds) != 1:
+        raise Unsupported(f"{ins.opcode}")
+    knd = kinds[0]
+    if knd not in _KIND_TYPES:
+        raise Unsupported(f"tcgen05.mma .{knd}")
+    extra = [wd for wd in words[2:] if not (wd.startswith(("cta_group::", "kind::")) or wd == "collector::a::discard")]
+    if extra:
+        raise Unsupported(f"tcgen05.mma qualifier(s) {extra} (.ws, .sp, .block_scale, .ashift and the collector "
+                          f"buffer fill/use/lastuse are not modelled)")
+    types, kelems = _KIND_TYPES[knd]
+    ops = ins.operands
+    d_get = addr_getter(sim, ops[0])
+    a_tmem = isinstance(ops[1], P.Addr)
+    a_get = addr_getter(sim, ops[1]) if a_tmem else getter(sim, ops[1], 64)
+    b_get = getter(sim, ops[2], 64)
+    i_get = getter(sim, ops[3], 32)
+    rest = list(ops[4:])
+    mask_gets = None
+    if rest and isinstance(rest[0], P.Vec):
+        if len(rest[0].items) != 4:
+            raise Unsupported(f"{ins.opcode}: disable-output-lane of {len(rest[0].items)} registers (4 for ::1)")
+        mask_gets = [getter(sim, r, 32) for r in rest[0].items]
+        rest = rest[1:]
+    if not rest:
+        raise Unsupported(f"{ins.opcode}: no enable-input-d operand")
+    en_get = getter(sim, rest[0], 1)
+    scale_get = getter(sim, rest[1], 32) if len(rest) > 1 else None
+    if len(rest) > 2:
+        raise Unsupported(f"{ins.opcode}: operands {rest[2:]}")
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        cta = w.cta
+        tm = tmem(cta)
+        dv, av, bv, iv, ev = d_get(w), a_get(w), b_get(w), i_get(w), en_get(w)
+        sv = scale_get(w) if scale_get is not None else None
+        mv = [g(w) for g in mask_gets] if mask_gets is not None else None
+        for lane in np.flatnonzero(m).tolist():  # single-thread semantics: every executing thread issues one MMA
+            _issue(sim, w, lane, ctx, tm, int(dv[lane]) & 0xFFFFFFFF,
+                   int(av[lane]) & (0xFFFFFFFF if a_tmem else 0xFFFFFFFFFFFFFFFF), int(bv[lane]), int(iv[lane]),
+                   bool(ev[lane]), int(sv[lane]) if sv is not None else 0,
+                   sum(int(x[lane]) << (32 * j) for j, x in enumerate(mv)) if mv is not None else 0)
+
+    def _issue(sim, w, lane, ctx, tm, d, a, b, idesc, enable_d, scale_d, mask):
+        cta = w.cta
+        i = layouts.umma_instr_desc_decode(idesc)
+        bad = []
+        if i.sparse or i.sparse_sel:
+            bad.append("sparsity")
+        if i.saturate:
+            bad.append("saturate (integer kinds only)")
+        if i.reserved:
+            bad.append("reserved bits 6/23/29 set")
+        if i.max_shift:
+            bad.append("maximum shift (.ws only)")
+        if i.dtype not in _KIND_DTYPES[knd]:
+            bad.append(f"dtype {i.dtype}")
+        if i.atype not in types or i.btype not in types:
+            bad.append(f"atype {i.atype} / btype {i.btype}")
+        if i.n < 8 or i.n > 256 or i.n % 8:
+            bad.append(f"N = {i.n}")
+        if i.m not in (64, 128):
+            bad.append(f"M = {i.m}")
+        if scale_d and (knd == "kind::f8f6f4" or not 0 <= scale_d <= 15):
+            bad.append(f"scale-input-d {scale_d}")
+        if bad:
+            raise Hazard(f"tcgen05.mma .{knd} instruction descriptor {idesc:#010x} invalid for the instruction: "
+                         f"{', '.join(bad)} (PTX ISA 9.7.16.4.2 Table 42, 9.7.16.2.1 Table 39){ctx()}")
+        if i.m != 128:
+            raise Unsupported(f"tcgen05.mma with M = {i.m} (datapath Layout F is not modelled){ctx()}")
+        atype, btype = types[i.atype], types[i.btype]
+        if (atype == "bf16") != (btype == "bf16"):
+            raise Hazard(f"tcgen05.mma .kind::f16 mixing f16 and bf16 operands{ctx()}")
+        ebits = _BITS[atype]
+        M, N, K = i.m, i.n, kelems
+        op = UmmaOp()
+        op.uid, op.line, op.cta = next(_uid), ins.line, cta
+        op.m, op.n, op.k = M, N, K
+        op.dtype, op.atype, op.btype = _KIND_DTYPES[knd][i.dtype], atype, btype
+        op.neg_a, op.neg_b = i.neg_a, i.neg_b
+        op.enable_d, op.scale_d, op.mask = enable_d, scale_d, mask
+        dl, dc = _split(d)
+        if dl != 0:
+            raise MemoryFault(f"tcgen05.mma M = 128 D at TMEM lane {dl}: Layout D uses lanes 0-127 (PTX ISA "
+                              f"9.7.16.10.5){ctx()}")
+        op.d_lane, op.d_col = dl, dc
+        dcols = dc + np.arange(N)
+        _check_alloc(tm, dcols, "tcgen05.mma D", ctx)
+        smem = cta.smem
+        b_addrs = layouts.umma_operand_addrs(b, N, K, ebits, i.trans_b == 0)
+        op.b_idx = (b_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
+        idxs = [op.b_idx]
+        op.a_tmem = a_tmem
+        op.a_idx = op.a_cells = None
+        if a_tmem:
+            if i.trans_a:
+                raise Hazard(f"tcgen05.mma with A in Tensor Memory and Transpose A set{ctx()}")
+            al, ac = _split(a)
+            if al != 0:
+                raise MemoryFault(f"tcgen05.mma M = 128 A at TMEM lane {al}: lanes 0-127 expected{ctx()}")
+            per = 32 // ebits
+            ln = np.broadcast_to(np.arange(M)[:, None], (M, K // per))
+            cl = np.broadcast_to(ac + np.arange(K // per)[None, :], (M, K // per))
+            op.a_cells = (ln.copy(), cl.copy())
+            own = tm.fifo.get((w.gid, lane), [])
+            # an earlier MMA of the same thread writing A's cells is pipelined before this one (9.7.16.6.2)
+            if not any(o.d_col <= ac < o.d_col + o.n for o in own):
+                _check_read(tm, op.a_cells[0], op.a_cells[1], "tcgen05.mma A (Tensor Memory)", ctx, w.observed,
+                            sim.completions)
+        else:
+            a_addrs = layouts.umma_operand_addrs(a, M, K, ebits, i.trans_a == 0)
+            op.a_idx = (a_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
+            idxs.append(op.a_idx)
+        for ix in idxs:
+            smem.read(ix, "tcgen05.mma operand", ctx, generic=False, observed=w.observed)
+        for ix in idxs:
+            smem.mma_reads[ix] += 1
+        # D: in flight from now (a tcgen05.ld or st of it is a hazard until the commit's phase is observed)
+        _check_write_d(tm, dcols, ctx)
+        tm.mma_w[:, dcols] += 1
+        if a_tmem:
+            tm.mma_r[op.a_cells] += 1
+        key = (w.gid, lane)
+        op.key = key
+        fifo = tm.fifo.setdefault(key, [])
+        fifo.append(op)
+        tm.uncommitted.setdefault(key, []).append(op)
+
+        def ready(op=op, fifo=fifo):
+            return fifo and fifo[0] is op
+
+        def land(op=op):
+            _execute(sim, tm, op)
+            fifo.remove(op)
+        op.async_op = AsyncOp(cta, "tcgen05.mma", ins.line, land, ready)
+        sim.pending.append(op.async_op)
+        sim.epoch += 1
+
+    def _check_write_d(tm, dcols, ctx):
+        v = tm.ld_pend[:, dcols] | tm.st_pend[:, dcols]
+        if v.any():
+            ln, c = np.unravel_index(np.flatnonzero(v.ravel())[0], v.shape)
+            raise Hazard(f"tcgen05.mma issued with D at TMEM column {int(dcols[c])} (lane {int(ln)}) while a "
+                         f"tcgen05.ld/st of it is not retired by tcgen05.wait (its warp must wait, fence and "
+                         f"synchronize first){ctx()}")
+
+    def _execute(sim, tm, op):
+        smem = op.cta.smem
+        M, N, K = op.m, op.n, op.k
+        ctx = lambda: f"\n  tcgen05.mma of PTX line {op.line}, CTA {op.cta.ctaid}, landing"
+        for ix in ([op.b_idx] + ([op.a_idx] if op.a_idx is not None else [])):
+            smem.mma_reads[ix] -= 1
+        dcols = op.d_col + np.arange(N)
+        tm.mma_w[:, dcols] -= 1
+        if op.a_tmem:
+            tm.mma_r[op.a_cells] -= 1
+        Bm = decode_elems(smem.data[op.b_idx], op.btype)  # (N, K)
+        if op.a_tmem:
+            ebits = _BITS[op.atype]
+            per = 32 // ebits
+            cells = tm.data[op.a_cells]  # (M, K/per)
+            parts = np.stack([(cells >> np.uint32(ebits * j)) & np.uint32((1 << ebits) - 1) for j in range(per)],
+                             axis=-1).reshape(M, K)
+            raw = parts.astype({8: np.uint8, 16: np.uint16, 32: np.uint32}[ebits]).view(np.uint8)
+            Am = decode_elems(raw.reshape(M, K, ebits // 8), op.atype)
+        else:
+            Am = decode_elems(smem.data[op.a_idx], op.atype)
+        if op.neg_a:
+            Am = -Am
+        if op.neg_b:
+            Bm = -Bm
+        D = Am @ Bm.T  # (M, N) float64
+        lanes = np.arange(M)
+        keep = np.array([(op.mask >> l) & 1 for l in range(M)], bool)
+        sub = np.s_[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N]
+        if (tm.ld_pend[sub].any()):
+            raise Hazard(f"a tcgen05.mma result lands on TMEM cells a tcgen05.ld not retired by wait::ld still reads"
+                         f"{ctx()}")
+        old = tm.data[sub]
+        if op.enable_d:
+            if not tm.written[sub][~keep].all():
+                raise Hazard(f"tcgen05.mma with enable-input-d accumulates into TMEM cells nothing wrote{ctx()}")
+            if op.dtype == "f32":
+                prev = old.view(np.float32).astype(np.float64)
+            else:
+                prev = (old & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
+            D = D + prev * 2.0 ** (-op.scale_d)
+        if op.dtype == "f32":
+            new = D.astype(np.float32).view(np.uint32)
+        else:
+            new = D.astype(np.float16).view(np.uint16).astype(np.uint32)
+        new = np.where(keep[:, None], old, new)
+        tm.data[sub] = new
+        rows = ~keep
+        tm.written[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N][rows] = True
+        tm.land_id[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N][rows] = -1
+        tm.wop[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N][rows] = op.uid
+        del lanes
+    return body
+
+
+def _commit(sim, ins):
+    """PTX ISA 9.7.16.12.1 tcgen05.commit.cta_group::1.mbarrier::arrive::one{.shared::cluster}{.multicast::cluster}
+    .b64 [mbar] {, ctaMask}: once every prior tcgen05.mma of the executing thread has completed, one arrive-on
+    (count 1) on the mbarrier (on the same offset in each CTA of ctaMask with .multicast::cluster). The MMA results
+    become readable by threads that observe the phase that arrival completes (9.7.16.6.4.2). Modelled as an
+    asynchronous arrival that lands after the tracked MMAs, at a time the seed picks."""
+    words = ins.words
+    if "mbarrier::arrive::one" not in words:
+        raise Unsupported(f"{ins.opcode}")
+    multicast = "multicast::cluster" in words
+    space = space_of(words)
+    ag = addr_getter(sim, ins.operands[0])
+    mask_get = getter(sim, ins.operands[1], 16) if multicast else None
+    from .sync import mbar_of
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        cta = w.cta
+        tm = tmem(cta)
+        addrs = ag(w)
+        masks = mask_get(w) if multicast else None
+        for lane in np.flatnonzero(m).tolist():
+            a = int(addrs[lane])
+            if space == "generic":
+                a &= WINDOW_MASK
+            if multicast:
+                cm = int(masks[lane])
+                off = a & ((1 << CLUSTER_SHIFT) - 1)
+                targets = [r for r in range(len(cta.cluster)) if (cm >> r) & 1]
+                if cm >> len(cta.cluster):
+                    raise Hazard(f"tcgen05.commit ctaMask {cm:#x} names CTAs outside the cluster of "
+                                 f"{len(cta.cluster)}{ctx()}")
+                bars = [mbar_of(sim, w, np.array([off if r == cta.rank else off | ((r + 1) << CLUSTER_SHIFT)]),
+                                ctx) for r in targets]
+            else:
+                bars = [mbar_of(sim, w, np.array([a]), ctx)]
+            key = (w.gid, lane)
+            ops = tm.uncommitted.pop(key, [])
+            observed = dict(w.observed)
+            own = next((b for b in bars if b.cta is cta), bars[0] if bars else None)
+
+            def ready(ops=ops):
+                return all(o.async_op.done for o in ops)
+
+            def land(ops=ops, bars=bars, own=own, observed=observed):
+                if own is not None:
+                    need = own.phase + 1
+                    for o in ops:
+                        sl = np.s_[o.d_lane:o.d_lane + o.m, o.d_col:o.d_col + o.n]
+                        mine = tm.wop[sl] == o.uid
+                        tm.land_id[sl][mine] = own.cid
+                        tm.land_need[sl][mine] = need
+                for bar in bars:
+                    bar.arrive(1, ctx, observed)
+            op = AsyncOp(cta, "tcgen05.commit", ins.line, land, ready)
+            sim.pending.append(op)
+        sim.epoch += 1
+    return body
+
+
+COMPILERS = {"tcgen05": compile_tcgen05}
