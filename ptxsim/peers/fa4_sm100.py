@@ -13,16 +13,18 @@ How the build works: the interface is called under torch ``FakeTensorMode`` with
 tensors' shapes, dtypes and strides and ``_arch=100``, so every choice is the interface's own (``_get_fwd_config``:
 tile 128 x 128; ``q_stage`` 2 when the packed query rows exceed one 128-row tile (two Q tiles per CTA, two softmax
 warpgroups), else 1; 2-CTA MMA (``use_2cta_instrs``, cluster 2 x 1: ``tcgen05.mma.cta_group::2``) for non-causal
-dense or page-128 paged K/V with more than one M block; ``paged_kv_non_tma`` (cp.async K/V) when the page size is
-not tile N; the S ping-pong for ``q_stage`` 1; static persistent scheduling for non-causal; the CLC scheduler only
-with ``FA_CLC=1``, read by flash_attn at import). Its ``cute.compile(..., options="--enable-tvm-ffi")`` is wrapped to
+dense or page-128 paged K/V with more than one M block (not with ``FA_DISABLE_2CTA=1`` or a CUDA 12 torch);
+``paged_kv_non_tma`` (cp.async K/V) when the page size is not tile N; the S ping-pong for ``q_stage`` 1; static
+persistent scheduling for non-causal; the CLC scheduler only with ``FA_CLC=1``, read by flash_attn at import, or
+``clc=True``). Its ``cute.compile(..., options="--enable-tvm-ffi")`` is wrapped to
 keep the compiled object; in fake mode the interface compiles but does not launch, so ``call_args`` is built here
 exactly as its non-fake branch does for arch 10x (interface.py, ``call_args = [q_call, k_call, ...]``).
 
 During ``build`` only (restored after): ``FLASH_ATTENTION_NUM_SMS`` = 148 (B200) when unset (the interface's SM count
 for split and 2-CTA choices, read at call time), ``cutlass.utils.HardwareInfo`` answering a B200's 148 SMs (the
-persistent schedulers' grid is ``min(148, tiles)`` CTAs, fixed at compile time) and the DSL's target arch = ``sm_100a`` unless it already is a
-Blackwell datacenter arch (``capturing("sm_100a")`` sets it too). Nothing is set at import. ``fn.__ptx__`` exists
+persistent schedulers' grid is ``min(148, tiles)`` CTAs, fixed at compile time) and the DSL's target arch =
+``sm_100a`` unless it already is a Blackwell datacenter arch (``capturing("sm_100a")`` sets it too). Nothing is set at
+import. ``fn.__ptx__`` exists
 when the DSL keeps PTX (``CUTE_DSL_KEEP_PTX=1`` before cutlass is imported, or inside ``capturing``).
 
 What the compiled object is called with (a TVM-FFI JIT executor; torch tensors through DLPack, ``None`` an absent
@@ -55,15 +57,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 
+from ptxsim.peers import target_env
 from ptxsim.peers.fa4_sm90 import dense_kv, reference  # noqa: F401  (same semantics: re-exported)
 
 OUT = 3  # index of the output tensor in call_args
 LSE = 4
 NUM_SMS = 148  # B200
+ENV = {"FLASH_ATTENTION_NUM_SMS": str(NUM_SMS)}  # the interface's SM count (set only while building, if unset)
 BLACKWELL = ("sm_100a", "sm_103a")
 
 
@@ -95,16 +98,12 @@ def _target():
     saved_arch = envar._arch
     if envar.arch not in BLACKWELL:
         envar.arch = "sm_100a"
-    saved_sms = os.environ.get("FLASH_ATTENTION_NUM_SMS")
-    if saved_sms is None:
-        os.environ["FLASH_ATTENTION_NUM_SMS"] = str(NUM_SMS)
     try:
-        yield
+        with target_env(ENV):
+            yield
     finally:
         cutlass.utils.HardwareInfo, tile_scheduler.HardwareInfo = saved_hw
         envar._arch = saved_arch
-        if saved_sms is None:
-            os.environ.pop("FLASH_ATTENTION_NUM_SMS", None)
 
 
 def _fake_like(t):
