@@ -29,6 +29,7 @@ from .memory import (CLUSTER_SHIFT, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW, W
 LANES = np.arange(32)
 FULL = np.ones(32, bool)
 DTYPE = {1: np.bool_, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+MAX_SMEM = 232448  # bytes of shared memory one CTA may have on sm_90 and sm_100 (227 KiB)
 MASK = {8: 0xFF, 16: 0xFFFF, 32: 0xFFFFFFFF, 64: 0xFFFFFFFFFFFFFFFF}
 
 
@@ -65,7 +66,8 @@ class Warp:
         self.coll_wait = np.zeros(32, bool)  # lanes at a collective whose members have not arrived
         self.coll_flag = False  # coll_wait has a lane
         self.blocked_epoch = -1  # the simulator's epoch when this warp was last found unable to run
-        self.pending_regs: set = set()  # registers an in-flight wgmma will write
+        self.pending_regs: set = set()  # registers an in-flight wgmma will write (no access until its wait)
+        self.pending_w: set = set()  # registers an in-flight wgmma reads (A fragments: no write until its wait)
         bx, by, bz = cta.block
         tid = first + LANES
         self.tid = (tid % bx, (tid // bx) % by, tid // (bx * by))
@@ -80,7 +82,10 @@ class Warp:
         self.nreg_budget = None
         self.last_ins = None
         self.cc = None  # the carry flag of add.cc and friends
-        self.observed: dict = {}  # completion id -> phases observed complete (see SharedMemory.read)
+        # completion id -> phases observed complete (see SharedMemory.read); ("warp", gid) -> 1 for the warps whose
+        # generic writes this warp has synchronized with (its fence.proxy.async covers them)
+        self.observed: dict = {("warp", self.gid): 1}
+        self.elected: dict = {}  # elect.sync's leader per member set
 
     def runnable(self) -> np.ndarray:
         """The lanes that may run now (not to be modified: it may be ``active`` itself)."""
@@ -123,13 +128,14 @@ def _lanes(mask: np.ndarray) -> str:
 
 
 class NamedBarrier(Waiter):
-    __slots__ = ("arrived", "expected", "first_line", "waiting")
+    __slots__ = ("arrived", "expected", "first_line", "waiting", "partial")
 
     def __init__(self):
         super().__init__()
         self.arrived = 0
         self.expected = None
         self.waiting = []
+        self.partial: dict = {}  # warp -> lanes arrived so far at a non-aligned barrier
 
 
 class CTA:
@@ -156,6 +162,7 @@ class AsyncOp:
         self.cta, self.kind, self.line = cta, kind, line
         self._complete, self._ready = complete, ready
         self.done = False
+        self.release = None  # what the op holds until the wait that retires it (a store's source)
 
     def ready(self) -> bool:
         return self._ready is None or self._ready()
@@ -296,6 +303,15 @@ class Simulator:
             raise SimError(f"grid {g} is not a multiple of the cluster {c}")
         if self.fn.reqntid and tuple(self.fn.reqntid) != tuple(self.spec.block):
             raise SimError(f"block {self.spec.block} but the kernel requires .reqntid {self.fn.reqntid}")
+        # what the driver would refuse (cudaLaunchKernelEx): block, cluster and shared-memory limits of sm_90/100
+        threads = self.spec.block[0] * self.spec.block[1] * self.spec.block[2]
+        if not 0 < threads <= 1024:
+            raise SimError(f"block {self.spec.block}: {threads} threads (1..1024)")
+        if c[0] * c[1] * c[2] > 16:
+            raise SimError(f"cluster {c}: more than 16 CTAs")
+        if self.smem_size - 1024 > MAX_SMEM:
+            raise SimError(f"{self.smem_size - 1024} B of shared memory per CTA ({self.static_smem} static + "
+                           f"{self.spec.dyn_smem} dynamic), past the {MAX_SMEM} B a CTA may have")
         clusters = list(self.cluster_ctas())
         per_wave = max(1, self.concurrent_ctas // (c[0] * c[1] * c[2]))
         for w0 in range(0, len(clusters), per_wave):

@@ -142,6 +142,7 @@ class SharedMemory:
         self.dirty_line = np.zeros(size, np.int32)
         # bytes an asynchronous write landed in, and what a reader must have observed first: the completion id (an
         # mbarrier's, or a cp.async's) and the count of its phases that must have completed
+        self.mbar_bytes = np.zeros(size, bool)  # live mbarrier objects: only mbarrier operations may touch them
         self.land_id = np.zeros(size, np.int32)
         self.land_need = np.zeros(size, np.int32)
         self.mbarriers: dict = {}  # offset -> MBarrier
@@ -161,6 +162,7 @@ class SharedMemory:
         """``observed``: the reader's completion ids -> phases it has observed complete (its own waits, and what
         barriers it synchronized on carried to it); bytes an asynchronous write landed in need theirs."""
         self.check(idx, what, ctx)
+        self.not_mbarrier(idx, what, ctx)
         if self.inflight[idx].any():
             bad = idx[self.inflight[idx] > 0].ravel()[0]
             raise Hazard(f"{what} of shared offset {int(bad):#x}: an asynchronous copy into it has not completed "
@@ -193,6 +195,7 @@ class SharedMemory:
     def write(self, idx: np.ndarray, data: np.ndarray, what: str, ctx, writer: int = -1, line: int = 0) -> None:
         """``writer``: the global warp id for a generic-proxy write, -1 for the async proxy."""
         self.check(idx, what, ctx)
+        self.not_mbarrier(idx, what, ctx)
         if self.mma_reads[idx].any():
             bad = idx[self.mma_reads[idx] > 0].ravel()[0]
             raise Hazard(f"{what} to shared offset {int(bad):#x}, which an in-flight MMA still reads (a stage "
@@ -209,6 +212,13 @@ class SharedMemory:
             self.dirty_line[idx] = line
         else:
             self.dirty[idx] = 0
+
+    def not_mbarrier(self, idx: np.ndarray, what: str, ctx) -> None:
+        """PTX ISA 9.7.13.15: any non-mbarrier operation on an initialized mbarrier object is undefined."""
+        if self.mbar_bytes[idx].any():
+            bad = idx[self.mbar_bytes[idx]].ravel()[0]
+            raise Hazard(f"{what} of shared offset {int(bad):#x}, inside a live mbarrier object (only mbarrier "
+                         f"operations may touch it until mbarrier.inval){ctx()}")
 
     def describe(self, cid: int, need: int) -> str:
         d = self.completions.get(cid)

@@ -138,7 +138,6 @@ def _issue_store(sim, w, ins, tm, coords, src, rop, ctx):
     smem.mma_reads[idx] += 1  # the source is read until the bulk group's wait_group.read
 
     def land():
-        smem.mma_reads[idx] -= 1
         if not inb.any():
             return
         if rop is None:
@@ -157,6 +156,7 @@ def _issue_store(sim, w, ins, tm, coords, src, rop, ctx):
             raise Unsupported(f"TMA reduce {rop} on {tm.dtype}")
         sim.gmem.write(gaddr[inb], np.ascontiguousarray(r).view(np.uint8).reshape(-1, eb), ctx)
     op = AsyncOp(w.cta, "TMA store", ins.line, land)
+    op.release = lambda: smem.mma_reads.__setitem__(idx, smem.mma_reads[idx] - 1)
     sim.pending.append(op)
     w.bulk_open.append(op)
 
@@ -198,10 +198,10 @@ def compile_bulk(sim, ins):
                 data = cta.smem.read(idx, "bulk store source", ctx, generic=False).copy()
                 cta.smem.mma_reads[idx] += 1
 
-                def land(cta=cta, idx=idx, d=d, data=data, ctx=ctx):
-                    cta.smem.mma_reads[idx] -= 1
+                def land(d=d, data=data, ctx=ctx):
                     sim.gmem.write(np.array([d]), data, ctx)
                 op = AsyncOp(w.cta, "bulk store", ins.line, land)
+                op.release = lambda cta=cta, idx=idx: cta.smem.mma_reads.__setitem__(idx, cta.smem.mma_reads[idx] - 1)
                 sim.pending.append(op)
                 w.bulk_open.append(op)
     return body
@@ -222,6 +222,9 @@ def compile_bulk_wait(sim, ins):
         for grp in old:
             for op in grp:
                 sim.land(op)
+                if op.release is not None:  # the source may be reused only after the wait (.read or not)
+                    op.release()
+                    op.release = None
         w.bulk_groups = w.bulk_groups[len(old):]
     return body
 

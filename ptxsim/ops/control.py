@@ -17,6 +17,23 @@ class Hold(Exception):
     """The lanes did not execute the instruction: their PCs go back and they step aside."""
 
 
+def converge(w, m, pc, what, ctx) -> None:
+    """An ``.aligned`` instruction is executed by all non-exited lanes of the warp together (PTX ISA 9.7.13.1 and
+    the ``.aligned`` rule of each). Lanes still behind it (at a lower PC, or waiting) are waited for (ptxas
+    reconverges the warp there); a lane past it means the warp diverged across it: a hazard."""
+    from ..errors import Hazard
+    from ..machine import _lanes
+
+    missing = w.active & ~m
+    if not missing.any():
+        return
+    if (w.pc[missing] > pc).any():
+        ahead = missing & (w.pc > pc)
+        raise Hazard(f"{what} (.aligned) executed by lanes {_lanes(m)} while lanes {_lanes(ahead)} of the warp went "
+                     f"past it{ctx()}")
+    raise Hold()
+
+
 def wrap(sim, ins, body):
     if ins.guard is not None:
         g = getter(sim, ins.guard, 1)

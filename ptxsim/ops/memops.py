@@ -11,6 +11,7 @@ from .. import parser as P
 from ..errors import Hazard, MemoryFault, Unsupported
 from ..machine import DTYPE, MASK, AsyncOp
 from ..memory import CLUSTER_SHIFT, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW, WINDOW_MASK
+from .control import converge
 from .operands import TYPE_BITS, getter, reg_bits, setter, symbol_value
 
 SPACES = {"global", "shared", "shared::cta", "shared::cluster", "param", "param::entry", "param::func", "local",
@@ -371,8 +372,9 @@ def compile_cp_async_wait(sim, ins):
         if ins.words[2] == "wait_all":
             w.cp_groups.append(w.cp_open)
             w.cp_open = []
-        keep = w.cp_groups[len(w.cp_groups) - n:] if n else []
-        for grp in w.cp_groups[:len(w.cp_groups) - n]:
+        cut = max(0, len(w.cp_groups) - n)
+        keep = w.cp_groups[cut:]
+        for grp in w.cp_groups[:cut]:
             for op in grp:
                 sim.land(op)
                 w.observed[op.cid] = 1
@@ -422,8 +424,7 @@ def compile_ldmatrix(sim, ins):
 
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
-        if not m.all():
-            raise Hazard(f"ldmatrix (.sync.aligned) executed by a diverged warp{ctx()}")
+        converge(w, m, pc, "ldmatrix", ctx)
         a = ag(w)
         if space == "generic":
             a = a & WINDOW_MASK
@@ -455,8 +456,7 @@ def compile_stmatrix(sim, ins):
 
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
-        if not m.all():
-            raise Hazard(f"stmatrix (.sync.aligned) executed by a diverged warp{ctx()}")
+        converge(w, m, pc, "stmatrix", ctx)
         a = ag(w)
         if space == "generic":
             a = a & WINDOW_MASK

@@ -24,6 +24,7 @@ from .. import parser as P
 from ..errors import Hazard, Unsupported
 from ..machine import AsyncOp, Waiter
 from ..memory import WINDOW_MASK
+from .control import converge
 from .operands import getter
 
 _ELEM_BITS = {"f16": 16, "bf16": 16, "tf32": 32, "e4m3": 8, "e5m2": 8, "s8": 8, "u8": 8, "b1": 1}
@@ -92,6 +93,14 @@ class WgmmaOp:
         self.smem_idx = []
 
 
+def _retire(op) -> None:
+    """The first wait_group that covers ``op`` ends its reads of shared memory (the stage may be reused after it)."""
+    if not getattr(op, "retired", False):
+        op.retired = True
+        for ix in op.smem_idx:
+            op.cta.smem.mma_reads[ix] -= 1
+
+
 def _wg_state(cta):
     if not hasattr(cta, "wg_waiter"):
         cta.wg_waiter = Waiter()
@@ -125,7 +134,13 @@ def compile_wgmma(sim, ins):
                 return
             for op in ops:
                 sim.land(op.async_op)
+                _retire(op)
             w.wg_groups = w.wg_groups[len(old):]
+            # only this warp's wait retires its registers (PTX ISA 9.7.15.7.3: an access before a wait_group of
+            # the executing warp that covers the wgmma is undefined, whoever else waited)
+            live = [o for grp in w.wg_groups for o in grp] + w.wg_open
+            w.pending_regs = set().union(*[o.dregs for o in live])
+            w.pending_w = set().union(*[o.aregs for o in live])
         return body
     if kind != "mma_async":
         raise Unsupported(f"wgmma.{kind}")
@@ -154,8 +169,7 @@ def compile_wgmma(sim, ins):
 
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
-        if not (m == w.active).all():
-            raise Hazard(f"wgmma.mma_async (.sync.aligned) executed by part of a warp{ctx()}")
+        converge(w, m, pc, "wgmma.mma_async", ctx)
         cta = _wg_state(w.cta)
         wg, wi = w.wid // 4, w.wid % 4
         seq = w.wg_seq
@@ -166,6 +180,7 @@ def compile_wgmma(sim, ins):
             op = WgmmaOp(sim, cta, wg, ins.line, (M, N, K), dtype, atype, btype)
             op.seq = seq
             op.dregs = set(dregs)
+            op.aregs = set(aregs or ())
             lst.append(op)
         if wi in op.parts:
             raise Hazard(f"warp issued two parts of one wgmma{ctx()}")
@@ -178,8 +193,8 @@ def compile_wgmma(sim, ins):
             if vals is not None and len(set(vals(w)[m].tolist())) != 1:
                 raise Hazard(f"wgmma {key.upper()} descriptor differs across the lanes of a warp{ctx()}")
         op.parts[wi] = part
-        for i in dregs:
-            w.pending_regs.add(i)
+        w.pending_regs |= op.dregs
+        w.pending_w |= op.aregs  # the A fragment may be read until the wait: not to be written
         w.wg_open.append(op)
         members = [x for x in cta.warps[4 * wg:4 * wg + 4] if x.exists.any()]
         if len(op.parts) == len(members):
@@ -220,8 +235,6 @@ def compile_wgmma(sim, ins):
 
     def _execute(sim, cta, op, a, sd, a_regs, ins):
         smem = cta.smem
-        for ix in op.smem_idx:
-            smem.mma_reads[ix] -= 1
         Bm = decode_elems(smem.data[op.smem_idx[0]], btype)  # (N, K)
         if a_regs:
             Am = np.zeros((M, 256 // ebits))
@@ -250,7 +263,6 @@ def compile_wgmma(sim, ins):
                             raise Unsupported("integer wgmma")
                         val = val + w.R[idx].view(np.float32).astype(np.float64)
                     w.R[idx][:] = val.astype(np.float32).view(np.uint32)
-                    w.pending_regs.discard(idx)
             else:
                 for r, idx in enumerate(dregs):
                     lo = D[rc[:, r, 0, 0], rc[:, r, 0, 1]]
@@ -261,12 +273,6 @@ def compile_wgmma(sim, ins):
                         hi = hi + (old >> 16).astype(np.uint16).view(np.float16).astype(np.float64)
                     w.R[idx][:] = (lo.astype(np.float16).view(np.uint16).astype(np.uint32)
                                    | (hi.astype(np.float16).view(np.uint16).astype(np.uint32) << 16))
-                    w.pending_regs.discard(idx)
-        # registers that a later in-flight op of the same warp writes stay pending
-        for p in op.parts.values():
-            wp = p["warp"]
-            wp.pending_regs = set().union(*[o.dregs for o in cta.wg_ops[op.wg]
-                                            if o is not op and wp.wid % 4 in o.parts])
     return body
 
 

@@ -139,7 +139,7 @@ def sreg_getter(sim, name: str, bits: int):
     if base == "%warpid":
         return lambda w: np.full(32, w.wid, dt)
     if base == "%nwarpid":
-        return const(48)
+        return const(64)
     if base == "%ctaid":
         return lambda w: np.full(32, w.cta.ctaid[ax], dt)
     if base == "%nctaid":
@@ -192,6 +192,10 @@ def setter(sim, op, bits: int):
         def put(w, v, m):
             if w.pending_regs:
                 _check_pending(w, idx, name, sim)
+            if w.pending_w and idx in w.pending_w:
+                raise Hazard(f"register {name} written while an in-flight wgmma still reads it as its A fragment (no "
+                             f"wgmma.wait_group before the write); CTA {w.cta.ctaid} warp {w.wid}, PTX line "
+                             f"{sim.prog.instrs[w.last_ins].line}: {sim.prog.instrs[w.last_ins].text.strip()[:160]}")
             if v.dtype != dt:
                 v = v.astype(dt)
             np.copyto(w.R[idx], v, where=m)

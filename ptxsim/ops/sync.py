@@ -16,7 +16,7 @@ from .. import parser as P
 from ..errors import Hazard, MemoryFault, Unsupported
 from ..machine import DTYPE, MASK, Waiter, _lanes
 from ..memory import CLUSTER_SHIFT, WINDOW_MASK, merge
-from .control import Hold
+from .control import Hold, converge
 from .memops import addr_getter, space_of
 from .operands import getter, reg_bits, setter
 
@@ -61,6 +61,7 @@ class MBarrier(Waiter):
         self.tx += n
         if abs(self.tx) > TX_LIMIT:
             raise Hazard(f"mbarrier tx-count out of range: {self.state()}{ctx()}")
+        self._maybe_complete()
 
     def complete_tx(self, n: int, ctx) -> None:
         self.tx -= n
@@ -122,7 +123,13 @@ def compile_mbarrier(sim, ins):
                 cta, idx = sim.shared_index(w.cta, np.array([addr]), 8, ctx)
                 if cnt < 1 or cnt > TX_LIMIT:
                     raise Hazard(f"mbarrier.init with count {cnt} (range 1..2^20-1){ctx()}")
+                if cta.smem.mbar_bytes[idx].any():
+                    raise Hazard(f"mbarrier.init of a live mbarrier at shared offset {addr:#x} (initialized at PTX "
+                                 f"line {cta.smem.mbarriers[addr].line if addr in cta.smem.mbarriers else '?'}; "
+                                 f"PTX ISA 9.7.13.15: mbarrier.inval first){ctx()}")
                 cta.smem.write(idx, np.zeros((1, 8), np.uint8), "mbarrier.init", ctx, writer=w.gid, line=ins.line)
+                cta.smem.dirty[idx] = 0
+                cta.smem.mbar_bytes[idx] = True
                 cta.smem.mbarriers[addr] = MBarrier(sim, cta, addr, cnt, ins.line)
             sim.epoch += 1
         return body
@@ -133,6 +140,7 @@ def compile_mbarrier(sim, ins):
             a = _shared_addrs(sim, w, ag, m, space)
             for addr in set(a.tolist()):
                 w.cta.smem.mbarriers.pop(addr, None)
+                w.cta.smem.mbar_bytes[addr:addr + 8] = False
         return body
     if kind in ("expect_tx", "complete_tx"):
         ag = addr_getter(sim, ops[0])
@@ -153,6 +161,7 @@ def compile_mbarrier(sim, ins):
         tx_get = getter(sim, rest[0], 32) if expect else None
         cnt_get = getter(sim, rest[1 if expect else 0], 32) if len(rest) > (1 if expect else 0) else None
         remote = space == "shared::cluster"
+        relaxed = "relaxed" in words
 
         def body(w, m, pc):
             # PTX ISA 9.7.13.15.13 mbarrier.arrive: each executing thread arrives on the mbarrier its own address
@@ -171,7 +180,7 @@ def compile_mbarrier(sim, ins):
                 tokens[g] = bar.phase
                 if drop:
                     bar.expected -= count
-                bar.arrive(count, ctx)
+                bar.arrive(count, ctx, None if relaxed else w.observed)  # .release is the default
             if state_put is not None:
                 state_put(w, tokens, m)
         return body
@@ -180,6 +189,7 @@ def compile_mbarrier(sim, ins):
         put = setter(sim, ops[0], 1)
         ag = addr_getter(sim, ops[1])
         sg = getter(sim, ops[2], 32 if parity else 64)
+        relaxed = "relaxed" in words
 
         def body(w, m, pc):
             ctx = sim.ctx(w, ins, m)
@@ -190,7 +200,11 @@ def compile_mbarrier(sim, ins):
             else:
                 done = bar.phase > s.astype(np.int64)
             put(w, done, m)
-            if (done & m).any():  # the lanes that saw the phase complete acquire what it carried
+            if not parity and (bar.phase > s.astype(np.int64)[m] + 1).any():
+                raise Hazard(f"mbarrier wait on a state token older than the preceding phase (valid only in the "
+                             f"current or the immediately preceding phase, PTX ISA 9.7.13.15.16): {bar.state()}"
+                             f"{ctx()}")
+            if (done & m).any() and not relaxed:  # the lanes that saw the phase complete acquire what it carried
                 merge(w.observed, bar.carried)
                 if w.observed.get(bar.cid, 0) < bar.phase:
                     w.observed[bar.cid] = bar.phase
@@ -262,9 +276,8 @@ def compile_bar(sim, ins):
         bid = bids.pop()
         if bid > 15:
             raise MemoryFault(f"named barrier {bid} (0..15){ctx()}")
-        if aligned and (m != w.active).any():
-            raise Hazard(f"{ins.opcode} (aligned) executed by part of a warp: lanes {_lanes(m)} of "
-                         f"{_lanes(w.active)}{ctx()}")
+        if aligned:
+            converge(w, m, pc, ins.opcode, ctx)
         b = w.cta.barriers[bid]
         if cg is not None:
             cnts = set(cg(w)[m].tolist())
@@ -278,7 +291,17 @@ def compile_bar(sim, ins):
         elif b.expected is not None and b.arrived:
             raise Hazard(f"named barrier {bid} used without a count here, with {b.expected} by others in the "
                          f"same phase{ctx()}")
-        b.arrived += 32 if aligned else int(m.sum())
+        # PTX ISA 9.7.13.1: a warp's arrival is marked once all its non-exited threads arrived (barrier
+        # counts are in threads, a warp counting 32)
+        if aligned:
+            b.arrived += 32
+        else:
+            got = b.partial.get(w.gid, np.zeros(32, bool)) | m
+            if (w.active & ~got).any():
+                b.partial[w.gid] = got
+            else:
+                b.partial.pop(w.gid, None)
+                b.arrived += 32
         b.waiting.append((w, wait))
         version = b.version
         if wait:
@@ -291,9 +314,13 @@ def compile_bar(sim, ins):
 
 def warp_exited(sim, w):
     """Barriers counting the CTA's live threads may complete when a warp exits."""
-    ctx = lambda: f" (after warp {w.wid} of CTA {w.cta.ctaid} exited)"
+    ctx = lambda: f" (after lanes of warp {w.wid} of CTA {w.cta.ctaid} exited)"
     for bid, b in enumerate(w.cta.barriers):
-        if b.expected is None and b.arrived:
+        got = b.partial.get(w.gid)
+        if got is not None and not (w.active & ~got).any():  # its remaining lanes had all arrived
+            del b.partial[w.gid]
+            b.arrived += 32
+        if b.arrived:
             _bar_check(sim, w.cta, bid, ctx)
     _cluster_check(sim, w.cta)
 
@@ -321,8 +348,12 @@ def _members(w, m, mg):
 
 
 def _collective(w, m, mg):
-    """Hold the lanes until every member of the membermask executes this instruction with them."""
+    """Hold the lanes until every member of the membermask executes this instruction with them. An executing lane
+    outside the membermask is undefined (PTX ISA 9.7.9.6 and the other .sync collectives)."""
     mem = _members(w, m, mg)
+    if (m & ~mem & w.active).any():
+        raise Hazard(f"warp collective executed by lanes {_lanes(m & ~mem)} outside its membermask "
+                     f"(CTA {w.cta.ctaid} warp {w.wid})")
     if (mem & ~m).any():
         raise Hold()
     return mem
@@ -407,7 +438,12 @@ def compile_elect(sim, ins):
     def body(w, m, pc):
         mem = _collective(w, m, gm)
         cand = np.flatnonzero(mem)
-        leader = int(cand[sim.rng.integers(len(cand))]) if sim.elect_random else int(cand[0])
+        # "the same leader thread is elected for the same membermask every time" (PTX ISA 9.7.13.14): one choice
+        # per warp and member set, the seed's
+        key = tuple(cand.tolist())
+        leader = w.elected.get(key)
+        if leader is None:
+            leader = w.elected[key] = int(cand[sim.rng.integers(len(cand))]) if sim.elect_random else int(cand[0])
         if put_r is not None:
             put_r(w, np.full(32, leader, np.uint32), m)
         put_p(w, np.arange(32) == leader, m)
@@ -474,8 +510,11 @@ def compile_fence(sim, ins):
     words = ins.words
     if "proxy" in words and "async" in "".join(words[2:]) and "tensormap" not in "".join(words):
         def body(w, m, pc):
+            # a fence covers the generic writes of this warp and of the warps it synchronized with since
+            # (PTX ISA 8.9.5: an alias proxy fence on the causality path from the write to the async read)
             d = w.cta.smem.dirty
-            d[d == w.gid + 1] = 0
+            covered = [k[1] + 1 for k in w.observed if isinstance(k, tuple) and k[0] == "warp"]
+            d[np.isin(d, covered)] = 0
         return body
     return lambda w, m, pc: None
 
@@ -544,11 +583,21 @@ def _cluster_bar(cta):
 
 
 def _cluster_check(sim, cta):
+    """PTX ISA 9.7.13.3: the barrier completes when all non-exited threads of the cluster have arrived (in this
+    phase); arrive releases and wait acquires by default, so the arrivers' observations reach every waiter."""
     if cta.cluster is None:
         return
     cb = _cluster_bar(cta)
-    live = sum(int(x.active.sum()) for c in cta.cluster for x in c.warps)
-    if cb.arrived and cb.arrived >= live:
+    warps = [x for c in cta.cluster for x in c.warps if x.active.any()]
+    if not warps:
+        return
+    arrived = [getattr(x, "cluster_arrived", None) for x in warps]
+    if all(a is not None and (a[x.active] == cb.phase).all() for a, x in zip(arrived, warps)):
+        seen: dict = {}
+        for x in warps:
+            merge(seen, x.observed)
+        for x in warps:
+            merge(x.observed, seen)
         cb.arrived = 0
         cb.phase += 1
         cb.version += 1

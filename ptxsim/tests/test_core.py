@@ -288,3 +288,108 @@ def test_instruction_rate_is_reported():
     out = torch.zeros(32, dtype=torch.int32)
     stats = run(kernel(body), out)
     assert stats["instructions"] == 6 and stats["instructions_per_second"] > 0
+
+
+def test_aligned_barrier_waits_for_lanes_parked_in_a_wait():
+    """Lane 0 of warp 0 spins on an mbarrier that warp 1 completes later; the other lanes reach bar.sync first.
+    ptxas reconverges the warp there: the simulator waits for the parked lane instead of calling the warp
+    diverged."""
+    body = PROLOGUE + MBAR.format(count=1) + """
+\tand.b32 %r2, %r1, 31;
+\tsetp.lt.u32 %p2, %r1, 32;
+\t@!%p2 bra W1;
+\tsetp.ne.u32 %p3, %r2, 0;
+\t@%p3 bra SYNC;
+\tmov.u32 %r3, 0;
+SPIN:
+\tmbarrier.try_wait.parity.shared.b64 %p4, [%r10], %r3;
+\t@!%p4 bra SPIN;
+\tbra.uni SYNC;
+W1:
+\tsetp.ne.u32 %p5, %r2, 0;
+\t@%p5 bra SYNC;
+\tmbarrier.arrive.shared.b64 %rd5, [%r10];
+SYNC:
+\tbar.sync 1, 64;
+\tst.global.u32 [%rd3], %r1;
+"""
+    for seed in range(4):
+        out = torch.full((64,), -1, dtype=torch.int32)
+        run(kernel(body, shared=".shared .align 8 .b8 bar[8];\n"), out, block=(64, 1, 1), seed=seed)
+        assert out.tolist() == list(range(64))
+
+
+def test_elect_picks_one_leader_per_member_set():
+    body = PROLOGUE + """
+\telect.sync %r2|%p1, -1;
+\telect.sync %r3|%p2, -1;
+\tsub.s32 %r4, %r2, %r3;
+\tst.global.u32 [%rd3], %r4;
+"""
+    for seed in range(4):
+        out = torch.full((32,), -1, dtype=torch.int32)
+        run(kernel(body), out, seed=seed)
+        assert (out == 0).all()
+
+
+BULK_STORE = """
+\tmov.u32 %r10, smem;
+\tshl.b32 %r11, %r1, 2;
+\tadd.s32 %r12, %r10, %r11;
+\tst.shared.u32 [%r12], %r1;
+\tbar.sync 0;
+\tsetp.ne.u32 %p1, %r1, 0;
+\t@%p1 bra DONE;
+{fence}
+\tcp.async.bulk.global.shared::cta.bulk_group [%rd1], [%r10], 256;
+\tcp.async.bulk.commit_group;
+\tcp.async.bulk.wait_group 0;
+DONE:
+"""
+
+
+def test_one_proxy_fence_after_the_barrier_covers_every_writer():
+    """Two warps write shared memory, bar.sync, then the issuing thread alone fences and bulk-stores it (the
+    pattern CUTLASS epilogues use): the fence covers the writes it is ordered after."""
+    body = PROLOGUE + BULK_STORE.replace("{fence}", "\tfence.proxy.async.shared::cta;")
+    out = torch.full((64,), -1, dtype=torch.int32)
+    for seed in range(3):
+        run(kernel(body, shared=".shared .align 128 .b8 smem[256];\n"), out, block=(64, 1, 1), seed=seed)
+        assert out.tolist() == list(range(64))
+
+
+def test_bulk_store_without_the_proxy_fence():
+    body = PROLOGUE + BULK_STORE.replace("{fence}", "")
+    out = torch.full((64,), -1, dtype=torch.int32)
+    with pytest.raises(Hazard, match="no fence.proxy.async"):
+        run(kernel(body, shared=".shared .align 128 .b8 smem[256];\n"), out, block=(64, 1, 1))
+
+
+def test_store_over_a_live_mbarrier():
+    body = PROLOGUE + MBAR.format(count=1) + "\tst.shared.u32 [%r10+4], %r1;\n"
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(Hazard, match="inside a live mbarrier"):
+        run(kernel(body, shared=".shared .align 8 .b8 bar[8];\n"), out)
+
+
+def test_nonaligned_barrier_counts_warps_with_exited_lanes():
+    """barrier.sync (not .aligned) marks a warp's arrival once its non-exited threads arrived: half of warp 0 exits
+    first, and the default count (the CTA's non-exited warps) still completes."""
+    body = PROLOGUE + """
+\tsetp.ge.u32 %p1, %r1, 16;
+\tsetp.lt.u32 %p2, %r1, 32;
+\tand.pred %p3, %p1, %p2;
+\t@%p3 bra OUT;
+\tbarrier.sync 0;
+\tst.global.u32 [%rd3], %r1;
+OUT:
+"""
+    out = torch.full((64,), -1, dtype=torch.int32)
+    run(kernel(body), out, block=(64, 1, 1))
+    assert out[:16].tolist() == list(range(16)) and out[32:].tolist() == list(range(32, 64))
+
+
+def test_launch_past_the_shared_memory_limit():
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(SimError, match="shared memory per CTA"):
+        run(kernel(PROLOGUE), out, dyn_smem=232448 + 16)

@@ -164,3 +164,15 @@ def test_consumer_skips_its_full_barrier_wait(deep):
     for seed in (0, 1, 2):
         with pytest.raises(Hazard, match="not observed its completion|has not completed"):
             _run(bad, a, b, c, seed)
+
+
+def test_only_one_warp_waits_for_the_wgmmas(deep):
+    """Warp 0 alone runs wgmma.wait_group; warps 1-3 read their accumulators relying on it. Each warp's own wait
+    retires its registers (PTX ISA 9.7.15.7.3), so the other warps' reads are hazards even after the MMA landed."""
+    launch, a, b, c = deep
+    wait = "wgmma.wait_group.sync.aligned \t0;"
+    assert "shfl.sync.idx.b32 \t%r3, %r14, 0, 31, -1;" in launch.ptx  # %r3: the warp index, warp-uniform
+    bad = _mutate_ptx(launch, wait, "{ .reg .pred q; setp.eq.u32 q, %r3, 0; @q " + wait + " }")
+    for seed in (0, 2):
+        with pytest.raises(Hazard, match="in-flight wgmma"):
+            _run(bad, a, b, c, seed)
