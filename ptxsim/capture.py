@@ -50,7 +50,6 @@ import ctypes
 import dataclasses
 import os
 import re
-import sys
 import tempfile
 import threading
 from typing import Any, Iterator
@@ -503,7 +502,10 @@ def capturing(arch: str = "sm_90a") -> Iterator[list[Launch]]:
         saved_arch = envar._arch
         envar.arch = arch
         # quack's compile cache would hand back a function built before the block (its engine unstubbed)
-        quack_cache = sys.modules.get("quack.cache")
+        try:  # imported here: a quack first imported inside the block would start with its cache on
+            import quack.cache as quack_cache
+        except ImportError:
+            quack_cache = None
         saved_quack = quack_cache.CACHE_ENABLED if quack_cache is not None else None
         if quack_cache is not None:
             quack_cache.CACHE_ENABLED = False

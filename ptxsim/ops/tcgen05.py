@@ -77,6 +77,7 @@ class TMem:
         self.waiter = Waiter()  # moves on dealloc
         self.fifo: dict = {}  # issuing (warp gid, lane) -> its MMAs not yet landed, in issue order
         self.uncommitted: dict = {}  # issuing (warp gid, lane) -> MMAs issued since its last tcgen05.commit
+        self.issued: dict = {}  # issuing (warp gid, lane) -> its MMAs not known complete (a commit tracks them all)
 
 
 def tmem(cta) -> TMem:
@@ -519,6 +520,7 @@ def _mma(sim, ins):
         fifo = tm.fifo.setdefault(key, [])
         fifo.append(op)
         tm.uncommitted.setdefault(key, []).append(op)
+        tm.issued.setdefault(key, []).append(op)
 
         def ready(op=op, fifo=fifo):
             return fifo and fifo[0] is op
@@ -595,7 +597,8 @@ def _mma(sim, ins):
 
 def _commit(sim, ins):
     """PTX ISA 9.7.16.12.1 tcgen05.commit.cta_group::1.mbarrier::arrive::one{.shared::cluster}{.multicast::cluster}
-    .b64 [mbar] {, ctaMask}: once every prior tcgen05.mma of the executing thread has completed, one arrive-on
+    .b64 [mbar] {, ctaMask}: once every prior async tcgen05 operation of the executing thread has completed (those
+    an earlier commit tracked too), one arrive-on
     (count 1) on the mbarrier (on the same offset in each CTA of ctaMask with .multicast::cluster). The MMA results
     become readable by threads that observe the phase that arrival completes (9.7.16.6.4.2). Modelled as an
     asynchronous arrival that lands after the tracked MMAs, at a time the seed picks."""
@@ -631,11 +634,14 @@ def _commit(sim, ins):
                 bars = [mbar_of(sim, w, np.array([a]), ctx)]
             key = (w.gid, lane)
             ops = tm.uncommitted.pop(key, [])
+            # the arrival waits for every prior async tcgen05 operation of the thread, committed before or not
+            tracked = [o for o in tm.issued.get(key, []) if not o.async_op.done]
+            tm.issued[key] = tracked
             observed = dict(w.observed)
             own = next((b for b in bars if b.cta is cta), bars[0] if bars else None)
 
-            def ready(ops=ops):
-                return all(o.async_op.done for o in ops)
+            def ready(tracked=tracked):
+                return all(o.async_op.done for o in tracked)
 
             def land(ops=ops, bars=bars, own=own, observed=observed):
                 if own is not None:
