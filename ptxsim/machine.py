@@ -438,23 +438,24 @@ class Simulator:
     # ------------------------------------------------------------------------------------------------------------
     # address translation
     def shared_index(self, cta: CTA, addrs: np.ndarray, nbytes: int, ctx, cluster: bool = False):
-        """``(cta, byte index array (n, nbytes))`` for shared addresses (shared::cta offsets, or shared::cluster
-        with a peer rank tag when ``cluster``)."""
+        """``(cta, byte index array (n, nbytes))`` for shared addresses: the CTA's rank in the cluster above
+        ``CLUSTER_SHIFT``, the offset in its shared memory below; a peer's only for a shared::cluster access."""
         addrs = np.asarray(addrs, np.int64)
         target = cta
-        if cluster:
-            tags = addrs >> CLUSTER_SHIFT
-            if tags.any():
-                ranks = set(tags.tolist())
-                if len(ranks) > 1:
-                    raise Unsupported("one access spanning several CTAs of the cluster")
-                rank = ranks.pop() - 1
-                if rank < 0 or rank >= len(cta.cluster):
-                    raise MemoryFault(f"shared::cluster address of rank {rank}, outside the cluster{ctx()}")
-                target = cta.cluster[rank]
-                if target.exited:
-                    raise Hazard(f"shared memory of CTA {target.ctaid} (rank {rank}) accessed after it exited{ctx()}")
-                addrs = addrs & ((1 << CLUSTER_SHIFT) - 1)
+        ranks = set((addrs >> CLUSTER_SHIFT).tolist())
+        if ranks != {cta.rank}:
+            if len(ranks) > 1:
+                raise Unsupported("one access spanning several CTAs of the cluster")
+            rank = ranks.pop()
+            if not cluster:
+                raise MemoryFault(f"shared::cta access at {int(addrs[0]):#x}, in the window of CTA rank {rank}, "
+                                  f"not the executing CTA's (rank {cta.rank}){ctx()}")
+            if rank >= len(cta.cluster):
+                raise MemoryFault(f"shared::cluster address of rank {rank}, outside the cluster{ctx()}")
+            target = cta.cluster[rank]
+            if target.exited:
+                raise Hazard(f"shared memory of CTA {target.ctaid} (rank {rank}) accessed after it exited{ctx()}")
+        addrs = addrs & ((1 << CLUSTER_SHIFT) - 1)
         if nbytes > 1 and (addrs % nbytes).any():
             bad = int(addrs[(addrs % nbytes) != 0][0])
             raise MemoryFault(f"misaligned shared access: {nbytes} B at {bad:#x}{ctx()}")

@@ -7,8 +7,10 @@ host's own (below 2^47 on x86-64); the shared, local and param windows sit far a
 - ``LOCAL_WINDOW + offset``: the executing thread's local memory (``cvta.local``);
 - ``PARAM_WINDOW + offset``: the kernel parameter buffer (``cvta.param``, PTX ISA 5.1.6.1, sm_70+).
 
-A shared::cluster address (PTX ISA 5.1.3 "Shared State Space") of the executing CTA is its shared::cta address; one
-of a peer CTA carries ``(rank + 1) << CLUSTER_SHIFT`` (what ``mapa`` returns here).
+Shared addresses (PTX ISA 5.1.3 "Shared State Space") carry the CTA's rank in its cluster above ``CLUSTER_SHIFT``
+and the offset into its shared memory below: a CTA's shared::cta window lies inside the cluster's shared::cluster
+window, so its own addresses are valid shared::cluster addresses, and a peer's differ in the rank (what ``mapa``
+returns). Kernels rely on it: a 2-CTA Blackwell MMA names the leader's mbarrier by clearing the rank bit.
 """
 
 from __future__ import annotations

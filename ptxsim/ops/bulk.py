@@ -93,7 +93,9 @@ def _issue_load(sim, w, ins, tm, coords, dst, bar_addr, ctamask, ctx):
     eb = tm.elem_bytes
     nbytes = gaddr.size * eb
     if ctamask is None:
-        targets = [w.cta.cluster[(dst >> CLUSTER_SHIFT) - 1] if dst >> CLUSTER_SHIFT else w.cta]
+        if (dst >> CLUSTER_SHIFT) >= len(w.cta.cluster):
+            raise MemoryFault(f"TMA destination {dst:#x} outside the cluster's shared memory{ctx()}")
+        targets = [w.cta.cluster[dst >> CLUSTER_SHIFT]]
     else:
         targets = [c for c in w.cta.cluster if (ctamask >> c.rank) & 1]
         if not targets:
@@ -130,6 +132,8 @@ _REDUCE = {"add": np.add, "min": np.minimum, "max": np.maximum}
 
 
 def _issue_store(sim, w, ins, tm, coords, src, rop, ctx):
+    _, first = sim.shared_index(w.cta, np.array([src]), 1, ctx)  # the executing CTA's own shared memory
+    src = int(first[0, 0])
     gaddr, inb, saddr = layouts.tma_box_addrs(tm, coords, src)
     eb = tm.elem_bytes
     idx = saddr[:, None] + np.arange(eb)

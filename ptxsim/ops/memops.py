@@ -12,7 +12,7 @@ from ..errors import Hazard, MemoryFault, Unsupported
 from ..machine import DTYPE, MASK, AsyncOp
 from ..memory import CLUSTER_SHIFT, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW, WINDOW_MASK
 from .control import converge
-from .operands import TYPE_BITS, getter, reg_bits, setter, symbol_value
+from .operands import TYPE_BITS, getter, reg_bits, setter, symbol_getter
 
 SPACES = {"global", "shared", "shared::cta", "shared::cluster", "param", "param::entry", "param::func", "local",
           "const"}
@@ -34,11 +34,10 @@ def addr_getter(sim, op):
         arr = np.full(32, off, np.int64)
         return lambda w: arr
     if isinstance(op.base, P.Reg) and op.base.name not in sim.prog.reg_index:
-        v = symbol_value(sim, op.base.name)
-        if v is None:
+        g = symbol_getter(sim, op.base.name, off, 64)
+        if g is None:
             raise Unsupported(f"address base {op.base.name}")
-        arr = np.full(32, v + off, np.int64)
-        return lambda w: arr
+        return lambda w: g(w).view(np.int64)
     bits = reg_bits(sim, op.base) or 64
     g = getter(sim, op.base, bits)
     if bits == 32:
@@ -273,7 +272,7 @@ def compile_mapa(sim, ins):
         if generic:
             a = a & WINDOW_MASK
         r = rank(w).astype(np.int64)
-        v = (a & ((1 << CLUSTER_SHIFT) - 1)) | ((r + 1) << CLUSTER_SHIFT)
+        v = (a & ((1 << CLUSTER_SHIFT) - 1)) | (r << CLUSTER_SHIFT)
         if generic:
             v = v + SHARED_WINDOW
         put(w, v.astype(dt), m)
@@ -286,8 +285,7 @@ def compile_getctarank(sim, ins):
 
     def body(w, m, pc):
         a = g(w).astype(np.int64) & WINDOW_MASK
-        tag = a >> CLUSTER_SHIFT
-        put(w, np.where(tag > 0, tag - 1, w.cta.rank).astype(np.uint32), m)
+        put(w, (a >> CLUSTER_SHIFT).astype(np.uint32), m)
     return body
 
 

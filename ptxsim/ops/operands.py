@@ -9,6 +9,7 @@ import numpy as np
 from .. import parser as P
 from ..errors import Hazard, Unsupported
 from ..machine import DTYPE, LANES, MASK
+from ..memory import CLUSTER_SHIFT
 
 TYPE_BITS = {"pred": 1, "b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "f16": 16, "bf16": 16,
              "b32": 32, "u32": 32, "s32": 32, "f32": 32, "f16x2": 32, "bf16x2": 32, "b64": 64, "u64": 64, "s64": 64,
@@ -59,8 +60,24 @@ def _check_pending(w, idx, name, sim):
                      f"{sim.prog.instrs[w.last_ins].line}: {sim.prog.instrs[w.last_ins].text.strip()[:160]}")
 
 
+def symbol_getter(sim, name: str, offset: int, bits: int):
+    """``w -> array``: the state-space address of a variable or parameter (plus ``offset``), or None. A shared
+    variable's address carries the CTA's rank in the cluster (``memory.CLUSTER_SHIFT``): a CTA's shared::cta window
+    lies in the cluster's shared::cluster window (PTX ISA 5.1.3)."""
+    v = symbol_value(sim, name)
+    if v is None:
+        return None
+    dt = DTYPE[bits]
+    const = np.full(32, (v + offset) & MASK[bits], dt)
+    if name not in sim.shared_offset:
+        return lambda w: const
+    per_rank = [np.full(32, ((r << CLUSTER_SHIFT) + v + offset) & MASK[bits], dt) for r in range(16)]
+    return lambda w: per_rank[w.cta.rank]
+
+
 def symbol_value(sim, name: str):
-    """The state-space address of a variable or parameter named in an operand, or None."""
+    """The state-space address of a variable or parameter named in an operand (for a shared one, in a CTA of rank
+    0), or None."""
     if name in sim.shared_offset:
         return sim.shared_offset[name]
     if name in sim.param_offset:
@@ -78,11 +95,10 @@ def getter(sim, op, bits: int, is_float: bool = False, signed: bool = False):
     if isinstance(op, P.Reg):
         idx = sim.prog.reg_index.get(op.name)
         if idx is None:
-            v = symbol_value(sim, op.name)
-            if v is None:
+            g = symbol_getter(sim, op.name, 0, bits) if bits > 1 else None
+            if g is None:
                 raise Unsupported(f"operand {op.name}: neither a register nor a variable")
-            const = np.full(32, v & MASK.get(bits, 1), dt)
-            return lambda w: const
+            return g
         rb = sim.prog.reg_bits[idx]
         name = op.name
         if rb == bits:
@@ -106,14 +122,13 @@ def getter(sim, op, bits: int, is_float: bool = False, signed: bool = False):
         inner = getter(sim, op.inner, bits)
         return lambda w: ~inner(w)
     if isinstance(op, P.Addr) and op.vec is None:  # sym+off as a value
-        base = 0
-        if op.base is not None:
-            v = symbol_value(sim, op.base.name) if isinstance(op.base, P.Reg) else None
-            if v is None:
-                raise Unsupported(f"address expression {op} as a value")
-            base = v
-        const = np.full(32, (base + op.offset) & MASK[bits], dt)
-        return lambda w: const
+        if op.base is None:
+            const = np.full(32, op.offset & MASK[bits], dt)
+            return lambda w: const
+        g = symbol_getter(sim, op.base.name, op.offset, bits) if isinstance(op.base, P.Reg) else None
+        if g is None:
+            raise Unsupported(f"address expression {op} as a value")
+        return g
     raise Unsupported(f"operand {op!r} as a {bits}-bit source")
 
 

@@ -86,10 +86,12 @@ def mbar_of(sim, w, addrs, ctx, cluster=False):
         raise Unsupported(f"lanes of one instruction on different mbarriers{ctx()}")
     a = uniq.pop()
     cta = w.cta
-    if a >> CLUSTER_SHIFT:
-        rank = (a >> CLUSTER_SHIFT) - 1
+    rank = a >> CLUSTER_SHIFT
+    if rank != cta.rank:
+        if rank >= len(w.cta.cluster):
+            raise MemoryFault(f"mbarrier address {a:#x} in the window of CTA rank {rank}, outside the cluster{ctx()}")
         cta = w.cta.cluster[rank]
-        a &= (1 << CLUSTER_SHIFT) - 1
+    a &= (1 << CLUSTER_SHIFT) - 1
     if a % 8:
         raise MemoryFault(f"mbarrier at a shared offset {a:#x} not 8-byte aligned{ctx()}")
     bar = cta.smem.mbarriers.get(a)
@@ -121,6 +123,7 @@ def compile_mbarrier(sim, ins):
             counts = cg(w)[m]
             for addr, cnt in set(zip(a.tolist(), counts.tolist())):
                 cta, idx = sim.shared_index(w.cta, np.array([addr]), 8, ctx)
+                addr = int(idx[0, 0])  # the offset in the CTA's shared memory (the rank bits off)
                 if cnt < 1 or cnt > TX_LIMIT:
                     raise Hazard(f"mbarrier.init with count {cnt} (range 1..2^20-1){ctx()}")
                 if cta.smem.mbar_bytes[idx].any():
@@ -139,8 +142,9 @@ def compile_mbarrier(sim, ins):
         def body(w, m, pc):
             a = _shared_addrs(sim, w, ag, m, space)
             for addr in set(a.tolist()):
-                w.cta.smem.mbarriers.pop(addr, None)
-                w.cta.smem.mbar_bytes[addr:addr + 8] = False
+                cta, idx = sim.shared_index(w.cta, np.array([addr]), 8, sim.ctx(w, ins, m))
+                cta.smem.mbarriers.pop(int(idx[0, 0]), None)
+                cta.smem.mbar_bytes[idx] = False
         return body
     if kind in ("expect_tx", "complete_tx"):
         ag = addr_getter(sim, ops[0])

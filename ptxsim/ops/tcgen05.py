@@ -628,7 +628,7 @@ def _commit(sim, ins):
                 if cm >> len(cta.cluster):
                     raise Hazard(f"tcgen05.commit ctaMask {cm:#x} names CTAs outside the cluster of "
                                  f"{len(cta.cluster)}{ctx()}")
-                bars = [mbar_of(sim, w, np.array([off if r == cta.rank else off | ((r + 1) << CLUSTER_SHIFT)]),
+                bars = [mbar_of(sim, w, np.array([off | (r << CLUSTER_SHIFT)]),
                                 ctx) for r in targets]
             else:
                 bars = [mbar_of(sim, w, np.array([a]), ctx)]
