@@ -61,7 +61,7 @@ class Warp:
         first = wid * 32
         self.active = (first + LANES) < nthreads  # lanes past the block's threads never exist
         self.exists = self.active.copy()
-        self.R = [np.zeros(32, DTYPE[b]) for b in nregs]
+        self.R = sim.prog.new_registers()
         self.waits: list = []  # (mask, waiter, version, why, soft: a failed try_wait)
         self.coll_wait = np.zeros(32, bool)  # lanes at a collective whose members have not arrived
         self.coll_flag = False  # coll_wait has a lane
@@ -188,6 +188,15 @@ class Program:
             self.reg_bits.append(bits)
         self.instrs = fn.instrs
         self.handlers: list = [None] * len(fn.instrs)
+        self._by_width = {b: [i for i, x in enumerate(self.reg_bits) if x == b] for b in set(self.reg_bits)}
+
+    def new_registers(self) -> list:
+        """One warp's register file: a (32,) array per register, rows of one block per width (cheap to make)."""
+        regs = [None] * len(self.reg_bits)
+        for bits, idxs in self._by_width.items():
+            for i, row in zip(idxs, np.zeros((len(idxs), 32), DTYPE[bits])):
+                regs[i] = row
+        return regs
 
 
 class Simulator:
