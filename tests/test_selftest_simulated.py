@@ -39,3 +39,18 @@ def test_simulated_selftest_fails_a_wrong_kernel(monkeypatch):
         row = selftest.run_case(case, "cpu")
     assert record.launches
     assert not row.ok
+
+
+def test_cli_simulate_prints_its_table(capsys, tmp_path):
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser()
+    selftest.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["selftest", "--simulate", "--quick", "--ops", "gather_kv", "--seeds", "2",
+                              "--json", str(tmp_path / "rows.json")])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "selftest --simulate (sm_90a, 2 seed(s) per case)" in out and "2 of 2 passed" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert len(rows["rows"]) == 2 and all(r["ok"] for r in rows["rows"])
