@@ -507,3 +507,60 @@ def tmem_ld_st_map(shape: str, num: int, warp_in_wg: int, taddr: int) -> tuple[n
     t = np.arange(32, dtype=np.int64)[:, None]
     r = np.arange(num, dtype=np.int64)[None, :]
     return np.broadcast_to(lane0 + t, (32, num)).copy(), np.broadcast_to(col0 + r, (32, num)).copy()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TMA .tile::gather4 (sm_100a)
+# ----------------------------------------------------------------------------------------------------------------
+
+def tma_gather4_addrs(tmap: TensorMap, col: int, rows: tuple, smem_dst: int):
+    """Element maps of one ``cp.async.bulk.tensor.2d...tile::gather4`` load (PTX ISA 5.5.3.4 ".tile::scatter4 and
+    .tile::gather4 modes", 9.7.9.27.1.2 cp.async.bulk.tensor: coordinates ``{col_idx, row_idx0..row_idx3}``).
+
+    Four bounding boxes of one row each (5.5.3.4.1: the box's dimension-1 size in the tensor map must be one), all
+    starting at column ``col``, rows ``rows[0..3]``, are combined into one 2-D destination of 4 rows x box[0]
+    elements: element (i, j) (i < 4, j < box[0]) has tensor coordinate (col + j, rows[i]);
+      gaddr    = tmap.address + (col + j) * strides[0] + rows[i] * strides[1]   (meaningful only where in_bounds)
+      in_bounds = 0 <= col + j < dims[0] and 0 <= rows[i] < dims[1]   (5.5.3.3: out-of-bound elements are filled)
+      saddr    = swizzle_addr(smem_dst + elem_bytes * (i * box[0] + j), tmap.swizzle)  (rows stacked, dense)
+    The swizzle is on absolute shared address bits: a destination off the pattern's repeat boundary starts at the
+    non-zero base offset of 5.5.7 ((dst / 128) % 8 for 128B), which is what the absolute-address XOR gives; the
+    destination must be 128-byte aligned. "All other constraints and rules of the tile mode apply" (5.5.3.4): inner
+    box bytes a multiple of 16, equal to the swizzle span when swizzled (as ``tma_box_addrs``).
+    Returns (gaddr int64 (n,), in_bounds bool (n,), saddr int64 (n,)), n = 4 * box[0], row-major (i, j).
+    """
+    if tmap.rank != 2:
+        raise MemoryFault(f"tile::gather4 on a rank-{tmap.rank} tensor map (PTX ISA 5.5.3.4: 2-D tensors only)")
+    if len(rows) != 4:
+        raise Unsupported(f"tile::gather4 with {len(rows)} row coordinates (4 expected)")
+    if tmap.interleave:
+        raise MemoryFault("tile::gather4 with an interleaved tensor map (PTX ISA 5.5.3.4: not supported)")
+    if tmap.box[1] != 1:
+        raise MemoryFault(f"tile::gather4 tensor map box {tmap.box}: the bounding box's dimension-1 size must be one "
+                          f"(PTX ISA 5.5.3.4.1)")
+    if tmap.elem_bytes < 1:
+        raise Unsupported(f"TMA of sub-byte type {tmap.dtype}")
+    if tuple(tmap.elem_strides) != (1, 1):
+        raise Unsupported(f"tile::gather4 with traversal strides {tmap.elem_strides}")
+    eb, width, sw = tmap.elem_bytes, int(tmap.box[0]), tmap.swizzle
+    inner = width * eb
+    if inner % 16:
+        raise MemoryFault(f"TMA box inner dimension {width} x {eb} B = {inner} B is not a multiple of 16 bytes "
+                          "(PTX ISA 5.5 bounding box; cuTensorMapEncodeTiled)")
+    if sw not in _SWIZZLE_BITS:
+        raise Unsupported(f"TMA swizzle {sw}")
+    if sw and inner > sw:
+        raise MemoryFault(f"TMA box inner dimension {inner} B exceeds the {sw}B swizzle span (PTX ISA 5.5.7)")
+    if sw and inner < sw:
+        raise Unsupported(f"TMA box inner dimension {inner} B below the {sw}B swizzle span (short swizzled rows "
+                          f"not modelled)")
+    if smem_dst % 128:
+        raise MemoryFault(f"cp.async.bulk.tensor shared address {smem_dst:#x} not 128-byte aligned")
+    i = np.repeat(np.arange(4, dtype=np.int64), width)
+    j = np.tile(np.arange(width, dtype=np.int64), 4)
+    c0 = int(col) + j
+    c1 = np.asarray([int(r) for r in rows], np.int64)[i]
+    gaddr = int(tmap.address) + c0 * int(tmap.strides[0]) + c1 * int(tmap.strides[1])
+    inb = (c0 >= 0) & (c0 < int(tmap.dims[0])) & (c1 >= 0) & (c1 < int(tmap.dims[1]))
+    saddr = swizzle_addr(int(smem_dst) + (i * width + j) * eb, sw).astype(np.int64)
+    return gaddr.astype(np.int64), inb, saddr

@@ -14,6 +14,7 @@ Instruction semantics live with their families (``alu``, ``ops_*`` modules); eac
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import struct
 import time
@@ -182,8 +183,6 @@ class Program:
         self.reg_index = {}
         self.reg_bits = []
         for name, bits in fn.regs.items():
-            if bits == 128:
-                raise Unsupported(f"128-bit register {name}")
             self.reg_index[name] = len(self.reg_bits)
             self.reg_bits.append(bits)
         self.instrs = fn.instrs
@@ -194,7 +193,9 @@ class Program:
         """One warp's register file: a (32,) array per register, rows of one block per width (cheap to make)."""
         regs = [None] * len(self.reg_bits)
         for bits, idxs in self._by_width.items():
-            for i, row in zip(idxs, np.zeros((len(idxs), 32), DTYPE[bits])):
+            # a .b128 register (PTX ISA 5.2.2) is a (32, 2) uint64 array: column 0 the low 64 bits, 1 the high
+            block = np.zeros((len(idxs), 32), DTYPE[bits]) if bits != 128 else np.zeros((len(idxs), 32, 2), np.uint64)
+            for i, row in zip(idxs, block):
                 regs[i] = row
         return regs
 
@@ -321,11 +322,14 @@ class Simulator:
         if self.smem_size - 1024 > MAX_SMEM:
             raise SimError(f"{self.smem_size - 1024} B of shared memory per CTA ({self.static_smem} static + "
                            f"{self.spec.dyn_smem} dynamic), past the {MAX_SMEM} B a CTA may have")
-        clusters = list(self.cluster_ctas())
+        # clusters not launched yet, in launch order: each wave takes the next ones; clusterlaunchcontrol.try_cancel
+        # (ops/clc.py) removes one before it starts
+        self.unlaunched = collections.deque(self.cluster_ctas())
         per_wave = max(1, self.concurrent_ctas // (c[0] * c[1] * c[2]))
-        for w0 in range(0, len(clusters), per_wave):
+        while self.unlaunched:
             ctas = []
-            for members in clusters[w0:w0 + per_wave]:
+            wave = [self.unlaunched.popleft() for _ in range(min(per_wave, len(self.unlaunched)))]
+            for members in wave:
                 group = [CTA(self, ctaid, cid, rank) for ctaid, cid, rank in members]
                 for cta in group:
                     cta.cluster = group

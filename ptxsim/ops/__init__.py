@@ -7,10 +7,10 @@ leaves them to wait. The guard predicate (``@p`` / ``@!p``) is applied here: gua
 from __future__ import annotations
 
 from ..errors import Unsupported
-from . import control, memops, sync, bulk, mma, arith, tcgen05
+from . import control, memops, sync, bulk, mma, arith, tcgen05, clc
 
 _FAMILIES = {}
-for _mod in (arith, control, memops, sync, bulk, mma, tcgen05):
+for _mod in (arith, control, memops, sync, bulk, mma, tcgen05, clc):
     for _name, _fn in _mod.COMPILERS.items():
         _FAMILIES[_name] = _fn
 

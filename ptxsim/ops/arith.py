@@ -133,6 +133,8 @@ def compile_mov(sim, ins):
     mods, types = split_words(ins.words)
     bits = TYPE_BITS[types[0]]
     dst, src = ins.operands
+    if bits == 128:
+        return _mov_b128(sim, dst, src)
     if isinstance(src, P.Vec):  # pack
         n = len(src.items)
         part = bits // n
@@ -162,6 +164,42 @@ def compile_mov(sim, ins):
     g = getter(sim, src, bits, types[0] in _FLOAT_TYPES)
     put = setter(sim, dst, bits)
     return lambda w, m, pc: put(w, g(w), m)
+
+
+def _mov_b128(sim, dst, src):
+    """PTX ISA 9.7.9.10 mov ``.b128``: ``mov.b128 d, {lo, hi}`` packs two .b64 (or four .b32, first in the low bits)
+    into a 128-bit register, ``mov.b128 {lo, hi}, d`` unpacks it, ``mov.b128 d, s`` copies. A .b128 register is a
+    (32, 2) uint64 array (column 0 the low 64 bits)."""
+    def parts(vec):
+        n = len(vec.items)
+        if n not in (2, 4):
+            raise Unsupported(f"mov.b128 with a vector of {n} elements")
+        return n, 128 // n
+    if isinstance(src, P.Vec):
+        n, part = parts(src)
+        gets = [getter(sim, s, part) for s in src.items]
+        put = setter(sim, dst, 128)
+        per = 64 // part
+
+        def body(w, m, pc):
+            v = np.zeros((32, 2), np.uint64)
+            for k, g in enumerate(gets):
+                v[:, k // per] |= g(w).astype(np.uint64) << np.uint64(part * (k % per))
+            put(w, v, m)
+        return body
+    g = getter(sim, src, 128)
+    if isinstance(dst, P.Vec):
+        n, part = parts(dst)
+        puts = [setter(sim, d, part) for d in dst.items]
+        per = 64 // part
+
+        def body(w, m, pc):
+            v = g(w)
+            for k, p in enumerate(puts):
+                p(w, ((v[:, k // per] >> np.uint64(part * (k % per))) & np.uint64(MASK[part])).astype(DTYPE[part]), m)
+        return body
+    put = setter(sim, dst, 128)
+    return lambda w, m, pc: put(w, g(w).copy(), m)
 
 
 def compile_cvta(sim, ins):

@@ -47,8 +47,10 @@ def _coords(sim, vec):
 def compile_tensor(sim, ins):
     words = ins.words
     is_reduce = words[0] == "cp" and words[1] == "reduce"
-    if "im2col" in words or any(wd.startswith("im2col") for wd in words) or "gather4" in words:
-        raise Unsupported(f"{ins.opcode} (only tile mode)")
+    if any(wd.startswith("im2col") for wd in words) or "tile::scatter4" in words:
+        raise Unsupported(f"{ins.opcode} (only tile and tile::gather4 modes)")
+    gather4 = "tile::gather4" in words
+    pair = "cta_group::2" in words
     ops = ins.operands
     spaces = [wd for wd in words if wd.startswith("shared") or wd == "global"]
     load = spaces[0].startswith("shared")  # destination first
@@ -74,7 +76,7 @@ def compile_tensor(sim, ins):
             coords = tuple(int(c[lane]) for c in co_g(w))
             if load:
                 _issue_load(sim, w, ins, tm, coords, int(dst_g(w)[lane]), int(bar_g(w)[lane]),
-                            int(mask_g(w)[lane]) if mask_g is not None else None, ctx)
+                            int(mask_g(w)[lane]) if mask_g is not None else None, ctx, gather4, pair)
             else:
                 _issue_store(sim, w, ins, tm, coords, int(src_g(w)[lane]), rop[0] if is_reduce else None, ctx)
     return body
@@ -87,9 +89,22 @@ def _fill(tm, n):
     return np.zeros((n, eb), np.uint8)
 
 
-def _issue_load(sim, w, ins, tm, coords, dst, bar_addr, ctamask, ctx):
+def _issue_load(sim, w, ins, tm, coords, dst, bar_addr, ctamask, ctx, gather4=False, pair=False):
+    """``gather4``: PTX ISA 5.5.3.4 .tile::gather4 (coords = {col, row0..row3}, ``layouts.tma_gather4_addrs``).
+    ``pair`` (.cta_group::2, 9.7.9.27.1.2): the mbarrier may be in the destination CTA or its peer (rank ^ 1); for
+    each destination CTA the complete-tx goes to the barrier at ``mbar``'s offset in the CTA of its pair whose rank
+    parity is that of the CTA holding ``mbar`` (the rank bits of the address). Without it (.cta_group::1), the
+    barrier at ``mbar``'s offset in each destination CTA."""
     dst_local = dst & ((1 << CLUSTER_SHIFT) - 1)
-    gaddr, inb, saddr = layouts.tma_box_addrs(tm, coords, dst_local)
+    if gather4:
+        if len(coords) != 5:
+            raise Unsupported(f"tile::gather4 with {len(coords)} coordinates (5 expected){ctx()}")
+        try:
+            gaddr, inb, saddr = layouts.tma_gather4_addrs(tm, coords[0], coords[1:], dst_local)
+        except MemoryFault as e:
+            raise MemoryFault(f"{e}{ctx()}") from None
+    else:
+        gaddr, inb, saddr = layouts.tma_box_addrs(tm, coords, dst_local)
     eb = tm.elem_bytes
     nbytes = gaddr.size * eb
     if ctamask is None:
@@ -109,10 +124,21 @@ def _issue_load(sim, w, ins, tm, coords, dst, bar_addr, ctamask, ctx):
                          f"completed){ctx()}")
         cta.smem.inflight[idx] += 1
     bars = []
+    bar_rank = bar_addr >> CLUSTER_SHIFT
     for cta in targets:
-        bar = cta.smem.mbarriers.get(bar_off)
+        owner = cta
+        if pair:
+            if ctamask is None and bar_rank not in (cta.rank, cta.rank ^ 1):
+                raise Hazard(f"TMA load .cta_group::2 into CTA rank {cta.rank} completing an mbarrier of CTA rank "
+                             f"{bar_rank}, neither it nor its peer (PTX ISA 9.7.9.27.1.2){ctx()}")
+            r = (cta.rank & ~1) | (bar_rank & 1)
+            if r >= len(cta.cluster):
+                raise MemoryFault(f"TMA load .cta_group::2: the peer CTA rank {r} of CTA rank {cta.rank} is outside "
+                                  f"the cluster of {len(cta.cluster)}{ctx()}")
+            owner = cta.cluster[r]
+        bar = owner.smem.mbarriers.get(bar_off)
         if bar is None:
-            raise Hazard(f"TMA load completing an mbarrier at shared offset {bar_off:#x} of CTA {cta.ctaid}, which "
+            raise Hazard(f"TMA load completing an mbarrier at shared offset {bar_off:#x} of CTA {owner.ctaid}, which "
                          f"is not initialized{ctx()}")
         bars.append(bar)
 

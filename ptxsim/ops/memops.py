@@ -113,6 +113,8 @@ def compile_ld(sim, ins):
     space = space_of(ins.words)
     vec, ty = _vec_and_type(ins.words)
     ebits = TYPE_BITS[ty]
+    if ebits == 128 and vec == 1 and space != "local":
+        return _ld_b128(sim, ins, space)
     if ebits < 8 or ebits == 128:
         raise Unsupported(f"ld of .{ty}")
     eb = ebits // 8
@@ -153,10 +155,45 @@ def compile_ld(sim, ins):
     return body
 
 
+def _ld_b128(sim, ins, space):
+    """PTX ISA 9.7.9.8 ld ``.b128`` (sm_70+, PTX 8.3): 16 bytes into a .b128 register ((32, 2) uint64, the low 8
+    bytes in column 0: little-endian). Local and generic-to-local forms raise Unsupported."""
+    ag = addr_getter(sim, ins.operands[1])
+    put = setter(sim, ins.operands[0], 128)
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        a = ag(w)[m]
+        if space == "generic" and (a.astype(np.uint64) >> np.uint64(56) == 2).any():
+            raise Unsupported(f"ld.b128 from local memory{ctx()}")
+        raw = read(sim, w, space, a, 16, ctx)
+        full = np.zeros((32, 2), np.uint64)
+        full[m] = np.ascontiguousarray(raw).view(np.uint64).reshape(-1, 2)
+        put(w, full, m)
+    return body
+
+
+def _st_b128(sim, ins, space):
+    """PTX ISA 9.7.9.11 st ``.b128``: a .b128 register's 16 bytes, little-endian (see ``_ld_b128``)."""
+    ag = addr_getter(sim, ins.operands[0])
+    g = getter(sim, ins.operands[1], 128)
+
+    def body(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        a = ag(w)[m]
+        if space == "generic" and (a.astype(np.uint64) >> np.uint64(56) == 2).any():
+            raise Unsupported(f"st.b128 to local memory{ctx()}")
+        data = np.ascontiguousarray(g(w)[m]).view(np.uint8).reshape(len(a), 16)
+        write(sim, w, space, a, data, ctx, ins.line)
+    return body
+
+
 def compile_st(sim, ins):
     space = space_of(ins.words)
     vec, ty = _vec_and_type(ins.words)
     ebits = TYPE_BITS[ty]
+    if ebits == 128 and vec == 1 and space != "local":
+        return _st_b128(sim, ins, space)
     if ebits < 8 or ebits == 128:
         raise Unsupported(f"st of .{ty}")
     eb = ebits // 8

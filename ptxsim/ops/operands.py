@@ -109,6 +109,8 @@ def getter(sim, op, bits: int, is_float: bool = False, signed: bool = False):
             return get
         if bits == 1 or rb == 1:
             raise Unsupported(f"predicate {name} used as {bits}-bit value (or the reverse)")
+        if bits == 128 or rb == 128:
+            raise Unsupported(f"the {rb}-bit register {name} used as a {bits}-bit value")
         if signed and rb < bits:
             sdt = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
             return lambda w: w.R[idx].view(sdt[rb]).astype(sdt[bits]).view(dt)
@@ -202,6 +204,10 @@ def setter(sim, op, bits: int):
             raise Unsupported(f"destination {op.name} is not a register")
         rb = sim.prog.reg_bits[idx]
         name = op.name
+        if rb == 128 or bits == 128:  # a .b128 register: (32, 2) uint64, low half first (PTX ISA 5.2.2)
+            if rb != bits:
+                raise Unsupported(f"{bits}-bit value written to the {rb}-bit register {name}")
+            return lambda w, v, m: np.copyto(w.R[idx], v, where=m[:, None])
         dt = DTYPE[rb]
 
         def put(w, v, m):
