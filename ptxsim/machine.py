@@ -201,7 +201,19 @@ class Program:
 
 
 class Simulator:
-    """One launch. ``run()`` executes it to completion or raises a ``SimError`` with the evidence."""
+    """One launch. ``run()`` executes it to completion or raises a ``SimError`` with the evidence.
+
+    ``scoreboarded_tcgen05_ld`` (off by default): an explicit acceptance of a pattern outside the PTX ISA, for FA4's
+    SM100 forward (flash_attn.cute.flash_fwd_sm100, known good on B200), which has no tcgen05.wait::ld (its
+    ``fence_view_async_tmem_load`` calls are commented out): its softmax warps tcgen05.ld S, compute P from those
+    registers and tcgen05.st P over S's cells, and its correction warps rescale O in place likewise. Reading a load's
+    registers is ordered by the ISA (9.7.16.6.4.5: "For tcgen05.ld, an intra-thread ordering through true register
+    dependency will be respected"), but the overwrite of the cells is not: "This form of register dependency does not
+    imply any other form of ordering. For example, a register dependency does not imply that a dependee
+    instruction's memory accesses will be performed before a dependent instruction's memory accesses. To enforce such
+    memory orderings and avoiding anti-dependency hazards around tcgen05.ld, tcgen05.wait::ld must be used." With the
+    option, a tcgen05.ld whose every destination register its warp has read counts as retired by tcgen05.wait::ld
+    (its Tensor Memory reads done: the hardware delivered all its data), which is what FA4 relies on."""
 
     # Schedules by seed: (chance an async op lands between two warp quanta, longest quantum). Seed 0 interleaves
     # finely with prompt landings; seed 1 lands late (copies and MMAs stay in flight across many instructions, so a
@@ -210,8 +222,9 @@ class Simulator:
 
     def __init__(self, spec: LaunchSpec, gmem: GlobalMemory, seed: int = 0, *, async_rate: Optional[float] = None,
                  max_quantum: Optional[int] = None, max_steps: int = 200_000_000, strict_poison: bool = True,
-                 concurrent_ctas: int = 132, trace: bool = False):
+                 concurrent_ctas: int = 132, trace: bool = False, scoreboarded_tcgen05_ld: bool = False):
         self.spec, self.gmem, self.seed = spec, gmem, seed
+        self.scoreboarded_tcgen05_ld = scoreboarded_tcgen05_ld
         self.rng = np.random.default_rng(seed)
         self.module = P.parse(spec.ptx)
         self.fn = self.module.entry(spec.kernel)

@@ -53,11 +53,31 @@ def imm_bits(text: str, bits: int, is_float: bool) -> int:
     return v & MASK[bits]
 
 
-def _check_pending(w, idx, name, sim):
-    if w.pending_regs and idx in w.pending_regs:
-        raise Hazard(f"register {name} read or written while an in-flight wgmma still writes it (no "
-                     f"wgmma.wait_group before the access); CTA {w.cta.ctaid} warp {w.wid}, PTX line "
-                     f"{sim.prog.instrs[w.last_ins].line}: {sim.prog.instrs[w.last_ins].text.strip()[:160]}")
+def _check_pending(w, idx, name, sim, write=False):
+    """A register an in-flight asynchronous instruction still writes. ``w.pending_kind`` (when present) maps a
+    pending register other than a wgmma's accumulator to its instruction: a tcgen05.ld destination
+    (``tcgen05._Ld``, told of the read). Reading one is a true register dependency, which the hardware respects
+    (PTX ISA 9.7.16.6.4.5 "Register dependencies, same thread": "For tcgen05.ld, an intra-thread ordering through
+    true register dependency will be respected regardless of the presence or absence of other forms of
+    synchronization"): the read waits for the load (here the load already moved the data at issue) and the register
+    is no longer pending. Writing one first (the load's write may land after it) and any access to a wgmma
+    accumulator before its wgmma.wait_group (9.7.15.7.3) are hazards."""
+    if not (w.pending_regs and idx in w.pending_regs):
+        return
+    kinds = getattr(w, "pending_kind", None)
+    kind = kinds.get(idx) if kinds else None
+    if kind is not None and not write:
+        w.pending_regs.discard(idx)
+        del kinds[idx]
+        kind.read(idx)
+        return
+    where = (f"; CTA {w.cta.ctaid} warp {w.wid}, PTX line {sim.prog.instrs[w.last_ins].line}: "
+             f"{sim.prog.instrs[w.last_ins].text.strip()[:160]}")
+    if kind is not None:
+        raise Hazard(f"register {name} written while {kind} not yet retired by tcgen05.wait::ld still writes it "
+                     f"(only a read of it waits for the load, PTX ISA 9.7.16.6.4.5){where}")
+    raise Hazard(f"register {name} read or written while an in-flight wgmma still writes it (no "
+                 f"wgmma.wait_group before the access){where}")
 
 
 def symbol_getter(sim, name: str, offset: int, bits: int):
@@ -212,7 +232,7 @@ def setter(sim, op, bits: int):
 
         def put(w, v, m):
             if w.pending_regs:
-                _check_pending(w, idx, name, sim)
+                _check_pending(w, idx, name, sim, write=True)
             if w.pending_w and idx in w.pending_w:
                 raise Hazard(f"register {name} written while an in-flight wgmma still reads it as its A fragment (no "
                              f"wgmma.wait_group before the write); CTA {w.cta.ctaid} warp {w.wid}, PTX line "

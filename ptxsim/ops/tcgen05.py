@@ -87,10 +87,35 @@ def tmem(cta) -> TMem:
     return tm
 
 
+class _Ld:
+    """A tcgen05.ld its warp has not retired by tcgen05.wait::ld: the TMEM cells it reads (``ld_pend``) and its
+    destination registers not read yet (a read of one waits for the load: PTX ISA 9.7.16.6.4.5, see
+    ``operands._check_pending``). With the simulator option ``scoreboarded_tcgen05_ld`` (see ``Simulator``), a load
+    whose every destination register its warp has read counts as retired for the TMEM hazards too."""
+    __slots__ = ("line", "regs", "cells", "tm", "w", "scoreboarded")
+
+    def __str__(self):
+        return f"the tcgen05.ld of PTX line {self.line}"
+
+    def read(self, idx):
+        self.regs.discard(idx)
+        if not self.regs and self.scoreboarded and self in self.w.tc_ld:
+            self.w.tc_ld.remove(self)
+            self.retire()
+
+    def retire(self):
+        np.subtract.at(self.tm.ld_pend, self.cells, 1)
+        for i in self.regs:
+            self.w.pending_regs.discard(i)
+            self.w.pending_kind.pop(i, None)
+        self.regs = set()
+
+
 def _warp_state(w):
     if not hasattr(w, "tc_ld"):
-        w.tc_ld = []  # (register indices, (lanes, cols)) of tcgen05.ld not yet waited
+        w.tc_ld = []  # _Ld records of tcgen05.ld not yet waited
         w.tc_st = []  # (lanes, cols) of tcgen05.st not yet waited
+        w.pending_kind = {}  # register index -> the tcgen05.ld writing it (operands._check_pending)
     return w
 
 
@@ -146,7 +171,9 @@ def _check_write(tm, lanes, cols, what, ctx, warp=None):
     _check_alloc(tm, cols, what, ctx)
     for arr, why in ((tm.mma_w, "an in-flight tcgen05.mma writes it"), (tm.mma_r, "an in-flight tcgen05.mma reads "
                                                                                  "it (A operand)"),
-                     (tm.ld_pend, "a tcgen05.ld not yet retired by tcgen05.wait::ld reads it")):
+                     (tm.ld_pend, "a tcgen05.ld not yet retired by tcgen05.wait::ld reads it (a read of the "
+                                  "load's registers does not order its Tensor Memory read before this write: PTX ISA "
+                                  "9.7.16.6.4.5; see the simulator option scoreboarded_tcgen05_ld)")):
         v = arr[lanes, cols]
         if v.any():
             i = np.flatnonzero(v.ravel())[0]
@@ -306,10 +333,8 @@ def _wait(sim, ins, kind):
         _warp_state(w)
         tm = tmem(w.cta)
         if kind == "wait::ld":
-            for regs, (ln, cl) in w.tc_ld:
-                np.subtract.at(tm.ld_pend, (ln, cl), 1)
-                for i in regs:
-                    w.pending_regs.discard(i)
+            for rec in w.tc_ld:
+                rec.retire()
             w.tc_ld = []
         else:
             for ln, cl in w.tc_st:
@@ -321,9 +346,13 @@ def _wait(sim, ins, kind):
 def _ldst(sim, ins, kind):
     """PTX ISA 9.7.16.8.3 tcgen05.ld.sync.aligned.shape.num.b32 r, [taddr] and 9.7.16.8.4 tcgen05.st: move
     32-bit cells between TMEM and registers by ``layouts.tmem_ld_st_map`` (only .32x32b). The access happens at
-    issue; tcgen05.ld's destination registers may not be read or written until ``tcgen05.wait::ld`` (the register
-    hazard of wgmma accumulators), and the cells a tcgen05.ld reads / tcgen05.st writes may not be written / read by
-    others until the matching wait. .pack::16b / .unpack::16b, .red and .16x32bx2 raise ``Unsupported``."""
+    issue. A read of a tcgen05.ld destination register waits for the load (9.7.16.6.4.5: "For tcgen05.ld, an
+    intra-thread ordering through true register dependency will be respected regardless of the presence or absence
+    of other forms of synchronization"; ``operands._check_pending``); a write of one before ``tcgen05.wait::ld`` or a
+    read of it is a hazard. The cells a tcgen05.ld reads / tcgen05.st writes may not be written / read by others
+    until the matching wait (9.7.16.6.4.5: "To enforce such memory orderings and avoiding anti-dependency hazards
+    around tcgen05.ld, tcgen05.wait::ld must be used"; the option ``scoreboarded_tcgen05_ld`` relaxes this for FA4,
+    see ``_Ld``). .pack::16b / .unpack::16b, .red and .16x32bx2 raise ``Unsupported``."""
     words = ins.words
     shapes = [wd for wd in words if wd in ("32x32b", "16x64b", "16x128b", "16x256b", "16x32bx2")]
     nums = [wd for wd in words if wd.startswith("x") and wd[1:].isdigit()]
@@ -364,8 +393,12 @@ def _ldst(sim, ins, kind):
                                  f"retired by tcgen05.wait::ld also writes{ctx()}")
                 w.R[idx][act] = vals[:, r]
             np.add.at(tm.ld_pend, (ln, cl), 1)
-            w.tc_ld.append((set(regs), (ln, cl)))
+            rec = _Ld()
+            rec.line, rec.regs, rec.cells, rec.tm, rec.w = ins.line, set(regs), (ln, cl), tm, w
+            rec.scoreboarded = sim.scoreboarded_tcgen05_ld
+            w.tc_ld.append(rec)
             w.pending_regs.update(regs)
+            w.pending_kind.update((i, rec) for i in regs)
         else:
             _check_write(tm, ln, cl, "tcgen05.st", ctx)
             if tm.st_pend[ln, cl].any():
