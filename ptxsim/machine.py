@@ -85,8 +85,15 @@ class Warp:
         self.cc = None  # the carry flag of add.cc and friends
         # completion id -> phases observed complete (see SharedMemory.read); ("warp", gid) -> 1 for the warps whose
         # generic writes this warp has synchronized with (its fence.proxy.async covers them)
-        self.observed: dict = {("warp", self.gid): 1}
+        self.observed: dict = {("warp", self.gid): 0}
+        self.epoch = 0  # release operations so far: a generic write is published by the next one
         self.elected: dict = {}  # elect.sync's leader per member set
+
+    def release(self) -> None:
+        """A release operation (a barrier arrival, an mbarrier arrive): the warp's shared-memory writes so far
+        become visible to whoever acquires what it carries."""
+        self.epoch += 1
+        self.observed[("warp", self.gid)] = self.epoch
 
     def runnable(self) -> np.ndarray:
         """The lanes that may run now (not to be modified: it may be ``active`` itself)."""

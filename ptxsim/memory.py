@@ -144,6 +144,11 @@ class SharedMemory:
         self.dirty_line = np.zeros(size, np.int32)
         # bytes an asynchronous write landed in, and what a reader must have observed first: the completion id (an
         # mbarrier's, or a cp.async's) and the count of its phases that must have completed
+        # generic writes: the writer (global warp id + 1) and the release epoch of the writer that publishes it (a
+        # reader in another warp must have acquired that epoch: happens-before through a barrier)
+        self.gen_writer = np.zeros(size, np.int32)
+        self.gen_stamp = np.zeros(size, np.int32)
+        self.gen_line = np.zeros(size, np.int32)
         self.mbar_bytes = np.zeros(size, bool)  # live mbarrier objects: only mbarrier operations may touch them
         self.land_id = np.zeros(size, np.int32)
         self.land_need = np.zeros(size, np.int32)
@@ -159,12 +164,28 @@ class SharedMemory:
             raise MemoryFault(f"{what} at shared offset {bad:#x} outside the CTA's {self.size} B of shared memory"
                               f"{ctx()}")
 
-    def read(self, idx: np.ndarray, what: str, ctx, generic: bool = True, observed: Optional[dict] = None
-             ) -> np.ndarray:
+    def read(self, idx: np.ndarray, what: str, ctx, generic: bool = True, observed: Optional[dict] = None,
+             reader: Optional[int] = None) -> np.ndarray:
         """``observed``: the reader's completion ids -> phases it has observed complete (its own waits, and what
-        barriers it synchronized on carried to it); bytes an asynchronous write landed in need theirs."""
+        barriers it synchronized on carried to it); bytes an asynchronous write landed in need theirs. With
+        ``reader`` (its global warp id), bytes another warp wrote need that warp's write released to the reader
+        (PTX ISA 8 "Memory Consistency Model": a data race is undefined)."""
         self.check(idx, what, ctx)
         self.not_mbarrier(idx, what, ctx)
+        if reader is not None and observed is not None:
+            wr = self.gen_writer[idx]
+            other = (wr != 0) & (wr != reader + 1)
+            if other.any():
+                stamps = self.gen_stamp[idx]
+                for g in np.unique(wr[other]).tolist():
+                    sel = other & (wr == g)
+                    need = int(stamps[sel].max())
+                    if observed.get(("warp", g - 1), -1) < need:
+                        bad = idx[sel & (stamps == need)].ravel()[0]
+                        raise Hazard(f"{what} of shared offset {int(bad):#x}, written by warp {g - 1} (PTX line "
+                                     f"{int(self.gen_line[bad])}) with nothing ordering that write before this read "
+                                     f"(no barrier both take part in after it, nor an mbarrier the writer arrives on "
+                                     f"after it and the reader waits on): a data race{ctx()}")
         if self.inflight[idx].any():
             bad = idx[self.inflight[idx] > 0].ravel()[0]
             raise Hazard(f"{what} of shared offset {int(bad):#x}: an asynchronous copy into it has not completed "
@@ -194,8 +215,10 @@ class SharedMemory:
                              f"fence.proxy.async after it{ctx()}")
         return self.data[idx]
 
-    def write(self, idx: np.ndarray, data: np.ndarray, what: str, ctx, writer: int = -1, line: int = 0) -> None:
-        """``writer``: the global warp id for a generic-proxy write, -1 for the async proxy."""
+    def write(self, idx: np.ndarray, data: np.ndarray, what: str, ctx, writer: int = -1, line: int = 0,
+              stamp: int = 0) -> None:
+        """``writer``: the global warp id for a generic-proxy write, -1 for the async proxy; ``stamp``: the writer's
+        release epoch that will publish the write."""
         self.check(idx, what, ctx)
         self.not_mbarrier(idx, what, ctx)
         if self.mma_reads[idx].any():
@@ -212,8 +235,12 @@ class SharedMemory:
         if writer >= 0:
             self.dirty[idx] = writer + 1
             self.dirty_line[idx] = line
+            self.gen_writer[idx] = writer + 1
+            self.gen_stamp[idx] = stamp
+            self.gen_line[idx] = line
         else:
             self.dirty[idx] = 0
+            self.gen_writer[idx] = 0
 
     def not_mbarrier(self, idx: np.ndarray, what: str, ctx) -> None:
         """PTX ISA 9.7.13.15: any non-mbarrier operation on an initialized mbarrier object is undefined."""

@@ -164,7 +164,7 @@ def _issue_store(sim, w, ins, tm, coords, src, rop, ctx):
     eb = tm.elem_bytes
     idx = saddr[:, None] + np.arange(eb)
     smem = w.cta.smem
-    data = smem.read(idx, "TMA store source", ctx, generic=False, observed=w.observed).copy()
+    data = smem.read(idx, "TMA store source", ctx, generic=False, observed=w.observed, reader=w.gid).copy()
     smem.mma_reads[idx] += 1  # the source is read until the bulk group's wait_group.read
 
     def land():

@@ -45,7 +45,7 @@ def addr_getter(sim, op):
     return lambda w: g(w).view(np.int64) + off
 
 
-def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True):
+def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True, atomic=False):
     """``(n, nbytes)`` uint8 for the addresses ``addrs`` of the lanes (in order)."""
     if space == "generic":
         top = set((addrs.astype(np.uint64) >> np.uint64(56)).tolist())
@@ -62,7 +62,7 @@ def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True):
         return sim.gmem.read(addrs, nbytes, ctx)
     if space.startswith("shared"):
         cta, idx = sim.shared_index(w.cta, addrs, nbytes, ctx, cluster=True)
-        return cta.smem.read(idx, "shared read", ctx, observed=w.observed)
+        return cta.smem.read(idx, "shared read", ctx, observed=w.observed, reader=None if atomic else w.gid)
     if space.startswith("param"):
         idx = addrs[:, None] + np.arange(nbytes)
         if idx.min() < 0 or idx.max() >= sim.param_buf.size:
@@ -89,7 +89,7 @@ def write(sim, w, space, addrs, data, ctx, line):
         return
     if space.startswith("shared"):
         cta, idx = sim.shared_index(w.cta, addrs, nbytes, ctx, cluster=True)
-        cta.smem.write(idx, data, "shared write", ctx, writer=w.gid, line=line)
+        cta.smem.write(idx, data, "shared write", ctx, writer=w.gid, line=line, stamp=w.epoch + 1)
         return
     raise Unsupported(f"write to .{space}")
 
@@ -283,7 +283,7 @@ def compile_atom(sim, ins):
         out = np.zeros(32, dt)
         for lane in np.flatnonzero(m).tolist():
             addr = np.array([a[lane]], np.int64)
-            old = int(np.ascontiguousarray(read(sim, w, space, addr, nb, ctx)).view(dt).ravel()[0])
+            old = int(np.ascontiguousarray(read(sim, w, space, addr, nb, ctx, atomic=True)).view(dt).ravel()[0])
             b = int(bv[0][lane])
             c = int(bv[1][lane]) if len(bv) > 1 else 0
             new = combine(old, b, c)
@@ -465,7 +465,8 @@ def compile_ldmatrix(sim, ins):
             a = a & WINDOW_MASK
         rows = a[:8 * num].reshape(num, 8)  # lane 8j + r gives row r of matrix j
         cta, idx = sim.shared_index(w.cta, rows.ravel(), 16, ctx)
-        data = cta.smem.read(idx, "ldmatrix", ctx, observed=w.observed).reshape(num, 8, 8, 2).view(np.uint16)[..., 0]
+        data = cta.smem.read(idx, "ldmatrix", ctx, observed=w.observed, reader=w.gid).reshape(num, 8, 8, 2).view(
+            np.uint16)[..., 0]
         for j in range(num):
             mat = data[j].T if trans else data[j]
             # thread t holds row t // 4, cols 2 (t % 4) and 2 (t % 4) + 1
@@ -506,7 +507,7 @@ def compile_stmatrix(sim, ins):
             out[j] = mat.T if trans else mat
         cta, idx = sim.shared_index(w.cta, rows.ravel(), 16, ctx)
         cta.smem.write(idx, out.reshape(num * 8, 8).view(np.uint8).reshape(num * 8, 16), "stmatrix", ctx,
-                       writer=w.gid, line=ins.line)
+                       writer=w.gid, line=ins.line, stamp=w.epoch + 1)
     return body
 
 

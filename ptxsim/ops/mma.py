@@ -216,7 +216,8 @@ def compile_wgmma(sim, ins):
             idxs.append((a_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64))
         for ix in idxs:
             for p in op.parts.values():  # each issuing warp must have observed what landed in its operands
-                smem.read(ix, "wgmma operand", ctx, generic=False, observed=p["warp"].observed)
+                smem.read(ix, "wgmma operand", ctx, generic=False, observed=p["warp"].observed,
+                          reader=p["warp"].gid)
             smem.mma_reads[ix] += 1
         op.smem_idx = idxs
         cta.wg_waiter.version += 1

@@ -132,6 +132,7 @@ def compile_mbarrier(sim, ins):
                                  f"PTX ISA 9.7.13.15: mbarrier.inval first){ctx()}")
                 cta.smem.write(idx, np.zeros((1, 8), np.uint8), "mbarrier.init", ctx, writer=w.gid, line=ins.line)
                 cta.smem.dirty[idx] = 0
+                cta.smem.gen_writer[idx] = 0  # only mbarrier operations touch it from here
                 cta.smem.mbar_bytes[idx] = True
                 cta.smem.mbarriers[addr] = MBarrier(sim, cta, addr, cnt, ins.line)
             sim.epoch += 1
@@ -184,7 +185,9 @@ def compile_mbarrier(sim, ins):
                 tokens[g] = bar.phase
                 if drop:
                     bar.expected -= count
-                bar.arrive(count, ctx, None if relaxed else w.observed)  # .release is the default
+                if not relaxed:  # .release is the default (PTX ISA 9.7.13.15.13)
+                    w.release()
+                bar.arrive(count, ctx, None if relaxed else w.observed)
             if state_put is not None:
                 state_put(w, tokens, m)
         return body
@@ -306,6 +309,7 @@ def compile_bar(sim, ins):
             else:
                 b.partial.pop(w.gid, None)
                 b.arrived += 32
+        w.release()  # a barrier arrival releases the warp's writes to the participants (PTX ISA 9.7.13.1)
         b.waiting.append((w, wait))
         version = b.version
         if wait:
@@ -619,6 +623,8 @@ def compile_barrier_cluster(sim, ins):
             if (w.cluster_arrived[m] == cb.phase).any():
                 raise Hazard(f"barrier.cluster.arrive twice in one phase (PTX line {ins.line})")
             w.cluster_arrived[m] = cb.phase
+            if "relaxed" not in ins.words:  # .release is the default (PTX ISA 9.7.13.3)
+                w.release()
             cb.arrived += int(m.sum())
             _cluster_check(sim, w.cta)
         elif kind == "wait":

@@ -266,7 +266,7 @@ def _alloc(sim, ins):
         tm.written[:, col:col + ncols] = False
         cta, idx = sim.shared_index(w.cta, np.array([dst]), 4, ctx)
         cta.smem.write(idx, np.array([[col & 0xFF, col >> 8, 0, 0]], np.uint8), "tcgen05.alloc", ctx, writer=w.gid,
-                       line=ins.line)
+                       line=ins.line, stamp=w.epoch + 1)
     return body
 
 

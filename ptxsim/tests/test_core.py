@@ -393,3 +393,31 @@ def test_launch_past_the_shared_memory_limit():
     out = torch.zeros(32, dtype=torch.int32)
     with pytest.raises(SimError, match="shared memory per CTA"):
         run(kernel(PROLOGUE), out, dyn_smem=232448 + 16)
+
+
+def test_shared_memory_data_race_between_warps():
+    """Warp 1 writes shared memory, warp 0 reads it with no barrier between: a data race, whichever runs first
+    (after the write lands, the reader has not acquired it)."""
+    body = PROLOGUE + """
+\tmov.u32 %r10, smem;
+\tand.b32 %r2, %r1, 31;
+\tshl.b32 %r11, %r2, 2;
+\tadd.s32 %r12, %r10, %r11;
+\tsetp.ge.u32 %p1, %r1, 32;
+\t@!%p1 bra READ;
+\tst.shared.u32 [%r12], %r1;
+\tbra.uni DONE;
+READ:
+\tmov.u32 %r13, 0;
+SPIN:
+\tadd.s32 %r13, %r13, 1;
+\tsetp.lt.u32 %p2, %r13, 200;
+\t@%p2 bra SPIN;
+\tld.shared.u32 %r14, [%r12];
+\tst.global.u32 [%rd3], %r14;
+DONE:
+"""
+    out = torch.full((64,), -1, dtype=torch.int32)
+    with pytest.raises(Hazard, match="data race"):
+        for seed in range(3):
+            run(kernel(body, shared=".shared .align 16 .b8 smem[256];\n"), out, block=(64, 1, 1), seed=seed)
