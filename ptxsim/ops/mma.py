@@ -139,7 +139,8 @@ def compile_wgmma(sim, ins):
             # only this warp's wait retires its registers (PTX ISA 9.7.15.7.3: an access before a wait_group of
             # the executing warp that covers the wgmma is undefined, whoever else waited)
             live = [o for grp in w.wg_groups for o in grp] + w.wg_open
-            w.pending_regs = set().union(*[o.dregs for o in live])
+            done_d = set().union(*[o.dregs for o in ops]) - set().union(*[o.dregs for o in live])
+            w.pending_regs -= done_d  # (a tcgen05.ld's pending registers are not the wait_group's)
             w.pending_w = set().union(*[o.aregs for o in live])
         return body
     if kind != "mma_async":

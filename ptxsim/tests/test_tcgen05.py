@@ -233,7 +233,9 @@ def test_alloc_st_ld_dealloc():
         assert torch.equal(out, t * 100 + torch.tensor([2, 3], dtype=torch.int32)[None, :])
 
 
-def test_ld_register_read_before_wait_ld():
+def test_dealloc_under_an_unretired_ld():
+    """Without tcgen05.wait::ld the registers may be read (a true register dependency, PTX ISA 9.7.16.6.4.5), but
+    the load is not retired when the kernel deallocates its columns: a hazard."""
     with pytest.raises(Hazard, match="wait"):
         run(kernel(ST_LD.replace("LD_WAIT", ""), TSLOT), torch.zeros(128, 2, dtype=torch.int32),
             torch.zeros(4, dtype=torch.int32))
