@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import os
 import re
 import tempfile
 import threading

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import struct
 import time
 from typing import Callable, Optional
 
@@ -24,8 +23,7 @@ import numpy as np
 
 from . import parser as P
 from .errors import Deadlock, Hazard, MemoryFault, SimError, Unsupported
-from .memory import (CLUSTER_SHIFT, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW, WINDOW_MASK, GlobalMemory,
-                     SharedMemory)
+from .memory import CLUSTER_SHIFT, GlobalMemory, SharedMemory
 
 LANES = np.arange(32)
 FULL = np.ones(32, bool)

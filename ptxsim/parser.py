@@ -207,7 +207,7 @@ def parse(text: str) -> Module:
     functions: dict = {}
     shared: dict = {}
     globals_: dict = {}
-    i, n = 0, len(src)
+    n = len(src)
     header = re.compile(r"(\.visible\s+|\.weak\s+|\.extern\s+)?\.(entry|func)\s+(\([^)]*\)\s*)?([\w$]+)\s*\(", re.S)
     pos = 0
     while True:

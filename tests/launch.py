@@ -22,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import types
 from typing import Any, Callable, Optional
 
-import pytest
 import torch
 import tvm_ffi
 from cutlass.base_dsl.tvm_ffi_builder import spec
@@ -34,8 +32,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from tvm_ffi._dtype import DataTypeCode
 
-from cute_kv.kernels import compile_cache
-from cute_kv.ops import paths
 from cute_kv.simulate import standing_in
 from cute_kv.kernels.mla.sm100_config import V_SPLIT
 from cute_kv.ops.splits import MAX_GRID_Y, MAX_GRID_Z

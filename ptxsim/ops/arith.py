@@ -10,7 +10,7 @@ from .. import parser as P
 from ..errors import MemoryFault, Unsupported
 from ..machine import DTYPE, MASK
 from ..memory import LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW, WINDOW_MASK
-from .operands import TYPE_BITS, getter, reg_bits, setter
+from .operands import TYPE_BITS, getter, setter
 
 
 def split_words(words):

@@ -18,9 +18,9 @@ from .. import layouts, tensormap
 from .. import parser as P
 from ..errors import Hazard, MemoryFault, Unsupported
 from ..machine import AsyncOp
-from ..memory import CLUSTER_SHIFT, PARAM_WINDOW, WINDOW_MASK
+from ..memory import CLUSTER_SHIFT
 from .memops import addr_getter, read
-from .operands import getter, reg_bits
+from .operands import getter
 from .sync import mbar_of
 
 _NAN = {1: 0x7F, 2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FF8000000000000}

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import layouts
 from .. import parser as P
-from ..errors import Hazard, MemoryFault, Unsupported
+from ..errors import MemoryFault, Unsupported
 from ..machine import DTYPE, MASK, AsyncOp
-from ..memory import CLUSTER_SHIFT, LOCAL_WINDOW, PARAM_WINDOW, SHARED_WINDOW, WINDOW_MASK
+from ..memory import CLUSTER_SHIFT, SHARED_WINDOW, WINDOW_MASK
 from .control import converge
 from .operands import TYPE_BITS, getter, reg_bits, setter, symbol_getter
 

@@ -23,7 +23,6 @@ from .. import layouts
 from .. import parser as P
 from ..errors import Hazard, Unsupported
 from ..machine import AsyncOp, Waiter
-from ..memory import WINDOW_MASK
 from .control import converge
 from .operands import getter
 
@@ -166,7 +165,6 @@ def compile_wgmma(sim, ins):
     acc_bits = 16 if dtype == "f16" else 32
     acc_map = layouts.wgmma_acc_map(N, acc_bits)
     a_map = layouts.wgmma_a_reg_map(ebits) if a_regs else None
-    b_addrs_cache = {}
 
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
@@ -208,7 +206,6 @@ def compile_wgmma(sim, ins):
                          f"{sorted(descs)}{ctx()}")
         a, b, sd = descs.pop()
         smem = cta.smem
-        key = (b, trans_b)
         b_addrs = layouts.wgmma_operand_addrs(b, N, 256 // ebits, ebits, trans_b == 0)
         b_idx = (b_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
         idxs = [b_idx]

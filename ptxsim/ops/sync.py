@@ -14,11 +14,11 @@ import numpy as np
 
 from .. import parser as P
 from ..errors import Hazard, MemoryFault, Unsupported
-from ..machine import DTYPE, MASK, Waiter, _lanes
+from ..machine import DTYPE, Waiter, _lanes
 from ..memory import CLUSTER_SHIFT, WINDOW_MASK, merge
 from .control import Hold, converge
 from .memops import addr_getter, space_of
-from .operands import getter, reg_bits, setter
+from .operands import getter, setter
 
 TX_LIMIT = (1 << 20) - 1
 
@@ -165,7 +165,6 @@ def compile_mbarrier(sim, ins):
         rest = ops[2:]
         tx_get = getter(sim, rest[0], 32) if expect else None
         cnt_get = getter(sim, rest[1 if expect else 0], 32) if len(rest) > (1 if expect else 0) else None
-        remote = space == "shared::cluster"
         relaxed = "relaxed" in words
 
         def body(w, m, pc):

@@ -12,6 +12,7 @@ created on the CTA the first time a tcgen05 instruction touches it, with per-cel
 - ``land_id`` / ``land_need`` / ``wop``: an MMA result landed there; -1 until the ``tcgen05.commit`` that tracks the
   MMA arrives on its mbarrier, then that mbarrier's completion id and the phase count a reader must have observed
   (9.7.16.6.4.2: mma -> commit -> mbarrier wait -> fence::after_thread_sync -> ld); ``wop``: which MMA wrote it;
+  every later commit of the issuing thread releases the result as well (``releases``, ``_released_later``);
 - ``ld_pend`` / ``st_pend``: a tcgen05.ld reads / tcgen05.st writes the cell and its warp has not executed
   ``tcgen05.wait::ld`` / ``wait::st`` yet.
 
@@ -78,6 +79,12 @@ class TMem:
         self.fifo: dict = {}  # issuing (warp gid, lane) -> its MMAs not yet landed, in issue order
         self.uncommitted: dict = {}  # issuing (warp gid, lane) -> MMAs issued since its last tcgen05.commit
         self.issued: dict = {}  # issuing (warp gid, lane) -> its MMAs not known complete (a commit tracks them all)
+        # every tcgen05.commit tracks all prior MMAs of its thread (9.7.16.12.1), so a result is released by each
+        # later commit of the issuing thread, not only by the first: MMA uid -> (issuing thread, issue number);
+        # issuing thread -> MMAs it issued; -> [(MMAs issued before the commit, mbarrier completion id, phase)]
+        self.mma_src: dict = {}
+        self.mma_count: dict = {}
+        self.releases: dict = {}
 
 
 def tmem(cta) -> TMem:
@@ -149,7 +156,7 @@ def _check_read(tm, lanes, cols, what, ctx, observed, describe=None):
         raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}, which nothing "
                      f"wrote since it was allocated{ctx()}")
     ids = tm.land_id[lanes, cols]
-    if (ids < 0).any():
+    if (ids < 0).any() and not _released_later(tm, tm.wop[lanes, cols][ids < 0], observed):
         i = np.flatnonzero(ids.ravel() < 0)[0]
         raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}: an MMA result "
                      f"landed there but no tcgen05.commit tracking that MMA has arrived on its mbarrier, so no reader "
@@ -158,13 +165,31 @@ def _check_read(tm, lanes, cols, what, ctx, observed, describe=None):
         need = tm.land_need[lanes, cols]
         for cid in np.unique(ids[ids > 0]).tolist():
             want = int(need[ids == cid].max())
-            if observed.get(cid, 0) < want:
+            if observed.get(cid, 0) < want and not _released_later(tm, tm.wop[lanes, cols][ids == cid], observed):
                 i = np.flatnonzero((ids == cid).ravel())[0]
                 f = (describe or {}).get(cid)
                 d = f() if f else f"completion {cid}"
                 raise Hazard(f"{what} of TMEM lane {int(lanes.ravel()[i])} column {int(cols.ravel()[i])}: the MMA "
                              f"result there is released by {d}, phase {want} needed, but the reader observed "
                              f"{observed.get(cid, 0)} phase(s) (no wait on the tcgen05.commit's mbarrier){ctx()}")
+
+
+def _released_later(tm, uids, observed) -> bool:
+    """Whether the reader observed, for every MMA result in ``uids``, the phase of some tcgen05.commit of the
+    issuing thread issued after that MMA: PTX ISA 9.7.16.12.1 tcgen05.commit "makes the mbarrier object at address
+    mbar track the completion of all prior asynchronous tcgen05 operations (.mma, .cp, .shift) initiated by the
+    executing thread", so a commit releases earlier-committed MMAs too (a GEMM commits each k-block to its smem
+    stage's empty barrier, then the whole accumulator to the accumulator-full barrier the epilogue waits on)."""
+    if observed is None:
+        return False
+    for uid in np.unique(uids).tolist():
+        src = tm.mma_src.get(uid)
+        if src is None:
+            return False
+        key, n = src
+        if not any(lim > n and observed.get(cid, 0) >= need for lim, cid, need in tm.releases.get(key, ())):
+            return False
+    return True
 
 
 def _check_write(tm, lanes, cols, what, ctx, warp=None):
@@ -294,7 +319,9 @@ def _dealloc(sim, ins):
             if arr[sl].any():
                 raise Hazard(f"tcgen05.dealloc of columns {col}-{col + ncols - 1} while {why} them{ctx()}")
         ids = tm.land_id[sl]
-        if (ids < 0).any():
+        # the deallocating warp must know the MMAs complete: a tracking commit arrived (the first one, or a later
+        # one of the issuing thread whose phase the warp observed: 9.7.16.12.1, ``_released_later``)
+        if (ids < 0).any() and not _released_later(tm, tm.wop[sl][ids < 0], w.observed):
             raise Hazard(f"tcgen05.dealloc of columns {col}-{col + ncols - 1}: an MMA result landed there whose "
                          f"tcgen05.commit has not arrived{ctx()}")
         del tm.allocs[col]
@@ -554,6 +581,8 @@ def _mma(sim, ins):
         fifo.append(op)
         tm.uncommitted.setdefault(key, []).append(op)
         tm.issued.setdefault(key, []).append(op)
+        tm.mma_src[op.uid] = (key, tm.mma_count.get(key, 0))
+        tm.mma_count[key] = tm.mma_count.get(key, 0) + 1
 
         def ready(op=op, fifo=fifo):
             return fifo and fifo[0] is op
@@ -676,9 +705,10 @@ def _commit(sim, ins):
             def ready(tracked=tracked):
                 return all(o.async_op.done for o in tracked)
 
-            def land(ops=ops, bars=bars, own=own, observed=observed):
+            def land(ops=ops, bars=bars, own=own, observed=observed, key=key, lim=tm.mma_count.get(key, 0)):
                 if own is not None:
                     need = own.phase + 1
+                    tm.releases.setdefault(key, []).append((lim, own.cid, need))
                     for o in ops:
                         sl = np.s_[o.d_lane:o.d_lane + o.m, o.d_col:o.d_col + o.n]
                         mine = tm.wop[sl] == o.uid

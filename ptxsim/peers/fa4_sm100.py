@@ -56,11 +56,10 @@ no score/mask mods, no local windows, no sinks, no fp8.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
-from ptxsim.peers import target_env
+from ptxsim.peers import attention_args, fake_cuda, hardware_info, keeping_compiles, target_env
 from ptxsim.peers.fa4_sm90 import dense_kv, reference  # noqa: F401  (same semantics: re-exported)
 
 OUT = 3  # index of the output tensor in call_args
@@ -68,20 +67,6 @@ LSE = 4
 NUM_SMS = 148  # B200
 ENV = {"FLASH_ATTENTION_NUM_SMS": str(NUM_SMS)}  # the interface's SM count (set only while building, if unset)
 BLACKWELL = ("sm_100a", "sm_103a")
-
-
-class _HardwareInfo:
-    """What FA4's host code asks of the device (its persistent schedulers size the grid by the SM count at compile
-    time: ``tile_scheduler.get_grid_shape``), answered for a B200."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def get_device_multiprocessor_count(self):
-        return NUM_SMS
-
-    def get_max_active_clusters(self, cluster_size):
-        return NUM_SMS // cluster_size
 
 
 @contextlib.contextmanager
@@ -93,7 +78,7 @@ def _target():
     from flash_attn.cute import tile_scheduler
 
     saved_hw = cutlass.utils.HardwareInfo, tile_scheduler.HardwareInfo
-    cutlass.utils.HardwareInfo = tile_scheduler.HardwareInfo = _HardwareInfo
+    cutlass.utils.HardwareInfo = tile_scheduler.HardwareInfo = hardware_info(NUM_SMS)
     envar = BaseDSL._get_dsl().envar
     saved_arch = envar._arch
     if envar.arch not in BLACKWELL:
@@ -106,37 +91,17 @@ def _target():
         envar._arch = saved_arch
 
 
-def _fake_like(t):
-    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
-
-
 def build(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=None, return_lse=False, clc=None):
     """``(compiled_fn, call_args)`` of FA4's SM100 forward for these real CPU tensors (see the module docstring);
     ``call_args[OUT]`` is a fresh output tensor, ``call_args[LSE]`` a float32 LSE when ``return_lse``. ``clc``: the
     interface's CLC-scheduler request (``FA_CLC``, read by flash_attn at import) for this build; None keeps it. The
     interface still declines CLC for dense non-causal attention and for varlen MHA."""
-    import cutlass.cute as cute
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flash_attn.cute import interface as iface
     from flash_attn.cute.utils import AuxData
 
-    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype
-    for t in (q, k, v):
-        assert t.stride(-1) == 1, "last dim must be contiguous (the interface would copy)"
-    if page_table is not None:
-        assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
-    if seqused_k is not None:
-        assert seqused_k.dtype == torch.int32 and seqused_k.is_contiguous()
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-
-    compiled, original = [], cute.compile
-
-    def keep(*args, **kwargs):
-        fn = original(*args, **kwargs)
-        compiled.append(fn)
-        return fn
+    softmax_scale = attention_args(q, k, v, page_table, seqused_k, softmax_scale)
 
     from flash_attn.cute import utils as fa_utils
 
@@ -144,14 +109,12 @@ def build(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=
     saved_clc = fa_utils._fa_clc_enabled
     if clc is not None:
         fa_utils._fa_clc_enabled = bool(clc)
-    cute.compile = keep
     try:
-        with _target(), FakeTensorMode():
-            iface._flash_attn_fwd(_fake_like(q), _fake_like(k), _fake_like(v), seqused_k=_fake_like(seqused_k),
-                                  page_table=_fake_like(page_table), softmax_scale=softmax_scale, causal=causal,
+        with keeping_compiles() as compiled, _target(), FakeTensorMode():
+            iface._flash_attn_fwd(fake_cuda(q), fake_cuda(k), fake_cuda(v), seqused_k=fake_cuda(seqused_k),
+                                  page_table=fake_cuda(page_table), softmax_scale=softmax_scale, causal=causal,
                                   return_lse=return_lse, num_splits=1, _arch=100)
     finally:
-        cute.compile = original
         fa_utils._fa_clc_enabled = saved_clc
     (fn,) = compiled
 

@@ -50,7 +50,7 @@ import math
 
 import torch
 
-from ptxsim.peers import target_env
+from ptxsim.peers import attention_args, fake_cuda, keeping_compiles, target_env
 
 # What FA4's interface reads from the environment to pick and size its SM90 kernel (set only while building).
 ENV = {"FLASH_ATTENTION_ARCH": "sm_90", "FLASH_ATTENTION_NUM_SMS": "132"}
@@ -67,46 +67,22 @@ def _import_interface():
     return interface
 
 
-def _fake_like(t):
-    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
-
-
 def build(q, k, v, page_table=None, seqused_k=None, causal=False, softmax_scale=None, return_lse=False):
     """``(compiled_fn, call_args)`` of FA4's SM90 forward for these real CPU tensors (see the module docstring);
     ``call_args[OUT]`` is a fresh output tensor, ``call_args[LSE]`` a float32 LSE when ``return_lse``."""
-    import cutlass.cute as cute
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with target_env(ENV):
         iface = _import_interface()
     from flash_attn.cute.utils import AuxData
 
-    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype
-    for t in (q, k, v):
-        assert t.stride(-1) == 1, "last dim must be contiguous (the interface would copy)"
-    if page_table is not None:
-        assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1
-    if seqused_k is not None:
-        assert seqused_k.dtype == torch.int32 and seqused_k.is_contiguous()
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-
-    compiled, original = [], cute.compile
-
-    def keep(*args, **kwargs):
-        fn = original(*args, **kwargs)
-        compiled.append(fn)
-        return fn
+    softmax_scale = attention_args(q, k, v, page_table, seqused_k, softmax_scale)
 
     iface._flash_attn_fwd.compile_cache.clear()  # a hit would compile nothing to keep
-    cute.compile = keep
-    try:
-        with target_env(ENV), FakeTensorMode():
-            iface._flash_attn_fwd(_fake_like(q), _fake_like(k), _fake_like(v), seqused_k=_fake_like(seqused_k),
-                                  page_table=_fake_like(page_table), softmax_scale=softmax_scale, causal=causal,
-                                  return_lse=return_lse, _arch=90)
-    finally:
-        cute.compile = original
+    with keeping_compiles() as compiled, target_env(ENV), FakeTensorMode():
+        iface._flash_attn_fwd(fake_cuda(q), fake_cuda(k), fake_cuda(v), seqused_k=fake_cuda(seqused_k),
+                              page_table=fake_cuda(page_table), softmax_scale=softmax_scale, causal=causal,
+                              return_lse=return_lse, _arch=90)
     (fn,) = compiled
 
     batch, seqlen_q, num_head = q.shape[:3]

@@ -40,22 +40,11 @@ import os
 
 import torch
 
+from ptxsim.peers import hardware_info
+
 NUM_SMS = 148  # B200
 D_ARG = 2
 BLACKWELL = ("sm_100a", "sm_103a")
-
-
-class _HardwareInfo:
-    """What quack's host code asks of the device, answered for a B200."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def get_device_multiprocessor_count(self):
-        return NUM_SMS
-
-    def get_max_active_clusters(self, cluster_size):
-        return NUM_SMS // cluster_size
 
 
 @contextlib.contextmanager
@@ -77,7 +66,7 @@ def _captured_launch():
     saved = (quack.gemm.launch_gemm, host.launch_gemm, cutlass.utils.HardwareInfo, quack.cache.CACHE_ENABLED,
              envar._arch, os.environ.get("QUACK_ARCH"))
     quack.gemm.launch_gemm = host.launch_gemm = record
-    cutlass.utils.HardwareInfo = _HardwareInfo
+    cutlass.utils.HardwareInfo = hardware_info(NUM_SMS)
     quack.cache.CACHE_ENABLED = False
     if envar.arch not in BLACKWELL:
         envar.arch = "sm_100a"

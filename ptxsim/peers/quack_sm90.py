@@ -51,25 +51,12 @@ import contextlib
 
 import torch
 
-from ptxsim.peers import target_env
+from ptxsim.peers import hardware_info, target_env
 
 ENV = {"QUACK_ARCH": "sm_90"}  # what quack reads to pick its SM90 kernels (set only while building)
 
 NUM_SMS = 132  # H100 SXM
 D_ARG = 2
-
-
-class _HardwareInfo:
-    """What quack's host code asks of the device, answered for an H100."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def get_device_multiprocessor_count(self):
-        return NUM_SMS
-
-    def get_max_active_clusters(self, cluster_size):
-        return NUM_SMS // cluster_size
 
 
 @contextlib.contextmanager
@@ -86,7 +73,7 @@ def _captured_launch():
 
     saved = quack.gemm.launch_gemm, host.launch_gemm, cutlass.utils.HardwareInfo
     quack.gemm.launch_gemm = host.launch_gemm = record
-    cutlass.utils.HardwareInfo = _HardwareInfo
+    cutlass.utils.HardwareInfo = hardware_info(NUM_SMS)
     try:
         with target_env(ENV):
             yield launches

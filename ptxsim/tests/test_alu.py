@@ -152,7 +152,7 @@ def exact_op(op, mode, *vals):
     F = [Fraction(v) for v in fl]
     sg = [math.copysign(1.0, v) < 0 for v in fl]
     if op == "mul":
-        r, terms = F[0] * F[1], None
+        r = F[0] * F[1]
         zero_sign = sg[0] != sg[1]
     else:
         if op == "fma":

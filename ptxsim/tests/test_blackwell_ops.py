@@ -15,7 +15,6 @@ from ptxsim import GlobalMemory, Hazard, LaunchSpec, MemoryFault, Simulator
 from ptxsim import layouts as L
 from ptxsim.errors import Unsupported
 from ptxsim.ops import clc
-from ptxsim.tensormap import TensorMap
 
 pytestmark = pytest.mark.sim
 

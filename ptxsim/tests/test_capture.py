@@ -1,7 +1,5 @@
 """ptxsim.capture: the real compiled host function of a CuTe DSL GEMM runs on the CPU and its one launch is captured."""
 
-import importlib.util
-
 import pytest
 
 pytestmark = pytest.mark.sim
