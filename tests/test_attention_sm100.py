@@ -454,7 +454,7 @@ def test_sm100_head_dim_80_moves_all_of_o():
 @pytest.mark.compile
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(map(str, c[:5])) + ("-flags" if c[5:] else ""))
 def test_sm100_ptx(case, tmp_path):
-    from cute_kv.kernels.attention.sm100 import REGS, PagedAttentionSm100
+    from cute_kv.kernels.attention.sm100 import REGS, PagedAttentionSm100, launch_registers
 
     kernel = PagedAttentionSm100(*case[:5], **(case[5] if case[5:] else {}))
     ptx = artifacts.compiled(kernel, "sm_100a").ptx
@@ -509,11 +509,15 @@ def test_sm100_ptx(case, tmp_path):
     # one exception: each Q tile's final row statistics, a barrier of one phase per CTA.
     waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64\s+\w+,\s*\[[^\]]+\],\s*([^,]+),", ptx)
     assert waits and [w for w in waits if not w.startswith("%r")] == ["0"], waits
-    # Registers move from the MMA / load warpgroup (its idle warps too), the correction warpgroup and the converter
-    # to the softmax warpgroups: one setmaxnreg per role's branch.
+    # Registers move between the roles: one setmaxnreg per role's branch (softmax, load, MMA, idle, correction,
+    # converter), an increase exactly where the target is above the launch count (PTX ISA 9.7.19.5: .dec from below
+    # its target, or .inc from above, is undefined).
     regs = REGS[kernel.q_tiles, kernel.kv_fp8, kernel.softcap]
-    assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs['softmax']}", ptx)) == 1
-    assert len(re.findall(r"setmaxnreg\.dec", ptx)) == 4 + kernel.kv_fp8  # load, MMA, idle, correction, converter
+    launch = launch_registers(kernel.threads)
+    moves = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    assert len(moves) == 5 + kernel.kv_fp8, moves
+    assert all((kind == "inc") == (int(n) > launch) for kind, n in moves), (launch, moves)
+    assert moves.count(("inc", str(regs["softmax"]))) == 1
     assert (".minnctapersm 1") in ptx  # without it ptxas ignores setmaxnreg
     if kernel.kv_fp8:  # converter warpgroup: 8 fp8 -> 4 cvt.f16x2 per 16-byte chunk
         assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 4

@@ -861,6 +861,10 @@ def test_sm100_mla_ptx(case, tmp_path):
     alloc = re.findall(r"tcgen05\.alloc\.cta_group::1\S*\s+\[[^\]]+\],\s*(\S+);", ptx)
     assert len(alloc) == 1 and len(re.findall(r"tcgen05\.dealloc\.cta_group::1", ptx)) == 1
     assert ptx.count("tcgen05.relinquish_alloc_permit") == 1
+    # The epilogue's loads of O are retired before the columns are freed (PTX ISA 9.7.16.6.4.4: tcgen05.ld ->
+    # wait::ld -> fence::before_thread_sync -> sync -> dealloc; reading the loaded registers does not retire them).
+    dealloc = re.search(r"tcgen05\.dealloc\.cta_group::1", ptx).start()
+    assert "tcgen05.wait::ld" in ptx[ptx.rindex("tcgen05.ld.sync", 0, dealloc):dealloc]
     # S full, P consumed (O stable), key stage free: MMA completions signalled by tcgen05.commit.
     assert ptx.count("tcgen05.commit.cta_group::1.mbarrier::arrive::one") == 3
     # TMEM handed across threads is fenced on both sides: before the arrivals (allocation, S released, P/O handed

@@ -113,6 +113,11 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # 32-column piece of O; the MMA / load warps little, but 80 TMAs a key tile (D = 80: five 32-byte boxes a row, pages of
 # 16) spilled the load warp under 184. The splits ptxas measured without spills; at two Q tiles the
 # softmax has no registers left for the FMA exp2's constants (``exp2_emulation`` 0 there).
+def launch_registers(threads: int) -> int:
+    """Registers a thread launches with in a CTA of ``threads`` (one CTA per SM): ptxas's 128 at 512, 168 at 384."""
+    return min(255, 65536 // threads) // 8 * 8
+
+
 REGS = {(2, False, False): {"softmax": 184, "correction": 80, "other": 64},
         (1, False, False): {"softmax": 224, "correction": 96, "other": 184},
         (1, False, True): {"softmax": 240, "correction": 136, "other": 128},
@@ -476,11 +481,13 @@ class PagedAttentionSm100:
         return cute.make_tensor(ptr, t_s.layout), cute.make_tensor(ptr + self.o_col, t_o.layout)
 
     def set_registers(self, role: str):
-        """Moves registers from the MMA / load warpgroup (and the converter) to the softmax warpgroups (``REGS``)."""
+        """Moves registers between the warpgroups (``REGS``): a role above the launch count increases, one below
+        decreases (PTX ISA 9.7.19.5: ``.dec`` from a count below its target, or ``.inc`` from one above, is
+        undefined), so one Q tile's MMA / load warpgroup raises itself to 184 from 168."""
         regs = REGS[self.q_tiles, self.kv_fp8, self.softcap][role]
-        if role == "softmax":
+        if regs > launch_registers(self.threads):
             cute.arch.setmaxregister_increase(regs)
-        else:
+        elif regs < launch_registers(self.threads):
             cute.arch.setmaxregister_decrease(regs)
 
     def o_tile(self, t_o: cute.Tensor, tile: int) -> cute.Tensor:

@@ -675,6 +675,9 @@ class MlaDecodeSm100:
                 else:
                     cute.autovec_copy(vals, cute.local_tile(o_part[split, row, head, None], (O_CHUNK,),
                                                             (chunk0 + i,)))
+        # the loads' registers are used in order (a true register dependency), but the columns may be deallocated
+        # only once the loads are retired (PTX ISA 9.7.16.6.4.4: tcgen05.ld -> wait::ld -> fence -> sync -> dealloc)
+        cute.arch.fence_view_async_tmem_load()
         if tok < seq_len:
             if v_half == 0:
                 write_lse(lse, lse_part, q_start, tok, head, split, num_splits, top, total, self.return_lse)
