@@ -220,13 +220,15 @@ def test_one_tma_per_page_slot(compiled):
 
 def test_gathered_rows(compiled):
     """Pages no TMA box tiles: per key tile each producer thread issues ``BN * D * 2 / 16 / 128`` 16-byte cp.async
-    for K and as many for V (one site each: the producer's loop), then one ``cp.async.mbarrier.arrive.noinc`` per
+    for K and as many for V (one site each: the producer's loop), each with its source size in a register (16, or 0
+    for a row past the keys: zero-filled, so no stage row keeps stale or unwritten bytes for the wgmmas to read),
+    then one ``cp.async.mbarrier.arrive.noinc`` per
     stage; each copy's row comes by ``shfl.sync.idx`` (the pass as a constant lane, segments of a row's lanes) from
     the lane that read its lookup entry (one 4-byte load a lane and tile, no vector). A consumer fences the async
     proxy between each wait and the wgmmas that read the stage (cp.async writes through the generic proxy). TMA
     pages issue none of it."""
     kernel, ptx, _ = compiled
-    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(?:\+\d+)?\], \[%rd\d+\], 16, 16;", ptx)
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+(?:\+\d+)?\], \[%rd\d+\], 16, %r\d+;", ptx)
     noinc = ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64")
     if not kernel.gather:
         assert not copies and not noinc

@@ -54,3 +54,15 @@ def test_cli_simulate_prints_its_table(capsys, tmp_path):
     assert "selftest --simulate (sm_90a, 2 seed(s) per case)" in out and "2 of 2 passed" in out
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert len(rows["rows"]) == 2 and all(r["ok"] for r in rows["rows"])
+
+
+def test_row_gathered_pages_run_in_the_simulator():
+    """Pages of one row take the cp.async row gather: rows past the keys are zero-filled by the copy (source size
+    0). They used to issue no copy and leave the stage's rows unwritten, which the QK wgmma read: the simulator's
+    poison hazard on every schedule."""
+    case = selftest.Case("paged_attention", "bf16", 1, 64, "decode")
+    assert case in selftest.cases(arch=ARCH)
+    for seed in (0, 1):
+        with simulated(ARCH, seed=seed) as record:
+            row = selftest.run_case(case, "cpu")
+        assert record.launches and row.ok, (row.error, row.max_err)

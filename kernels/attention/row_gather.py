@@ -4,12 +4,12 @@ that no TMA box tiles: pages under 16 rows, or pages that neither divide nor are
 A whole warpgroup loads: warp ``w`` owns keys ``[w * bn/4, (w+1) * bn/4)`` of the tile. Lane ``k`` of the warp
 looks up key ``k``'s row once per tile (``populate.key_row``: lookup entry x page pitch + offset in the page, -1
 past the keys or past the lookup table's row); each pass then moves ``32 / chunks`` rows, a row's ``chunks``
-16-byte pieces by consecutive lanes (a head's row is contiguous in global memory; rows and heads are the view's strides apart), each lane taking its row's
-index from the lane that looked it up (``shfl.sync``). A row of -1 issues no copy: its shared-memory row keeps what
-it held, which the consumers mask (K: the key is past the request) or zero (V rows past the keys). So does a row
-outside the view (a lookup entry naming no page, which only unchecked metadata holds: cp.async has no TMA zero
-fill), and a key whose page column lies past the table's row (unchecked lengths): those rows are stale, not zeros,
-so the output may be garbage (never an access outside the cache). Each thread then
+16-byte pieces by consecutive lanes (a head's row is contiguous in global memory; rows and heads are the view's
+strides apart), each lane taking its row's index from the lane that looked it up (``shfl.sync``). A row of -1 (a key
+past the request, a page column past the table's row, a lookup entry naming no page, as only unchecked metadata
+holds) is zero-filled: its copy reads no global memory (``cp.async``'s source size 0), so every row of the stage
+holds a key's values or zeros, as a TMA box's out-of-bound rows do, never what the stage held before (or nothing
+written, on the first tiles). Each thread then
 arrives on the stage's full barrier with ``cp.async.mbarrier.arrive.noinc``, which fires when its copies have
 landed (the barrier counts the warpgroup's 128 threads). cp.async writes through the generic proxy, so a consumer
 fences (``fence.proxy.async``) between its wait and the wgmmas that read the stage.
@@ -22,9 +22,21 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
-from cutlass.cute.nvgpu import cpasync
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from cute_kv.kernels.paged.populate import key_row
+
+@dsl_user_op
+def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None):
+    """``cp.async.cg.shared.global [dst], [src], 16, src_bytes``: 16 bytes into shared memory, the first
+    ``src_bytes`` read from global memory and the rest zeros (PTX ISA 9.7.9.25.3: ``src-size``); L2 only, each row
+    is read once per tile."""
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(src_bytes).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
 
 WARPS = 4  # the loading warpgroup
 CHUNK_BYTES = 16  # one cp.async
@@ -54,18 +66,14 @@ class RowGather:
             raise ValueError(f"no gather plan for a {bn} x {head_dim} tile in a {swizzle_bytes}-byte swizzle")
         self.segment = self.chunks if groups > 1 else 32  # lanes that share their rows' lookups
 
-    def copy_atom(self) -> cute.CopyAtom:
-        """16-byte ``cp.async.cg`` (L2 only: each row is read once per tile)."""
-        return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                   num_bits_per_copy=CHUNK_BYTES * 8)
 
     @cute.jit
     def lane_row(self, lookup_table: cute.Tensor, batch_idx: Int32, tile_base: Int32, warp: Int32, lane: Int32,
                  num_keys: Int32, rows_per_page: Int32, num_rows: Int32) -> Int32:
         """The row of key ``tile_base + warp * bn/4 + lane`` (lanes past the warp's keys look up the next warp's:
-        never read), or -1 (no copy): a key past ``num_keys``, a page column past the table's row, or a row outside
-        the view's ``num_rows`` (a lookup entry that names no page, as unchecked metadata may hold: cp.async has no
-        TMA's zero fill, so it must not be issued)."""
+        never read), or -1 (zero-filled, nothing read): a key past ``num_keys``, a page column past the table's row,
+        or a row outside the view's ``num_rows`` (a lookup entry that names no page, as unchecked metadata may
+        hold: reading it would leave the cache)."""
         row = key_row(lookup_table, batch_idx, tile_base + warp * self.rows_per_warp + lane, num_keys,
                       rows_per_page, self.page_size, Int32(-1))
         if Uint32(row) >= Uint32(num_rows):
@@ -98,18 +106,15 @@ class RowGather:
                 row_stride * width)
 
     @cute.jit
-    def copy_tile(self, atom: cute.CopyAtom, g_rows: cute.Tensor, stage: cute.Tensor, row: Int32, head: Int32,
-                  warp: Int32, lane: Int32):
+    def copy_tile(self, g_rows: cute.Tensor, stage: cute.Tensor, row: Int32, head: Int32, warp: Int32,
+                  lane: Int32):
         """Issue the warp's rows of the tile into ``stage`` (1024-byte aligned), ``row`` from ``lane_row``; the
         pipeline's commit (``PipelineCpAsync``: a noinc arrival) follows."""
         src0, row_bytes = self.source(g_rows, head, lane)
         dst0 = stage.iterator.toint() + self.stage_offset(warp, lane)
         for j in cutlass.range_constexpr(self.passes):
             src_row = cute.arch.shuffle_sync(row, j, mask_and_clamp=(32 - self.segment) << 8 | 31)
-            if src_row >= 0:
-                src = cute.make_ptr(self.dtype, src0 + Int64(src_row) * row_bytes, cute.AddressSpace.gmem,
-                                    assumed_align=CHUNK_BYTES)
-                dst = cute.make_ptr(self.dtype, self.pass_address(dst0, j), cute.AddressSpace.smem,
-                                    assumed_align=CHUNK_BYTES)
-                piece = cute.make_layout((self.vec,))
-                cute.copy(atom, cute.make_tensor(src, piece), cute.make_tensor(dst, piece))
+            present = src_row >= 0
+            # a missing row copies 0 of the 16 bytes from row 0's address (read nothing, fill zeros)
+            src = src0 + Int64(cutlass.max(src_row, Int32(0))) * row_bytes
+            cp_async_16(self.pass_address(dst0, j), src, cutlass.select_(present, Int32(CHUNK_BYTES), Int32(0)))

@@ -404,7 +404,6 @@ class PagedAttention:
         """The producer warpgroup gathers K then V of each tile, last to first (``row_gather``): K and V rows share
         their row numbers, so one lookup a lane serves both; the next tile's is read right after this tile's copies
         are issued, its latency hidden behind the wait for a free stage."""
-        atom = self.gather.copy_atom()
         lane = cute.arch.lane_idx()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         row = Int32(-1)
@@ -414,7 +413,7 @@ class PagedAttention:
         for i in cutlass.range(n_tiles, unroll=1):
             for pipe, g_rows, ring in ((pipe_k, g_k, s_k), (pipe_v, g_v, s_v)):
                 pipe.producer_acquire(state)
-                self.gather.copy_tile(atom, g_rows, ring[None, None, state.index], row, kv_head, warp_idx, lane)
+                self.gather.copy_tile(g_rows, ring[None, None, state.index], row, kv_head, warp_idx, lane)
                 pipe.producer_commit(state)
             if i + 1 < n_tiles:
                 row = self.gather.lane_row(lookup_table, b, (last_tile - i - 1) * self.bn, warp_idx, lane,
