@@ -442,27 +442,35 @@ def compile_cp_async_mbarrier_arrive(sim, ins):
 # ldmatrix / stmatrix
 
 
+def _matrix_rows(sim, ins, addr_op):
+    """``(matrices, .trans, rows_of)`` of an ldmatrix/stmatrix: ``rows_of(w, m, pc) -> (ctx, rows)`` with ``rows``
+    (matrices, 8) the shared row addresses, lane 8j + r giving row r of matrix j (the warp converged first)."""
+    words = ins.words
+    num = int([wd for wd in words if wd.startswith("x")][0][1:])
+    shape = [wd for wd in words if wd.startswith("m") and "n" in wd][0]
+    if shape != "m8n8" or "b16" not in words:
+        raise Unsupported(f"{words[0]} .{shape}")
+    ag = addr_getter(sim, addr_op)
+    generic = space_of(words) == "generic"
+
+    def rows_of(w, m, pc):
+        ctx = sim.ctx(w, ins, m)
+        converge(w, m, pc, words[0], ctx)
+        a = ag(w)
+        if generic:
+            a = a & WINDOW_MASK
+        return ctx, a[:8 * num].reshape(num, 8)
+    return num, "trans" in words, rows_of
+
+
 def compile_ldmatrix(sim, ins):
     """PTX ISA 9.7.9.16 ldmatrix: each 8x8 matrix of b16 elements has its 8 row addresses given by 8 lanes; every
     lane receives two elements of each matrix (``layouts.ldmatrix_map``)."""
-    words = ins.words
-    num = int([wd for wd in words if wd.startswith("x")][0][1:])
-    trans = "trans" in words
-    shape = [wd for wd in words if wd.startswith("m") and "n" in wd][0]
-    if shape != "m8n8" or "b16" not in words:
-        raise Unsupported(f"ldmatrix .{shape}")
-    dsts = ins.operands[0].items
-    ag = addr_getter(sim, ins.operands[1])
-    puts = [setter(sim, d, 32) for d in dsts]
-    space = space_of(words)
+    num, trans, rows_of = _matrix_rows(sim, ins, ins.operands[1])
+    puts = [setter(sim, d, 32) for d in ins.operands[0].items]
 
     def body(w, m, pc):
-        ctx = sim.ctx(w, ins, m)
-        converge(w, m, pc, "ldmatrix", ctx)
-        a = ag(w)
-        if space == "generic":
-            a = a & WINDOW_MASK
-        rows = a[:8 * num].reshape(num, 8)  # lane 8j + r gives row r of matrix j
+        ctx, rows = rows_of(w, m, pc)
         cta, idx = sim.shared_index(w.cta, rows.ravel(), 16, ctx)
         data = cta.smem.read(idx, "ldmatrix", ctx, observed=w.observed, reader=w.gid).reshape(num, 8, 8, 2).view(
             np.uint16)[..., 0]
@@ -478,24 +486,11 @@ def compile_ldmatrix(sim, ins):
 
 def compile_stmatrix(sim, ins):
     """PTX ISA 9.7.9.17 stmatrix: the inverse of ldmatrix."""
-    words = ins.words
-    num = int([wd for wd in words if wd.startswith("x")][0][1:])
-    trans = "trans" in words
-    shape = [wd for wd in words if wd.startswith("m") and "n" in wd][0]
-    if shape != "m8n8" or "b16" not in words:
-        raise Unsupported(f"stmatrix .{shape}")
-    srcs = ins.operands[1].items
-    ag = addr_getter(sim, ins.operands[0])
-    gets = [getter(sim, s, 32) for s in srcs]
-    space = space_of(words)
+    num, trans, rows_of = _matrix_rows(sim, ins, ins.operands[0])
+    gets = [getter(sim, s, 32) for s in ins.operands[1].items]
 
     def body(w, m, pc):
-        ctx = sim.ctx(w, ins, m)
-        converge(w, m, pc, "stmatrix", ctx)
-        a = ag(w)
-        if space == "generic":
-            a = a & WINDOW_MASK
-        rows = a[:8 * num].reshape(num, 8)
+        ctx, rows = rows_of(w, m, pc)
         t = np.arange(32)
         out = np.zeros((num, 8, 8), np.uint16)
         for j in range(num):

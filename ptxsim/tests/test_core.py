@@ -421,3 +421,23 @@ DONE:
     with pytest.raises(Hazard, match="data race"):
         for seed in range(3):
             run(kernel(body, shared=".shared .align 16 .b8 smem[256];\n"), out, block=(64, 1, 1), seed=seed)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_stmatrix_then_ldmatrix_round_trip(trans):
+    """An 8x8 b16 matrix stored by stmatrix (each lane's pair of elements) and loaded back by ldmatrix with the same
+    .trans: every lane gets its own register back (PTX ISA 9.7.9.16 / 9.7.9.17); lane l gives row l's address."""
+    t = ".trans" if trans else ""
+    body = PROLOGUE + f"""
+\tmov.u32 %r10, smem;
+\tand.b32 %r2, %r1, 7;
+\tshl.b32 %r3, %r2, 4;
+\tadd.s32 %r4, %r10, %r3;
+\tmul.lo.s32 %r5, %r1, 65537;
+\tstmatrix.sync.aligned.m8n8.x1{t}.shared.b16 [%r4], {{%r5}};
+\tldmatrix.sync.aligned.m8n8.x1{t}.shared.b16 {{%r6}}, [%r4];
+\tst.global.u32 [%rd3], %r6;
+"""
+    out = torch.full((32,), -1, dtype=torch.int32)
+    run(kernel(body, shared=".shared .align 128 .b8 smem[128];\n"), out)
+    assert out.tolist() == [l * 65537 for l in range(32)]
