@@ -28,7 +28,9 @@ fenced if written by the generic proxy) and locked against writes until the MMA 
 summed in float64, rounded once to the f32/f16 accumulator (the ISA does not specify the order or intermediate
 precision of the sums).
 
-``.cta_group::2`` (CTA pairs), ``.ws``, sparse, block-scaled, ``.kind::i8``/mxf*, sub-byte types, tcgen05.cp,
+``.cta_group::2`` (CTA pairs, 9.7.16.3): alloc/dealloc by a warp of each CTA of the pair (the same columns in both
+TMEMs), M = 256 MMAs split across the pair (see ``_mma``), commits (see ``_commit``); M = 128 with .cta_group::2
+(datapath Layout B) raises ``Unsupported``. ``.ws``, sparse, block-scaled, ``.kind::i8``/mxf*, sub-byte types, tcgen05.cp,
 tcgen05.shift, M = 64 (datapath Layout F) and the .16x* ld/st shapes raise ``Unsupported``.
 """
 
@@ -61,7 +63,7 @@ _BITS = {"f16": 16, "bf16": 16, "tf32": 32, "e4m3": 8, "e5m2": 8}
 class TMem:
     """One CTA's Tensor Memory and its allocation and hazard state (see the module docstring)."""
 
-    def __init__(self, rng):
+    def __init__(self, rng, shared=None):
         self.data = rng.integers(0, 1 << 32, (LANES, COLS), dtype=np.uint32)
         self.written = np.zeros((LANES, COLS), bool)
         self.mma_w = np.zeros((LANES, COLS), np.int16)
@@ -75,23 +77,40 @@ class TMem:
         self.allocs: dict = {}  # first column -> number of columns
         self.last_ncols = None
         self.relinquished = False
+        self.pair_allocs: set = set()  # first columns of the allocations made by tcgen05.alloc.cta_group::2
         self.waiter = Waiter()  # moves on dealloc
-        self.fifo: dict = {}  # issuing (warp gid, lane) -> its MMAs not yet landed, in issue order
-        self.uncommitted: dict = {}  # issuing (warp gid, lane) -> MMAs issued since its last tcgen05.commit
-        self.issued: dict = {}  # issuing (warp gid, lane) -> its MMAs not known complete (a commit tracks them all)
+        # the per-thread bookkeeping below is keyed by globally unique ids (warp gid, MMA uid) and shared by every
+        # CTA's TMem (``shared``): a .cta_group::2 MMA writes the TMEM of both CTAs of the pair
+        sh = shared if shared is not None else {}
+        self.fifo: dict = sh.setdefault("fifo", {})  # issuing (warp gid, lane) -> its MMAs not landed, in order
+        self.uncommitted: dict = sh.setdefault("uncommitted", {})  # -> MMAs issued since its last tcgen05.commit
+        self.issued: dict = sh.setdefault("issued", {})  # -> its MMAs not known complete (a commit tracks them all)
         # every tcgen05.commit tracks all prior MMAs of its thread (9.7.16.12.1), so a result is released by each
         # later commit of the issuing thread, not only by the first: MMA uid -> (issuing thread, issue number);
         # issuing thread -> MMAs it issued; -> [(MMAs issued before the commit, mbarrier completion id, phase)]
-        self.mma_src: dict = {}
-        self.mma_count: dict = {}
-        self.releases: dict = {}
+        self.mma_src: dict = sh.setdefault("mma_src", {})
+        self.mma_count: dict = sh.setdefault("mma_count", {})
+        self.releases: dict = sh.setdefault("releases", {})
 
 
 def tmem(cta) -> TMem:
     tm = getattr(cta, "tmem", None)
     if tm is None:
-        tm = cta.tmem = TMem(cta.sim.rng)
+        sim = cta.sim
+        if not hasattr(sim, "tc_shared"):
+            sim.tc_shared = {}
+        tm = cta.tmem = TMem(sim.rng, sim.tc_shared)
     return tm
+
+
+def _pair(w, ctx):
+    """The CTA pair of the executing CTA (PTX ISA 9.7.16.3 "CTA pair": the CTAs of cluster ranks r and r ^ 1), even
+    rank first."""
+    cl, r = w.cta.cluster, w.cta.rank
+    if cl is None or (r ^ 1) >= len(cl):
+        raise Hazard(f".cta_group::2 tcgen05 instruction in CTA rank {r}, whose peer (rank {r ^ 1}) is not in its "
+                     f"cluster of {len(cl) if cl else 1} CTA(s) (PTX ISA 9.7.16.3){ctx()}")
+    return cl[r & ~1], cl[r | 1]
 
 
 class _Ld:
@@ -208,15 +227,31 @@ def _check_write(tm, lanes, cols, what, ctx, warp=None):
 
 class UmmaOp:
     __slots__ = ("uid", "line", "cta", "m", "n", "k", "dtype", "atype", "btype", "neg_a", "neg_b", "d_lane", "d_col",
-                 "a_tmem", "a_idx", "b_idx", "a_cells", "enable_d", "scale_d", "mask", "async_op", "key")
+                 "a_tmem", "enable_d", "scale_d", "mask", "async_op", "key", "parts")
+
+
+class _Part:
+    """The share of one CTA in an MMA: its TMEM ``tm`` holds D rows ``r0`` .. ``r0 + rows - 1`` in lanes 0 ..
+    rows - 1; ``a_idx`` / ``a_cells``: its A rows (shared memory bytes / TMEM cells), ``b_idx``: its B rows (N / 2 of
+    them for .cta_group::2, all N for ::1)."""
+    __slots__ = ("cta", "tm", "r0", "rows", "a_idx", "a_cells", "b_idx")
 
 
 # ------------------------------------------------------------------------------------------------------------------
 def compile_tcgen05(sim, ins):
     words = ins.words
     kind = words[1]
-    if any(wd == "cta_group::2" for wd in words):
-        raise Unsupported(f"{ins.opcode}: .cta_group::2 (CTA-pair Tensor Memory and MMAs) is not modelled")
+    groups = [wd for wd in words if wd.startswith("cta_group::")]
+    if groups:
+        # PTX ISA 9.7.16.7.1: "All tcgen05 instructions within a kernel must specify the same value for the
+        # .cta_group qualifier"
+        first = getattr(sim, "tc_group", None)
+        if first is None:
+            sim.tc_group = (groups[0], ins.line)
+        elif first[0] != groups[0]:
+            raise Hazard(f"{ins.opcode} (PTX line {ins.line}) and the tcgen05 instruction of PTX line {first[1]} "
+                         f"specify different .cta_group qualifiers: all tcgen05 instructions of a kernel must specify "
+                         f"the same value (PTX ISA 9.7.16.7.1)")
     if kind == "alloc":
         return _alloc(sim, ins)
     if kind == "dealloc":
@@ -253,7 +288,13 @@ def _alloc(sim, ins):
     """PTX ISA 9.7.16.7.1 tcgen05.alloc.cta_group::1.sync.aligned{.shared::cta}.b32 [dst], nCols: allocates nCols
     columns (a power of 2 in [32, 512], not more than the previous allocation of the CTA, never after
     relinquish_alloc_permit) and writes the TMEM address (lane 0 << 16 | first column) to shared memory at dst (a weak
-    generic-proxy store). Blocks while the columns are not available."""
+    generic-proxy store). Blocks while the columns are not available.
+
+    ``.cta_group::2``: "one warp from each of the peer CTAs must collectively perform the allocation" (9.7.16.7.1):
+    the first warp of the pair to arrive waits for the peer's; then the same columns, free in the TMEM of both CTAs,
+    are allocated in both (same nCols required), and each warp's CTA gets the address at its own dst, so the
+    d-tmem address of a .cta_group::2 MMA names the same columns in both CTAs."""
+    pair = "cta_group::2" in ins.words
     space = space_of(ins.words)
     if space not in ("shared::cta", "generic", "shared"):
         raise Unsupported(f"{ins.opcode}: destination space {space}")
@@ -277,28 +318,82 @@ def _alloc(sim, ins):
         if tm.last_ncols is not None and ncols > tm.last_ncols:
             raise Hazard(f"tcgen05.alloc of {ncols} columns after one of {tm.last_ncols}: the number of columns "
                          f"allocated must not increase between two allocations of a CTA (PTX ISA 9.7.16.7.1){ctx()}")
-        free = [c for c in range(0, COLS, ncols) if not tm.allocated[c:c + ncols].any()]
-        if not free:
-            w.pc[m] = pc
-            w.waits.append((m.copy(), tm.waiter, tm.waiter.version,
-                            lambda: f"tcgen05.alloc of {ncols} columns (PTX line {ins.line}): Tensor Memory "
-                                    f"allocations {dict(sorted(tm.allocs.items()))} leave no room", False))
-            return
-        col = free[int(sim.rng.integers(len(free)))]
-        tm.allocated[col:col + ncols] = True
-        tm.allocs[col] = ncols
-        tm.last_ncols = ncols
-        tm.written[:, col:col + ncols] = False
+        if pair:
+            col = _pair_alloc(w, m, pc, tm, ncols, ctx)
+            if col is None:
+                return
+        else:
+            free = [c for c in range(0, COLS, ncols) if not tm.allocated[c:c + ncols].any()]
+            if not free:
+                w.pc[m] = pc
+                w.waits.append((m.copy(), tm.waiter, tm.waiter.version,
+                                lambda: f"tcgen05.alloc of {ncols} columns (PTX line {ins.line}): Tensor Memory "
+                                        f"allocations {dict(sorted(tm.allocs.items()))} leave no room", False))
+                return
+            col = free[int(sim.rng.integers(len(free)))]
+            _take(tm, col, ncols)
         cta, idx = sim.shared_index(w.cta, np.array([dst]), 4, ctx)
         cta.smem.write(idx, np.array([[col & 0xFF, col >> 8, 0, 0]], np.uint8), "tcgen05.alloc", ctx, writer=w.gid,
                        line=ins.line, stamp=w.epoch + 1)
     return body
 
 
+def _take(tm, col, ncols, pair=False):
+    tm.allocated[col:col + ncols] = True
+    tm.allocs[col] = ncols
+    tm.last_ncols = ncols
+    tm.written[:, col:col + ncols] = False
+    if pair:
+        tm.pair_allocs.add(col)
+
+
+def _pair_alloc(w, m, pc, tm, ncols, ctx):
+    """The rendezvous of a tcgen05.alloc.cta_group::2 (see ``_alloc``): the first column once both CTAs' warps
+    arrived and the columns are free in both, else None (the warp waits, re-executing the instruction)."""
+    sim = w.sim
+    even, odd = _pair(w, ctx)
+    st = getattr(even, "tc_pair_alloc", None)
+    if st is None:
+        st = even.tc_pair_alloc = {"pending": {}, "results": {}, "waiter": Waiter()}
+    me, peer = w.cta.rank, w.cta.rank ^ 1
+    if me in st["results"]:
+        return st["results"].pop(me)
+    st["pending"].setdefault(me, ncols)
+    if peer not in st["pending"]:
+        w.pc[m] = pc
+        w.waits.append((m.copy(), st["waiter"], st["waiter"].version,
+                        lambda: f"tcgen05.alloc.cta_group::2 of {ncols} columns: the peer CTA (rank {peer}) never "
+                                f"performed its tcgen05.alloc.cta_group::2", False))
+        return None
+    if st["pending"][peer] != ncols:
+        raise Hazard(f"tcgen05.alloc.cta_group::2 of {ncols} columns while the peer CTA (rank {peer}) allocates "
+                     f"{st['pending'][peer]} (PTX ISA 9.7.16.7.1){ctx()}")
+    ptm = tmem(w.cta.cluster[peer])
+    free = [c for c in range(0, COLS, ncols) if not tm.allocated[c:c + ncols].any()
+            and not ptm.allocated[c:c + ncols].any()]
+    if not free:
+        w.pc[m] = pc  # a dealloc in either CTA moves both CTAs' waiters
+        w.waits.append((m.copy(), tm.waiter, tm.waiter.version,
+                        lambda: f"tcgen05.alloc.cta_group::2 of {ncols} columns: the Tensor Memory allocations of "
+                                f"the pair ({dict(sorted(tm.allocs.items()))}, {dict(sorted(ptm.allocs.items()))}) "
+                                f"leave no columns free in both", False))
+        return None
+    col = free[int(sim.rng.integers(len(free)))]
+    for t in (tm, ptm):
+        _take(t, col, ncols, pair=True)
+    del st["pending"][me], st["pending"][peer]
+    st["results"][peer] = col
+    st["waiter"].version += 1
+    return col
+
+
 def _dealloc(sim, ins):
     """PTX ISA 9.7.16.7.1 tcgen05.dealloc.cta_group::1.sync.aligned.b32 taddr, nCols: frees an allocation made by
     tcgen05.alloc (same address and size). A dealloc while an MMA, tcgen05.ld or tcgen05.st on those columns is still
-    in flight is a ``Hazard`` (the ISA requires the accesses to be complete)."""
+    in flight is a ``Hazard`` (the ISA requires the accesses to be complete). ``.cta_group::2`` frees an allocation
+    made by tcgen05.alloc.cta_group::2; each CTA's warp frees its own CTA's columns (the ISA has both warps perform
+    it "collectively"; the simulator does not wait for the peer's)."""
+    pair = "cta_group::2" in ins.words
     tg = getter(sim, ins.operands[0], 32)
     ng = getter(sim, ins.operands[1], 32)
 
@@ -324,11 +419,17 @@ def _dealloc(sim, ins):
         if (ids < 0).any() and not _released_later(tm, tm.wop[sl][ids < 0], w.observed):
             raise Hazard(f"tcgen05.dealloc of columns {col}-{col + ncols - 1}: an MMA result landed there whose "
                          f"tcgen05.commit has not arrived{ctx()}")
+        if pair != (col in tm.pair_allocs):
+            raise Hazard(f"tcgen05.dealloc.cta_group::{2 if pair else 1} of the allocation at column {col}, made by "
+                         f"tcgen05.alloc.cta_group::{1 if pair else 2}{ctx()}")
+        tm.pair_allocs.discard(col)
         del tm.allocs[col]
         tm.allocated[col:col + ncols] = False
         tm.written[sl] = False
         tm.land_id[sl] = 0
         tm.waiter.version += 1
+        if pair:
+            tmem(w.cta.cluster[w.cta.rank ^ 1]).waiter.version += 1
         sim.epoch += 1
     return body
 
@@ -450,7 +551,18 @@ def _mma(sim, ins):
     transposes; shared operands are read by ``layouts.umma_operand_addrs``. A in TMEM: row m in lane a + m, K
     elements packed low bits first in consecutive 32-bit columns (9.7.16.10.4.2). Lanes whose disable-output-lane
     bit is set keep their D. Only ``.collector::a::discard`` (the default) is accepted: A is read from memory.
-    Operands are read when the MMA lands; they are locked against writes from issue to landing."""
+    Operands are read when the MMA lands; they are locked against writes from issue to landing.
+
+    ``.cta_group::2`` (9.7.16.3 CTA pair; one thread of either CTA of the pair issues, 9.7.16.5 Table 46), M = 256
+    only (datapath Layout A, 9.7.16.10.5.1): the CTA of even rank holds D rows 0-127 and A rows 0-127, its peer
+    D rows 128-255 and A rows 128-255, each in TMEM lanes 0-127 at the same d-tmem / a-tmem address, A read from each
+    CTA's own shared memory at the same descriptor (M = 128 rows per CTA); B's N columns are split in halves, N/2 x K
+    described by b-desc in each CTA's shared memory, the even CTA's being columns 0 .. N/2 - 1. The split is that of
+    CUTLASS's ``MMA_Traits<SM100_MMA_F16BF16_2x1SM_SS>`` (cute/atom/mma_traits_sm100.hpp): ThrID = 2 CTAs, ALayout
+    (2, (M/2, K)) : (M/2, (1, M)), BLayout (2, (N/2, K)) : (N/2, (1, N)), CLayout (2, (M/2, N)) : (M/2, (1, M)).
+    No known-good 2-CTA kernel has run on it yet (FA4's two-Q-tile forward, quack's 2-CTA GEMM are next).
+    disable-output-lane has 8 registers, bit m for row m of the 256. M = 128 with .cta_group::2 (Layout B) raises
+    ``Unsupported``."""
     words = ins.words
     kinds = [wd for wd in words if wd.startswith("kind::")]
     if len(kinds) != 1:
@@ -463,6 +575,7 @@ def _mma(sim, ins):
         raise Unsupported(f"tcgen05.mma qualifier(s) {extra} (.ws, .sp, .block_scale, .ashift and the collector "
                           f"buffer fill/use/lastuse are not modelled)")
     types, kelems = _KIND_TYPES[knd]
+    pair = "cta_group::2" in words
     ops = ins.operands
     d_get = addr_getter(sim, ops[0])
     a_tmem = isinstance(ops[1], P.Addr)
@@ -472,8 +585,9 @@ def _mma(sim, ins):
     rest = list(ops[4:])
     mask_gets = None
     if rest and isinstance(rest[0], P.Vec):
-        if len(rest[0].items) != 4:
-            raise Unsupported(f"{ins.opcode}: disable-output-lane of {len(rest[0].items)} registers (4 for ::1)")
+        if len(rest[0].items) != (8 if pair else 4):
+            raise Unsupported(f"{ins.opcode}: disable-output-lane of {len(rest[0].items)} registers (4 for ::1, 8 "
+                              f"for ::2)")
         mask_gets = [getter(sim, r, 32) for r in rest[0].items]
         rest = rest[1:]
     if not rest:
@@ -512,17 +626,24 @@ def _mma(sim, ins):
             bad.append(f"dtype {i.dtype}")
         if i.atype not in types or i.btype not in types:
             bad.append(f"atype {i.atype} / btype {i.btype}")
-        if i.n < 8 or i.n > 256 or i.n % 8:
-            bad.append(f"N = {i.n}")
-        if i.m not in (64, 128):
-            bad.append(f"M = {i.m}")
+        if pair:
+            if i.n < 32 or i.n > 256 or i.n % 16:
+                bad.append(f"N = {i.n} (.cta_group::2)")
+            if i.m not in (128, 256):
+                bad.append(f"M = {i.m} (.cta_group::2)")
+        else:
+            if i.n < 8 or i.n > 256 or i.n % 8:
+                bad.append(f"N = {i.n}")
+            if i.m not in (64, 128):
+                bad.append(f"M = {i.m}")
         if scale_d and (knd == "kind::f8f6f4" or not 0 <= scale_d <= 15):
             bad.append(f"scale-input-d {scale_d}")
         if bad:
             raise Hazard(f"tcgen05.mma .{knd} instruction descriptor {idesc:#010x} invalid for the instruction: "
                          f"{', '.join(bad)} (PTX ISA 9.7.16.4.2 Table 42, 9.7.16.2.1 Table 39){ctx()}")
-        if i.m != 128:
-            raise Unsupported(f"tcgen05.mma with M = {i.m} (datapath Layout F is not modelled){ctx()}")
+        if i.m != (256 if pair else 128):
+            raise Unsupported(f"tcgen05.mma{'.cta_group::2' if pair else ''} with M = {i.m} (datapath Layout "
+                              f"{'B' if pair else 'F'} is not modelled){ctx()}")
         atype, btype = types[i.atype], types[i.btype]
         if (atype == "bf16") != (btype == "bf16"):
             raise Hazard(f"tcgen05.mma .kind::f16 mixing f16 and bf16 operands{ctx()}")
@@ -536,46 +657,56 @@ def _mma(sim, ins):
         op.enable_d, op.scale_d, op.mask = enable_d, scale_d, mask
         dl, dc = _split(d)
         if dl != 0:
-            raise MemoryFault(f"tcgen05.mma M = 128 D at TMEM lane {dl}: Layout D uses lanes 0-127 (PTX ISA "
-                              f"9.7.16.10.5){ctx()}")
+            raise MemoryFault(f"tcgen05.mma M = {M} D at TMEM lane {dl}: Layout {'A' if pair else 'D'} uses lanes "
+                              f"0-127 (PTX ISA 9.7.16.10.5){ctx()}")
         op.d_lane, op.d_col = dl, dc
         dcols = dc + np.arange(N)
-        _check_alloc(tm, dcols, "tcgen05.mma D", ctx)
-        smem = cta.smem
-        b_addrs = layouts.umma_operand_addrs(b, N, K, ebits, i.trans_b == 0)
-        op.b_idx = (b_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
-        idxs = [op.b_idx]
+        ctas = list(_pair(w, ctx)) if pair else [cta]
+        rows, nb = M // len(ctas), N // len(ctas)
         op.a_tmem = a_tmem
-        op.a_idx = op.a_cells = None
-        if a_tmem:
-            if i.trans_a:
-                raise Hazard(f"tcgen05.mma with A in Tensor Memory and Transpose A set{ctx()}")
-            al, ac = _split(a)
-            if al != 0:
-                raise MemoryFault(f"tcgen05.mma M = 128 A at TMEM lane {al}: lanes 0-127 expected{ctx()}")
-            per = 32 // ebits
-            ln = np.broadcast_to(np.arange(M)[:, None], (M, K // per))
-            cl = np.broadcast_to(ac + np.arange(K // per)[None, :], (M, K // per))
-            op.a_cells = (ln.copy(), cl.copy())
-            own = tm.fifo.get((w.gid, lane), [])
-            # an earlier MMA of the same thread writing A's cells is pipelined before this one (9.7.16.6.2)
-            if not any(o.d_col <= ac < o.d_col + o.n for o in own):
-                _check_read(tm, op.a_cells[0], op.a_cells[1], "tcgen05.mma A (Tensor Memory)", ctx, w.observed,
-                            sim.completions)
-        else:
-            a_addrs = layouts.umma_operand_addrs(a, M, K, ebits, i.trans_a == 0)
-            op.a_idx = (a_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
-            idxs.append(op.a_idx)
-        for ix in idxs:
-            smem.read(ix, "tcgen05.mma operand", ctx, generic=False, observed=w.observed)
-        for ix in idxs:
-            smem.mma_reads[ix] += 1
-        # D: in flight from now (a tcgen05.ld or st of it is a hazard until the commit's phase is observed)
-        _check_write_d(tm, dcols, ctx)
-        tm.mma_w[:, dcols] += 1
-        if a_tmem:
-            tm.mma_r[op.a_cells] += 1
+        op.parts = []
         key = (w.gid, lane)
+        for j, pc_ in enumerate(ctas):
+            pt = _Part()
+            pt.cta, pt.tm, pt.r0, pt.rows = pc_, tmem(pc_), j * rows, rows
+            ptm = pt.tm
+            where = f" (in CTA rank {pc_.rank} of the pair)" if pair else ""
+            _check_alloc(ptm, dcols, "tcgen05.mma D" + where, ctx)
+            smem = pc_.smem
+            b_addrs = layouts.umma_operand_addrs(b, nb, K, ebits, i.trans_b == 0)
+            pt.b_idx = (b_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
+            idxs = [pt.b_idx]
+            pt.a_idx = pt.a_cells = None
+            if a_tmem:
+                if i.trans_a:
+                    raise Hazard(f"tcgen05.mma with A in Tensor Memory and Transpose A set{ctx()}")
+                al, ac = _split(a)
+                if al != 0:
+                    raise MemoryFault(f"tcgen05.mma M = {M} A at TMEM lane {al}: lanes 0-127 expected{ctx()}")
+                per = 32 // ebits
+                ln = np.broadcast_to(np.arange(rows)[:, None], (rows, K // per))
+                cl = np.broadcast_to(ac + np.arange(K // per)[None, :], (rows, K // per))
+                pt.a_cells = (ln.copy(), cl.copy())
+                own = [o for o in tm.fifo.get(key, []) if any(q.tm is ptm for q in o.parts)]
+                # an earlier MMA of the same thread writing A's cells is pipelined before this one (9.7.16.6.2)
+                if not any(o.d_col <= ac < o.d_col + o.n for o in own):
+                    _check_read(ptm, pt.a_cells[0], pt.a_cells[1], "tcgen05.mma A (Tensor Memory)" + where, ctx,
+                                w.observed, sim.completions)
+            else:
+                a_addrs = layouts.umma_operand_addrs(a, rows, K, ebits, i.trans_a == 0)
+                pt.a_idx = (a_addrs[..., None] + np.arange(ebits // 8)).astype(np.int64)
+                idxs.append(pt.a_idx)
+            for ix in idxs:
+                smem.read(ix, "tcgen05.mma operand" + where, ctx, generic=False, observed=w.observed)
+            _check_write_d(ptm, dcols, ctx)
+            op.parts.append(pt)
+        for pt in op.parts:
+            for ix in [pt.b_idx] + ([pt.a_idx] if pt.a_idx is not None else []):
+                pt.cta.smem.mma_reads[ix] += 1
+            # D: in flight from now (a tcgen05.ld or st of it is a hazard until the commit's phase is observed)
+            pt.tm.mma_w[:, dcols] += 1
+            if a_tmem:
+                pt.tm.mma_r[pt.a_cells] += 1
         op.key = key
         fifo = tm.fifo.setdefault(key, [])
         fifo.append(op)
@@ -588,7 +719,7 @@ def _mma(sim, ins):
             return fifo and fifo[0] is op
 
         def land(op=op):
-            _execute(sim, tm, op)
+            _execute(sim, op)
             fifo.remove(op)
         op.async_op = AsyncOp(cta, "tcgen05.mma", ins.line, land, ready)
         sim.pending.append(op.async_op)
@@ -602,58 +733,63 @@ def _mma(sim, ins):
                          f"tcgen05.ld/st of it is not retired by tcgen05.wait (its warp must wait, fence and "
                          f"synchronize first){ctx()}")
 
-    def _execute(sim, tm, op):
-        smem = op.cta.smem
+    def _execute(sim, op):
         M, N, K = op.m, op.n, op.k
         ctx = lambda: f"\n  tcgen05.mma of PTX line {op.line}, CTA {op.cta.ctaid}, landing"
-        for ix in ([op.b_idx] + ([op.a_idx] if op.a_idx is not None else [])):
-            smem.mma_reads[ix] -= 1
         dcols = op.d_col + np.arange(N)
-        tm.mma_w[:, dcols] -= 1
-        if op.a_tmem:
-            tm.mma_r[op.a_cells] -= 1
-        Bm = decode_elems(smem.data[op.b_idx], op.btype)  # (N, K)
-        if op.a_tmem:
-            ebits = _BITS[op.atype]
-            per = 32 // ebits
-            cells = tm.data[op.a_cells]  # (M, K/per)
-            parts = np.stack([(cells >> np.uint32(ebits * j)) & np.uint32((1 << ebits) - 1) for j in range(per)],
-                             axis=-1).reshape(M, K)
-            raw = parts.astype({8: np.uint8, 16: np.uint16, 32: np.uint32}[ebits]).view(np.uint8)
-            Am = decode_elems(raw.reshape(M, K, ebits // 8), op.atype)
-        else:
-            Am = decode_elems(smem.data[op.a_idx], op.atype)
+        As, Bs = [], []
+        for pt in op.parts:
+            smem, tm = pt.cta.smem, pt.tm
+            for ix in ([pt.b_idx] + ([pt.a_idx] if pt.a_idx is not None else [])):
+                smem.mma_reads[ix] -= 1
+            tm.mma_w[:, dcols] -= 1
+            if op.a_tmem:
+                tm.mma_r[pt.a_cells] -= 1
+            Bs.append(decode_elems(smem.data[pt.b_idx], op.btype))  # (N / parts, K)
+            if op.a_tmem:
+                ebits = _BITS[op.atype]
+                per = 32 // ebits
+                cells = tm.data[pt.a_cells]  # (rows, K/per)
+                parts = np.stack([(cells >> np.uint32(ebits * j)) & np.uint32((1 << ebits) - 1) for j in range(per)],
+                                 axis=-1).reshape(pt.rows, K)
+                raw = parts.astype({8: np.uint8, 16: np.uint16, 32: np.uint32}[ebits]).view(np.uint8)
+                As.append(decode_elems(raw.reshape(pt.rows, K, ebits // 8), op.atype))
+            else:
+                As.append(decode_elems(smem.data[pt.a_idx], op.atype))
+        Am, Bm = np.concatenate(As), np.concatenate(Bs)
         if op.neg_a:
             Am = -Am
         if op.neg_b:
             Bm = -Bm
-        D = Am @ Bm.T  # (M, N) float64
-        lanes = np.arange(M)
-        keep = np.array([(op.mask >> l) & 1 for l in range(M)], bool)
-        sub = np.s_[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N]
-        if (tm.ld_pend[sub].any()):
-            raise Hazard(f"a tcgen05.mma result lands on TMEM cells a tcgen05.ld not retired by wait::ld still reads"
-                         f"{ctx()}")
-        old = tm.data[sub]
-        if op.enable_d:
-            if not tm.written[sub][~keep].all():
-                raise Hazard(f"tcgen05.mma with enable-input-d accumulates into TMEM cells nothing wrote{ctx()}")
+        Dall = Am @ Bm.T  # (M, N) float64
+        keep_all = np.array([(op.mask >> l) & 1 for l in range(M)], bool)
+        for pt in op.parts:
+            tm = pt.tm
+            D = Dall[pt.r0:pt.r0 + pt.rows]
+            keep = keep_all[pt.r0:pt.r0 + pt.rows]
+            sub = np.s_[op.d_lane:op.d_lane + pt.rows, op.d_col:op.d_col + N]
+            if (tm.ld_pend[sub].any()):
+                raise Hazard(f"a tcgen05.mma result lands on TMEM cells a tcgen05.ld not retired by wait::ld still "
+                             f"reads{ctx()}")
+            old = tm.data[sub]
+            if op.enable_d:
+                if not tm.written[sub][~keep].all():
+                    raise Hazard(f"tcgen05.mma with enable-input-d accumulates into TMEM cells nothing wrote{ctx()}")
+                if op.dtype == "f32":
+                    prev = old.view(np.float32).astype(np.float64)
+                else:
+                    prev = (old & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
+                D = D + prev * 2.0 ** (-op.scale_d)
             if op.dtype == "f32":
-                prev = old.view(np.float32).astype(np.float64)
+                new = D.astype(np.float32).view(np.uint32)
             else:
-                prev = (old & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float64)
-            D = D + prev * 2.0 ** (-op.scale_d)
-        if op.dtype == "f32":
-            new = D.astype(np.float32).view(np.uint32)
-        else:
-            new = D.astype(np.float16).view(np.uint16).astype(np.uint32)
-        new = np.where(keep[:, None], old, new)
-        tm.data[sub] = new
-        rows = ~keep
-        tm.written[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N][rows] = True
-        tm.land_id[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N][rows] = -1
-        tm.wop[op.d_lane:op.d_lane + M, op.d_col:op.d_col + N][rows] = op.uid
-        del lanes
+                new = D.astype(np.float16).view(np.uint16).astype(np.uint32)
+            new = np.where(keep[:, None], old, new)
+            tm.data[sub] = new
+            rws = ~keep
+            tm.written[sub][rws] = True
+            tm.land_id[sub][rws] = -1
+            tm.wop[sub][rws] = op.uid
     return body
 
 
@@ -663,7 +799,10 @@ def _commit(sim, ins):
     an earlier commit tracked too), one arrive-on
     (count 1) on the mbarrier (on the same offset in each CTA of ctaMask with .multicast::cluster). The MMA results
     become readable by threads that observe the phase that arrival completes (9.7.16.6.4.2). Modelled as an
-    asynchronous arrival that lands after the tracked MMAs, at a time the seed picks."""
+    asynchronous arrival that lands after the tracked MMAs, at a time the seed picks. ``.cta_group::2``: the same,
+    the tracked MMAs being the executing thread's .cta_group::2 MMAs (whose D spans both CTAs of the pair); the D
+    cells in a CTA holding one of the commit's mbarriers are released by the phase of that CTA's mbarrier (with
+    ``.multicast::cluster`` and both CTAs of the pair in ctaMask, each CTA waits on its own)."""
     words = ins.words
     if "mbarrier::arrive::one" not in words:
         raise Unsupported(f"{ins.opcode}")
@@ -709,11 +848,17 @@ def _commit(sim, ins):
                 if own is not None:
                     need = own.phase + 1
                     tm.releases.setdefault(key, []).append((lim, own.cid, need))
+                    for b in bars:
+                        if b is not own:
+                            tm.releases[key].append((lim, b.cid, b.phase + 1))
                     for o in ops:
-                        sl = np.s_[o.d_lane:o.d_lane + o.m, o.d_col:o.d_col + o.n]
-                        mine = tm.wop[sl] == o.uid
-                        tm.land_id[sl][mine] = own.cid
-                        tm.land_need[sl][mine] = need
+                        for pt in o.parts:
+                            # cells in a CTA with one of the commit's mbarriers are released by that one
+                            bar = next((b for b in bars if b.cta is pt.cta), own)
+                            sl = np.s_[o.d_lane:o.d_lane + pt.rows, o.d_col:o.d_col + o.n]
+                            mine = pt.tm.wop[sl] == o.uid
+                            pt.tm.land_id[sl][mine] = bar.cid
+                            pt.tm.land_need[sl][mine] = bar.phase + 1
                 for bar in bars:
                     bar.arrive(1, ctx, observed)
             op = AsyncOp(cta, "tcgen05.commit", ins.line, land, ready)

@@ -407,5 +407,130 @@ def test_mma_bad_descriptor_and_unsupported():
     with pytest.raises(Unsupported, match="M = 64"):
         run(_mma_kernel(idesc=L.umma_instr_desc_encode(64, 32, 1, 1, 1)), torch.zeros(128, 32), inp)
     src = _mma_kernel().replace("tcgen05.commit.cta_group::1", "tcgen05.commit.cta_group::2")
-    with pytest.raises(Unsupported, match="cta_group::2"):
+    with pytest.raises(Hazard, match="same value"):  # PTX ISA 9.7.16.7.1: one .cta_group per kernel
         run(src, torch.zeros(128, 32), inp)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# .cta_group::2: a cluster of 2 CTAs (one CTA pair) computes D (256 x 32) = A (256 x 32) B (32 x 32)^T in two MMAs of
+# K = 16 issued by thread 0 of the even CTA. Each CTA's shared memory holds its A rows (0-127 / 128-255) and its half
+# of B's N rows (0-15 / 16-31) at the same offsets (the 2x1SM split: A and D by M halves, B by N halves); each CTA
+# reads its 128 rows of D from its own TMEM.
+N2 = 32
+B2_BYTES = N2 // 2 // 8 * SBO
+
+
+def _pair_kernel(mask=3, m=256):
+    idesc = L.umma_instr_desc_encode(m, N2, 1, 1, 1)
+    hi = (LBO >> 4) << 16 | (SBO >> 4) << 32 | (1 << 46)
+    nwords = (A_BYTES + B2_BYTES) // 4
+    ld_regs = ", ".join(f"%r{100 + i}" for i in range(32))
+    stores = "".join(f"\tst.global.u32 [%rd5+{4 * i}], %r{100 + i};\n" for i in range(32))
+    body = f"""
+\tld.param.u64 %rd1, [k_param_0];
+\tld.param.u64 %rd2, [k_param_1];
+\tmov.u32 %r1, %tid.x;
+\tshr.u32 %r2, %r1, 5;
+\tmov.u32 %r7, %cluster_ctarank;
+\tmul.lo.u32 %r8, %r7, {nwords};
+\tmov.u32 %r40, tile;
+\tmov.u32 %r41, %r1;
+COPY:
+\tadd.u32 %r45, %r41, %r8;
+\tmul.wide.u32 %rd3, %r45, 4;
+\tadd.s64 %rd4, %rd2, %rd3;
+\tld.global.u32 %r42, [%rd4];
+\tshl.b32 %r43, %r41, 2;
+\tadd.u32 %r44, %r40, %r43;
+\tst.shared.u32 [%r44], %r42;
+\tadd.u32 %r41, %r41, 128;
+\tsetp.lt.u32 %p4, %r41, {nwords};
+\t@%p4 bra COPY;
+\tfence.proxy.async.shared::cta;
+\tsetp.eq.u32 %p1, %r2, 0;
+\tsetp.eq.u32 %p2, %r1, 0;
+\t@%p1 tcgen05.alloc.cta_group::2.sync.aligned.shared::cta.b32 [tslot], 64;
+\t@%p2 mbarrier.init.shared::cta.b64 [mbar], 1;
+\tbarrier.cluster.arrive.release.aligned;
+\tbarrier.cluster.wait.acquire.aligned;
+\tld.shared.u32 %r3, [tslot];
+\ttcgen05.fence::after_thread_sync;
+\tsetp.eq.u32 %p7, %r7, 0;
+\tand.pred %p2, %p2, %p7;
+\t@!%p2 bra ISSUED;
+\tshr.u32 %r50, %r40, 4;
+\tand.b32 %r50, %r50, 16383;
+\tcvt.u64.u32 %rd10, %r50;
+\tor.b64 %rd10, %rd10, {hi};
+\tadd.s64 %rd11, %rd10, {A_BYTES >> 4};
+\tadd.s64 %rd12, %rd10, {2 * LBO >> 4};
+\tadd.s64 %rd13, %rd11, {2 * LBO >> 4};
+\tmov.u32 %r51, {idesc};
+\tsetp.ne.u32 %p5, %r1, 0;
+\ttcgen05.mma.cta_group::2.kind::f16 [%r3], %rd10, %rd11, %r51, %p5;
+\tsetp.eq.u32 %p6, %r1, 0;
+\ttcgen05.mma.cta_group::2.kind::f16 [%r3], %rd12, %rd13, %r51, %p6;
+\ttcgen05.commit.cta_group::2.mbarrier::arrive::one.shared::cluster.multicast::cluster.b64 [mbar], {mask};
+ISSUED:
+WAIT:
+\tmbarrier.try_wait.parity.shared::cta.b64 %p3, [mbar], 0;
+\t@!%p3 bra WAIT;
+\ttcgen05.fence::after_thread_sync;
+\tshl.b32 %r4, %r2, 21;
+\tadd.u32 %r5, %r3, %r4;
+\ttcgen05.ld.sync.aligned.32x32b.x32.b32 {{{ld_regs}}}, [%r5];
+\ttcgen05.wait::ld.sync.aligned;
+\tshl.b32 %r9, %r7, 7;
+\tadd.u32 %r9, %r9, %r1;
+\tmul.wide.u32 %rd6, %r9, 128;
+\tadd.s64 %rd5, %rd1, %rd6;
+{stores}\ttcgen05.fence::before_thread_sync;
+\tbarrier.cluster.arrive.release.aligned;
+\tbarrier.cluster.wait.acquire.aligned;
+\t@!%p1 bra DONE;
+\ttcgen05.dealloc.cta_group::2.sync.aligned.b32 %r3, 64;
+DONE:
+"""
+    shared = TSLOT + ".shared .align 8 .b8 mbar[8];\n.shared .align 1024 .b8 tile[%d];\n" % (A_BYTES + B2_BYTES)
+    return kernel(body, shared)
+
+
+def _pair_inputs(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    a = torch.randn(256, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(N2, 32, generator=g).to(torch.bfloat16)
+    bits = lambda t: t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    img = np.concatenate([_canonical(bits(a[:128])), _canonical(bits(b[:N2 // 2])),
+                          _canonical(bits(a[128:])), _canonical(bits(b[N2 // 2:]))])
+    return a, b, torch.from_numpy(img.view(np.int32).copy())
+
+
+def run_pair(ptx, out, inp, seed=0, **kw):
+    gmem = GlobalMemory()
+    gmem.add_tensor(out, "out", writable=True)
+    gmem.add_tensor(inp, "inp", writable=False)
+    spec = LaunchSpec(ptx, "k", (2, 1, 1), (128, 1, 1), (2, 1, 1), 0,
+                      [struct.pack("<Q", out.data_ptr()), struct.pack("<Q", inp.data_ptr())])
+    return Simulator(spec, gmem, seed, **kw).run()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pair_mma_matches_float64(seed):
+    a, b, inp = _pair_inputs(seed)
+    ref = (a.double() @ b.double().T).float()
+    for kw in ({}, {"async_rate": 1.0}):
+        out = torch.full((256, N2), float("nan"))
+        run_pair(_pair_kernel(), out, inp, seed=seed, **kw)
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6), (seed, kw)
+
+
+def test_pair_commit_to_one_cta_only_and_unsupported():
+    a, b, inp = _pair_inputs(0)
+    # the commit arrives on the even CTA's mbarrier only: the odd CTA waits forever on its own
+    with pytest.raises(Deadlock):
+        run_pair(_pair_kernel(mask=1), torch.zeros(256, N2), inp)
+    with pytest.raises(Unsupported, match="Layout B"):
+        run_pair(_pair_kernel(m=128), torch.zeros(256, N2), inp)
+    # a .cta_group::2 instruction in a CTA without a peer
+    with pytest.raises(Hazard, match="peer"):
+        run(_pair_kernel(), torch.zeros(256, N2), inp)
