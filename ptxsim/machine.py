@@ -491,10 +491,3 @@ class Simulator:
             bad = int(addrs[(addrs % nbytes) != 0][0])
             raise MemoryFault(f"misaligned shared access: {nbytes} B at {bad:#x}{ctx()}")
         return target, addrs[:, None] + np.arange(nbytes)
-
-    def generic_space(self, addrs: np.ndarray) -> str:
-        top = addrs >> 56
-        kinds = set(top.tolist())
-        if len(kinds) != 1:
-            raise Unsupported("one generic access spanning several state spaces")
-        return {0: "global", 1: "shared", 2: "local", 3: "param"}.get(kinds.pop(), "?")

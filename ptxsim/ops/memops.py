@@ -44,16 +44,20 @@ def addr_getter(sim, op):
     return lambda w: g(w).view(np.int64) + off
 
 
+def resolve_generic(space, addrs, ctx):
+    """A generic access's state space and its addresses in that space (the windows of ``ptxsim.memory``)."""
+    if space != "generic":
+        return space, addrs
+    top = set((addrs.astype(np.uint64) >> np.uint64(56)).tolist())
+    if len(top) != 1:
+        raise Unsupported(f"a generic access spanning state spaces{ctx()}")
+    t = top.pop()
+    return {0: "global", 1: "shared", 2: "local", 3: "param"}[t], (addrs & WINDOW_MASK if t else addrs)
+
+
 def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True, atomic=False):
     """``(n, nbytes)`` uint8 for the addresses ``addrs`` of the lanes (in order)."""
-    if space == "generic":
-        top = set((addrs.astype(np.uint64) >> np.uint64(56)).tolist())
-        if len(top) != 1:
-            raise Unsupported(f"a generic access spanning state spaces{ctx()}")
-        t = top.pop()
-        space = {0: "global", 1: "shared", 2: "local", 3: "param"}[t]
-        if t:
-            addrs = addrs & WINDOW_MASK
+    space, addrs = resolve_generic(space, addrs, ctx)
     if space == "global":
         if nbytes > 1 and (addrs % nbytes).any():
             raise MemoryFault(f"misaligned global read of {nbytes} B at {int(addrs[(addrs % nbytes) != 0][0]):#x}"
@@ -73,14 +77,7 @@ def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True, atomic=False):
 
 def write(sim, w, space, addrs, data, ctx, line):
     nbytes = data.shape[1]
-    if space == "generic":
-        top = set((addrs.astype(np.uint64) >> np.uint64(56)).tolist())
-        if len(top) != 1:
-            raise Unsupported(f"a generic access spanning state spaces{ctx()}")
-        t = top.pop()
-        space = {0: "global", 1: "shared", 2: "local", 3: "param"}[t]
-        if t:
-            addrs = addrs & WINDOW_MASK
+    space, addrs = resolve_generic(space, addrs, ctx)
     if space == "global":
         if nbytes > 1 and (addrs % nbytes).any():
             raise MemoryFault(f"misaligned global write of {nbytes} B{ctx()}")
