@@ -85,13 +85,20 @@ class Warp:
         # generic writes this warp has synchronized with (its fence.proxy.async covers them)
         self.observed: dict = {("warp", self.gid): 0}
         self.epoch = 0  # release operations so far: a generic write is published by the next one
+        self.mbinits = 0  # mbarrier.init instructions executed: ("mbinit", gid) in ``observed`` says how many are seen
         self.elected: dict = {}  # elect.sync's leader per member set
 
     def release(self) -> None:
-        """A release operation (a barrier arrival, an mbarrier arrive): the warp's shared-memory writes so far
-        become visible to whoever acquires what it carries."""
+        """A release operation (a barrier arrival, an mbarrier arrive): the warp's shared-memory writes so far,
+        its mbarrier inits included, become visible to whoever acquires what it carries."""
         self.epoch += 1
         self.observed[("warp", self.gid)] = self.epoch
+        self.publish_inits()
+
+    def publish_inits(self) -> None:
+        """The warp's mbarrier inits so far travel with what it releases (``fence.mbarrier_init``, or a release)."""
+        if self.mbinits:
+            self.observed[("mbinit", self.gid)] = self.mbinits
 
     def runnable(self) -> np.ndarray:
         """The lanes that may run now (not to be modified: it may be ``active`` itself)."""

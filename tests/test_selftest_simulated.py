@@ -1,6 +1,11 @@
-"""The quick selftest grid (one case per kernel family) with its sm_90a kernels executed by the PTX simulator: the
-op's real launch path on CPU tensors standing for CUDA ones, every check of the selftest (NaN-poisoned outputs, the
-cache's bits outside the step, tolerances), and a kernel must have run."""
+"""The quick selftest grid (one case per kernel family) with its sm_90a and sm_100a kernels executed by the PTX
+simulator: the op's real launch path on CPU tensors standing for CUDA ones, every check of the selftest (NaN-poisoned
+outputs, the cache's bits outside the step, tolerances), and a kernel must have run.
+
+On sm_100a these are the regression tests of two kernel fixes: the attention and MLA epilogues read O from Tensor
+Memory in splits without key tiles, where no MMA had written it (now skipped), and ``rescale_o`` stored the
+rescaled O over the cells its tcgen05.ld had read without ``tcgen05.wait::ld``, an order the PTX ISA does not give
+(9.7.16.6.4.5); the simulator reported both on every schedule."""
 
 import pytest
 
@@ -11,11 +16,12 @@ from cute_kv.simulate import simulated  # noqa: E402
 
 ARCH = "sm_90a"
 QUICK = selftest.cases(quick=True, arch=ARCH)
+GRID = [(arch, c) for arch in (ARCH, "sm_100a") for c in selftest.cases(quick=True, arch=arch)]
 
 
-@pytest.mark.parametrize("case", QUICK, ids=[f"{c.op}-{c.config}".replace(" ", "_") for c in QUICK])
-def test_quick_case_runs_in_the_simulator(case):
-    with simulated(ARCH, seed=1) as record:
+@pytest.mark.parametrize("arch,case", GRID, ids=[f"{a}-{c.op}-{c.config}".replace(" ", "_") for a, c in GRID])
+def test_quick_case_runs_in_the_simulator(arch, case):
+    with simulated(arch, seed=1) as record:
         row = selftest.run_case(case, "cpu")
     assert row.path.startswith("kernel"), row.path
     assert record.launches, "no kernel ran in the simulator"

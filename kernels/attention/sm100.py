@@ -80,7 +80,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float32, Int32, Int64, Uint8, Uint32
+from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -315,7 +315,6 @@ class PagedAttentionSm100:
         tiles = self.q_tiles
         m_block, head_split, b = cute.arch.block_idx()
         kv_head = head_split % self.num_kv_heads
-        split = head_split // self.num_kv_heads
         q_start, seq_len = request_rows(input_row_offsets, b, q.shape[0])  # (unchecked offsets stay inside q)
         m0 = m_block * self.plan.rows
         if m0 < seq_len * group:  # the CTA has query rows (uniform: the whole CTA leaves otherwise)
@@ -443,9 +442,9 @@ class PagedAttentionSm100:
                     if n_tiles > 0:
                         o_done.wait(t, (n_tiles - 1) % 2)  # the last PV MMA of the tile is done: O is final
                         tmem_fence_after_sync()
-                    self.epilogue(self.o_tile(t_o, t), row_max, row_sum, sinks, out, o_part, lse_part, lse, tma_o,
-                                  g_out, s_q[None, None, t], q_start, seq_len, row0 + t * BM, kv_head_, split_,
-                                  num_splits)
+                    self.epilogue(self.o_tile(t_o, t), n_tiles > 0, row_max, row_sum, sinks, out, o_part, lse_part,
+                                  lse, tma_o, g_out, s_q[None, None, t], q_start, seq_len, row0 + t * BM, kv_head_,
+                                  split_, num_splits)
             if warp_idx < self.correction_warp:
                 self.set_registers("softmax")
                 row0, _, _, _, cache_len, num_keys, first_tile, n_tiles = self.keys(*keys)
@@ -634,7 +633,7 @@ class PagedAttentionSm100:
         """Softmax warpgroup of Q tile ``tile`` (packed rows from ``m0``): row ``tidx % 128`` of each of its S tiles
         -> P, in place in TMEM; O's factor of the tile to the correction warpgroup (``s_scale``) as soon as the row
         max is known; the final ``(row_max, row_sum)`` (base 2) to ``s_stats``."""
-        bn, lag = self.bn, SLOTS // self.q_tiles
+        bn = self.bn
         row = cute.arch.thread_idx()[0] % BM
         tok = (m0 + row) // self.group
         pos = cache_len + tok
@@ -883,13 +882,14 @@ class PagedAttentionSm100:
                 cute.autovec_copy(zeros, cute.local_tile(s_v[idx // chunks, None, stage], (VEC,), (idx % chunks,)))
 
     @cute.jit
-    def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
-                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor,
-                 tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor, q_start: Int32,
-                 seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
+    def epilogue(self, t_o: cute.Tensor, o_written: cutlass.Boolean, row_max: Float32, row_sum: Float32,
+                 sinks: Optional[cute.Tensor], out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
+                 lse: cute.Tensor, tma_o: Optional[cute.CopyAtom], g_out: Optional[cute.Tensor], s_o: cute.Tensor,
+                 q_start: Int32, seq_len: Int32, m0: Int32, kv_head: Int32, split: Int32, num_splits: Int32):
         """Row ``tidx % 128`` of the Q tile from packed row ``m0`` (the correction warpgroup): ``O / l`` to ``out``
-        (one split) or to this split's float32 partial with its base-2 lse. The sink joins split 0's denominator. A row with no visible key writes 0, and lse = -inf (the sink with one).
-        ``out`` rows go through ``s_o`` (the Q tile's, free: its last PV completed after its last QK) and TMA stores when
+        (one split) or to this split's float32 partial with its base-2 lse. The sink joins split 0's denominator. A
+        row with no visible key writes 0, and lse = -inf (the sink with one); O is not read when no PV MMA wrote it
+        (``o_written`` false: a split without key tiles). ``out`` rows go through ``s_o`` (the Q tile's, free: its last PV completed after its last QK) and TMA stores when
         the group divides BM (``store_o``), else straight from the thread."""
         tidx = cute.arch.thread_idx()[0] % BM
         tok = (m0 + tidx) // self.group
@@ -900,10 +900,11 @@ class PagedAttentionSm100:
         vals = cute.make_rmem_tensor(shape, Float32)
         res = cute.make_rmem_tensor(shape, self.dtype)
         for i in cutlass.range_constexpr(self.v_dim // chunk):
-            cute.copy(load, cute.make_tensor(src.iterator + i * chunk, src.layout), vals)
-            for e in cutlass.range_constexpr(0, cute.size(vals), 2):
-                vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (inv, inv))
-            if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
+            if o_written:  # CTA-uniform (tcgen05.ld is .sync.aligned): a split without key tiles never wrote O
+                cute.copy(load, cute.make_tensor(src.iterator + i * chunk, src.layout), vals)
+                for e in cutlass.range_constexpr(0, cute.size(vals), 2):
+                    vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (inv, inv))
+            if row_sum == 0.0:  # no key seen (or no tile): 0 rows, not 0 * inf
                 vals.fill(0.0)
             if num_splits == 1:
                 res.store(vals.load().to(self.dtype))
@@ -913,6 +914,9 @@ class PagedAttentionSm100:
                     cute.autovec_copy(res, cute.local_tile(out[q_start + tok, head, None], (chunk,), (i,)))
             elif tok < seq_len:
                 cute.autovec_copy(vals, cute.local_tile(o_part[split, q_start + tok, head, None], (chunk,), (i,)))
+        # the columns may be deallocated only once the loads are retired (PTX ISA 9.7.16.6.4.4: tcgen05.ld ->
+        # wait::ld -> fence -> sync -> dealloc); reading their registers does not retire them
+        cute.arch.fence_view_async_tmem_load()
         if cutlass.const_expr(self.tma_store):
             if num_splits == 1:
                 self.store_o(tma_o, g_out, s_o, q_start, seq_len, m0, kv_head)

@@ -51,6 +51,10 @@ def rescale_o(t_o: cute.Tensor, corr: Float32, cols: cutlass.Constexpr[int]):
     vals = cute.make_rmem_tensor(shape, Float32)
     for i in cutlass.range_constexpr(cols // chunk):
         cute.copy(load, cute.make_tensor(src.iterator + i * chunk, src.layout), vals)
+        # tcgen05.wait::ld before the store overwrites the cells just loaded: a register dependency orders the
+        # load's data, not its Tensor Memory read before a later write (PTX ISA 9.7.16.6.4.5). The multiply needs
+        # the data anyway, so the wait costs no time.
+        cute.arch.fence_view_async_tmem_load()
         for e in cutlass.range_constexpr(0, cute.size(vals), 2):
             vals[e], vals[e + 1] = cute.arch.mul_packed_f32x2((vals[e], vals[e + 1]), (corr, corr))
         cute.copy(store, vals, cute.make_tensor(dst.iterator + i * chunk, dst.layout))

@@ -356,8 +356,8 @@ class MlaDecodeSm100:
                 row_max, row_sum = self.softmax(t_s, t_o, s_p, s_x, x_bars, s_pipe, p_pipe, indices, b, first_tile,
                                                 n_tiles, m0, seq_len, cache_len, num_keys, causal, rows_per_page,
                                                 oob_row, num_slots, score_scale, cap_log2, v_half)
-                self.epilogue(t_o, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start, seq_len, m0,
-                              v_half, split, num_splits)
+                self.epilogue(t_o, n_tiles > 0, row_max, row_sum, sinks, out, o_part, lse_part, lse, q_start,
+                              seq_len, m0, v_half, split, num_splits)
             tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
             cute.arch.sync_threads()
             tmem_fence_after_sync()  # ... and the dealloc after it
@@ -647,12 +647,14 @@ class MlaDecodeSm100:
                     scores[c * CHUNK + e] = scores[c * CHUNK + e] + peer[e]
 
     @cute.jit
-    def epilogue(self, t_o: cute.Tensor, row_max: Float32, row_sum: Float32, sinks: Optional[cute.Tensor],
-                 out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, lse: cute.Tensor, q_start: Int32,
-                 seq_len: Int32, m0: Int32, v_half: Int32, split: Int32, num_splits: Int32):
+    def epilogue(self, t_o: cute.Tensor, o_written: cutlass.Boolean, row_max: Float32, row_sum: Float32,
+                 sinks: Optional[cute.Tensor], out: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
+                 lse: cute.Tensor, q_start: Int32, seq_len: Int32, m0: Int32, v_half: Int32, split: Int32,
+                 num_splits: Int32):
         """Row ``tidx``: its O half ``/ l`` to ``out`` (one split) or to this split's float32 partial; value half 0
         writes the row's lse (base 2 for a split, natural with ``return_lse``). The sink joins split 0's
-        denominator. A row with no visible key writes 0, and lse = -inf (the sink's with one)."""
+        denominator. A row with no visible key writes 0, and lse = -inf (the sink's with one); O is not read when no
+        PV MMA wrote it (``o_written`` false: a split without key tiles)."""
         tidx, _, _ = cute.arch.thread_idx()
         tok = (m0 + tidx) // self.group
         head = (m0 + tidx) % self.group
@@ -662,10 +664,11 @@ class MlaDecodeSm100:
         res = cute.make_rmem_tensor(shape, self.dtype)
         chunk0 = v_half * (O_COLS // O_CHUNK)  # the half's first O_CHUNK column block of the output row
         for i in cutlass.range_constexpr(O_COLS // O_CHUNK):
-            cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
-            for e in cutlass.range_constexpr(cute.size(vals)):
-                vals[e] = vals[e] * inv
-            if row_sum == 0.0:  # no key seen: O was never written (a split without tiles), 0 * garbage may be NaN
+            if o_written:  # CTA-uniform (tcgen05.ld is .sync.aligned): a split without key tiles never wrote O
+                cute.copy(load, cute.make_tensor(src.iterator + i * O_CHUNK, src.layout), vals)
+                for e in cutlass.range_constexpr(cute.size(vals)):
+                    vals[e] = vals[e] * inv
+            if row_sum == 0.0:  # no key seen (or no tile): 0 rows, not 0 * inf
                 vals.fill(0.0)
             if tok < seq_len:
                 row = q_start + tok

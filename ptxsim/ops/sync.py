@@ -28,7 +28,8 @@ class MBarrier(Waiter):
     tx-count (range [-(2^20 - 1), 2^20 - 1]). A phase completes when the pending count and the tx-count are both 0;
     the pending count then resets to the expected count. ``phase`` counts completed phases (its parity is the
     current phase's)."""
-    __slots__ = ("sim", "cta", "offset", "expected", "pending", "tx", "phase", "line", "cid", "released", "carried")
+    __slots__ = ("sim", "cta", "offset", "expected", "pending", "tx", "phase", "line", "cid", "released", "carried",
+                 "init_by")
 
     def __init__(self, sim, cta, offset, count, line):
         super().__init__()
@@ -98,6 +99,14 @@ def mbar_of(sim, w, addrs, ctx, cluster=False):
     if bar is None:
         raise Hazard(f"mbarrier operation on shared offset {a:#x}, where no mbarrier was initialized (or it was "
                      f"invalidated){ctx()}")
+    by, nth = bar.init_by
+    if by != w.gid and w.observed.get(("mbinit", by), 0) < nth:
+        # The init is a write of the object (PTX ISA 9.7.13.15.9); another thread's operation must be ordered after
+        # it: a release by the initializing thread (fence.mbarrier_init.release.cluster, PTX ISA 9.7.13.4, or a
+        # barrier arrival / release fence) that this thread acquired (bar.sync, barrier.cluster.wait, ...).
+        raise Hazard(f"mbarrier operation on {bar.state()}, whose init (by warp {by}) nothing made visible to this "
+                     f"thread (fence.mbarrier_init.release.cluster or a release, then a barrier both take part in: "
+                     f"PTX ISA 9.7.13.4, 9.7.13.15.9){ctx()}")
     return bar
 
 
@@ -121,6 +130,7 @@ def compile_mbarrier(sim, ins):
             ctx = sim.ctx(w, ins, m)
             a = _shared_addrs(sim, w, ag, m, space)
             counts = cg(w)[m]
+            w.mbinits += 1
             for addr, cnt in set(zip(a.tolist(), counts.tolist())):
                 cta, idx = sim.shared_index(w.cta, np.array([addr]), 8, ctx)
                 addr = int(idx[0, 0])  # the offset in the CTA's shared memory (the rank bits off)
@@ -134,7 +144,8 @@ def compile_mbarrier(sim, ins):
                 cta.smem.dirty[idx] = 0
                 cta.smem.gen_writer[idx] = 0  # only mbarrier operations touch it from here
                 cta.smem.mbar_bytes[idx] = True
-                cta.smem.mbarriers[addr] = MBarrier(sim, cta, addr, cnt, ins.line)
+                cta.smem.mbarriers[addr] = bar = MBarrier(sim, cta, addr, cnt, ins.line)
+                bar.init_by = (w.gid, w.mbinits)
             sim.epoch += 1
         return body
     if kind == "inval":
@@ -513,8 +524,13 @@ def compile_redux(sim, ins):
 
 def compile_fence(sim, ins):
     """``fence.proxy.async``: the executing warp's generic writes to shared memory become visible to the async
-    proxy (PTX ISA 9.7.13.4 / 8.6 "Proxies"); other fences only order memory, which is sequential here."""
+    proxy (PTX ISA 9.7.13.4 / 8.6 "Proxies"); ``fence.mbarrier_init`` publishes the warp's mbarrier inits (see
+    ``mbar_of``); other fences only order memory, which is sequential here."""
     words = ins.words
+    if "mbarrier_init" in words:
+        # PTX ISA 9.7.13.4: fence.mbarrier_init.release.cluster, a release fence for the thread's prior mbarrier.init
+        # operations only (a following barrier.cluster.arrive.relaxed carries them to the cluster)
+        return lambda w, m, pc: w.publish_inits()
     if "proxy" in words and "async" in "".join(words[2:]) and "tensormap" not in "".join(words):
         def body(w, m, pc):
             # a fence covers the generic writes of this warp and of the warps it synchronized with since
@@ -523,6 +539,8 @@ def compile_fence(sim, ins):
             covered = [k[1] + 1 for k in w.observed if isinstance(k, tuple) and k[0] == "warp"]
             d[np.isin(d, covered)] = 0
         return body
+    if words[0] == "membar" or any(x in words for x in ("sc", "acq_rel", "release")):
+        return lambda w, m, pc: w.publish_inits()  # a release fence orders the inits before it as well
     return lambda w, m, pc: None
 
 
