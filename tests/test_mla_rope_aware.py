@@ -305,14 +305,3 @@ def test_paged_attention_rejects_bad_rope_aware_args(rng):
         cute_kv.paged_attention(q, pb.input_row_offsets, c, 0, mla_v_dim=80)
     path = cute_kv.explain(cute_kv.paged_attention, q, pb.input_row_offsets, c, 0, mla_v_dim=64, arch="sm_90a")
     assert path.path == "reference"
-
-
-def test_readme_mla_example_runs():
-    import os
-    import re
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        readme = f.read()
-    section = readme[readme.index("### MLA: the rope-aware FP8 cache"):]
-    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), {})
