@@ -1,9 +1,15 @@
-"""FA4's SM100 forward (``flash_attn.cute.flash_fwd_sm100``, known good on B200s) with one Q tile per CTA
-(``q_stage`` 1, ``tcgen05.mma.cta_group::1``), compiled by its own interface and captured from its real host code,
-runs in the simulator against float64 under two schedules: dense K/V non-causal and causal (ragged last key tile,
-GQA packed: 2 query heads on 1 KV head, so Sq query tokens are 2 Sq rows of the one 128-row tile) and paged K/V with
-a shuffled page table (page 128 = tile N: TMA page loads). See ``ptxsim.peers.fa4_sm100``. O and lse are
-NaN-poisoned before each run.
+"""FA4's SM100 forward (``flash_attn.cute.flash_fwd_sm100``, known good on B200s), compiled by its own interface and
+captured from its real host code, runs in the simulator against float64 under two schedules, in the forms its
+interface picks by shape (``ptxsim.peers.fa4_sm100``):
+
+- one Q tile per CTA (``q_stage`` 1, ``tcgen05.mma.cta_group::1``): dense K/V non-causal and causal (ragged last key
+  tile, GQA packed: 2 query heads on 1 KV head, so Sq query tokens are 2 Sq rows of the one 128-row tile) and paged
+  K/V with a shuffled page table (page 128 = tile N: TMA page loads);
+- two Q tiles per CTA (``q_stage`` 2: 256 rows, two softmax warpgroups), causal, 1-CTA MMAs;
+- two Q tiles per CTA over a CTA pair (cluster 2 x 1, ``tcgen05.mma.cta_group::2``: the pair's 256-row MMAs, issued by
+  the even CTA, commits multicast to both), dense and paged.
+
+O and lse are NaN-poisoned before each run.
 
 FA4's SM100 PTX has no ``tcgen05.wait::ld``: it reads tcgen05.ld destinations directly (ordered by the ISA, PTX ISA
 9.7.16.6.4.5 "Register dependencies, same thread") and then overwrites the Tensor Memory those loads read (P stored
@@ -37,6 +43,18 @@ CASES = {
     "dense": (64, 257, None, False),      # 128 rows: one full Q tile; last key tile 1 key
     "causal": (48, 231, None, True),      # 96 rows: a partial Q tile; bottom-right aligned causal
     "paged_tma": (64, 300, 128, False),   # 3 pages (last one 44 keys used), shuffled, one spare page in the pool
+    "causal_two_q_tiles": (160, 300, None, True),  # 320 rows: 2 CTAs of 256 (q_stage 2), the second partial
+    "pair_dense": (300, 300, None, False),         # 600 rows: 2 CTA pairs of 2 x 256 rows, the last pair partial
+    "pair_paged": (200, 400, 128, False),          # 400 rows: 1 pair; 4 shuffled pages, the last 16 keys used
+}
+# name -> (grid, cluster, MMA form): the geometry the interface's rules give (test_peer_sm100_capture)
+GEOMETRY = {
+    "dense": ((1, 1, 1), (1, 1, 1), "cta_group::1"),
+    "causal": ((1, 1, 1), (1, 1, 1), "cta_group::1"),
+    "paged_tma": ((1, 1, 1), (1, 1, 1), "cta_group::1"),
+    "causal_two_q_tiles": ((2, 1, 1), (1, 1, 1), "cta_group::1"),
+    "pair_dense": ((4, 1, 1), (2, 1, 1), "cta_group::2"),
+    "pair_paged": ((2, 1, 1), (2, 1, 1), "cta_group::2"),
 }
 
 
@@ -67,9 +85,10 @@ def _case(name):
                                    return_lse=True)
         fn(*[cuda_view(a) if isinstance(a, torch.Tensor) else a for a in args])
     (launch,) = launches
-    # one Q tile, 1-CTA MMAs (the geometry test_peer_sm100_capture derives from the interface's rules)
-    assert launch.grid == (1, 1, 1) and launch.cluster == (1, 1, 1) and launch.block == (512, 1, 1)
-    assert "tcgen05.mma.cta_group::1.kind::f16" in launch.ptx and "cta_group::2" not in launch.ptx
+    grid, cluster, form = GEOMETRY[name]
+    assert launch.grid == grid and launch.cluster == cluster and launch.block == (512, 1, 1)
+    other = "cta_group::2" if form == "cta_group::1" else "cta_group::1"
+    assert f"tcgen05.mma.{form}.kind::f16" in launch.ptx and f"tcgen05.mma.{other}" not in launch.ptx
     assert "tcgen05.wait::ld" not in launch.ptx  # the pattern the acceptance is for
     reads = {"q": q, "k": k, "v": v}
     if page_table is not None:
