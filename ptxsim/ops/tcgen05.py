@@ -699,6 +699,8 @@ def _mma(sim, ins):
             for ix in idxs:
                 smem.read(ix, "tcgen05.mma operand" + where, ctx, generic=False, observed=w.observed)
             _check_write_d(ptm, dcols, ctx)
+            if not sim.in_order_tcgen05_mma:
+                _check_unordered(tm.fifo.get(key, []), ptm, M, N, dc, pair, dcols, ctx)
             op.parts.append(pt)
         for pt in op.parts:
             for ix in [pt.b_idx] + ([pt.a_idx] if pt.a_idx is not None else []):
@@ -724,6 +726,27 @@ def _mma(sim, ins):
         op.async_op = AsyncOp(cta, "tcgen05.mma", ins.line, land, ready)
         sim.pending.append(op.async_op)
         sim.epoch += 1
+
+    def _check_unordered(earlier, ptm, M, N, dc, pair, dcols, ctx):
+        """An earlier MMA of the issuing thread still in flight that reads (A in TMEM) or writes (another
+        accumulator, or another shape) columns this one writes: the ISA does not order the two (9.7.16.6.2; see
+        ``Simulator``'s ``in_order_tcgen05_mma``)."""
+        for o in earlier:
+            for q in o.parts:
+                if q.tm is not ptm:
+                    continue
+                same = o.d_col == dc and o.n == N and o.m == M and (len(o.parts) == 2) == pair
+                hit = None
+                if not same and np.intersect1d(o.d_col + np.arange(o.n), dcols).size:
+                    hit = "writes them as another accumulator"
+                elif o.a_tmem and np.isin(q.a_cells[1], dcols).any():
+                    hit = "reads them (its A operand)"
+                if hit:
+                    raise Hazard(f"tcgen05.mma D at TMEM columns {int(dcols[0])}-{int(dcols[-1])} while the "
+                                 f"tcgen05.mma of PTX line {o.line}, issued earlier by this thread and not completed, "
+                                 f"{hit}: the ISA orders the two only as a pipelined pair (the same accumulator and "
+                                 f"shape, PTX ISA 9.7.16.6.2); wait for its commit first, or accept in-order "
+                                 f"execution (simulator option in_order_tcgen05_mma){ctx()}")
 
     def _check_write_d(tm, dcols, ctx):
         v = tm.ld_pend[:, dcols] | tm.st_pend[:, dcols]
