@@ -28,8 +28,8 @@ from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
 from cute_kv.kv_layout import KVPlanes, check_planes, planes_of_blocks, planes_of_kv
 from cute_kv.params import KVCacheParams, check_rope_aware
 from cute_kv.rope_aware import RopeAwareRow
-from cute_kv.validate import (check_metadata_tensor, check_not_negative, check_tensor, check_uint32_scalar,
-                              lookup_fix, negative_entry)
+from cute_kv.validate import (NEW_TOKENS_HINT, check_metadata_tensor, check_not_negative, check_tensor,
+                              check_uint32_scalar, lookup_fix, negative_entry)
 
 
 class PagedKVCacheCollection:
@@ -320,14 +320,15 @@ class PagedKVCacheCollection:
         if cl.numel() and int(cl.max()) > self.max_cache_length:
             check_not_negative("cache_lengths", self.cache_lengths)
             raise ValueError(
-                f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry ({int(cl.max())})"
+                f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry "
+                f"({int(cl.max())}); {NEW_TOKENS_HINT}"
             )
         unowned = self._first_unowned(cl)
         if unowned:
             b, j, entry = unowned
             raise ValueError(
                 f"lookup_table[{b}, {j}] = {entry} names no page but request {b} has {int(cl[b])} cached tokens "
-                f"(needs {int(-(-cl[b] // self.page_size))} pages)"
+                f"(needs {int(-(-cl[b] // self.page_size))} pages); {NEW_TOKENS_HINT}"
             )
 
     def check_writable(self, name: str, new_lengths: torch.Tensor) -> None:
@@ -342,14 +343,15 @@ class PagedKVCacheCollection:
             b = int(end.argmax())
             raise ValueError(
                 f"{name}: request {b} would write up to position {int(end[b])}, past the "
-                f"{self.lookup_table.shape[1]} lookup_table columns (page_size {self.page_size})"
+                f"{self.lookup_table.shape[1]} lookup_table columns (page_size {self.page_size}); {NEW_TOKENS_HINT}"
             )
         unowned = self._first_unowned(end)
         if unowned:
             b, j, entry = unowned
             raise ValueError(
                 f"{name}: request {b} needs positions [0, {int(end[b])}) ({int(cl[b])} cached + {int(end[b] - cl[b])} "
-                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {entry} names no page < {self.num_pages})"
+                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {entry} names no page < {self.num_pages}); "
+                f"{NEW_TOKENS_HINT}"
             )
 
     def unowned_pages(self, end: torch.Tensor, lut: Optional[torch.Tensor] = None) -> torch.Tensor:
