@@ -1,5 +1,6 @@
 """cute-kv: paged KV caches for LLM inference, with CuTe DSL kernels for SM90/SM100 and PyTorch references."""
 
+from cute_kv.adapters import EngineStep, from_fa4, from_flashinfer, from_sglang, from_vllm, window_from_left
 from cute_kv.collection import PagedKVCacheCollection
 from cute_kv.dtypes import parse_dtype
 from cute_kv.manager import (GraphStepBuffers, InsufficientBlocksError, KVCacheMetrics, PagedKVCacheManager,
@@ -26,6 +27,7 @@ from cute_kv.step_plan import StepPlan, plan_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "EngineStep",
     "FallbackError",
     "FallbackWarning",
     "GraphStepBuffers",
@@ -47,6 +49,10 @@ __all__ = [
     "StepInputs",
     "StepPlan",
     "explain",
+    "from_fa4",
+    "from_flashinfer",
+    "from_sglang",
+    "from_vllm",
     "fused_qkv_matmul_kv_cache",
     "gather_kv",
     "input_row_offsets",
@@ -64,4 +70,5 @@ __all__ = [
     "sparse_kv_index_remap",
     "sparse_mla_attention",
     "store_kv",
+    "window_from_left",
 ]

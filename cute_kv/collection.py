@@ -5,7 +5,9 @@ Layout (MAX, row-major): ``blocks[N, KVD, L, P, H, D]``; ``scales[N, KVD, L, P, 
 every layer, K and V. ``get_key_cache(l)`` / ``get_value_cache(l)`` return per-layer ``PagedKVCache`` views.
 
 Other engines' caches are taken in place (``cute_kv/kv_layout.py``): ``blocks`` may be any strided 6-D view the
-kernels can address, and ``from_kv`` takes K and V as two ``[N, P, H, D]`` views (one layer), of one tensor or two.
+kernels can address, and ``from_kv`` takes K and V as two ``[N, P, H, D]`` views (one layer), of one tensor or two,
+or per-layer lists of them (a tensor per layer, as engines allocate: each layer is then a one-layer collection of
+its own, which ``layer(l)`` resolves to).
 Every op reads the cache through ``key_blocks`` / ``value_blocks``, ``[N, L, P, H, D]`` planes with the same strides
 ``(sN, sL, sP, sH, 1)`` (for MLA both are ``blocks[:, 0]``); ``blocks`` is the 6-D tensor, None when K and V are
 not one tensor's ``[:, 0]`` and ``[:, 1]``. ``is_compact`` (MAX's row-major ``blocks``) selects the kernels compiled
@@ -19,17 +21,18 @@ e4m3 content bytes, then ``rope_dim`` bf16 values, with one float32 scale per to
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
 import torch
 
 from cute_kv.dtypes import KV_DTYPES, SCALE_DTYPES, is_fp8
-from cute_kv.kv_layout import KVPlanes, check_planes, planes_of_blocks, planes_of_kv
+from cute_kv.kv_layout import KVPlanes, check_page_order, check_planes, planes_of_blocks, planes_of_kv
 from cute_kv.params import KVCacheParams, check_rope_aware
 from cute_kv.rope_aware import RopeAwareRow
-from cute_kv.validate import (check_metadata_tensor, check_not_negative, check_tensor, check_uint32_scalar,
-                              lookup_fix, negative_entry)
+from cute_kv.validate import (NEW_TOKENS_HINT, check_metadata_tensor, check_not_negative, check_tensor,
+                              check_uint32_scalar, lookup_fix, negative_entry)
 
 
 class PagedKVCacheCollection:
@@ -53,6 +56,8 @@ class PagedKVCacheCollection:
     # Set by the block manager (bind_step): the step these metadata belong to, and its live steps.
     step_id: Optional[int] = None
     _live_steps: Optional[set] = None
+    # Set by from_kv of per-layer tensors: each layer's one-layer collection (``layer``).
+    _layers: Optional[tuple] = None
 
     def __init__(
         self,
@@ -173,21 +178,70 @@ class PagedKVCacheCollection:
     # -- construction helpers ---------------------------------------------------------------------
 
     @classmethod
-    def from_kv(cls, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_lengths: torch.Tensor,
-                lookup_table: torch.Tensor, max_seq_length: int, max_cache_length: int,
-                scales: Optional[torch.Tensor] = None, **kwargs) -> "PagedKVCacheCollection":
-        """A one-layer collection over K and V given as two ``[N, P, H, D]`` views, of one tensor or two (nothing
-        is copied). vLLM ``kv[2, N, P, H, D]``: ``from_kv(kv[0], kv[1], ...)``; FlashInfer NHD
-        ``t[N, 2, P, H, D]``: ``(t[:, 0], t[:, 1])``; FlashInfer HND ``t[N, 2, H, P, D]``:
-        ``(t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3))``; FA4 / transformers: ``(k_cache, v_cache)``.
-        ``scales``: MAX's compact ``[N, 2, 1, P, H, G]``; the other arguments as for the constructor."""
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            check_tensor(name, t, dtype=KV_DTYPES, ndim=4)
-            if min(t.shape) <= 0:
-                raise ValueError(f"{name} must have no empty dimension, got shape {list(t.shape)}")
-        check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=list(k_cache.shape), device=k_cache.device)
-        return cls(planes_of_kv(k_cache, v_cache), cache_lengths, lookup_table, max_seq_length, max_cache_length,
-                   scales, **kwargs)
+    def from_kv(cls, k_cache, v_cache, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+                max_seq_length: int, max_cache_length: int, scales=None, *, layout: Optional[str] = None,
+                page_size: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                **kwargs) -> "PagedKVCacheCollection":
+        """A collection over K and V given as ``[N, P, H, D]`` views, of one tensor or two (nothing is copied).
+
+        One layer: ``k_cache`` / ``v_cache`` tensors (call the ops with ``layer_idx=0``). vLLM
+        ``kv[2, N, P, H, D]``: ``from_kv(kv[0], kv[1], ...)``; FlashInfer NHD ``t[N, 2, P, H, D]``:
+        ``(t[:, 0], t[:, 1])``; FlashInfer HND ``t[N, 2, H, P, D]``: ``(t[:, 0].permute(0, 2, 1, 3),
+        t[:, 1].permute(0, 2, 1, 3))``; FA4 / transformers: ``(k_cache, v_cache)``. Several layers: lists (or tuples)
+        of per-layer tensors, ``k_caches[l]`` / ``v_caches[l]``, as engines keep one cache tensor per layer (vLLM's
+        ``kv_caches``: ``[kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]``); every layer has the first's
+        shape, dtype and strides, and ``layer_idx`` selects the layer (``layer``). One step's metadata serve them all,
+        and so does one ``plan_step``. ``scales``: MAX's compact ``[N, 2, 1, P, H, G]`` (a list of one per layer with
+        lists); the other arguments as for the constructor, whose metadata checks run once.
+
+        ``layout`` (``"NHD"`` / ``"HND"``, the engine's name for the memory order of a page), ``page_size`` and
+        ``num_kv_heads`` are what the engine allocated: each given one is checked against the tensors
+        (``kv_layout.check_page_order``), so an HND cache passed as an NHD one (P and H swapped) is refused instead
+        of read wrong."""
+        per_layer = [isinstance(x, (list, tuple)) for x in (k_cache, v_cache)]
+        if per_layer[0] != per_layer[1]:
+            raise TypeError(f"k_cache and v_cache must both be tensors (one layer) or both lists of one tensor per "
+                            f"layer, got {type(k_cache).__name__} and {type(v_cache).__name__}")
+        if not per_layer[0]:
+            return cls(_kv_planes((k_cache, v_cache), ("k_cache", "v_cache"), layout, page_size, num_kv_heads),
+                       cache_lengths, lookup_table, max_seq_length, max_cache_length, scales, **kwargs)
+        if not k_cache or len(k_cache) != len(v_cache):
+            raise ValueError(f"k_caches and v_caches must hold one tensor per layer each, got {len(k_cache)} and "
+                             f"{len(v_cache)}")
+        if scales is not None and (not isinstance(scales, (list, tuple)) or len(scales) != len(k_cache)):
+            raise ValueError(f"with per-layer k_caches, scales must be None or a list of one [N, 2, 1, P, H, G] "
+                             f"tensor per layer ({len(k_cache)}), got {type(scales).__name__}")
+        layers, seen = [], {}
+        for i, kv in enumerate(zip(k_cache, v_cache)):
+            names = (f"k_caches[{i}]", f"v_caches[{i}]")
+            planes = _kv_planes(kv, names, layout, page_size, num_kv_heads)
+            for name, t in zip(names, kv):
+                if t.data_ptr() in seen:
+                    raise ValueError(f"{name} is the memory of {seen[t.data_ptr()]}: each layer needs its own cache")
+                seen[t.data_ptr()] = name
+            if i:
+                first = layers[0].key_blocks
+                check_tensor(names[0], kv[0], dtype=first.dtype, shape=[first.shape[0], *first.shape[2:]],
+                             device=first.device)
+                if planes.key.stride() != first.stride():
+                    raise ValueError(f"{names[0]} has strides {list(kv[0].stride())}, k_caches[0] "
+                                     f"{list(k_cache[0].stride())}: the layers must share one layout (one plan and "
+                                     f"one set of kernels serve them all)")
+            layers.append(cls(planes, cache_lengths, lookup_table, max_seq_length, max_cache_length,
+                              None if scales is None else scales[i],
+                              **{**kwargs, "validate": kwargs.get("validate", True) and not i}))
+        return cls._of_layers(layers)
+
+    @classmethod
+    def _of_layers(cls, layers: list["PagedKVCacheCollection"]) -> "PagedKVCacheCollection":
+        """One collection over one-layer ``layers`` of one geometry and metadata (``from_kv`` of lists): layer 0's
+        attributes (its planes too: ops resolve their layer with ``layer`` before reading any), ``num_layers`` of
+        them, and ``layer(l)`` resolving to ``layers[l]``."""
+        if len(layers) == 1:
+            return layers[0]
+        c = copy.copy(layers[0])
+        c.num_layers, c._layers = len(layers), tuple(layers)
+        return c
 
     @staticmethod
     def allocate_blocks(params: KVCacheParams, total_num_pages: int, device=None, *, zero: bool = True):
@@ -203,12 +257,13 @@ class PagedKVCacheCollection:
         return blocks, scales
 
     def with_metadata(self, cache_lengths, lookup_table, max_seq_length, max_cache_length, *, validate=True):
-        """A collection over the same blocks/scales with another step's metadata."""
-        return PagedKVCacheCollection(
-            self.planes, cache_lengths, lookup_table, max_seq_length, max_cache_length, self.scales,
-            quantization_granularity=self.quantization_granularity if self.scales is not None else None,
-            rope_dim=self.rope_dim, validate=validate,
-        )
+        """A collection over the same blocks/scales (every layer's tensors) with another step's metadata."""
+        return self._of_layers([
+            PagedKVCacheCollection(
+                c.planes, cache_lengths, lookup_table, max_seq_length, max_cache_length, c.scales,
+                quantization_granularity=c.quantization_granularity if c.scales is not None else None,
+                rope_dim=c.rope_dim, validate=validate and not i,
+            ) for i, c in enumerate(self._layers or (self,))])
 
     # -- metadata --------------------------------------------------------------------------------
 
@@ -320,14 +375,15 @@ class PagedKVCacheCollection:
         if cl.numel() and int(cl.max()) > self.max_cache_length:
             check_not_negative("cache_lengths", self.cache_lengths)
             raise ValueError(
-                f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry ({int(cl.max())})"
+                f"max_cache_length ({self.max_cache_length}) is below the longest cache_lengths entry "
+                f"({int(cl.max())}); {NEW_TOKENS_HINT}"
             )
         unowned = self._first_unowned(cl)
         if unowned:
             b, j, entry = unowned
             raise ValueError(
                 f"lookup_table[{b}, {j}] = {entry} names no page but request {b} has {int(cl[b])} cached tokens "
-                f"(needs {int(-(-cl[b] // self.page_size))} pages)"
+                f"(needs {int(-(-cl[b] // self.page_size))} pages); {NEW_TOKENS_HINT}"
             )
 
     def check_writable(self, name: str, new_lengths: torch.Tensor) -> None:
@@ -342,14 +398,15 @@ class PagedKVCacheCollection:
             b = int(end.argmax())
             raise ValueError(
                 f"{name}: request {b} would write up to position {int(end[b])}, past the "
-                f"{self.lookup_table.shape[1]} lookup_table columns (page_size {self.page_size})"
+                f"{self.lookup_table.shape[1]} lookup_table columns (page_size {self.page_size}); {NEW_TOKENS_HINT}"
             )
         unowned = self._first_unowned(end)
         if unowned:
             b, j, entry = unowned
             raise ValueError(
                 f"{name}: request {b} needs positions [0, {int(end[b])}) ({int(cl[b])} cached + {int(end[b] - cl[b])} "
-                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {entry} names no page < {self.num_pages})"
+                f"new) but owns only {j} pages (lookup_table[{b}, {j}] = {entry} names no page < {self.num_pages}); "
+                f"{NEW_TOKENS_HINT}"
             )
 
     def unowned_pages(self, end: torch.Tensor, lut: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -400,6 +457,13 @@ class PagedKVCacheCollection:
                 f"pages may be shared or freed since; use the collections of the latest allocate()"
             )
 
+    def layer(self, layer_idx: int) -> tuple["PagedKVCacheCollection", int]:
+        """``(collection, index)`` that hold layer ``layer_idx`` (checked as ``check_layer`` does): this collection
+        and ``layer_idx``, or, over per-layer tensors (``from_kv`` of lists), that layer's own one-layer collection
+        and 0. Every op resolves its layer through it first."""
+        self.check_layer(layer_idx)
+        return (self, layer_idx) if self._layers is None else (self._layers[layer_idx], 0)
+
     def bind_step(self, step_id: int, live_steps: set) -> None:
         """Tie these metadata to block-manager step ``step_id``: ops refuse them once it leaves ``live_steps``."""
         self.step_id, self._live_steps = step_id, live_steps
@@ -407,8 +471,8 @@ class PagedKVCacheCollection:
     def _get_cache(self, kv_idx: int, layer_idx: int):
         from cute_kv.paged_cache import PagedKVCache
 
-        self.check_layer(layer_idx)
-        return PagedKVCache(self, kv_idx, layer_idx)
+        c, layer_idx = self.layer(layer_idx)
+        return PagedKVCache(c, kv_idx, layer_idx)
 
     def _check_batch(self, batch_idx: int):
         if not 0 <= batch_idx < self.batch_size:
@@ -417,6 +481,7 @@ class PagedKVCacheCollection:
     def __repr__(self) -> str:
         n, kvd, nl, p, h, d = self.shape
         q = "" if self.is_compact else f", strided {list(self.key_blocks.stride())}"
+        q += "" if self._layers is None else ", a tensor per layer"
         q += f", scales={self.scale_dtype} gran={self.quantization_granularity}" if self.scales is not None else ""
         if self.rope_dim is not None:
             q += f", rope-aware [{self.padded_depth} fp8 | {self.rope_dim} bf16]"
@@ -425,3 +490,16 @@ class PagedKVCacheCollection:
             f"on {self.device}{q}, batch={self.batch_size}, lut_cols={self.lookup_table.shape[1]}, "
             f"max_seq_length={self.max_seq_length}, max_cache_length={self.max_cache_length})"
         )
+
+
+def _kv_planes(kv: tuple[torch.Tensor, torch.Tensor], names: tuple[str, str], layout: Optional[str],
+               page_size: Optional[int], num_kv_heads: Optional[int]) -> KVPlanes:
+    """The planes of one layer's ``[N, P, H, D]`` K and V (``from_kv``), checked against what the engine said."""
+    for name, t in zip(names, kv):
+        check_tensor(name, t, dtype=KV_DTYPES, ndim=4)
+        if min(t.shape) <= 0:
+            raise ValueError(f"{name} must have no empty dimension, got shape {list(t.shape)}")
+    check_tensor(names[1], kv[1], dtype=kv[0].dtype, shape=list(kv[0].shape), device=kv[0].device)
+    for name, t in zip(names, kv):
+        check_page_order(name, t, layout, page_size, num_kv_heads)
+    return planes_of_kv(*kv, names)

@@ -29,6 +29,8 @@ PLANE_DIMS = ("N", "L", "P", "H", "D")
 ALIGN_BYTES = 16
 # Other engines' per-layer caches, by the layout of the tensor(s) holding K and V (``engine_kv``).
 ENGINE_LAYOUTS = ("vllm", "flashinfer-nhd", "flashinfer-hnd", "separate")
+# The engines' names for the memory order of a page: a token's heads side by side (NHD) or a head's tokens (HND).
+PAGE_ORDERS = ("NHD", "HND")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,11 +171,43 @@ def _pair(names: str, key: torch.Tensor, value: torch.Tensor) -> KVPlanes:
     return KVPlanes(both[:, 0], both[:, 1], both, checked=True)
 
 
-def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVPlanes:
-    """The planes of ``from_kv``'s ``[N, P, H, D]`` K and V (already shape- and dtype-checked), with L = 1."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+def planes_of_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, names: tuple[str, str] = ("k_cache", "v_cache")
+                 ) -> KVPlanes:
+    """The planes of ``from_kv``'s ``[N, P, H, D]`` K and V (already shape- and dtype-checked), with L = 1;
+    ``names``: the arguments, for the messages."""
+    for name, t in zip(names, (k_cache, v_cache)):
         check_addressable(name, t, KV_DIMS, _engine_fix(name))
-    return _pair("k_cache and v_cache", k_cache.unsqueeze(1), v_cache.unsqueeze(1))
+    return _pair(" and ".join(names), k_cache.unsqueeze(1), v_cache.unsqueeze(1))
+
+
+def check_page_order(name: str, t: torch.Tensor, layout: Optional[str] = None, page_size: Optional[int] = None,
+                     num_kv_heads: Optional[int] = None) -> None:
+    """Raise ``ValueError`` unless the ``[N, P, H, D]`` view ``t`` is what the engine said: its ``layout`` (``"NHD"``:
+    the P stride above the H stride; ``"HND"``: below, as vLLM's HND stride order and FlashInfer's HND keep a page),
+    ``page_size`` (P) and ``num_kv_heads`` (H), each checked where given. An HND tensor passed as ``[N, H, P, D]``
+    has the same shape as an NHD one with P and H swapped: nothing but these facts tells them apart."""
+    n, p, h, d = t.shape
+    s_p, s_h = t.stride(1), t.stride(2)
+    swapped = (f"if {name} is the engine's [N, H, P, D] tensor (an HND cache: P = {h}, H = {p}), pass "
+               f"{name}.permute(0, 2, 1, 3) with layout='HND'")
+    if layout is not None:
+        if layout not in PAGE_ORDERS:
+            raise ValueError(f"layout must be 'NHD' (a page holds each token's heads side by side) or 'HND' (each "
+                             f"head's tokens side by side), the engine's name for its cache, got {layout!r}")
+        if p > 1 and h > 1 and (s_p > s_h) != (layout == "NHD"):
+            seen = "NHD" if s_p > s_h else "HND"
+            fix = swapped if layout == "HND" else "if the engine's cache is HND, say layout='HND' (read in place)"
+            raise ValueError(f"{name}: layout={layout!r}, but {name} [N, P, H, D] = {list(t.shape)} has strides "
+                             f"{list(t.stride())}: P (stride {s_p}) {'outside' if s_p > s_h else 'inside'} H "
+                             f"(stride {s_h}) is {seen}; {fix}")
+    wrong = [f"{dim} = {got} but {arg}={want}" for dim, got, arg, want in
+             (("P", p, "page_size", page_size), ("H", h, "num_kv_heads", num_kv_heads))
+             if want is not None and got != want]
+    if wrong:
+        hint = f": the dims look transposed; {swapped}" if (page_size in (None, h) and num_kv_heads in (None, p)) \
+            else ""
+        raise ValueError(f"{name} [N, P, H, D] = {list(t.shape)} ({layout or 'layout not given'}) has "
+                         f"{' and '.join(wrong)}{hint}")
 
 
 def _same_view(t: torch.Tensor, u: torch.Tensor) -> bool:

@@ -23,12 +23,16 @@ _MISSING = object()  # an entry may be None (the reference)
 
 
 class StepPlan:
-    """One step over one collection (``plan_step``): ``num_tokens`` rows (``T``), ``batch_size`` requests, and the
-    per-op launch choices its calls have made (``entry``). Ops given ``plan=`` refuse another collection or other
-    offsets, whose metadata the plan did not check."""
+    """One step (``plan_step``): ``num_tokens`` rows (``T``), ``batch_size`` requests, and the per-op launch choices
+    its calls have made (``entry``). It serves every layer whose collection shares the step's metadata (the same
+    ``cache_lengths`` and ``lookup_table`` tensors, the same max lengths) and the cache's geometry (shape, dtype,
+    strides, alignment, scales), which the checks and launch choices depend on: a cache tensor per layer is one
+    collection each, or one ``from_kv`` of per-layer lists. Ops given ``plan=`` refuse other metadata, another cache
+    geometry or other offsets, naming what differs. A plan is for one step: where the metadata tensors are reused
+    (CUDA-graph buffers), plan again once their values change."""
 
     __slots__ = ("collection", "input_row_offsets", "offsets_bits", "num_tokens", "num_q_heads", "positions_end",
-                 "lengths", "_entries")
+                 "lengths", "_entries", "_served")
 
     def __init__(self, collection, input_row_offsets: torch.Tensor, num_tokens: int, num_q_heads: Optional[int],
                  positions_end: Optional[int] = None, lengths: Optional[list[tuple[int, int]]] = None):
@@ -40,6 +44,7 @@ class StepPlan:
         self.positions_end = positions_end
         self.lengths = lengths  # (new tokens, keys) per request, when read
         self._entries: dict = {}
+        self._served = {id(collection): collection}  # collections found to share the step (held: ids stay theirs)
 
     @property
     def batch_size(self) -> int:
@@ -49,9 +54,13 @@ class StepPlan:
               num_q_heads: Optional[int] = None) -> None:
         """Raise ``ValueError`` unless a call of ``op`` is over this plan's step (host-only; ``num_tokens``: the
         call's rows, ``num_q_heads``: an attention's query heads, each checked where given)."""
-        if collection is not self.collection:
-            raise ValueError(f"{op}: plan was made for another collection (another step's metadata); build one "
-                             f"per step with cute_kv.plan_step(collection, input_row_offsets, ...)")
+        if self._served.get(id(collection)) is not collection:  # compared once per collection: host time per call
+            problem = difference(self.collection, collection)
+            if problem:
+                raise ValueError(f"{op}: the plan does not serve this collection: {problem}. A plan serves the "
+                                 f"layers of one step whose collections share its metadata and cache geometry; plan "
+                                 f"this one with cute_kv.plan_step(collection, input_row_offsets, ...)")
+            self._served[id(collection)] = collection
         if input_row_offsets is not self.input_row_offsets:
             raise ValueError(f"{op}: input_row_offsets is not the tensor the plan was made with; pass that one, or "
                              f"plan this step again")
@@ -84,6 +93,44 @@ class StepPlan:
                 f"entries={len(self._entries)})")
 
 
+# What of a cache the plan's checks and launch choices depend on, besides the step's metadata.
+GEOMETRY = (
+    ("shape [N, KVD, L, P, H, D]", lambda c: list(c.shape)),
+    ("dtype", lambda c: c.dtype),
+    ("device", lambda c: c.device),
+    ("layout", lambda c: c.layout_name),
+    ("K/V strides [N, L, P, H, D]", lambda c: list(c.key_blocks.stride())),
+    ("K/V 16-byte alignment (data_ptr % 16)", lambda c: (c.key_blocks.data_ptr() % 16,
+                                                         c.value_blocks.data_ptr() % 16)),
+    ("scales", lambda c: None if c.scales is None
+        else (c.scale_dtype, list(c.scales.shape), c.quantization_granularity)),
+    ("rope_dim", lambda c: c.rope_dim),
+)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are one memory read the same way (an int32 tensor and its uint32 view included)."""
+    return (a.data_ptr(), a.shape, a.stride(), a.device) == (b.data_ptr(), b.shape, b.stride(), b.device)
+
+
+def difference(planned, other) -> Optional[str]:
+    """What of collection ``other`` differs from ``planned`` (a plan's) in the step's metadata or the cache geometry
+    (``GEOMETRY``), said for a message; None when a plan of ``planned`` serves ``other``. Host-only: the metadata
+    must be the same tensors, as their values are what the plan read."""
+    if planned.step_id != other.step_id:
+        return f"it belongs to manager step {other.step_id}, the plan to step {planned.step_id}"
+    for name in ("cache_lengths", "lookup_table"):
+        if not _same_tensor(getattr(planned, name), getattr(other, name)):
+            return f"its {name} is not the tensor the plan checked (another step's metadata?)"
+    for name in ("max_seq_length", "max_cache_length"):
+        if getattr(planned, name) != getattr(other, name):
+            return f"its {name} is {getattr(other, name)}, the plan's {getattr(planned, name)}"
+    for name, get in GEOMETRY:
+        if get(planned) != get(other):
+            return f"its cache's {name} is {get(other)}, the plan's {get(planned)}"
+    return None
+
+
 def signature(x) -> object:
     """What the calls of a plan must share of an argument for one check and one path to serve them all: a tensor's
     shape, strides, dtype, device and 16-byte alignment; a dataclass's (``RopeConfig``, ``QKNorm``, quantized
@@ -105,7 +152,8 @@ def call_key(op: str, tensors: tuple, values: tuple) -> tuple:
 
 def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optional[int] = None,
               num_tokens: Optional[int] = None, validate: bool = True) -> StepPlan:
-    """Check a step once and return its ``StepPlan``, for ops called with ``plan=``.
+    """Check a step once and return its ``StepPlan``, for ops called with ``plan=`` on every layer of the step
+    (``StepPlan`` says which collections it serves).
 
     ``num_tokens``: the step's rows ``T`` (``input_row_offsets[-1]``); without it, it is read with the checks.
     ``num_q_heads``: the attention's query heads, when known (attention calls with other heads are refused). The
@@ -122,6 +170,7 @@ def plan_step(collection, input_row_offsets: torch.Tensor, *, num_q_heads: Optio
     if num_q_heads is not None and (isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int)
                                     or num_q_heads <= 0):
         raise ValueError(f"num_q_heads must be a positive int or None, got {num_q_heads!r}")
+    collection = collection.layer(0)[0]  # per-layer tensors: the layers share the metadata and geometry
     # Dtype, shape and device first: they need no read (T only matters to the empty-batch check).
     check_step(collection, input_row_offsets, num_tokens or 0, data_checks=False)
     if validate:

@@ -62,10 +62,16 @@ def uint32_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint32) if t.dtype == torch.int32 else t
 
 
+# What a length past the pages or the bounds may mean: the peers' lengths count the step's tokens in.
+NEW_TOKENS_HINT = ("cache_lengths counts the tokens cached before this step: if it counts the step's new tokens too, "
+                   "as vLLM's seq_lens, SGLang's seq_lens, FA4's seqused_k and FlashInfer's kv_last_page_len do, "
+                   "subtract them (cute_kv.adapters does)")
+
 # What each metadata argument holds, for the message naming a negative entry.
 NEGATIVE_FIX = {
-    "cache_lengths": "cache_lengths counts each request's tokens already in the cache before this step; pass the "
-                     "true lengths",
+    "cache_lengths": "cache_lengths counts each request's tokens already in the cache before this step (an engine's "
+                     "lengths minus the step's new tokens: negative when a request has more new tokens than keys, "
+                     "such as a padded request given query rows but no pages); pass the true lengths",
     "input_row_offsets": "offsets are prefix sums of the new-token counts, [0, n0, n0 + n1, ...]; build them with "
                          "cute_kv.input_row_offsets(new_lengths)",
 }
@@ -152,14 +158,18 @@ def check_step(collection, input_row_offsets, total_rows: int, *, data_checks: b
         return None
     lengths = ro[1:] - ro[:-1]
     if lengths.numel():
-        ends = collection.cache_lengths.to(torch.int64) + lengths
-        for what, values, limit in (("new tokens", lengths, "max_seq_length"),
-                                    ("tokens in context", ends, "max_cache_length")):
-            if int(values.max()) > getattr(collection, limit):
-                check_not_negative("cache_lengths", collection.cache_lengths)
-                b = int(values.argmax())
-                raise ValueError(f"input_row_offsets: request {b} has {int(values[b])} {what}, more than the "
-                                 f"collection's {limit} ({getattr(collection, limit)})")
+        if int(lengths.max()) > collection.max_seq_length:
+            b = int(lengths.argmax())
+            raise ValueError(f"input_row_offsets: request {b} has {int(lengths[b])} new tokens, more than the "
+                             f"collection's max_seq_length ({collection.max_seq_length})")
+        cached = collection.cache_lengths.to(torch.int64)
+        ends = cached + lengths
+        if int(ends.max()) > collection.max_cache_length:
+            check_not_negative("cache_lengths", collection.cache_lengths)
+            b = int(ends.argmax())
+            raise ValueError(f"request {b} has cache_lengths[{b}] = {int(cached[b])} cached + {int(lengths[b])} new "
+                             f"(input_row_offsets) = {int(ends[b])} tokens in context, more than the collection's "
+                             f"max_cache_length ({collection.max_cache_length}); {NEW_TOKENS_HINT}")
     collection.check_writable("input_row_offsets", lengths)
     return lengths
 

@@ -285,7 +285,8 @@ ATTN_CASES = {
     "unowned prefix page": (lambda a, pb: _lut_out_of_range(pb), ValueError, r"lookup_table\[1, 2\]"),
     "max_cache_length": (lambda a, pb: setattr(pb, "collection", pb.collection.with_metadata(
         pb.collection.cache_lengths, pb.collection.lookup_table, 5, 37)), ValueError,
-        r"request 1 has 38 tokens in context, more than the collection's max_cache_length \(37\)"),
+        r"request 1 has cache_lengths\[1\] = 37 cached \+ 1 new \(input_row_offsets\) = 38 tokens in context, "
+        r"more than the collection.s max_cache_length \(37\); cache_lengths counts the tokens cached before this step"),
 }
 
 

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cute_kv
+from cute_kv import PagedKVCacheCollection
 from cute_kv import reference as ref
 from cute_kv.reference.batch import random_paged_batch
 from launch import ARCHS, as_cuda
@@ -139,9 +140,18 @@ def test_a_plan_serves_only_its_step(rng):
     plan = _plan(pb)
     k = torch.randn(9, 2, 16, generator=rng).to(c.dtype)
     q = torch.randn(9, 4, 16, generator=rng).to(c.dtype)
-    other = c.with_metadata(c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length)
-    with pytest.raises(ValueError, match="another collection"):
-        cute_kv.store_kv(k, k, ro, other, 0, plan=plan)
+    same_step = c.with_metadata(c.cache_lengths, c.lookup_table, c.max_seq_length, c.max_cache_length)
+    cute_kv.store_kv(k, k, ro, same_step, 1, plan=plan)  # another object of the step's metadata: served
+    for other, differs in (
+            (c.with_metadata(c.cache_lengths.clone(), c.lookup_table, c.max_seq_length, c.max_cache_length),
+             "its cache_lengths is not the tensor the plan checked"),
+            (c.with_metadata(c.cache_lengths, c.lookup_table, c.max_seq_length + 1, c.max_cache_length),
+             f"its max_seq_length is {c.max_seq_length + 1}, the plan's {c.max_seq_length}"),
+            (PagedKVCacheCollection(c.blocks.clone().transpose(3, 4).contiguous().transpose(3, 4), c.cache_lengths,
+                                    c.lookup_table, c.max_seq_length, c.max_cache_length),
+             "its cache.s layout is strided, the plan.s compact")):
+        with pytest.raises(ValueError, match=f"store_kv: the plan does not serve this collection: {differs}"):
+            cute_kv.store_kv(k, k, ro, other, 0, plan=plan)
     with pytest.raises(ValueError, match="not the tensor the plan was made with"):
         cute_kv.paged_attention(q, ro.clone(), c, 0, plan=plan)
     with pytest.raises(ValueError, match="the call has 8 rows but the plan's step has 9"):

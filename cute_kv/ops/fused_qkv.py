@@ -47,9 +47,9 @@ def fused_qkv_matmul_kv_cache(hidden: torch.Tensor, input_row_offsets: torch.Ten
     ``plan`` (``cute_kv.plan_step``) has checked the step (RoPE positions included): the call reads no device value
     and reuses the path chosen by the first call of the same signature (``store_kv``).
     """
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
-        collection.check_layer(layer_idx)
         path = plan.entry(call_key(OP, (hidden, weight, output, bias, rope, qk_norm), ()),
                           lambda: _planned(hidden, input_row_offsets, weight, collection, layer_idx, output, bias,
                                            rope, qk_norm, plan))
@@ -130,6 +130,7 @@ def explain(hidden, input_row_offsets, weight, collection, layer_idx: int, *, ou
             arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(fused_qkv_matmul_kv_cache, ...)``: the path this call takes on ``arch`` (default: the
     cache's device)."""
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(hidden, input_row_offsets, weight, collection, layer_idx, output, bias, rope, validate, qk_norm)
     return paths.planned(OP, collection.device, arch,
                          lambda arch: plan(collection, hidden, weight, rope, arch, qk_norm))

@@ -28,6 +28,7 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
     latent_dim]``, ``concat(content * scale, rope)``. The raw bytes and scales are ``get_key_cache(l).row_view()``
     and ``.scales_row_view()``.
     """
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(collection, layer_idx, kv, out)
     if out is None:
         out = torch.zeros(_shape(collection), dtype=_dtype(collection), device=collection.device)
@@ -46,6 +47,7 @@ def gather_kv(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.
 def explain(collection, layer_idx: int, *, kv: str = "k", out: Optional[torch.Tensor] = None,
             arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(gather_kv, ...)``: the path this call takes on ``arch`` (default: the cache's device)."""
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(collection, layer_idx, kv, out)
     dense = out if out is not None else torch.empty(0, dtype=_dtype(collection), device=collection.device)
     return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, dense, arch))

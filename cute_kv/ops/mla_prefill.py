@@ -81,9 +81,9 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, input_row_offsets: t
     ``plan`` (``cute_kv.plan_step``) has checked the step and read its lengths (a ``validate=False`` plan: read on
     the first call): the path, the temporary cache's layout and buffers, and the launch are chosen once for every
     layer, whose call reads no device value (the decompressed path still allocates its up-projected operands)."""
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
-        collection.check_layer(layer_idx)
         v_dim, run = plan.entry(call_key(OP, (q_nope, q_rope, w_uk, w_uv, out), (scale, causal)),
                                 lambda: _planned(q_nope, q_rope, input_row_offsets, collection, layer_idx, w_uk,
                                                  w_uv, scale, causal, out, plan))

@@ -58,9 +58,9 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     (``cute_kv.plan_step``) has checked the step and keeps the path, launch shape and split-KV partials chosen by the
     first call of the same signature: the call reads no device value and allocates only its outputs (``store_kv``).
     """
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
-        collection.check_layer(layer_idx)
         d_v, run = plan.entry(call_key(OP, (q, sinks, out), (causal, window, scale, softcap, return_lse, mla_v_dim)),
                               lambda: _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
                                                softcap, sinks, return_lse, mla_v_dim, out, plan))
@@ -117,6 +117,7 @@ def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = 
             scale: Optional[float] = None, mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
             validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(paged_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
            out, validate)
     return paths.planned(OP, collection.device, arch,

@@ -42,9 +42,9 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     partials chosen by the first call of the same signature: the call reads no device value (the indices are not
     checked, as with ``validate=False``) and allocates only its outputs (``paged_attention``).
     """
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
-        collection.check_layer(layer_idx)
         path, workspace = plan.entry(
             call_key(OP, (q, indices, topk_lengths, sinks, out), (mla_v_dim, scale, softcap, return_lse)),
             lambda: _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths,
@@ -110,6 +110,7 @@ def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_
             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
             out: Optional[torch.Tensor] = None, validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(sparse_mla_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
            return_lse, out, validate)
     return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, q, indices, topk_lengths, arch,

@@ -35,9 +35,9 @@ def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torc
     ``plan`` (``cute_kv.plan_step`` of this collection and these offsets) has checked the step: the call reads no
     device value and reuses the path chosen by the first call of the same shapes (``validate`` is then moot).
     """
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
-        collection.check_layer(layer_idx)
         run = plan.entry(call_key(OP, (k, v), ()),
                          lambda: _planned(k, v, input_row_offsets, collection, layer_idx, plan))
         run(k, v, plan.offsets_bits, collection, layer_idx)
@@ -71,6 +71,7 @@ def _planned(k, v, input_row_offsets, collection, layer_idx, step) -> Callable:
 def explain(k, v, input_row_offsets, collection, layer_idx: int, *, validate: bool = True,
             arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(store_kv, ...)``: the path this call takes on ``arch`` (default: the cache's device)."""
+    collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(k, v, input_row_offsets, collection, layer_idx, validate)
     return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, k, arch))
 
@@ -79,6 +80,11 @@ def _check(k, v, input_row_offsets, collection, layer_idx, validate) -> None:
     collection.check_layer(layer_idx)
     rows = [None, collection.num_heads, collection.latent_dim]
     check_activation("k", k, collection, ndim=3)
+    if k.shape[1] != collection.num_heads and k.shape[1] == collection.page_size:
+        raise ValueError(f"k has {k.shape[1]} heads but the cache has {collection.num_heads} heads and pages of "
+                         f"{collection.page_size} tokens: the cache's P and H look transposed, an HND cache "
+                         f"([N, H, P, D]) taken as NHD ([N, P, H, D]); build the collection with from_kv(..., "
+                         f"layout='HND') over the [N, P, H, D] views (tensor.permute(0, 2, 1, 3))")
     check_tensor("k", k, shape=rows)
     if collection.is_mla:
         if v is not None:
