@@ -16,6 +16,11 @@ FA4's SM100 PTX has no ``tcgen05.wait::ld``: it reads tcgen05.ld destinations di
 over S, O rescaled in place), which the ISA orders only through ``tcgen05.wait::ld`` (same section). The runs set
 the simulator's explicit acceptance ``scoreboarded_tcgen05_ld=True`` (``ptxsim.machine.Simulator``); without it the
 simulator reports the overwrite (``test_fa4_sm100_without_wait_ld_acceptance``).
+
+With two Q tiles, FA4 issues the QK MMA into an S slot right after the PV MMA that reads that slot's P (A operand in
+Tensor Memory), with no commit and wait between; the ISA orders two MMAs of a thread only as a pipelined pair, with
+the same accumulator and shape (PTX ISA 9.7.16.6.2). The runs also set ``in_order_tcgen05_mma=True``; without it the
+simulator reports the pair (``test_fa4_sm100_two_q_tiles_rely_on_mma_issue_order``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import ptxsim  # noqa: E402
 from ptxsim.peers import fa4_sm100  # noqa: E402
 
 HQ, HKV, D = 2, 1, 128
-ACCEPT = {"scoreboarded_tcgen05_ld": True}
+ACCEPT = {"scoreboarded_tcgen05_ld": True, "in_order_tcgen05_mma": True}
 
 CASES = {
     # name: (seqlen_q, seqlen_k, page_size, causal)
@@ -131,7 +136,9 @@ def test_fa4_sm100_forward_matches_float64(name):
     for seed in (0, 1):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-        stats = ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=seed, **ACCEPT)
+        # one Q tile needs no acceptance of MMA issue order
+        opts = ACCEPT if launch.grid != (1, 1, 1) else {"scoreboarded_tcgen05_ld": True}
+        stats = ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=seed, **opts)
         err, ratio, lerr = _check(out, lse, ref_out, ref_lse, ref_abs_pv)
         print(f"{name} seed {seed}: O max err {err:.3g} (err/bound {ratio:.3g}), lse err {lerr:.3g}, {stats}")
 
@@ -171,3 +178,14 @@ def test_fa4_sm100_missing_wait_st_is_a_hazard():
         ptxsim.simulate(bad, reads=reads, writes={"out": out, "lse": lse}, seed=0, **ACCEPT)
     print(e.value)
 
+
+
+@pytest.mark.parametrize("name", ["causal_two_q_tiles", "pair_dense"])
+def test_fa4_sm100_two_q_tiles_rely_on_mma_issue_order(name):
+    """Without ``in_order_tcgen05_mma`` the QK MMA into a slot whose P an earlier PV MMA still reads is reported (with
+    one Q tile FA4 needs no such acceptance: ``test_fa4_sm100_forward_matches_float64`` runs those cases without
+    it)."""
+    launch, out, lse, _, reads = _case(name)
+    with pytest.raises(ptxsim.Hazard, match=r"tcgen05\.mma D at TMEM columns .* reads them \(its A operand\)") as e:
+        ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=0, scoreboarded_tcgen05_ld=True)
+    print(e.value)
