@@ -114,7 +114,7 @@ def _step(model: ModelConfig, page_size: int, lut_vector: bool):
     params = KVCacheParams(model.kv_dtype or model.dtype, model.n_kv_heads, model.head_dim, page_size=page_size,
                            total_num_layers=1, kvcache_quant_config=quant)
     blocks, scales = PagedKVCacheCollection.allocate_blocks(params, 1)
-    bn = key_tile(model.head_dim)
+    bn = key_tile(model.head_dim, None, page_size, model.kv_dtype == torch.float8_e4m3fn)
     chunk = lut_chunk(tile_geometry(bn, page_size)[1], bn, page_size)
     lut = torch.zeros((1, chunk if lut_vector else chunk + 1), dtype=torch.uint32)
     coll = PagedKVCacheCollection(blocks, torch.zeros(1, dtype=torch.uint32), lut, 0, 0, scales)

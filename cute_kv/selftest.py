@@ -136,7 +136,9 @@ GRID = [
     ("fused_qkv_matmul_kv_cache", ("mla rope-aware",), (64,), (576,), BOTH, ("latent-norm",)),
     ("paged_attention", ("bf16", "fp16", "fp8 f32 scales", "fp8 e8m0 scales", "fp8"), PAGES, (64, 128, 256), BOTH,
      ("",)),
-    ("paged_attention", ("bf16",), PAGES, (80, 96, 192), BOTH, ("",)),  # 32- and 64-byte swizzles, 64-key tiles
+    ("paged_attention", ("bf16",), PAGES, (80, 96, 192), BOTH, ("",)),  # 32- and 64-byte swizzles
+    # SM90's 112- and 80-key tiles over parts of 64-row pages: a causal prompt of several tiles
+    ("paged_attention", ("bf16",), (64,), (192, 256), ("prefill",), ("",)),
     ("paged_attention", ("bf16",), (16,), (80,), ("split",), ("",)),  # the combine's rows of 20 threads
     ("paged_attention", ("bf16",), (16,), (128,), BOTH, ("window", "softcap", "sinks", "lse")),
     # pages under 16 rows (SGLang's 1): SM90 gathers rows by cp.async, SM100 by gather4

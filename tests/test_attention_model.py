@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.config import BM, gathers, key_tile
 from cute_kv.ops.kernel_args import window_arg
+from cute_kv.ops.paged_attention_sm90 import collection_key_tile
 from cute_kv.ops.splits import launch_shape
 from cute_kv.reference.batch import random_paged_batch
 
@@ -123,11 +124,12 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     group = hq // h
     scale = 1 / math.sqrt(d) if scale is None else scale
     win = window_arg(window)
-    m_blocks, splits = launch_shape(c, hq, slots, BM, key_tile(d), causal, window, num_tokens=t)
+    bn = collection_key_tile(c)
+    m_blocks, splits = launch_shape(c, hq, slots, BM, bn, causal, window, num_tokens=t)
     splits = force_splits or splits
     o_part, lse_part = poisoned_partials(splits, t, hq, d)
     offsets = pb.input_row_offsets.tolist()
-    gather = gathers(c.page_size, key_tile(d))
+    gather = gathers(c.page_size, bn)
     for b, (cache_len, n) in enumerate(zip(pb.cache_lengths, pb.new_lengths)):
         if gather:
             k, v = (gathered_rows(c, kv_idx, layer, b, cache_len + n) for kv_idx in (0, 1))
@@ -141,7 +143,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
                 for split in range(splits):
                     (toks, heads), live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head,
                                                             split, splits, group, causal, win, scale, softcap, sinks,
-                                                            math.nan if gather else 0.0)
+                                                            math.nan if gather else 0.0, bn)
                     for r in range(BM):
                         if live[r]:
                             if o is not None:
@@ -255,8 +257,8 @@ def test_plan_at_tile_and_block_boundaries():
 
 @pytest.mark.parametrize("head_dim", [80, 96, 192])
 def test_plan_at_the_narrow_and_wide_head_dims(head_dim):
-    """Head dims 80 and 96 (128-key tiles) and 192 (64-key tiles, ``key_tile``), split and not, over pages that
-    hold several tiles or several pages a tile."""
+    """Head dims 80 and 96 (128-key tiles) and 192 (112-key tiles, ``key_tile``), split and not, over pages that
+    hold several tiles, several pages a tile, or parts of a tile (128-row pages at 112 keys)."""
     gen = torch.Generator().manual_seed(head_dim)
     for page_size, splits in ((16, None), (128, 3)):
         pb = random_paged_batch([300, 64, 0], [1, 17, 70], num_heads=2, head_size=head_dim, page_size=page_size,

@@ -153,10 +153,14 @@ def test_paged_attention_rejects_what_it_cannot_tile():
     assert "needs a 16-bit cache" in attention_supported(32, 8, 192, 16, "float8_e4m3fn", v_dim=128)
     assert "multiple of the KV heads" in attention_supported(12, 8, 128, 16)
     assert "exceeds the 128-row tile" in attention_supported(256, 1, 128, 16)
-    assert attention_supported(32, 8, 128, 8) is None and attention_supported(32, 8, 128, 48) is None  # gathered
+    assert attention_supported(32, 8, 128, 8) is None and attention_supported(32, 8, 128, 24) is None  # gathered
+    assert attention_supported(32, 8, 128, 48) is None  # 16-row TMA slots, parts of pages
+    assert attention_supported(32, 8, 192, 64) is None and attention_supported(32, 8, 256, 48) is None
+    assert "page_size (24) must be a multiple of 16 at head_dim 192" in attention_supported(32, 8, 192, 24)
     assert "page_size must be positive" in attention_supported(32, 8, 128, 0)
-    assert "smaller pages gather 16-bit rows only" in attention_supported(32, 8, 128, 8, "float8_e4m3fn")
-    assert "page_size (48)" in attention_supported(32, 8, 128, 48, "float8_e4m3fn")
+    assert "other pages gather 16-bit rows only" in attention_supported(32, 8, 128, 8, "float8_e4m3fn")
+    assert "page_size (24)" in attention_supported(32, 8, 128, 24, "float8_e4m3fn")
+    assert attention_supported(32, 8, 128, 48, "float8_e4m3fn") is None
     assert "must be paged" in attention_supported(32, 8, 128, None, "float8_e4m3fn")
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "float8_e4m3fn", 48)
     assert "granularity >= 8" in attention_supported(32, 8, 128, 16, "bfloat16", 16)

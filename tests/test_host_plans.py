@@ -68,7 +68,7 @@ def test_row_gather_plans_the_head_dims_the_config_admits():
     planned = set()
     for d in HEAD_DIMS:
         try:
-            RowGather(key_tile(d), d, 1, cutlass.BFloat16, ring_swizzle(d, False))
+            RowGather(key_tile(d, page_size=1), d, 1, cutlass.BFloat16, ring_swizzle(d, False))
             planned.add(d)
         except ValueError:
             pass
@@ -228,6 +228,29 @@ def test_attention_tiles_never_read_past_the_lookup_row(lut_vector):
                                 (0, 0, 40, [2, 0, 3, oob])):
         host_plans.attention_tile_rows(from_dlpack(lut), from_dlpack(got), b, base, keys, rpp, oob, bn, p, lut_vector)
         assert got.tolist() == [r if r == oob else r * rpp for r in want], (b, base, keys)
+
+
+@pytest.mark.parametrize("bn, page_size", [(112, 64), (80, 48), (112, 128)])
+def test_attention_tiles_of_partial_pages(bn, page_size):
+    """A key tile neither dividing nor divided by the page (FA4's 112 and 80 keys over pages of 48, 64, 128) loads
+    slots of ``gcd`` rows, each inside one page: slot ``i`` of the tile at ``base`` is the row of key ``base + i *
+    slot`` (its page's entry times the pitch, plus the offset in the page); slots at or past the keys, or whose page
+    column lies past the lookup row, get the out-of-bounds row (entries past the row, 7 here, never read)."""
+    from cute_kv.kernels.attention.config import page_slot
+
+    slot, rpp, oob = page_slot(page_size, bn), 3 * page_size, 10_000
+    cols = 5
+    buf = torch.full((2, 2 * cols), 7, dtype=torch.int32)
+    buf[:, :cols] = torch.stack([torch.randperm(cols), torch.randperm(cols)]).to(torch.int32) + 11
+    lut = buf[:, :cols]
+    got = torch.zeros(bn // slot, dtype=torch.int32)
+    for b, base, keys in ((1, 0, 500), (0, bn, 500), (1, 2 * bn, bn * 2 + 17), (0, 3 * bn, 3 * bn - 1),
+                          (1, 4 * bn, 10 * bn)):
+        host_plans.attention_tile_rows(from_dlpack(lut), from_dlpack(got), b, base, keys, rpp, oob, bn, page_size,
+                                       True)
+        want = [int(lut[b, k // page_size]) * rpp + k % page_size if k < keys and k // page_size < cols else oob
+                for k in range(base, base + bn, slot)]
+        assert got.tolist() == want, (b, base, keys)
 
 
 def test_gather4_key_rows_never_read_past_the_lookup_row():

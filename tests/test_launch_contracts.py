@@ -258,11 +258,12 @@ def test_launch_contract(op, kind, step, arch, rng):
     _check_sources(launches, _sources(pb, op, args, kwargs))
 
 
-@pytest.mark.parametrize("arch, head_dim", [("sm_90a", 80), ("sm_100a", 96)])
+@pytest.mark.parametrize("arch, head_dim", [("sm_90a", 80), ("sm_100a", 96), ("sm_90a", 192), ("sm_90a", 256)])
 def test_paged_attention_head_dim_launch_contract(arch, head_dim, rng):
-    """A head dim off the powers of two on each arch (a 32- or 64-byte swizzle), on a split decode step: the kernel
-    and the combine of its splits (whose rows of ``head_dim / 4`` threads leave a CTA's last threads idle) launch
-    with what their entries accept."""
+    """A head dim off the powers of two on each arch (a 32- or 64-byte swizzle), and SM90's 112- and 80-key tiles
+    (head dims 192, 256) over 32-row pages (slots of 16 rows), on a split decode step: the kernel and the combine of
+    its splits (whose rows of ``head_dim / 4`` threads leave a CTA's last threads idle) launch with what their
+    entries accept."""
     cached, new = STEPS["decode-split"]
     pb = random_paged_batch(cached, new, num_heads=2, head_size=head_dim, page_size=32, dtype=torch.bfloat16,
                             generator=torch.Generator().manual_seed(0))

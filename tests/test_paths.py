@@ -79,7 +79,7 @@ def test_explain_gathered_pages_on_sm90(rng):
 @pytest.mark.parametrize("cache, word", [
     ({"head_size": 112}, "head_dim must be one of"),
     ({"num_heads": 1, "is_mla": True}, "MLA"),
-    ({"page_size": 8, "dtype": FP8}, "smaller pages gather 16-bit rows only"),
+    ({"page_size": 8, "dtype": FP8}, "other pages gather 16-bit rows only"),
 ])
 def test_explain_names_why_the_reference_runs(rng, cache, word):
     pb = _batch(**cache)

@@ -37,10 +37,18 @@ def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optio
         return paths.reference(OP, problem, arch)
     e8m0 = granularity is not None and c.scale_dtype == torch.float8_e8m0fnu
     # a gather reads one lookup entry a key: no vector reads to key on
-    vector = not gathers(p, key_tile(d)) and lut_vector(c, key_tile(d))
+    bn = collection_key_tile(c)
+    vector = not gathers(p, bn) and lut_vector(c, bn)
     key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, vector, bool(softcap),
            sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
     return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, c.layout_name), arch)
+
+
+def collection_key_tile(collection) -> int:
+    """The key tile ``PagedAttention`` walks the collection's keys in (``config.key_tile``: its page size and an fp8
+    cache decide it at head dims 192 and 256)."""
+    c = collection
+    return key_tile(c.head_size, None, c.page_size, dtype_name(c.dtype) == FP8)
 
 
 def compile_units(key: tuple, arch: str) -> list[tuple]:
@@ -58,8 +66,8 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
     (``splits.launch_shape``) and split-KV partials over its head dim. A launcher makes one per call, a
     ``StepPlan`` once for all its layers (persistent partials)."""
     t, hq, d = q.shape
-    shape = splits.launch_shape(collection, hq, splits.sm_count(q.device), BM, key_tile(d), causal, window,
-                                num_tokens=t)
+    shape = splits.launch_shape(collection, hq, splits.sm_count(q.device), BM, collection_key_tile(collection),
+                                causal, window, num_tokens=t)
     return (*shape, *splits.partials(shape[1], t, hq, d, q.device))
 
 

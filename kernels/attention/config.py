@@ -8,6 +8,7 @@ consumer warpgroups' ping-pong are what overlap loads, MMAs and softmax.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 BM = 128  # packed query rows per CTA: two consumer warpgroups of 64
@@ -20,6 +21,7 @@ DTYPE_NAMES = ("bfloat16", "float16")  # Q, O and the MMAs
 FP8 = "float8_e4m3fn"
 SMEM_PER_SM = 228 * 1024  # SM90: a CTA may take 227 KiB, and the SM reserves 1 KiB per resident CTA
 MAX_STAGES = 4
+WIDE_KEY_TILES = {192: 112, 256: 80}  # head dim -> the key tile of values as wide (FA4's ``tile_size_fwd_sm90``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +36,17 @@ class Tiling:
     smem: int
 
 
-def key_tile(head_dim: int, v_dim: Optional[int] = None) -> int:
-    """128 keys a tile while O is at most 128 wide (S and O 64 registers a thread each), else 64 (O of 192 or 256
-    takes 96 or 128; at 192 / 192 two 128-key stages would not fit beside Q either)."""
-    return 128 if (v_dim or head_dim) <= 128 else 64
+def key_tile(head_dim: int, v_dim: Optional[int] = None, page_size: Optional[int] = None,
+             kv_fp8: bool = False) -> int:
+    """128 keys a tile while O is at most 128 wide (S and O 64 registers a thread each). Wider O (192 or 256: 96 or
+    128 registers) takes FA4's SM90 tiles, 112 keys at 192 and 80 at 256 (two stages beside Q; a loop's fixed work,
+    the ping-pong, waits and O rescale, spread over 1.75 and 1.25 S blocks of 64 x 64), where page slots of 16 rows
+    or more tile them (``page_slot``); else 64: a gathered or an fp8 cache (at 256 an fp8 ring would not fit beside
+    two 80-key stages)."""
+    if (v_dim or head_dim) <= 128:
+        return 128
+    wide = WIDE_KEY_TILES[head_dim]
+    return 64 if kv_fp8 or gathers(page_size, wide) else wide
 
 
 def operand_swizzle(row_bytes: int) -> int:
@@ -52,18 +61,26 @@ def ring_swizzle(head_dim: int, kv_fp8: bool) -> int:
     return operand_swizzle(head_dim * (1 if kv_fp8 else 2))
 
 
+def page_slot(page_size: int, bn: int) -> int:
+    """Rows of a page slot, what one TMA box loads: the largest run of keys a ``bn``-key tile (starting at a multiple
+    of ``bn``) keeps within one page, ``gcd(P, bn)``: the tile when a page holds whole tiles, the page when a tile
+    holds whole pages, else a part of a page (16 rows of a 64-row page in a 112-key tile)."""
+    return math.gcd(page_size, bn)
+
+
 def gathers(page_size, bn: int) -> bool:
-    """Whether a paged cache's K/V rows are gathered by ``cp.async`` (``row_gather``): pages under 16 rows (one TMA
-    per page slot would be 8 or more TMAs of one thread per tile, 128 at page 1), or pages that neither divide nor
-    are divided by the key tile (no box shape fits every page slot)."""
-    return page_size is not None and (page_size < 16 or (page_size % bn != 0 and bn % page_size != 0))
+    """Whether a paged cache's K/V rows are gathered by ``cp.async`` (``row_gather``): page slots under 16 rows (one
+    TMA per slot would be 8 or more TMAs of one thread per tile, 128 at page 1). Every key tile is a multiple of 16,
+    so these are the pages of a size not a multiple of 16."""
+    return page_size is not None and page_slot(page_size, bn) < 16
 
 
-def tiling(head_dim: int, kv_fp8: bool = False, v_dim: Optional[int] = None) -> Tiling:
+def tiling(head_dim: int, kv_fp8: bool = False, v_dim: Optional[int] = None,
+           page_size: Optional[int] = None) -> Tiling:
     """The deepest rings one CTA's shared memory holds: a 16-bit cache puts all of it in the 16-bit rings, an fp8
     cache keeps two 16-bit stages and gives the rest to the fp8 ring."""
     v_dim = v_dim or head_dim
-    bn = key_tile(head_dim, v_dim)
+    bn = key_tile(head_dim, v_dim, page_size, kv_fp8)
     q = BM * head_dim * 2
     stage = bn * (head_dim + v_dim) * 2  # K and V, 16-bit
     fixed = q + 2 * MAX_STAGES * 3 * 8 + 1024  # + (full, empty) x (K, V, fp8) barriers, alignment slack
@@ -113,17 +130,16 @@ def supported(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: Opt
     problem = head_problem(num_q_heads, num_kv_heads, head_dim, kv_dtype_name, granularity, v_dim)
     if problem:
         return problem
-    bn = key_tile(head_dim, v_dim)
+    bn = key_tile(head_dim, v_dim, page_size, kv_dtype_name == FP8)
     if page_size is not None and page_size < 1:
         return f"page_size must be positive, got {page_size}"
     if gathers(page_size, bn) and (head_dim not in GATHER_HEAD_DIMS or (v_dim or head_dim) != head_dim):
-        return (f"page_size ({page_size}) must be at least 16 and divide or be divided by the {bn}-key tile at "
-                f"head_dim {head_dim}{f' / v_dim {v_dim}' if v_dim else ''}: other pages gather rows by cp.async, "
-                f"which takes head dims {GATHER_HEAD_DIMS} with values as wide")
+        return (f"page_size ({page_size}) must be a multiple of 16 at head_dim {head_dim}"
+                f"{f' / v_dim {v_dim}' if v_dim else ''}: other pages gather rows by cp.async, which takes head dims "
+                f"{GATHER_HEAD_DIMS} with values as wide")
     if kv_dtype_name == FP8 and gathers(page_size, bn):
-        return (f"an fp8 cache's page_size ({page_size}) must be at least 16 and divide or be divided by the "
-                f"{bn}-key tile: smaller pages gather 16-bit rows only (fp8 tiles land by TMA page slots for the "
-                f"producer warpgroup to dequantize)")
+        return (f"an fp8 cache's page_size ({page_size}) must be a multiple of 16: other pages gather 16-bit rows "
+                f"only (fp8 tiles land by TMA page slots for the producer warpgroup to dequantize)")
     return None
 
 

@@ -16,9 +16,10 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cute.runtime import make_fake_tensor
 
-from cute_kv.kernels.paged.populate import populate
+from cute_kv.kernels.attention.config import page_slot
+from cute_kv.kernels.paged.populate import key_row, populate
 from cute_kv.kernels.paged.tma_tiles import kv_row_view, plane_row_view, plane_rows_per_page
-from cute_kv.row_indices import lut_chunk, tile_geometry
+from cute_kv.row_indices import lut_chunk
 
 
 class KVCacheMHAOperand:
@@ -28,16 +29,22 @@ class KVCacheMHAOperand:
 
     ``lut_vector``: the lookup table's rows are padded and aligned for vector reads of a tile's entries (else one
     entry at a time).
+
+    A tile is ``config.page_slot`` slots of rows, one TMA box each: whole pages of a tile, the tile in a page, or
+    (neither dividing the other: a 112-key tile over 64-row pages) parts of pages, each slot's row from its own
+    lookup entry, read one by one (``partial_pages``).
     """
 
     def __init__(self, kv_idx: int, page_size: int, bn: int, lut_vector: bool, strided: bool = False):
         self.kv_idx, self.page_size, self.bn, self.strided = kv_idx, page_size, bn, strided
-        self.rows_per_copy, self.copies_per_tile = tile_geometry(bn, page_size)
+        self.rows_per_copy = page_slot(page_size, bn)
+        self.copies_per_tile = bn // self.rows_per_copy
+        self.partial_pages = self.rows_per_copy < min(page_size, bn)
         # A multi-page tile starts on a page; base_alignment = P makes populate read its entries one by one. A tile
         # inside a page (P >= BN) reads one entry either way and starts at a multiple of BN within it.
-        self.base_alignment = bn if lut_vector or page_size >= bn else page_size
+        self.base_alignment = bn if (lut_vector and not self.partial_pages) or page_size >= bn else page_size
         # Lookup entries per load (1 for a one-page tile): the table's row stride and base must be multiples of it.
-        self.lut_width = lut_chunk(self.copies_per_tile, self.base_alignment, page_size)
+        self.lut_width = 1 if self.partial_pages else lut_chunk(self.copies_per_tile, self.base_alignment, page_size)
 
     def row_view(self, blocks: cute.Tensor, layer_idx: Int32) -> cute.Tensor:
         if self.strided:
@@ -74,8 +81,13 @@ class KVCacheMHAOperand:
     @cute.jit
     def populate(self, rows: cute.Tensor, lookup_table: cute.Tensor, batch_idx: Int32, base_kv_row: Int32,
                  num_keys: Int32, rows_per_page: Int32, oob_row: Int32):
-        populate(rows, lookup_table, batch_idx, base_kv_row, rows_per_page, self.bn, self.page_size,
-                 self.base_alignment, num_keys, oob_row)
+        if cutlass.const_expr(self.partial_pages):
+            for i in cutlass.range_constexpr(self.copies_per_tile):
+                rows[i] = key_row(lookup_table, batch_idx, base_kv_row + i * self.rows_per_copy, num_keys,
+                                  rows_per_page, self.page_size, oob_row)
+        else:
+            populate(rows, lookup_table, batch_idx, base_kv_row, rows_per_page, self.bn, self.page_size,
+                     self.base_alignment, num_keys, oob_row)
 
 
 class DenseMHAOperand:

@@ -66,6 +66,11 @@ PRODUCER_REGS = 32
 PRODUCER_REGS_FP8 = 40  # a working producer warpgroup (fp8 dequantization, row gathers): all that the launch's
 # 168 x 384 leave beside the consumers' 232
 CONSUMER_REGS = 232
+# S (BN/2 registers a thread), P (BN/4) and O (D_v/2) past this spilled in 232 (112 keys at head dim 192: 180, 80
+# at 256: 188): a one-warp TMA producer (24 registers) leaves 240 to the consumers
+CONSUMER_ACC_REGS = 176
+PRODUCER_REGS_LEAN = 24
+CONSUMER_REGS_WIDE = 240
 LOG2E = math.log2(math.e)
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 assert set(DTYPES) == set(DTYPE_NAMES)
@@ -134,12 +139,14 @@ class PagedAttention:
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
-        bn = tiling(head_dim, self.kv_fp8, v_dim).bn
+        bn = tiling(head_dim, self.kv_fp8, v_dim, page_size).bn
         # pages no TMA box tiles: the producer warpgroup gathers rows by cp.async (``row_gather``)
         self.gather = RowGather(bn, head_dim, page_size, self.kv_dtype, ring_swizzle(head_dim, self.kv_fp8)) \
             if gathers(page_size, bn) else None
         self.producer_regs = PRODUCER_REGS_FP8 if self.kv_fp8 or self.gather else PRODUCER_REGS
         self.consumer_regs = CONSUMER_REGS
+        if bn * 3 // 4 + (v_dim or head_dim) // 2 > CONSUMER_ACC_REGS:  # (only TMA producers take such tiles)
+            self.producer_regs, self.consumer_regs = PRODUCER_REGS_LEAN, CONSUMER_REGS_WIDE
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.v_dim = v_dim or head_dim
         self.group = num_q_heads // num_kv_heads
@@ -147,7 +154,7 @@ class PagedAttention:
         self.q_tma = WG_ROWS % self.group == 0
         self.page_size, self.kv_dim = page_size, kv_dim
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
-        self.plan = tiling(head_dim, self.kv_fp8, self.v_dim)
+        self.plan = tiling(head_dim, self.kv_fp8, self.v_dim, page_size)
         self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
         self.swizzle = ring_swizzle(head_dim, False)  # of Q (and O staged in it) and the K ring
         self.v_swizzle = ring_swizzle(self.v_dim, False)
