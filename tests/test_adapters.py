@@ -424,12 +424,3 @@ def test_adapters_reject_bad_arguments():
     with pytest.raises(ValueError, match="window_left must be an int >= -1"):
         adapters.window_from_left(-2)
     assert adapters.window_from_left(-1) is None and adapters.window_from_left(0) == 1
-
-
-def test_docs_adapters_blocks_run():
-    """Every python block of docs/adapters.md runs on its own, on the CPU."""
-    with open(os.path.join(ROOT, "docs", "adapters.md")) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    assert blocks
-    for block in blocks:
-        exec(compile(block, "docs/adapters.md", "exec"), {})
