@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
+from cute_kv import reference, tensor_scales
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.archs import BLACKWELL, SM90
 from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, layout_problem
@@ -30,8 +30,8 @@ BACKENDS = {b.family: b for b in (paged_attention_sm90.BACKEND, paged_attention_
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
                     causal: bool = True, window: Optional[int] = None, softcap: Optional[float] = None,
                     sinks: Optional[torch.Tensor] = None, return_lse: bool = False, scale: Optional[float] = None,
-                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, validate: bool = True,
-                    plan=None):
+                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, k_scale=None, v_scale=None,
+                    validate: bool = True, plan=None):
     """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``),
     or ``(out, lse)`` with ``return_lse``.
 
@@ -42,6 +42,9 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     dtype (bf16/fp16/fp32 for fp8 caches, which are dequantized with their scales). An MLA cache needs
     ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``). A rope-aware
     FP8 MLA cache (``rope_dim`` set) takes ``q [T, Hq, latent_dim]`` and is read as its dequantized logical rows.
+    ``k_scale`` / ``v_scale``: per-tensor scales of an fp8 MHA cache without ``scales`` (vLLM's and FlashInfer's;
+    floats or float32 one-element tensors, ``cute_kv/tensor_scales.py``): K is read as ``k * k_scale``, V as
+    ``v * v_scale``, in any layout the kernels take.
 
     Logits are ``s = scale * q.k``; ``softcap = c > 0`` (Gemma 2) makes them ``c * tanh(s / c)`` before masking
     (None or 0: off). ``sinks`` (gpt-oss), float32 ``[Hq]``: a logit per query head that joins the softmax
@@ -61,50 +64,62 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
         collection.check_layer(layer_idx)
-        d_v, run = plan.entry(call_key(OP, (q, sinks, out), (causal, window, scale, softcap, return_lse, mla_v_dim)),
+        scaled = k_scale is not None or v_scale is not None
+        d_v, run = plan.entry(call_key(OP, (q, sinks, out), (causal, window, scale, softcap, return_lse, mla_v_dim,
+                                                            scaled)),
                               lambda: _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
-                                               softcap, sinks, return_lse, mla_v_dim, out, plan))
+                                               softcap, sinks, return_lse, mla_v_dim, out, k_scale, v_scale, plan))
         out, lse = outputs(q, d_v, out, return_lse)
         run(q, plan.offsets_bits, collection, layer_idx, causal=causal, window=window, scale=scale,
-            softcap=softcap or None, sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=return_lse)
+            softcap=softcap or None, sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=return_lse,
+            **_scale_kwargs(k_scale, v_scale))
         return (out, lse) if return_lse else out
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
-                 mla_v_dim, out, validate)
+                 mla_v_dim, out, validate, k_scale, v_scale)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
     out, lse = outputs(q, d_v, out, return_lse)
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        k_scale, v_scale = (None if s is None else tensor_scales.as_tensor(s, c.device) for s in (k_scale, v_scale))
         torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
                                           c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                           c.quantization_granularity, causal, window, scale, softcap, sinks,
-                                          mla_v_dim, out, lse, c.rope_dim)
+                                          mla_v_dim, out, lse, c.rope_dim, k_scale, v_scale)
     else:  # eager: skip the op's dispatcher (host time)
-        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, lse)
+        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, lse,
+                 k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 
+def _scale_kwargs(k_scale, v_scale) -> dict:
+    """Per-tensor scales as a runner's keywords: none when not given (the MLA launchers take none)."""
+    return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out,
-             lse) -> None:
+             lse, k_scale=None, v_scale=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
     ``lse`` if given)."""
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
-                                                                lse is not None, mla_v_dim, window))
+                                                                lse is not None, mla_v_dim, window,
+                                                                k_scale is not None))
     run = reference.paged_attention if path is None else backend(collection, path.arch).launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
-        sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
+        sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None,
+        **_scale_kwargs(k_scale, v_scale))
 
 
 def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
-             mla_v_dim, out, step) -> tuple[int, Callable]:
+             mla_v_dim, out, k_scale, v_scale, step) -> tuple[int, Callable]:
     """The first call of a plan with this signature: checked (the step's values by the plan), routed, and its launch
     sized once, split-KV partials included; ``(D_v, run)``."""
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
-                 mla_v_dim, out, False)
+                 mla_v_dim, out, False, k_scale, v_scale)
     step.check(OP, collection, input_row_offsets, *q.shape[:2])  # the shapes are the entry's key: once
     softcap = softcap or None
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
-                                                                return_lse, mla_v_dim, window))
+                                                                return_lse, mla_v_dim, window, k_scale is not None))
     if path is None:
         return d_v, reference.paged_attention
     chosen = backend(collection, path.arch)
@@ -115,17 +130,17 @@ def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
 def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = True, window: Optional[int] = None,
             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
             scale: Optional[float] = None, mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
-            validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
+            k_scale=None, v_scale=None, validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(paged_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
     _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
-           out, validate)
+           out, validate, k_scale, v_scale)
     return paths.planned(OP, collection.device, arch,
                          lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse,
-                                           mla_v_dim, window))
+                                           mla_v_dim, window, k_scale is not None))
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
-           out, validate) -> int:
+           out, validate, k_scale=None, v_scale=None) -> int:
     """Every argument, before anything runs; returns the output head dim ``D_v``."""
     collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
@@ -144,6 +159,7 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
         if not causal:
             raise ValueError("window (a sliding causal window) needs causal=True")
     d_v = check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
+    tensor_scales.check(k_scale, v_scale, collection, data_checks=validate)
     check_step(collection, input_row_offsets, t, data_checks=validate)
     return d_v
 
@@ -190,16 +206,17 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optional[float] = None,
          sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
-         window: Optional[int] = None) -> paths.KernelPath:
+         window: Optional[int] = None, tensor_scaled: bool = False) -> paths.KernelPath:
     """The kernel serving these arguments on ``arch`` (``PagedAttention`` on SM90, ``PagedAttentionSm100`` on
     SM100, MLA caches: ``MLADecode``, ``MlaDecodeSm100``; each backend's ``plan``) with its compile-time key, or why
     the reference runs instead: q in another dtype than a 16-bit cache, head dims, page sizes or granules the kernel
     cannot tile (``attention/config.supported``, ``attention/sm100_config.supported``), a misaligned cache or float32
     scales, a cache past the kernels' int32 indices (``attention/config.index_limits``), a grid past CUDA's limits
-    (``splits.grid_problem``), a non-positive scale without soft-cap, a scaled fp8 cache in a strided layout
-    (``attention/config.layout_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
+    (``splits.grid_problem``), a non-positive scale without soft-cap, an fp8 cache with granule scales in a strided
+    layout (``attention/config.layout_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
     FlashInfer's NHD / HND, separate K and V) take the MHA kernels' strided variants, which read the K and V planes
-    in place."""
+    in place; ``tensor_scaled`` (``k_scale`` / ``v_scale`` given) selects the variants that dequantize per tensor,
+    compact or strided."""
     c = collection
 
     def fallback(reason):
@@ -230,7 +247,8 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     if family is None:  # plan asked directly for an arch without kernels (route and explain refuse it)
         return fallback(f"{'MLA cache: ' if c.is_mla else ''}no attention kernel for {arch} yet")
     return BACKENDS[family].plan(c, q, arch, granularity=granularity, scale=scale, softcap=softcap, sinks=sinks,
-                                 return_lse=return_lse, mla_v_dim=mla_v_dim, window=window)
+                                 return_lse=return_lse, mla_v_dim=mla_v_dim, window=window,
+                                 tensor_scaled=tensor_scaled)
 
 
 def backend(collection, arch: str) -> Backend:
