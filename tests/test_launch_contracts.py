@@ -404,6 +404,27 @@ def test_tensor_scaled_fp8_launch_contract(step, layout, op, arch, rng):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["bf16", "mla-bf16"])
+@pytest.mark.parametrize("step", ["decode-split", "ragged", "empty"])
+@pytest.mark.parametrize("layout", ["TH", "HT"])
+def test_lse_layout_launch_contract(layout, step, kind, arch, rng):
+    """An ``[Hq, T]`` LSE, or an ``lse=`` buffer that is a column slice of a wider one: the attention kernels (and
+    the split-KV combine) still get a row-major ``[T, Hq]`` their entries take."""
+    pb = _batch(kind, step)
+    fn, args, kwargs = _paged_attention(pb, step, rng)
+    t, hq = args[0].shape[:2]
+    rows, cols = (t, hq) if layout == "TH" else (hq, t)
+    kwargs.update(return_lse=True, lse_layout=layout, lse=torch.empty(rows, cols + 1)[:, 1:])
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL, path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    # (SM100's split attention writes its splits' LSEs only, and a placeholder of another shape for the call's)
+    written = [x for x in (launch.values.get("lse") for launch in launches) if x is not None and x.shape == (t, hq)]
+    assert bool(written) == (t > 0) and all(x.stride() == (hq, 1) for x in written)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_strided_gather_of_v_reads_the_v_plane(arch, rng):
     """The strided gather takes one plane: for ``kv="v"`` the V plane, not the K plane beside it."""
     pb, layer = with_layout(_batch("bf16", "ragged"), "vllm", 1)
