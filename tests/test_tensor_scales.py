@@ -1,6 +1,7 @@
 """Per-tensor fp8 scales (vLLM's and FlashInfer's ``k_scale`` / ``v_scale``) in ``store_kv`` and ``paged_attention``:
-the references against float64, the checks, the kernel path on both archs in every engine layout, and the PTX of
-the store that quantizes with them."""
+the references against float64, the checks, the kernel path on both archs in every engine layout, the PTX of the
+store that quantizes with them, and the strided sm_90a kernels in the simulator (the selftest grid runs the compact
+ones)."""
 
 import math
 import re
@@ -12,6 +13,7 @@ import artifacts
 import cute_kv
 from cute_kv.kernels.catalog import STORE_TENSOR_SCALED_CASES
 from cute_kv.kernels.cache.store import PagedKVStore
+from cute_kv import reference, selftest
 from cute_kv.ops import paths
 from cute_kv.reference.batch import ENGINE_LAYOUTS, random_paged_batch, with_layout
 from launch import ARCHS
@@ -187,3 +189,36 @@ def test_store_ptx_divides_by_the_plane_scale(arch, case):
     assert "shfl.sync.bfly" not in ptx and "max.NaN" not in ptx
     assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == vectors  # 8 fp8 bytes per vector, nothing else
     assert len(re.findall(r"st\.global\.(?:b32|f32)", ptx)) == 0
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("layout", ["vllm", "flashinfer-hnd"])
+def test_strided_kernels_run_in_the_simulator(layout):
+    """vLLM's ``kv[2, N, P, H, D]`` and FlashInfer's HND cache read in place: the strided store writes the
+    reference's bits (the rest of the cache kept), the strided attention is within the selftest's tolerance of the
+    reference, every output row written."""
+    from cute_kv.simulate import simulated
+
+    cases = {op: next(c for c in selftest.cases(ops=[op], arch="sm_90a")
+                      if c.variant == "tensor scales" and c.step == "ragged") for op in ("store_kv", "paged_attention")}
+    pb, layer = with_layout(selftest._batch(cases["store_kv"], "cpu"), layout, LAYER)
+    twin, _ = with_layout(selftest._batch(cases["store_kv"], "cpu"), layout, LAYER)
+    g = torch.Generator().manual_seed(1)
+    scales = {"k_scale": torch.tensor(0.004), "v_scale": 0.75}
+    t = pb.total_rows
+    k, v = (torch.randn(t, 2, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    with simulated("sm_90a", seed=1) as record:
+        cute_kv.store_kv(k, v, pb.input_row_offsets, pb.collection, layer, **scales)
+    reference.store_kv(k, v, twin.input_row_offsets, twin.collection, layer, **scales)
+    assert record.launches
+    for kv in range(2):
+        assert torch.equal(bits(pb.collection.plane(kv)), bits(twin.collection.plane(kv)))
+
+    pb, layer = with_layout(selftest._batch(cases["paged_attention"], "cpu"), layout, LAYER)
+    q = torch.randn(pb.total_rows, 8, 128, generator=g).to(torch.bfloat16)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16)
+    scales = {"k_scale": torch.tensor(1.5), "v_scale": 0.75}
+    with simulated("sm_90a", seed=1) as record:
+        cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, layer, out=out, **scales)
+    want = reference.paged_attention(q, pb.input_row_offsets, pb.collection, layer, **scales)
+    assert record.launches and selftest.rel_err(out, want) <= selftest.TOLERANCE[torch.bfloat16]
