@@ -31,7 +31,8 @@ other's. Warp roles:
   each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
 
 * fp8 caches (one Q tile) add warps 12-15, the converter warpgroup: each ring stage is dequantized (``x * scale`` of
-  the value's granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read.
+  the value's granule, float32 or e8m0 scales, or of the plane: per-tensor ``k_scale`` / ``v_scale``) into one
+  16-bit K and one 16-bit V tile that the MMAs read.
 
 The warpgroups rebalance registers with ``setmaxnreg`` (``REGS``). Hand-offs are mbarriers: K/V ring (TMA -> MMA;
 a stage is released by ``tcgen05.commit`` after the PV MMA that last reads it, so a stage is never overwritten

@@ -10,7 +10,7 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
   for each key tile, issues one TMA per page slot for K into the K ring and for V into the V ring (separate
   pipelines, so QK of a tile can start before its V lands) and then reads the lookup entries of the next tile
   (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring and the whole warpgroup
-  dequantizes them into the 16-bit rings. Pages no TMA box tiles (under 16 rows, or neither dividing nor divided by
+  dequantizes them into the 16-bit rings (per granule, or per tensor: ``k_scale`` / ``v_scale``). Pages no TMA box tiles (under 16 rows, or neither dividing nor divided by
   the key tile) are gathered instead (40 registers): the whole warpgroup issues 16-byte ``cp.async`` copies of each
   row into the rings, one lookup entry a key (``row_gather``);
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
