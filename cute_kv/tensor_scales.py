@@ -7,7 +7,8 @@ fp8 collection without ``scales`` in any layout the kernels address; ``store_kv`
 pair with each call. Each scale is a Python float or a float32 tensor of one element (0-d or ``[1]``, vLLM's
 ``layer._k_scale``) on the cache's device; a tensor's value is checked with the other device values (not under
 ``validate=False``, a plan or a torch.compile trace). The kernels read both from one float32 ``[2]`` tensor
-(``kernel_arg``).
+(``kernel_arg``), made per call: from two device scalars by a stack on the device, from floats by a copy of 8 bytes
+from the host, which a CUDA graph cannot capture (pass tensors there).
 """
 
 from __future__ import annotations
