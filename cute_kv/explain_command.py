@@ -42,6 +42,9 @@ def add_parser(commands) -> None:
     o.add_argument("--softcap", type=float, help="attention soft-cap")
     o.add_argument("--sinks", action="store_true", help="attention sinks (one logit per query head)")
     o.add_argument("--return-lse", action="store_true", help="attention also returns its LSE")
+    o.add_argument("--tensor-scales", action="store_true",
+                   help="store_kv, paged_attention: an fp8 cache scaled per tensor (k_scale / v_scale, vLLM's and "
+                        "FlashInfer's)")
     o.add_argument("--mla-v-dim", type=int, help="MLA value width (default: the preset's)")
     o.add_argument("--topk", type=int, default=2048, help="sparse_mla_attention: keys per query (default 2048)")
     o.add_argument("--kv", choices=("k", "v"), default="k", help="gather_kv: K or V (default k)")
@@ -104,11 +107,15 @@ def _arguments(args, preset: str, coll, offsets, t: int) -> tuple[tuple, dict, l
     model = inspect.PRESETS.get(preset, {})
     q_heads = args.q_heads or model.get("q_heads") or coll.num_heads
     d = coll.latent_dim
+    # floats: nothing to allocate, and the same path as tensors
+    scales = {"k_scale": 1.0, "v_scale": 1.0} if args.tensor_scales else {}
+    if args.tensor_scales and args.op not in ("store_kv", "paged_attention"):
+        raise ValueError("--tensor-scales is for store_kv and paged_attention")
     if args.op == "gather_kv":
         return (coll, 0), {"kv": args.kv}, []
     if args.op == "store_kv":
         k = torch.empty((t, coll.num_heads, d), dtype=act, device=META)
-        return (k, None if coll.is_mla else k, offsets, coll, 0), {"validate": False}, [("k", k)]
+        return (k, None if coll.is_mla else k, offsets, coll, 0), {"validate": False, **scales}, [("k", k)]
     if args.op == "fused_qkv_matmul_kv_cache":
         from cute_kv.reference.qkv import kv_columns
         from cute_kv.reference.rope import RopeConfig
@@ -130,7 +137,7 @@ def _arguments(args, preset: str, coll, offsets, t: int) -> tuple[tuple, dict, l
         indices = torch.empty((t, args.topk), dtype=torch.int32, device=META)
         return (q, offsets, coll, 0, indices), {"mla_v_dim": mla_v_dim, **kwargs}, [("q", q), ("indices", indices)]
     return ((q, offsets, coll, 0), {"causal": not args.no_causal, "window": args.window, "mla_v_dim": mla_v_dim,
-                                    **kwargs}, [("q", q)])
+                                    **kwargs, **scales}, [("q", q)])
 
 
 def _list(values: list[int]) -> str:

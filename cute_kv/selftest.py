@@ -3,9 +3,9 @@
 The first command to run on a GPU. The grid (``GRID``) reaches every kernel of the catalog (``kernels/catalog.py``)
 of both archs: the KV stores (rope-aware FP8 rows included), the fused QKV projection (bias, QK-norm, heads of 256,
 int4 and fp8 weights, MLA latents and rope-aware rows), paged attention (head dims 64/128/256, 16-bit caches also
-80/96/192, pages 16/64/128, window, soft-cap, sinks, LSE, fp8 caches with each scale kind, split-KV and its
-combine), MLA decode, both routes of ``mla_prefill``, sparse MLA (SM100) and the gather. ``--quick`` runs
-``QUICK``, one case per kernel family.
+80/96/192, pages 16/64/128, window, soft-cap, sinks, LSE, fp8 caches with each scale kind (per-tensor ``k_scale``
+/ ``v_scale`` too, for the stores as well), split-KV and its combine), MLA decode, both routes of ``mla_prefill``,
+sparse MLA (SM100) and the gather. ``--quick`` runs ``QUICK``, one case per kernel family.
 
 Each case is a decode or ragged step (requests with 0 and 1 new tokens, an empty cache, pages crossed) on shuffled
 pages with fresh random inputs, run by the op and by its reference on twin batches: the outputs start as NaN (a row
@@ -128,6 +128,7 @@ class Row:
 GRID = [
     ("store_kv", ("bf16", "fp16", "fp32", "fp8 f32 scales", "mla"), PAGES, (128,), BOTH, ("",)),
     ("store_kv", ("mla rope-aware",), PAGES, (576,), BOTH, ("",)),
+    ("store_kv", ("fp8",), (16,), (128,), BOTH, ("tensor scales",)),  # vLLM's / FlashInfer's k_scale, v_scale
     ("fused_qkv_matmul_kv_cache", ("bf16", "fp16"), PAGES, (128,), BOTH, ("",)),
     ("fused_qkv_matmul_kv_cache", ("bf16",), (16,), (128,), BOTH,
      ("bias", "qk-norm", "int4 g32", "int4 g64", "int4 g128", "int4 g128 zp", "fp8 weights")),
@@ -141,6 +142,7 @@ GRID = [
     ("paged_attention", ("bf16",), (64,), (192, 256), ("prefill",), ("",)),
     ("paged_attention", ("bf16",), (16,), (80,), ("split",), ("",)),  # the combine's rows of 20 threads
     ("paged_attention", ("bf16",), (16,), (128,), BOTH, ("window", "softcap", "sinks", "lse")),
+    ("paged_attention", ("fp8",), (16,), (128,), BOTH, ("tensor scales",)),
     # pages under 16 rows (SGLang's 1): SM90 gathers rows by cp.async, SM100 by gather4
     ("paged_attention", ("bf16",), SMALL_PAGES, (64, 128, 256), BOTH, ("",)),
     ("paged_attention", ("bf16",), (1,), (128,), ("split",), ("",)),
@@ -226,8 +228,20 @@ def _store_setup(case, pb, g, randn, nan_buffer) -> Setup:
     c = pb.collection
     t, h, d = pb.total_rows, c.num_heads, c.latent_dim
     k, v = randn(t, h, d), None if c.is_mla else randn(t, h, d)
+    # K's scale small enough that the largest values saturate at 448
+    scales = _tensor_scales(case, g, c.device, k_range=(2e-3, 4e-3))
     return Setup(cute_kv.store_kv, reference.store_kv,
-                 lambda fn, col: fn(k, v, pb.input_row_offsets, col, LAYER), TOLERANCE[c.dtype], writes=True)
+                 lambda fn, col: fn(k, v, pb.input_row_offsets, col, LAYER, **scales), TOLERANCE[c.dtype], writes=True)
+
+
+def _tensor_scales(case, g: torch.Generator, device, k_range=(0.5, 2.0)) -> dict:
+    """The ``tensor scales`` variant's ``k_scale`` (a device tensor, as vLLM's ``layer._k_scale``) and ``v_scale`` (a
+    float, as FlashInfer takes it), random in ``k_range`` and [0.5, 2); none for other variants."""
+    if case.variant != "tensor scales":
+        return {}
+    low, high = k_range
+    k_scale = (low + (high - low) * torch.rand((), generator=g)).to(device)
+    return {"k_scale": k_scale, "v_scale": 0.5 + 1.5 * float(torch.rand((), generator=g))}
 
 
 def _qkv_setup(case, pb, g, randn, nan_buffer) -> Setup:
@@ -290,7 +304,8 @@ def _attention_setup(case, pb, g, randn, nan_buffer) -> Setup:
     if case.variant:
         features = {"window": lambda: {"window": 24}, "softcap": lambda: {"softcap": 2.0},
                     "sinks": lambda: {"sinks": randn(hq, dtype=torch.float32)},
-                    "lse": lambda: {"return_lse": True}}[case.variant]()
+                    "lse": lambda: {"return_lse": True},
+                    "tensor scales": lambda: _tensor_scales(case, g, c.device)}[case.variant]()
 
     def call(fn, col):
         out = nan_buffer(col, (t, hq, mla_v_dim or c.head_size))

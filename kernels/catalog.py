@@ -102,6 +102,9 @@ STORE_CASES = [("bfloat16", 2, 16, 8, 128), ("float16", 2, 128, 1, 64), ("float3
 # MAX's compact layout's fields plus the layout flag: K and V as two planes of runtime strides (cute_kv/kv_layout.py)
 STORE_STRIDED_CASES = [("bfloat16", 2, 16, 8, 128, None, "strided"), ("bfloat16", 2, 16, 8, 128, 128, "strided")]
 STORE_FP8_CASES = [("bfloat16", 2, 16, 8, 128, 128), ("float32", 1, 64, 1, 576, 64), ("float16", 2, 128, 2, 64, 8)]
+# e4m3 caches scaled per tensor (vLLM's and FlashInfer's k_scale / v_scale): MAX's layout and K/V planes
+STORE_TENSOR_SCALED_CASES = [("bfloat16", 2, 16, 8, 128, None, "compact", True),
+                             ("float16", 2, 16, 2, 64, None, "strided", True)]
 STORE_ROPE_AWARE_CASES = [("bfloat16", 64, 512, 64), ("float32", 16, 256, 32)]  # (dtype, P, padded_depth, rope_dim)
 QKV_CASES = [  # QKVSpec fields: (dtype, q_dim, KVD, P, H, D, q_head_dim, bias, rope (R, interleaved), q/k norm dims
     # [, fp8 scale granularity, e8m0 scales[, cross_dims, rope_tail[, strided]]]); fp8 when scaled or rope-aware
@@ -147,6 +150,9 @@ ATTENTION_CASES = [  # (dtype, Hq, H, D, page size or None for a dense cache, KV
     ("bfloat16", 32, 8, 128, 1, 2, True),  # rows gathered by cp.async (SGLang's page of 1)
     ("bfloat16", 32, 8, 128, 1, 2, True, False, False, False, None, None, False, None, "strided"),  # SGLang's pools
     ("bfloat16", 12, 2, 256, 8, 2, True),  # gathered 64-key tiles, Q by thread copies: no load warp
+    # e4m3 caches scaled per tensor (k_scale / v_scale): MAX's layout, and vLLM's planes in place
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, "float8_e4m3fn", None, False, None, "compact", True),
+    ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, "float8_e4m3fn", None, False, None, "strided", True),
 ]
 ATTENTION_SM100_CASES = [  # the SM90 fields, q_tiles (None: the most) before v_dim and layout; pages below 8 rows
     # or not tiling the key tile take gather4
@@ -169,6 +175,11 @@ ATTENTION_SM100_CASES = [  # the SM90 fields, q_tiles (None: the most) before v_
     # strided K/V planes (foreign layouts in place): by page slot and by gather4
     ("bfloat16", 32, 8, 128, 16, 2, True, False, False, False, None, None, False, None, None, "strided"),
     ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, None, None, False, None, None, "strided"),
+    # e4m3 caches scaled per tensor (k_scale / v_scale): MAX's layout by page slot, vLLM's planes by gather4
+    ("bfloat16", 8, 2, 128, 16, 2, True, False, False, False, "float8_e4m3fn", None, False, None, None, "compact",
+     True),
+    ("bfloat16", 8, 2, 128, 4, 2, False, False, False, False, "float8_e4m3fn", None, False, None, None, "strided",
+     True),
 ]
 MLA_CASES = [  # (dtype, Hq, latent dim, v_dim, page size[, lut vector, soft-cap, sinks, lse, rope_dim, pv_overlap])
     ("bfloat16", 128, 576, 512, 64),  # DeepSeek-V3/R1 decode
@@ -328,7 +339,8 @@ FAMILIES = [
     Family("paged_kv_gather", gather.PagedKVGather, tuple(GATHER_CASES), ARCHS, _gather_plan,
            build=lambda kernel: kernel.build(),
            roles=lambda k: {"load": Role((0,)), "copy": Role(_warps(0, gather.THREADS // 32))}),
-    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES + STORE_STRIDED_CASES), ARCHS,
+    Family("paged_kv_store", store.PagedKVStore, tuple(STORE_CASES + STORE_FP8_CASES + STORE_STRIDED_CASES
+                                                           + STORE_TENSOR_SCALED_CASES), ARCHS,
            _store_plan, build=lambda kernel: kernel.build()),
     Family("paged_kv_store_rope_aware", store_rope_aware.RopeAwareKVStore, tuple(STORE_ROPE_AWARE_CASES), ARCHS,
            _store_rope_aware_plan),

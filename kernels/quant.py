@@ -1,5 +1,5 @@
 """Device-side FP8: e4m3 quantization with per-granule float32 or e8m0 scales, and e8m0 scale decoding, bit for bit
-as the reference (``reference/quant.py``) and torch do.
+as the reference (``reference/quant.py``) and torch do; the views of per-tensor scales (``tensor_scale_views``).
 
 float8_e8m0fnu holds a biased exponent ``e``: the scale is ``2^(e - 127)``, a float32 whose exponent field is ``e``,
 except for the two bytes a shift gets wrong: ``e = 0`` is ``2^-127`` (a float32 subnormal, not 0) and ``e = 255``
@@ -148,3 +148,10 @@ def granule_scale(scales: cute.Tensor, row: Int32, kv_head: Int32, granule: Int3
         else:
             scale = Float32(value)
     return scale
+
+
+def tensor_scale_views(scales: cute.Tensor) -> tuple[cute.Tensor, cute.Tensor]:
+    """K's and V's one-element views of per-tensor scales, a float32 ``[2]`` ``(k_scale, v_scale)``
+    (``cute_kv/tensor_scales.py``); a kernel reads each once a tile."""
+    return (cute.make_tensor(scales.iterator, cute.make_layout(1)),
+            cute.make_tensor(scales.iterator + 1, cute.make_layout(1)))

@@ -24,7 +24,7 @@ CUDA_ONLY = {
     "fused_qkv.py": ["_launcher", "latent_workspace", "compile_unit", "_with_bias", "_gemm", "_max_active_clusters",
                      "_device_max_active_clusters"],
     "paged_attention_sm90.py": ["compile_units", "launch_workspace", "launcher"],
-    "kernel_args.py": ["softmax_args", "score_args", "scales_arg", "window_arg"],
+    "kernel_args.py": ["softmax_args", "score_args", "scales_arg", "window_arg", "layout_flags"],
     "splits.py": ["partials", "launch_shape", "num_splits", "unused_partials", "unused_lse", "sm_count",
                   "_device_sm_count", "launch_and_combine"],
     "paged_attention_sm100.py": ["compile_units", "launch_workspace", "launch_shape_sm100", "launcher_sm100"],

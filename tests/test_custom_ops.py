@@ -377,6 +377,25 @@ def test_paged_attention_with_lse_compiles_fullgraph(rng):
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+@inductor_noise
+def test_paged_attention_lse_buffer_and_tensor_scales_compile_fullgraph(rng):
+    """An ``[H, T]`` LSE written into a given buffer, over an fp8 cache with per-tensor scales (a float and a
+    tensor): one graph, the eager call's values."""
+    pb = _batch("fp8 cast")
+    k_scale = torch.tensor(0.5)
+    kw = {"return_lse": True, "lse_layout": "HT", "k_scale": k_scale, "v_scale": 1.5}
+
+    def attention(q, lse):
+        return cute_kv.paged_attention(q, pb.input_row_offsets, pb.collection, 1, validate=False, lse=lse, **kw)
+
+    step = torch.compile(attention, fullgraph=True)
+    q, _, _ = _attention_args(pb, rng)
+    lse = torch.full((4, pb.total_rows), float("nan"))
+    out, got = step(q, lse)
+    want_out, want_lse = attention(q, None)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 # -- CUDA graphs -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

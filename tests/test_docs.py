@@ -18,8 +18,6 @@ TOUR = os.path.join(ROOT, "examples", "tour.py")
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 NO_RUN = "python no-run:"
 MAX_NO_RUN = 3  # blocks shown but not run stay the exception
-# Written in parallel with these docs and linked ahead of their merge: drop each entry once its file is in.
-NOT_YET_MERGED = {"docs/fp8-and-lse.md"}
 
 FENCE = re.compile(r"^```(.*)$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -119,8 +117,6 @@ def test_relative_links_resolve(path):
     for link in _links(path):
         target, _, anchor = link.partition("#")
         file = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
-        if file in NOT_YET_MERGED:
-            continue
         assert os.path.exists(os.path.join(ROOT, file)), f"{path}: link {link!r}: no file {file}"
         if anchor:
             assert file.endswith(".md"), f"{path}: link {link!r}: an anchor into a file that is not markdown"

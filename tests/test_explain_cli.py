@@ -62,6 +62,19 @@ def test_store_gather_and_a_reference_reason(capsys, rng):
     assert "why: no sparse MLA kernel on sm_90a yet" in out
 
 
+@pytest.mark.parametrize("op", ["store_kv", "paged_attention"])
+def test_tensor_scales(capsys, rng, op):
+    """``--tensor-scales``: an fp8 cache with per-tensor ``k_scale`` / ``v_scale`` takes the kernels that scale per
+    tensor, as the API says."""
+    pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=128, page_size=16, generator=rng,
+                            dtype=torch.float8_e4m3fn)
+    x = torch.empty(sum(NEW), 2 if op == "store_kv" else 8, 128, dtype=torch.bfloat16)
+    args = (x, x) if op == "store_kv" else (x,)
+    want = api(op, *args, pb.input_row_offsets, pb.collection, 0, k_scale=1.0, v_scale=1.0)
+    assert decisions(run(capsys, [op, *GEOMETRY, "--dtype", "fp8", "--tensor-scales"])) == want
+    assert all(path == "kernel" and key.endswith("'compact', True)") for path, _, key in want.values())
+
+
 def test_fused_qkv_with_rope(capsys, rng):
     pb = random_paged_batch(CACHED, NEW, num_heads=2, head_size=128, page_size=16, generator=rng)
     hidden, weight = torch.empty(4, 512, dtype=torch.bfloat16), torch.empty(8 * 128 + 512, 512, dtype=torch.bfloat16)
@@ -77,6 +90,8 @@ def test_fused_qkv_with_rope(capsys, rng):
     (["paged_attention", "--preset", "llama3-8b", "--pages", "1", "--cached", "100"], "--pages 1: the step needs 7"),
     (["paged_attention", "--kv-heads", "2"], "--head-dim is required"),
     (["sparse_mla_attention", "--mla", "--head-dim", "576", "--q-heads", "16"], "needs --mla-v-dim"),
+    (["gather_kv", *GEOMETRY, "--dtype", "fp8", "--tensor-scales"], "--tensor-scales is for store_kv and"),
+    (["store_kv", *GEOMETRY, "--tensor-scales"], "per-tensor scales of an fp8 e4m3 cache"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, names):
     with pytest.raises(SystemExit) as e:

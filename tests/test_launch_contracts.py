@@ -181,8 +181,7 @@ CASES = list(_case_list())
 # tensors carries that tensor.
 _EPILOGUE = (None, "blocks", "input_row_offsets", "cache_lengths", "lookup_table", None, "bias", None, None, None,
              "scales", None, None, "value_blocks")
-ROLES = {"k_src": "blocks", "v_src": "blocks",
-         **{f"{group}[{i}]": role for group in ("epilogue_args", "epi") for i, role in enumerate(_EPILOGUE) if role}}
+ROLES = {f"{group}[{i}]": role for group in ("epilogue_args", "epi") for i, role in enumerate(_EPILOGUE) if role}
 ROLES_BY_KERNEL = {"FusedQKVGemmSm90": {"mA": "hidden"}, "FusedQKVGemmSm100": {"mA": "hidden"},
                    "FusedQKVGemmW4Sm90": {"mB": "hidden"}}
 
@@ -194,6 +193,9 @@ def _sources(pb, op: str, args: tuple, kwargs: dict) -> dict:
     # a strided kernel's blocks: the K plane
     sources = {"blocks": c.blocks if c.is_compact else c.key_blocks, "key_blocks": c.key_blocks,
                "value_blocks": c.value_blocks,
+               # the MHA attention kernels' sources: blocks twice, or (strided) the K and V planes
+               "k_src": c.blocks if c.is_compact else c.key_blocks,
+               "v_src": c.blocks if c.is_compact else c.value_blocks,
                "cache_lengths": c.cache_lengths, "lookup_table": c.lookup_table,
                "scales": c.scales, "input_row_offsets": pb.input_row_offsets,
                **{k: kwargs.get(k) for k in ("sinks", "bias", "topk_lengths")}}
@@ -378,6 +380,49 @@ def test_strided_cache_launch_contract(op, kind, layout, arch, rng):
     launches, fallbacks = _run(arch, fn, args, kwargs)
     _check_launches(path, launches, fallbacks, pb.total_rows if op != "gather_kv" else pb.collection.max_cache_length)
     _check_sources(launches, _sources(pb, op, args, kwargs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op", ["store_kv", "paged_attention"])
+@pytest.mark.parametrize("layout", ["compact", "vllm", "flashinfer-hnd", "separate"])
+@pytest.mark.parametrize("step", ["decode-split", "ragged", "empty", "strided"])
+def test_tensor_scaled_fp8_launch_contract(step, layout, op, arch, rng):
+    """fp8 caches scaled per tensor (``k_scale`` a device tensor as vLLM keeps it, ``v_scale`` a float as FlashInfer
+    takes it), in MAX's layout and in engines' layouts in place: the store and attention kernels launch with the
+    pair as the float32 ``[2]`` their entries take, and nothing in MAX's scale layout."""
+    pb, layer = _batch("fp8", step), 1
+    if layout != "compact":
+        pb, layer = with_layout(pb, layout, layer)
+    fn, args, kwargs = OPS[op](pb, step, rng)
+    args = (*args[:-1], layer)
+    kwargs.update(k_scale=torch.tensor(0.75), v_scale=1.5)
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL and path.key[-1] is True, path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    _check_sources(launches, {**_sources(pb, op, args, kwargs), "scales": torch.tensor([0.75, 1.5])})
+    assert all("scales" in launch.values for launch in launches if launch.kernel != "AttentionCombine")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["bf16", "mla-bf16"])
+@pytest.mark.parametrize("step", ["decode-split", "ragged", "empty"])
+@pytest.mark.parametrize("layout", ["TH", "HT"])
+def test_lse_layout_launch_contract(layout, step, kind, arch, rng):
+    """An ``[Hq, T]`` LSE, or an ``lse=`` buffer that is a column slice of a wider one: the attention kernels (and
+    the split-KV combine) still get a row-major ``[T, Hq]`` their entries take."""
+    pb = _batch(kind, step)
+    fn, args, kwargs = _paged_attention(pb, step, rng)
+    t, hq = args[0].shape[:2]
+    rows, cols = (t, hq) if layout == "TH" else (hq, t)
+    kwargs.update(return_lse=True, lse_layout=layout, lse=torch.empty(rows, cols + 1)[:, 1:])
+    path = cute_kv.explain(fn, *args, arch=arch, **kwargs)
+    assert path.path == paths.KERNEL, path
+    launches, fallbacks = _run(arch, fn, args, kwargs)
+    _check_launches(path, launches, fallbacks, pb.total_rows)
+    # (SM100's split attention writes its splits' LSEs only, and a placeholder of another shape for the call's)
+    written = [x for x in (launch.values.get("lse") for launch in launches) if x is not None and x.shape == (t, hq)]
+    assert bool(written) == (t > 0) and all(x.stride() == (hq, 1) for x in written)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -74,10 +74,13 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     small = {(c.page_size, c.head_size, c.step) for c in attention if c.page_size < 16}
     assert small >= {(p, d, step) for p in (1, 2, 4, 8) for d in (64, 128, 256) for step in selftest.BOTH} | {
         (1, 128, "split")}
-    assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse"}
+    assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse", "tensor scales"}
     assert {c.cache for c in attention if c.step == "split"} == {"bf16", "fp8 f32 scales", "mla", "mla rope-aware"}
     assert {c.cache for c in all_cases if c.op == "store_kv"} == {"bf16", "fp16", "fp32", "fp8 f32 scales", "mla",
-                                                                  "mla rope-aware"}
+                                                                  "mla rope-aware", "fp8"}
+    # the unscaled fp8 cache with per-tensor k_scale / v_scale, for the store and the attention
+    assert {c.variant for c in all_cases if c.op == "store_kv" and c.cache == "fp8"} == {"tensor scales"}
+    assert "tensor scales" in {c.variant for c in attention if c.cache == "fp8"}
     qkv = [c for c in all_cases if c.op == "fused_qkv_matmul_kv_cache"]
     assert {c.variant for c in qkv} == {"", "bias", "qk-norm", "int4 g32", "int4 g64", "int4 g128", "int4 g128 zp",
                                         "fp8 weights", "latent-norm"}

@@ -1,5 +1,6 @@
 """The arguments the attention kernels take, made the same way by every launcher: the K and V sources, the logits'
-scales (SM90's ``softmax_args``, SM100's ``score_args``), the fp8 scales and the sliding window."""
+scales (SM90's ``softmax_args``, SM100's ``score_args``), the fp8 scales and the sliding window; and the MHA kernels'
+trailing compile-time arguments (layout, per-tensor scales) in their keys (``layout_key``, ``layout_flags``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,24 @@ from typing import Optional
 
 import torch
 
+from cute_kv import tensor_scales
+
 LOG2E = math.log2(math.e)
 # Why an MLA cache in another layout than MAX's compact ``blocks`` takes the reference.
 LAYOUT_PROBLEM = "a strided cache layout: the MLA kernels read MAX's compact blocks only"
+
+
+def layout_key(key: tuple, layout: str, tensor_scaled: bool) -> tuple:
+    """An MHA kernel's key for a compact cache as it is; a strided cache's adds ``v_dim`` (None) and the layout, a
+    per-tensor-scaled cache's (either layout) also its flag: the kernel classes' trailing arguments."""
+    if tensor_scaled:
+        return key + (None, layout, True)
+    return key if layout == "compact" else key + (None, layout)
+
+
+def layout_flags(key: tuple, compact_len: int) -> tuple[bool, bool]:
+    """``(strided, tensor_scaled)`` of a ``layout_key`` over a compact key of ``compact_len`` entries."""
+    return "strided" in key[compact_len:], key[compact_len + 2:] == (True,)
 
 
 def kv_sources(collection, strided: bool) -> tuple:
@@ -36,11 +52,15 @@ def score_args(head_dim: int, scale: Optional[float], softcap: Optional[float]) 
     return scale * LOG2E, 1.0
 
 
-def scales_arg(scales: Optional[torch.Tensor], granularity: Optional[int], e8m0: bool) -> Optional[torch.Tensor]:
-    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits."""
+def scales_arg(collection, granularity: Optional[int], e8m0: bool, tensor_scaled: bool = False, k_scale=None,
+               v_scale=None) -> Optional[torch.Tensor]:
+    """What the kernel takes for the scales: none unless it dequantizes with them; e8m0 as its uint8 bits; per-tensor
+    ``k_scale`` / ``v_scale`` as one float32 ``[2]`` (``tensor_scales.kernel_arg``)."""
+    if tensor_scaled:
+        return tensor_scales.kernel_arg(k_scale, v_scale, collection.device)
     if granularity is None:
         return None
-    return scales.view(torch.uint8) if e8m0 else scales
+    return collection.scales.view(torch.uint8) if e8m0 else collection.scales
 
 
 def window_arg(window: Optional[int]) -> int:

@@ -51,15 +51,17 @@ def _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max
 def store_kv(k: torch.Tensor, v: Optional[torch.Tensor], input_row_offsets: torch.Tensor, blocks: torch.Tensor,
              cache_lengths: torch.Tensor, lookup_table: torch.Tensor, scales: Optional[torch.Tensor], layer_idx: int,
              max_seq_length: int, max_cache_length: int, quantization_granularity: int,
-             rope_dim: Optional[int] = None) -> None:
+             rope_dim: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+             v_scale: Optional[torch.Tensor] = None) -> None:
     """``cute_kv.store_kv`` as a custom op: new token ``i`` of request ``b`` (``k``/``v`` rows ``[T, H, D]``, ragged
     by ``input_row_offsets``) written at position ``cache_lengths[b] + i`` of layer ``layer_idx``, into ``blocks``
     (and ``scales``, quantized, for an fp8 cache). The collection comes as its tensors and sizes
-    (``PagedKVCacheCollection``); ``v`` is None for an MLA cache. Arguments are not checked here: call
-    ``cute_kv.store_kv``, which checks them and calls this op while torch.compile traces."""
+    (``PagedKVCacheCollection``); ``v`` is None for an MLA cache; ``k_scale`` / ``v_scale``: per-tensor fp8 scales
+    (float32, one element). Arguments are not checked here: call ``cute_kv.store_kv``, which checks them and calls
+    this op while torch.compile traces."""
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity, rope_dim)
-    store_kv_entry.dispatch(k, v, input_row_offsets, collection, layer_idx)
+    store_kv_entry.dispatch(k, v, input_row_offsets, collection, layer_idx, k_scale, v_scale)
 
 
 @_custom_op("blocks", "scales", "output")
@@ -95,15 +97,17 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, blocks: to
                     layer_idx: int, max_seq_length: int, max_cache_length: int, quantization_granularity: int,
                     causal: bool, window: Optional[int], scale: Optional[float], softcap: Optional[float],
                     sinks: Optional[torch.Tensor], mla_v_dim: Optional[int], out: torch.Tensor,
-                    lse: Optional[torch.Tensor], rope_dim: Optional[int] = None) -> None:
+                    lse: Optional[torch.Tensor], rope_dim: Optional[int] = None,
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> None:
     """``cute_kv.paged_attention`` as a custom op: ragged queries ``q [T, Hq, D]`` over layer ``layer_idx`` of the
     cache (this step's K/V already stored), into ``out [T, Hq, D_v]``; ``lse`` (float32 ``[T, Hq]``, natural log) is
-    written when given: the entry point's ``return_lse``. Arguments are not checked here: call
-    ``cute_kv.paged_attention``, which checks them and calls this op while torch.compile traces."""
+    written when given: the entry point's ``return_lse``; ``k_scale`` / ``v_scale``: per-tensor fp8 scales (float32,
+    one element). Arguments are not checked here: call ``cute_kv.paged_attention``, which checks them and calls this
+    op while torch.compile traces."""
     collection = _collection(blocks, cache_lengths, lookup_table, scales, max_seq_length, max_cache_length,
                              quantization_granularity, rope_dim)
     paged_attention_entry.dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks,
-                                   mla_v_dim, out, lse)
+                                   mla_v_dim, out, lse, k_scale, v_scale)
 
 
 @_custom_op("out", "lse")

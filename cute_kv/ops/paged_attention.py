@@ -11,11 +11,11 @@ from typing import Callable, Optional
 
 import torch
 
-from cute_kv import reference
+from cute_kv import reference, tensor_scales
 from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.archs import BLACKWELL, SM90
 from cute_kv.kernels.attention.config import DTYPE_NAMES, FP8, index_limits, layout_problem
-from cute_kv.ops import mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
+from cute_kv.ops import lse_layouts, mla_decode, mla_decode_sm100, paged_attention_sm90, paged_attention_sm100, paths
 from cute_kv.ops.attention_backends import OP, Backend, Family
 from cute_kv.step_plan import call_key
 from cute_kv.validate import check_activation, check_step, check_tensor, uint32_bits
@@ -30,8 +30,8 @@ BACKENDS = {b.family: b for b in (paged_attention_sm90.BACKEND, paged_attention_
 def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection, layer_idx: int, *,
                     causal: bool = True, window: Optional[int] = None, softcap: Optional[float] = None,
                     sinks: Optional[torch.Tensor] = None, return_lse: bool = False, scale: Optional[float] = None,
-                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, validate: bool = True,
-                    plan=None):
+                    mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None, lse_layout: str = "TH",
+                    lse: Optional[torch.Tensor] = None, k_scale=None, v_scale=None, validate: bool = True, plan=None):
     """Attention of ``q [T, Hq, D]`` over layer ``layer_idx``; returns ``[T, Hq, D_v]`` in ``q.dtype`` (or ``out``),
     or ``(out, lse)`` with ``return_lse``.
 
@@ -42,6 +42,9 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     dtype (bf16/fp16/fp32 for fp8 caches, which are dequantized with their scales). An MLA cache needs
     ``mla_v_dim``: values are the first ``mla_v_dim`` dims of the latent K rows (``D_v = mla_v_dim``). A rope-aware
     FP8 MLA cache (``rope_dim`` set) takes ``q [T, Hq, latent_dim]`` and is read as its dequantized logical rows.
+    ``k_scale`` / ``v_scale``: per-tensor scales of an fp8 MHA cache without ``scales`` (vLLM's and FlashInfer's;
+    floats or float32 one-element tensors, ``cute_kv/tensor_scales.py``): K is read as ``k * k_scale``, V as
+    ``v * v_scale``, in any layout the kernels take.
 
     Logits are ``s = scale * q.k``; ``softcap = c > 0`` (Gemma 2) makes them ``c * tanh(s / c)`` before masking
     (None or 0: off). ``sinks`` (gpt-oss), float32 ``[Hq]``: a logit per query head that joins the softmax
@@ -49,6 +52,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     returns ``lse`` float32 ``[T, Hq]``, the NATURAL log of that denominator plus ``m`` (the sink included), -inf
     for a row that sees no key and no sink: attention computed over disjoint parts of the keys (several caches,
     chunks of context) merges exactly as ``o = sum_i e^(lse_i - lse) o_i`` with ``lse = logsumexp_i lse_i``.
+    ``lse_layout="HT"`` returns it as ``[Hq, T]`` (contiguous), the layout of FA4's and vLLM's ``merge_attn_states``;
+    ``lse`` (with ``return_lse``) is a float32 buffer of that shape to write it into, in place of a new one.
 
     An MHA/GQA cache (bf16/fp16 with head_dim 64/80/96/128/192/256, or fp8 e4m3 read by bf16/fp16 q with head_dim
     64/128/256) runs ``PagedAttention`` on SM90 and ``PagedAttentionSm100`` on SM100 (split-KV when the grid would
@@ -61,50 +66,63 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
     collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
-        d_v, run = plan.entry(call_key(OP, (q, sinks, out), (causal, window, scale, softcap, return_lse, mla_v_dim)),
+        scaled = k_scale is not None or v_scale is not None
+        d_v, run = plan.entry(call_key(OP, (q, sinks, out, lse), (causal, window, scale, softcap, return_lse,
+                                                                 mla_v_dim, lse_layout, scaled)),
                               lambda: _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
-                                               softcap, sinks, return_lse, mla_v_dim, out, plan))
-        out, lse = outputs(q, d_v, out, return_lse)
+                                               softcap, sinks, return_lse, mla_v_dim, out, lse_layout, lse, k_scale,
+                                               v_scale, plan))
+        out, lse, rows = outputs(q, d_v, out, return_lse, lse, lse_layout)
         run(q, plan.offsets_bits, collection, layer_idx, causal=causal, window=window, scale=scale,
-            softcap=softcap or None, sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=return_lse)
-        return (out, lse) if return_lse else out
+            softcap=softcap or None, sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=rows, return_lse=return_lse,
+            **_scale_kwargs(k_scale, v_scale))
+        return (out, lse_layouts.written(lse, rows, lse_layout)) if return_lse else out
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
-                 mla_v_dim, out, validate)
+                 mla_v_dim, out, validate, lse_layout, lse, k_scale, v_scale)
     input_row_offsets = uint32_bits(input_row_offsets)  # int32 offsets: the same bits
-    out, lse = outputs(q, d_v, out, return_lse)
+    out, lse, rows = outputs(q, d_v, out, return_lse, lse, lse_layout)
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
+        k_scale, v_scale = (None if s is None else tensor_scales.as_tensor(s, c.device) for s in (k_scale, v_scale))
         torch.ops.cute_kv.paged_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths, c.lookup_table,
                                           c.scales, layer_idx, c.max_seq_length, c.max_cache_length,
                                           c.quantization_granularity, causal, window, scale, softcap, sinks,
-                                          mla_v_dim, out, lse, c.rope_dim)
+                                          mla_v_dim, out, rows, c.rope_dim, k_scale, v_scale)
     else:  # eager: skip the op's dispatcher (host time)
-        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, lse)
-    return (out, lse) if return_lse else out
+        dispatch(q, input_row_offsets, c, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out, rows,
+                 k_scale, v_scale)
+    return (out, lse_layouts.written(lse, rows, lse_layout)) if return_lse else out
+
+
+def _scale_kwargs(k_scale, v_scale) -> dict:
+    """Per-tensor scales as a runner's keywords: none when not given (the MLA launchers take none)."""
+    return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
 
 def dispatch(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, mla_v_dim, out,
-             lse) -> None:
+             lse, k_scale=None, v_scale=None) -> None:
     """Checked arguments to the kernel serving them, else to the reference (``plan`` decides), writing ``out`` (and
     ``lse`` if given)."""
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
-                                                                lse is not None, mla_v_dim, window))
+                                                                lse is not None, mla_v_dim, window,
+                                                                k_scale is not None))
     run = reference.paged_attention if path is None else backend(collection, path.arch).launcher(path.key, path.arch)
     run(q, input_row_offsets, collection, layer_idx, causal=causal, window=window, scale=scale, softcap=softcap,
-        sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None)
+        sinks=sinks, mla_v_dim=mla_v_dim, out=out, lse=lse, return_lse=lse is not None,
+        **_scale_kwargs(k_scale, v_scale))
 
 
 def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
-             mla_v_dim, out, step) -> tuple[int, Callable]:
+             mla_v_dim, out, lse_layout, lse, k_scale, v_scale, step) -> tuple[int, Callable]:
     """The first call of a plan with this signature: checked (the step's values by the plan), routed, and its launch
     sized once, split-KV partials included; ``(D_v, run)``."""
     d_v = _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse,
-                 mla_v_dim, out, False)
+                 mla_v_dim, out, False, lse_layout, lse, k_scale, v_scale)
     step.check(OP, collection, input_row_offsets, *q.shape[:2])  # the shapes are the entry's key: once
     softcap = softcap or None
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, arch, scale, softcap, sinks,
-                                                                return_lse, mla_v_dim, window))
+                                                                return_lse, mla_v_dim, window, k_scale is not None))
     if path is None:
         return d_v, reference.paged_attention
     chosen = backend(collection, path.arch)
@@ -115,18 +133,19 @@ def _planned(q, input_row_offsets, collection, layer_idx, causal, window, scale,
 def explain(q, input_row_offsets, collection, layer_idx: int, *, causal: bool = True, window: Optional[int] = None,
             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
             scale: Optional[float] = None, mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
+            lse_layout: str = "TH", lse: Optional[torch.Tensor] = None, k_scale=None, v_scale=None,
             validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(paged_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
     collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
-           out, validate)
+           out, validate, lse_layout, lse, k_scale, v_scale)
     return paths.planned(OP, collection.device, arch,
                          lambda arch: plan(collection, q, arch, scale, softcap or None, sinks, return_lse,
-                                           mla_v_dim, window))
+                                           mla_v_dim, window, k_scale is not None))
 
 
 def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, softcap, sinks, return_lse, mla_v_dim,
-           out, validate) -> int:
+           out, validate, lse_layout="TH", lse=None, k_scale=None, v_scale=None) -> int:
     """Every argument, before anything runs; returns the output head dim ``D_v``."""
     collection.check_layer(layer_idx)
     check_activation("q", q, collection, ndim=3)
@@ -144,20 +163,28 @@ def _check(q, input_row_offsets, collection, layer_idx, causal, window, scale, s
             raise ValueError(f"window must be a positive int or None, got {window!r}")
         if not causal:
             raise ValueError("window (a sliding causal window) needs causal=True")
-    d_v = check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
+    d_v = check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out, lse_layout, lse)
+    tensor_scales.check(k_scale, v_scale, collection, data_checks=validate)
     check_step(collection, input_row_offsets, t, data_checks=validate)
     return d_v
 
 
-def outputs(q: torch.Tensor, v_dim: int, out: Optional[torch.Tensor], return_lse: bool):
-    """``(out, lse)``: ``out`` as given (checked) or a new ``[T, Hq, v_dim]`` of q's dtype, and a new float32
-    ``lse [T, Hq]`` when asked for."""
+def outputs(q: torch.Tensor, v_dim: int, out: Optional[torch.Tensor], return_lse: bool,
+            lse: Optional[torch.Tensor] = None, lse_layout: str = "TH"):
+    """``(out, lse, rows)``: ``out`` as given (checked) or a new ``[T, Hq, v_dim]`` of q's dtype; when asked for, the
+    float32 ``lse`` the call returns (as given, or new in ``lse_layout``) and ``rows``, the row-major ``[T, Hq]``
+    the kernels and the reference write (``lse_layouts.rows``)."""
     if out is None:
         out = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
-    return out, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    if not return_lse:
+        return out, None, None
+    if lse is None:
+        lse = lse_layouts.new(*q.shape[:2], lse_layout, q.device)
+    return out, lse, lse_layouts.rows(lse, lse_layout)
 
 
-def check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out) -> int:
+def check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out, lse_layout="TH",
+                            lse=None) -> int:
     """The arguments attention ops share (``paged_attention``, ``sparse_mla_attention``); returns ``D_v``."""
     t, hq = q.shape[:2]
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -170,6 +197,7 @@ def check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, ml
         check_tensor("sinks", sinks, dtype=torch.float32, shape=[hq], device=collection.device)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    lse_layouts.check(lse, lse_layout, return_lse, t, hq, collection.device)
     d_v = _check_mla_v_dim(mla_v_dim, collection)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=[t, hq, d_v], device=collection.device)
@@ -191,16 +219,17 @@ def _check_mla_v_dim(mla_v_dim, collection) -> int:
 
 def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optional[float] = None,
          sinks: Optional[torch.Tensor] = None, return_lse: bool = False, mla_v_dim: Optional[int] = None,
-         window: Optional[int] = None) -> paths.KernelPath:
+         window: Optional[int] = None, tensor_scaled: bool = False) -> paths.KernelPath:
     """The kernel serving these arguments on ``arch`` (``PagedAttention`` on SM90, ``PagedAttentionSm100`` on
     SM100, MLA caches: ``MLADecode``, ``MlaDecodeSm100``; each backend's ``plan``) with its compile-time key, or why
     the reference runs instead: q in another dtype than a 16-bit cache, head dims, page sizes or granules the kernel
     cannot tile (``attention/config.supported``, ``attention/sm100_config.supported``), a misaligned cache or float32
     scales, a cache past the kernels' int32 indices (``attention/config.index_limits``), a grid past CUDA's limits
-    (``splits.grid_problem``), a non-positive scale without soft-cap, a scaled fp8 cache in a strided layout
-    (``attention/config.layout_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
+    (``splits.grid_problem``), a non-positive scale without soft-cap, an fp8 cache with granule scales in a strided
+    layout (``attention/config.layout_problem``), an MLA cache in a strided layout. Other strided caches (vLLM's,
     FlashInfer's NHD / HND, separate K and V) take the MHA kernels' strided variants, which read the K and V planes
-    in place."""
+    in place; ``tensor_scaled`` (``k_scale`` / ``v_scale`` given) selects the variants that dequantize per tensor,
+    compact or strided."""
     c = collection
 
     def fallback(reason):
@@ -231,7 +260,8 @@ def plan(collection, q, arch: str, scale: Optional[float] = None, softcap: Optio
     if family is None:  # plan asked directly for an arch without kernels (route and explain refuse it)
         return fallback(f"{'MLA cache: ' if c.is_mla else ''}no attention kernel for {arch} yet")
     return BACKENDS[family].plan(c, q, arch, granularity=granularity, scale=scale, softcap=softcap, sinks=sinks,
-                                 return_lse=return_lse, mla_v_dim=mla_v_dim, window=window)
+                                 return_lse=return_lse, mla_v_dim=mla_v_dim, window=window,
+                                 tensor_scaled=tensor_scaled)
 
 
 def backend(collection, arch: str) -> Backend:

@@ -17,17 +17,19 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.sm100_config import BM, FP8, VEC, key_tile, q_tiles, supported, uses_gather4
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import kv_sources, scales_arg, score_args, window_arg
+from cute_kv.ops.kernel_args import kv_sources, layout_flags, layout_key, scales_arg, score_args, window_arg
 from cute_kv.row_indices import lut_vector
 
 RAGGED_ROWS = 2**30  # kernels/paged/tma_tiles.RAGGED_BIG: a request's rows must stay below it
 KEY = "paged_attention_sm100"
 KERNEL = "PagedAttentionSm100"
 COMPACT_KEY = 15  # a compact cache's key length (the Q tiles last); a strided cache's adds ``v_dim`` (None), ``layout``
+# (per-tensor scales: both and their flag, ``kernel_args.layout_key``)
 
 
 def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
-               sinks: Optional[torch.Tensor], return_lse: bool, **_) -> paths.KernelPath:
+               sinks: Optional[torch.Tensor], return_lse: bool, tensor_scaled: bool = False,
+               **_) -> paths.KernelPath:
     """``PagedAttentionSm100``'s key for these arguments, or why the reference runs instead: head dims, page sizes
     or granules the kernel cannot tile (``sm100_config.supported``: fp8 caches need pages of 8+ rows that tile the
     key tile), a grid past CUDA's limits (``splits.grid_problem``)."""
@@ -49,7 +51,7 @@ def plan_sm100(collection, q, arch: str, *, granularity: Optional[int], softcap:
     # gather4 reads one lookup entry per token
     key = (KEY, q_dtype_name, hq, h, d, p, c.kv_dim, not uses_gather4(p, bn) and lut_vector(c, bn), bool(softcap),
            sinks is not None, return_lse, kv_dtype_name, granularity, e8m0, tiles)
-    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, c.layout_name), arch)
+    return paths.kernel(OP, KERNEL, layout_key(key, c.layout_name, tensor_scaled), arch)
 
 
 def step_q_tiles(collection, num_q_heads: int, num_tokens: int, softcap: bool) -> int:
@@ -93,20 +95,21 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 def launcher_sm100(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once (the SM90 launcher's shape)."""
     _, _, hq, h, d, _, _, _, has_softcap, has_sinks, return_lse, _, granularity, e8m0, _ = key[:COMPACT_KEY]
-    strided = key[-1] == "strided"
+    strided, tensor_scaled = layout_flags(key, COMPACT_KEY)
     units = compile_units(key, arch)
 
     def launch(q, input_row_offsets, c, layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse,
-               return_lse):
+               return_lse, k_scale=None, v_scale=None):
         m_blocks, num_splits, o_part, lse_part = workspace
         lse_arg = lse if return_lse and num_splits == 1 else splits.unused_lse(q.device, hq, d)
         score_scale, cap_log2 = score_args(d, scale, softcap if has_softcap else None)
+        scales = scales_arg(c, granularity, e8m0, tensor_scaled, k_scale, v_scale)
         # With splits the combine merges the splits' base-2 lse into the natural-log lse as well.
         splits.launch_and_combine(
             units, arch, q, out, VEC, (o_part, lse_part, lse_arg),
             (*kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(), c.lookup_table,
-             scales_arg(c.scales, granularity, e8m0), sinks.contiguous() if has_sinks else None, layer_idx, m_blocks,
-             num_splits, int(causal), window_arg(window), score_scale, cap_log2), num_splits, o_part, lse_part, lse)
+             scales, sinks.contiguous() if has_sinks else None, layer_idx, m_blocks, num_splits, int(causal),
+             window_arg(window), score_scale, cap_log2), num_splits, o_part, lse_part, lse)
 
     return splits.dense_run(key, launch_workspace, launch)
 

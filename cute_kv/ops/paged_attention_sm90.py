@@ -16,15 +16,16 @@ from cute_kv.dtypes import dtype_name
 from cute_kv.kernels.attention.config import BM, FP8, VEC, gathers, key_tile, supported
 from cute_kv.ops import paths, splits, units
 from cute_kv.ops.attention_backends import OP, Backend, Family
-from cute_kv.ops.kernel_args import kv_sources, scales_arg, softmax_args, window_arg
+from cute_kv.ops.kernel_args import kv_sources, layout_flags, layout_key, scales_arg, softmax_args, window_arg
 from cute_kv.row_indices import lut_vector
 
 KERNEL = "PagedAttention"
-COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds ``v_dim`` (None) and ``layout``
+COMPACT_KEY = 14  # a compact cache's key length; a strided cache's adds ``v_dim`` (None) and ``layout``, per-tensor
+# scales add both and their flag
 
 
 def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optional[float],
-         sinks: Optional[torch.Tensor], return_lse: bool, **_) -> paths.KernelPath:
+         sinks: Optional[torch.Tensor], return_lse: bool, tensor_scaled: bool = False, **_) -> paths.KernelPath:
     """``PagedAttention``'s key for these arguments, or why the reference runs instead: head dims, page sizes or
     granules the kernel cannot tile (``attention/config.supported``), a grid past CUDA's limits
     (``splits.grid_problem``)."""
@@ -41,7 +42,7 @@ def plan(collection, q, arch: str, *, granularity: Optional[int], softcap: Optio
     vector = not gathers(p, bn) and lut_vector(c, bn)
     key = ("paged_attention", q_dtype_name, hq, h, d, p, c.kv_dim, vector, bool(softcap),
            sinks is not None, return_lse, kv_dtype_name if kv_dtype_name == FP8 else None, granularity, e8m0)
-    return paths.kernel(OP, KERNEL, key if c.is_compact else key + (None, c.layout_name), arch)
+    return paths.kernel(OP, KERNEL, layout_key(key, c.layout_name, tensor_scaled), arch)
 
 
 def collection_key_tile(collection) -> int:
@@ -75,19 +76,20 @@ def launch_workspace(key: tuple, q: torch.Tensor, collection, causal: bool, wind
 def launcher(key: tuple, arch: str) -> Callable:
     """``run(...)`` for one compile-time key, built once: what stays per call is sizing the grid and launching."""
     d, softcap_on, granularity, e8m0 = key[4], key[8], key[12], key[13]
-    strided = key[-1] == "strided"
+    strided, tensor_scaled = layout_flags(key, COMPACT_KEY)
     units = compile_units(key, arch)
 
     def launch(q, input_row_offsets, c, layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse,
-               return_lse):
+               return_lse, k_scale=None, v_scale=None):
         m_blocks, num_splits, o_part, lse_part = workspace
         score_scale, softmax_scale_log2 = softmax_args(d, scale, softcap if softcap_on else None)
         sinks = None if sinks is None else sinks.contiguous()
+        scales = scales_arg(c, granularity, e8m0, tensor_scaled, k_scale, v_scale)
         splits.launch_and_combine(
             units, arch, q, out, VEC, (lse, o_part, lse_part),
             (sinks, *kv_sources(c, strided), input_row_offsets.contiguous(), c.cache_lengths.contiguous(),
-             c.lookup_table, scales_arg(c.scales, granularity, e8m0), layer_idx, m_blocks, num_splits, int(causal),
-             window_arg(window), score_scale, softmax_scale_log2), num_splits, o_part, lse_part, lse)
+             c.lookup_table, scales, layer_idx, m_blocks, num_splits, int(causal), window_arg(window), score_scale,
+             softmax_scale_log2), num_splits, o_part, lse_part, lse)
 
     return splits.dense_run(key, launch_workspace, launch)
 

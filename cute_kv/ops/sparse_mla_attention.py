@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from cute_kv.kernels.archs import is_blackwell
-from cute_kv.ops import paths
+from cute_kv.ops import lse_layouts, paths
 from cute_kv.ops.mla_decode_sm100 import SPARSE
 from cute_kv.ops.paged_attention import check_logits_and_output, outputs
 from cute_kv.reference import sparse_mla as reference
@@ -22,7 +22,8 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
                          indices: torch.Tensor, *, mla_v_dim: int, scale: Optional[float] = None,
                          topk_lengths: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                          sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-                         out: Optional[torch.Tensor] = None, validate: bool = True, plan=None):
+                         out: Optional[torch.Tensor] = None, lse_layout: str = "TH",
+                         lse: Optional[torch.Tensor] = None, validate: bool = True, plan=None):
     """Attention of each query token over the keys its ``indices`` select; returns ``[T, Hq, mla_v_dim]`` in
     ``q.dtype`` (or ``out``), or ``(out, lse)`` with ``return_lse``.
 
@@ -31,8 +32,8 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     (``sparse_kv_index_remap`` makes them from logical positions); -1 selects no key, and so do entries at or past
     ``topk_lengths[t]`` (int32 ``[T]``, optional). No causal mask: the indices decide. Values are the first
     ``mla_v_dim`` dims of the selected rows. ``scale`` (default ``1/sqrt(latent_dim)``), ``softcap``, ``sinks`` and
-    ``lse`` as in ``paged_attention``; a row that selects no key gives 0 and ``lse = -inf`` (with a sink: 0 and the
-    sink).
+    the LSE (``return_lse``, ``lse_layout``, ``lse``) as in ``paged_attention``; a row that selects no key gives 0
+    and ``lse = -inf`` (with a sink: 0 and the sink).
 
     ``validate=True`` rejects entries outside ``[-1, N*P)``, ``topk_lengths`` outside ``[0, topk]`` and bad
     ``input_row_offsets`` before anything runs. ``validate=False`` (CUDA-graph capture) skips those device reads;
@@ -46,28 +47,29 @@ def sparse_mla_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, colle
     if plan is not None and not torch.compiler.is_compiling():  # traced: the custom op below, as without a plan
         plan.check(OP, collection, input_row_offsets)
         path, workspace = plan.entry(
-            call_key(OP, (q, indices, topk_lengths, sinks, out), (mla_v_dim, scale, softcap, return_lse)),
+            call_key(OP, (q, indices, topk_lengths, sinks, out, lse), (mla_v_dim, scale, softcap, return_lse,
+                                                                        lse_layout)),
             lambda: _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths,
-                             softcap, sinks, return_lse, out, plan))
-        out, lse = outputs(q, mla_v_dim, out, return_lse)
+                             softcap, sinks, return_lse, out, lse_layout, lse, plan))
+        out, lse, rows = outputs(q, mla_v_dim, out, return_lse, lse, lse_layout)
         _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap or None, sinks, out,
-             lse, workspace)
-        return (out, lse) if return_lse else out
+             rows, workspace)
+        return (out, lse_layouts.written(lse, rows, lse_layout)) if return_lse else out
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
-           return_lse, out, validate)
+           return_lse, out, validate, lse_layout, lse)
     input_row_offsets = uint32_bits(input_row_offsets)
-    out, lse = outputs(q, mla_v_dim, out, return_lse)
+    out, lse, rows = outputs(q, mla_v_dim, out, return_lse, lse, lse_layout)
     softcap = softcap or None  # 0 means off
     c = collection
     if torch.compiler.is_compiling():  # traced: the custom op declares what it writes
         torch.ops.cute_kv.sparse_mla_attention(q, input_row_offsets, c.traced_blocks(OP), c.cache_lengths,
                                                c.lookup_table, c.scales, layer_idx, c.max_seq_length,
                                                c.max_cache_length, c.quantization_granularity, c.rope_dim, indices,
-                                               topk_lengths, mla_v_dim, scale, softcap, sinks, out, lse)
+                                               topk_lengths, mla_v_dim, scale, softcap, sinks, out, rows)
     else:
         dispatch(q, input_row_offsets, c, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks, out,
-                 lse)
-    return (out, lse) if return_lse else out
+                 rows)
+    return (out, lse_layouts.written(lse, rows, lse_layout)) if return_lse else out
 
 
 def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale, softcap, sinks,
@@ -79,11 +81,11 @@ def dispatch(q, input_row_offsets, collection, layer_idx, indices, topk_lengths,
 
 
 def _planned(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
-             return_lse, out, step) -> tuple:
+             return_lse, out, lse_layout, lse, step) -> tuple:
     """The first call of a plan with this signature: checked (the offsets by the plan), routed, its launch sized
     once; ``(path, workspace)``, None for the reference."""
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
-           return_lse, out, False)
+           return_lse, out, False, lse_layout, lse)
     step.check(OP, collection, input_row_offsets, *q.shape[:2])  # the shapes are the entry's key: once
     path = paths.route(OP, collection.device, lambda arch: plan(collection, q, indices, topk_lengths, arch,
                                                                 mla_v_dim, scale, softcap or None, sinks,
@@ -108,11 +110,12 @@ def _run(path, q, collection, layer_idx, indices, topk_lengths, mla_v_dim, scale
 def explain(q, input_row_offsets, collection, layer_idx: int, indices, *, mla_v_dim: int,
             scale: Optional[float] = None, topk_lengths: Optional[torch.Tensor] = None,
             softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
-            out: Optional[torch.Tensor] = None, validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
+            out: Optional[torch.Tensor] = None, lse_layout: str = "TH", lse: Optional[torch.Tensor] = None,
+            validate: bool = True, arch: Optional[str] = None) -> paths.KernelPath:
     """``cute_kv.explain(sparse_mla_attention, ...)``: the path this call takes on ``arch`` (default: q's device)."""
     collection, layer_idx = collection.layer(layer_idx)  # per-layer tensors: that layer's own collection
     _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
-           return_lse, out, validate)
+           return_lse, out, validate, lse_layout, lse)
     return paths.planned(OP, collection.device, arch, lambda arch: plan(collection, q, indices, topk_lengths, arch,
                                                                          mla_v_dim, scale, softcap or None, sinks,
                                                                          return_lse))
@@ -130,7 +133,7 @@ def plan(collection, q, indices, topk_lengths, arch: str, mla_v_dim: int, scale:
 
 
 def _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scale, topk_lengths, softcap, sinks,
-           return_lse, out, validate) -> None:
+           return_lse, out, validate, lse_layout="TH", lse=None) -> None:
     """Every argument, before anything runs."""
     collection.check_layer(layer_idx)
     if not collection.is_mla:
@@ -142,7 +145,7 @@ def _check(q, input_row_offsets, collection, layer_idx, indices, mla_v_dim, scal
         raise ValueError(f"q's last dim ({d}) must equal the cache's latent_dim ({collection.latent_dim})")
     if hq == 0:
         raise ValueError("q must have at least one head")
-    check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out)
+    check_logits_and_output(q, collection, scale, softcap, sinks, return_lse, mla_v_dim, out, lse_layout, lse)
     dev = collection.device
     check_tensor("indices", indices, dtype=torch.int32, ndim=2, device=dev)
     if indices.shape[0] != t:

@@ -120,14 +120,17 @@ def dense_run(key: tuple, launch_workspace, launch):
     """``run(...)`` with ``paged_attention``'s launcher signature for one compile-time ``key``: an empty step
     returns at once (a grid of zero CTAs is a launch error); otherwise ``launch(q, input_row_offsets, collection,
     layer_idx, workspace, causal, window, scale, softcap, sinks, out, lse, return_lse)`` with the plan's
-    ``(m_blocks, splits, o_part, lse_part)`` or ``launch_workspace``'s."""
+    ``(m_blocks, splits, o_part, lse_part)`` or ``launch_workspace``'s; per-tensor ``k_scale`` / ``v_scale``, given
+    only to the MHA kernels' launchers, are passed on by name."""
 
     def run(q, input_row_offsets, collection, layer_idx, *, causal=True, window=None, scale=None, softcap=None,
-            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None):
+            sinks=None, mla_v_dim=None, out=None, lse=None, return_lse=False, workspace=None, k_scale=None,
+            v_scale=None):
         if q.shape[0]:
             workspace = workspace or launch_workspace(key, q, collection, causal, window)
+            scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
             launch(q, input_row_offsets, collection, layer_idx, workspace, causal, window, scale, softcap, sinks, out,
-                   lse, return_lse)
+                   lse, return_lse, **scales)
         return (out, lse) if return_lse else out
 
     return run

@@ -4,9 +4,9 @@ Query ``i`` of request ``b`` sits at absolute position ``p = cache_lengths[b] + 
 ``j`` in ``[0, cache_lengths[b] + seq_len_b)`` (the new K/V must already be in the cache), with
 ``j <= p`` when causal and ``j > p - window`` with a sliding window. Query head ``hq`` reads KV head
 ``hq // (Hq // H)`` (GQA). Scores, softmax and the weighted sum are float32; fp8 caches are dequantized
-with their scales. An MLA cache (KVD=1) holds one latent head: keys are whole rows and values are their
-first ``mla_v_dim`` dims; a rope-aware FP8 MLA cache is read as its logical rows ``concat(content * scale, rope)``
-(``cute_kv/rope_aware.py``), ``latent_dim`` wide.
+with their scales (per granule, or per tensor: ``k_scale`` / ``v_scale``). An MLA cache (KVD=1) holds one latent
+head: keys are whole rows and values are their first ``mla_v_dim`` dims; a rope-aware FP8 MLA cache is read as its
+logical rows ``concat(content * scale, rope)`` (``cute_kv/rope_aware.py``), ``latent_dim`` wide.
 
 Logits are ``s = scale * q.k``, soft-capped first when ``softcap = c > 0`` (Gemma 2: ``s <- c * tanh(s / c)``),
 then masked. A sink (gpt-oss: ``sinks[hq]``, a logit per query head) joins the softmax denominator only:
@@ -37,11 +37,12 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
                     causal: bool = True, window: Optional[int] = None, scale: Optional[float] = None,
                     softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                     mla_v_dim: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                    lse: Optional[torch.Tensor] = None, return_lse: bool = False):
+                    lse: Optional[torch.Tensor] = None, return_lse: bool = False, k_scale=None, v_scale=None):
     """``q [T, Hq, D]`` -> ``[T, Hq, D_v]`` in ``q.dtype`` (``D_v`` = ``D``, or ``mla_v_dim`` for MLA), or into ``out``;
     with ``return_lse`` also ``lse`` float32 ``[T, Hq]`` (into ``lse`` when given): ``(out, lse)``.
 
     Rows of requests with no new tokens do not exist; every query sees at least itself, so no row is NaN.
+    ``k_scale`` / ``v_scale`` (floats or one-element tensors) dequantize an fp8 cache's K and V per tensor.
     """
     t, hq, d = q.shape
     h = collection.num_heads
@@ -56,6 +57,8 @@ def paged_attention(q: torch.Tensor, input_row_offsets: torch.Tensor, collection
         n_keys = cache_length + stop - start
         k = k_cache.gather(b, 0, n_keys)  # [S, H, D] float32
         v = k[..., :d_v] if v_cache is None else v_cache.gather(b, 0, n_keys)
+        if k_scale is not None:
+            k, v = k * k_scale, v * v_scale
         qb = q[start:stop].to(torch.float32).unflatten(1, (h, hq // h))  # [n, H, group, D]
         s = torch.einsum("nhgd,shd->hgns", qb, k) * scale
         if softcap:

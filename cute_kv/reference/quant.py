@@ -67,6 +67,12 @@ def quantize_fp8(x: torch.Tensor, granularity: int, scale_dtype: torch.dtype = t
     return q, scale.to(scale_dtype)
 
 
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` (any float dtype) -> float8_e4m3fn ``saturate(x / scale)`` with one float32 ``scale`` (a 0-d tensor) for
+    the whole tensor (``cute_kv/tensor_scales.py``); nothing is stored beside the values."""
+    return saturating_cast_fp8(x.to(torch.float32) / scale)
+
+
 def expand_scales(scales: torch.Tensor, granularity: int, head_dim: int) -> torch.Tensor:
     """Per-granule ``[..., G]`` -> per-element ``[..., head_dim]`` float32 (element d uses granule d // gran)."""
     return scales.to(torch.float32).repeat_interleave(granularity, dim=-1)[..., :head_dim]

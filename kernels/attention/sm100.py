@@ -31,7 +31,8 @@ other's. Warp roles:
   each, the swizzle on the smem pointer so each instruction lands 512 bytes past the previous one.
 
 * fp8 caches (one Q tile) add warps 12-15, the converter warpgroup: each ring stage is dequantized (``x * scale`` of
-  the value's granule, float32 or e8m0 scales) into one 16-bit K and one 16-bit V tile that the MMAs read.
+  the value's granule, float32 or e8m0 scales, or of the plane: per-tensor ``k_scale`` / ``v_scale``) into one
+  16-bit K and one 16-bit V tile that the MMAs read.
 
 The warpgroups rebalance registers with ``setmaxnreg`` (``REGS``). Hand-offs are mbarriers: K/V ring (TMA -> MMA;
 a stage is released by ``tcgen05.commit`` after the PV MMA that last reads it, so a stage is never overwritten
@@ -99,7 +100,7 @@ from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, FP8, RES
                                                       VEC, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
-from cute_kv.kernels.quant import granule_scale
+from cute_kv.kernels.quant import granule_scale, tensor_scale_views
 
 # Warps: a softmax warpgroup per Q tile (0-3, 4-7), then the correction warpgroup, then the MMA warp, the load warp
 # and two idle warps; fp8 caches (one Q tile) add the converter warpgroup, which dequantizes the K/V ring into the
@@ -163,6 +164,8 @@ class PagedAttentionSm100:
     the head dim): values are the first ``v_dim`` dims of the V rows (``sm100_config.VALUE_DIMS``: K of 192, V of
     128), O is ``v_dim`` wide, and ``layout`` ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]``
     instead of ``blocks`` (``KVCacheMHAOperand``; gather4 pages take a token's heads side by side, ``sH == D``).
+    ``tensor_scales``: an fp8 cache scaled per tensor (``k_scale`` / ``v_scale``, ``cute_kv/tensor_scales.py``), its
+    two scales passed as one float32 ``[2]`` in place of ``scales``, in either layout.
 
     An fp8 ring is dequantized (``x * scale``, rounded to ``dtype``) by a converter warpgroup (warps 12-15) into one
     16-bit K and one 16-bit V tile; a ring stage is released once both are converted, the K tile once the QK MMA
@@ -173,7 +176,7 @@ class PagedAttentionSm100:
                  kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False, sinks: bool = False,
                  return_lse: bool = False, kv_dtype_name: Optional[str] = None, granularity: Optional[int] = None,
                  e8m0_scales: bool = False, q_tiles: Optional[int] = None, v_dim: Optional[int] = None,
-                 layout: str = "compact"):
+                 layout: str = "compact", tensor_scales: bool = False):
         kv_dtype_name = kv_dtype_name or dtype_name
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name, granularity,
                             v_dim) or layout_problem(layout, page_size, granularity)
@@ -181,6 +184,9 @@ class PagedAttentionSm100:
             raise ValueError(problem)
         self.dtype = DTYPES[dtype_name]
         self.kv_fp8 = kv_dtype_name == FP8
+        if tensor_scales and (not self.kv_fp8 or granularity):
+            raise ValueError("tensor_scales needs an fp8 cache without granule scales")
+        self.tensor_scales = tensor_scales
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
         self.v_dim = v_dim or head_dim
@@ -235,6 +241,8 @@ class PagedAttentionSm100:
             scales = make_fake_tensor(Uint8 if self.e8m0_scales else Float32, (
                 cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
                 cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1), assumed_align=1)
+        elif self.tensor_scales:
+            scales = make_fake_compact_tensor(Float32, (2,), assumed_align=4)
         width = 1 if self.gather4 else self.k_op.lut_width  # what populate's vector loads need (TVM-FFI checks)
         lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                assumed_align=4 * width)
@@ -254,7 +262,8 @@ class PagedAttentionSm100:
         """``m_blocks``: ``ceil(max_seq_len * group / plan.rows)``; ``window`` 0: none. Logits in base 2 are
         ``score_scale * q.k`` (``scale * log2 e``), or with ``softcap`` ``cap_log2 * tanh(score_scale * q.k)``
         (``score_scale = scale / c``, ``cap_log2 = c * log2 e``). ``sinks``: float32 ``[Hq]`` (natural log units).
-        ``scales``: an fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
+        ``scales``: an fp8 cache's ``[N, KVD, L, P, H, G]``, or with ``tensor_scales`` its ``(k_scale, v_scale)`` (None
+        for unscaled or 16-bit caches)."""
         dt, d, dv, bn = self.dtype, self.head_dim, self.v_dim, self.bn
         tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                           tcgen05.CtaGroup.ONE, (BM, bn))
@@ -276,7 +285,9 @@ class PagedAttentionSm100:
         if cutlass.const_expr(self.tma_store):
             tma_o, g_out, _ = tma_tiles.create_packed_ragged_store(out, self.group, BM, self.o_box_width, self.swizzle)
         k_scales = v_scales = None
-        if cutlass.const_expr(scales is not None):
+        if cutlass.const_expr(self.tensor_scales):
+            k_scales, v_scales = tensor_scale_views(scales)
+        elif cutlass.const_expr(scales is not None):
             # [N, KVD, L, P, H, G] shares the cache's page geometry: rows numbered as the K/V row views'.
             k_scales = tma_tiles.kv_row_view(scales, 0, layer_idx)
             v_scales = tma_tiles.kv_row_view(scales, 1, layer_idx)
@@ -804,15 +815,15 @@ class PagedAttentionSm100:
         v_write = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         r = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) // (CONVERT_THREADS // self.bn)
         rows = None
-        if cutlass.const_expr(k_scales is not None and not self.gather4):
+        if cutlass.const_expr(self.granularity is not None and not self.gather4):
             rows = cute.make_rmem_tensor((self.k_op.copies_per_tile,), Int32)
         for j in cutlass.range(n_tiles, unroll=1):
             tile_base = (first_tile + j) * self.bn
             if cutlass.const_expr(rows is not None):
                 self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             kv_pipe.consumer_wait(read)
-            row = Int32(0)  # (unused without scales)
-            if cutlass.const_expr(k_scales is not None):
+            row = Int32(0)  # (unused without granule scales)
+            if cutlass.const_expr(self.granularity is not None):
                 row = self.cache_row(rows, s_rows, read.index, r)
             # The states advance by their own names: the loop carries only the variables its body names, so a
             # state advanced through an alias would wait on the first phase's parity every tile.
@@ -860,11 +871,15 @@ class PagedAttentionSm100:
                    width: cutlass.Constexpr[int]):
         """Row ``r`` of ``ring[stage]`` (fp8, its first ``width`` columns) -> the 16-bit ``tile``, 8 values at a time
         (this thread's share of the row): ``x * scale`` of the value's granule (cache row ``row``; the offset in 64
-        bits: rows x H x G can pass 2^31), rounded once. A row past the request's keys is written as zeros."""
+        bits: rows x H x G can pass 2^31) or of the plane (``tensor_scales``), rounded once. A row past the
+        request's keys is written as zeros."""
         per_row = CONVERT_THREADS // self.bn
         first = (cute.arch.thread_idx()[0] - 32 * CONVERT_WARPS[0]) % per_row
         scale_of = None
-        if cutlass.const_expr(scales is not None):
+        if cutlass.const_expr(self.tensor_scales):
+            plane_scale = Float32(scales[0])
+            scale_of = lambda c: plane_scale  # noqa: E731
+        elif cutlass.const_expr(scales is not None):
             scale_of = lambda c: granule_scale(scales, row, kv_head, c * VEC // self.granularity,  # noqa: E731
                                                self.e8m0_scales)
         dequantize_row(cute.local_tile(ring[r, None, stage], (width,), (0,)), tile[r, None, 0], first, per_row,

@@ -10,7 +10,7 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
   for each key tile, issues one TMA per page slot for K into the K ring and for V into the V ring (separate
   pipelines, so QK of a tile can start before its V lands) and then reads the lookup entries of the next tile
   (``populate``) while they are in flight. Over an fp8 cache the tiles land in an fp8 ring and the whole warpgroup
-  dequantizes them into the 16-bit rings. Pages no TMA box tiles (under 16 rows, or neither dividing nor divided by
+  dequantizes them into the 16-bit rings (per granule, or per tensor: ``k_scale`` / ``v_scale``). Pages no TMA box tiles (under 16 rows, or neither dividing nor divided by
   the key tile) are gathered instead (40 registers): the whole warpgroup issues 16-byte ``cp.async`` copies of each
   row into the rings, one lookup entry a key (``row_gather``);
 * two consumer warpgroups (232 registers), 64 rows each, sharing the K/V stages: ``S = Q K^T`` (SS wgmma) stays in
@@ -49,7 +49,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from cute_kv.kernels.quant import granule_scale
+from cute_kv.kernels.quant import granule_scale, tensor_scale_views
 from cute_kv.kernels.attention import softmax
 from cute_kv.kernels.attention.block_info import copy_q_chunk, mask_loops, row_key_ranges, split_tiles
 from cute_kv.kernels.attention.config import (BM, DTYPE_NAMES, FP8, VEC, gathers, layout_problem, ring_swizzle,
@@ -120,7 +120,9 @@ class PagedAttention:
     (``config.VALUE_DIMS``: K of 192, V of 128), the PV MMA's N and O are ``v_dim`` wide. Every tile is swizzled by
     its row's width (``config.ring_swizzle``: 32 bytes at head dim 80, 64 at 96, 128 otherwise). ``layout``
     ``"strided"``: K and V come as two strided planes ``[N, L, P, H, D]`` instead of ``blocks``
-    (``KVCacheMHAOperand``).
+    (``KVCacheMHAOperand``). ``tensor_scales``: an fp8 cache scaled per tensor (vLLM's and FlashInfer's ``k_scale`` /
+    ``v_scale``, ``cute_kv/tensor_scales.py``), its two scales passed as one float32 ``[2]`` in place of ``scales``,
+    in either layout.
 
     An fp8 cache lands by TMA in an fp8 ring; the producer warpgroup dequantizes each tile (``x * scale`` of its
     granule, scales read from global memory in 64-bit index math, rows past the keys written as zeros) into the
@@ -130,12 +132,15 @@ class PagedAttention:
                  page_size: Optional[int], kv_dim: int = 2, lut_vector: bool = True, softcap: bool = False,
                  sinks: bool = False, return_lse: bool = False, kv_dtype_name: Optional[str] = None,
                  granularity: Optional[int] = None, e8m0_scales: bool = False, v_dim: Optional[int] = None,
-                 layout: str = "compact"):
+                 layout: str = "compact", tensor_scales: bool = False):
         self.kv_fp8 = kv_dtype_name == FP8
         problem = supported(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype_name or dtype_name,
                             granularity, v_dim) or layout_problem(layout, page_size, granularity)
         if problem:
             raise ValueError(problem)
+        if tensor_scales and (not self.kv_fp8 or granularity):
+            raise ValueError("tensor_scales needs an fp8 cache without granule scales")
+        self.tensor_scales = tensor_scales
         self.dtype = DTYPES[dtype_name]
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else self.dtype
         self.granularity, self.e8m0_scales = granularity, e8m0_scales
@@ -200,6 +205,8 @@ class PagedAttention:
                     cute.sym_int32(), kvd, cute.sym_int32(), p, h, g), stride=(
                     cute.sym_int64(), cute.sym_int64(), p * h * g, h * g, g, 1),
                     assumed_align=1 if self.e8m0_scales else 4)  # one 4-byte load a float32 scale
+            elif self.tensor_scales:
+                scales = make_fake_compact_tensor(Float32, (2,), assumed_align=4)
             width = self.k_op.lut_width
             lut = make_fake_tensor(Uint32, (b, cute.sym_int32()), stride=(cute.sym_int64(divisibility=width), 1),
                                    assumed_align=4 * width)
@@ -217,7 +224,8 @@ class PagedAttention:
         """``m_blocks``: ``ceil(max_seq_len * group / BM)``; ``window`` 0: none. Without soft-cap ``score_scale`` is
         unused and ``softmax_scale_log2 = scale * log2(e)``; with soft-cap ``c``, ``score_scale = scale / c`` (S
         becomes ``tanh(S * score_scale)``) and ``softmax_scale_log2 = c * log2(e)``. Both must be positive. ``scales``:
-        the fp8 cache's ``[N, KVD, L, P, H, G]`` (None for unscaled or 16-bit caches)."""
+        the fp8 cache's ``[N, KVD, L, P, H, G]``, or with ``tensor_scales`` its ``(k_scale, v_scale)`` (None for
+        unscaled or 16-bit caches)."""
         dt, d, dv, bn = self.dtype, self.head_dim, self.v_dim, self.bn
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                                          (1, 1, 1), (WG_ROWS, bn))
@@ -234,7 +242,9 @@ class PagedAttention:
             tma_k, g_k, s_slot = tma_tiles.create_tma_tile(k_rows, self.k_op.rows_per_copy, d, self.load_swizzles[0])
             tma_v, g_v, v_slot = tma_tiles.create_tma_tile(v_rows, self.v_op.rows_per_copy, dv, self.load_swizzles[1])
         k_scales = v_scales = None
-        if cutlass.const_expr(scales is not None):
+        if cutlass.const_expr(self.tensor_scales):
+            k_scales, v_scales = tensor_scale_views(scales)
+        elif cutlass.const_expr(scales is not None):
             k_scales = self.k_op.scale_view(scales, layer_idx)
             v_scales = self.v_op.scale_view(scales, layer_idx)
         grid = (m_blocks, self.num_kv_heads * num_splits, cache_lengths.shape[0])
@@ -457,7 +467,7 @@ class PagedAttention:
                 load.advance()
         for i in cutlass.range(n_tiles, unroll=1):
             tile_base = (last_tile - i) * bn
-            if cutlass.const_expr(k_scales is not None):  # the rows whose scales apply
+            if cutlass.const_expr(self.granularity is not None):  # the rows whose scales apply
                 self.k_op.populate(rows, lookup_table, b, tile_base, num_keys, rows_per_page, oob_row)
             pipe_8.consumer_wait(read8)
             pipe_k.producer_acquire(write)
@@ -495,9 +505,12 @@ class PagedAttention:
                    kv_head: Int32, tidx: Int32):
         """fp8 rows of ``ring8[stage8]`` -> the 16-bit ``ring[stage]``, 8 values a thread at a time: ``x * scale`` of
         the values' granule (``scales[row, kv_head, dim // granularity]``, the row from the tile's ``populate``; the
-        element offset in 64 bits), rounded once. Rows past the request's keys are written as zeros (P is 0 there;
-        stale values could be NaN)."""
+        element offset in 64 bits) or of the plane (``tensor_scales``: ``scales[0]``, read once a tile), rounded once.
+        Rows past the request's keys are written as zeros (P is 0 there; stale values could be NaN)."""
         d, per_copy = self.head_dim, self.k_op.rows_per_copy
+        plane_scale = Float32(1.0)
+        if cutlass.const_expr(self.tensor_scales):
+            plane_scale = Float32(scales[0])
         chunks = d // VEC
         step = WG_THREADS // chunks  # rows a pass covers: within one page slot (pages hold >= 16 rows)
         raw = cute.make_rmem_tensor((VEC,), self.kv_dtype)
@@ -509,7 +522,9 @@ class PagedAttention:
             if tile_base + r < num_keys:
                 cute.autovec_copy(cute.local_tile(ring8[r, None, stage8], (VEC,), (c,)), raw)
                 x = raw.load().to(Float32)
-                if cutlass.const_expr(scales is not None):
+                if cutlass.const_expr(self.tensor_scales):
+                    x = x * plane_scale
+                elif cutlass.const_expr(scales is not None):
                     # the pass's page slot is known here: no dynamic index into the rows registers
                     row = rows[j * step // per_copy] + j * step % per_copy + tidx // chunks
                     x = x * granule_scale(scales, row, kv_head, c * VEC // self.granularity, self.e8m0_scales)

@@ -14,6 +14,10 @@ holding one (token, head, granule) reduce its absolute maximum with warp shuffle
 ``saturate(x / scale)`` in e4m3 with ``scale = max(amax / 448, FLT_MIN)`` (``reference/quant.py``); the granule's
 first lane writes the scale. NaN and infinity give the reference's bits: a NaN anywhere in a granule makes its scale
 and values NaN, an infinity makes its scale infinite (its own value NaN, the others 0).
+
+FP8 caches scaled per tensor (``tensor_scales``: vLLM's and FlashInfer's ``k_scale`` / ``v_scale``,
+``cute_kv/tensor_scales.py``): ``scales`` is the float32 ``[2]`` ``(k_scale, v_scale)``, read once a plane, and
+each element is stored as ``saturate(x / scale)``; nothing is written beside the values.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 from cutlass.memory import SmemAllocator
 
 from cute_kv.kernels.paged.ragged_rows import resolve_rows
-from cute_kv.kernels.quant import quantize_e4m3
+from cute_kv.kernels.quant import quantize_e4m3, to_e4m3
 
 THREADS = 128
 VECS_PER_THREAD = 16  # vectors in flight per thread
@@ -56,17 +60,22 @@ def quantizable(granularity: int, head_dim: int) -> bool:
 
 class PagedKVStore:
     """``dtype_name``: the cache dtype, or with ``granularity`` the input dtype of an e4m3 cache with float32
-    scales over ``granularity`` head dims (a power of two in [8, 256] dividing ``head_dim``)."""
+    scales over ``granularity`` head dims (a power of two in [8, 256] dividing ``head_dim``), or with
+    ``tensor_scales`` the input dtype of an e4m3 cache scaled per tensor (K and V planes: ``kv_dim`` 2)."""
 
     def __init__(self, dtype_name: str, kv_dim: int, page_size: int, num_heads: int, head_dim: int,
-                 granularity: Optional[int] = None, layout: str = "compact"):
+                 granularity: Optional[int] = None, layout: str = "compact", tensor_scales: bool = False):
         if layout not in ("compact", "strided"):
             raise ValueError(f"layout must be 'compact' or 'strided', got {layout!r}")
+        if tensor_scales and (granularity is not None or kv_dim != 2):
+            raise ValueError("tensor_scales needs K and V planes (kv_dim 2) without granule scales")
         self.strided = layout == "strided"
         self.in_dtype = DTYPES[dtype_name]
         self.kv_dim, self.page_size, self.num_heads, self.head_dim = kv_dim, page_size, num_heads, head_dim
-        self.granularity = granularity
-        if granularity is None:
+        self.granularity, self.tensor_scales = granularity, tensor_scales
+        if tensor_scales:
+            self.dtype, self.vec = cutlass.Float8E4M3FN, 8  # 8 values: 8 bytes stored
+        elif granularity is None:
             self.dtype, self.vec = self.in_dtype, 16 // (self.in_dtype.width // 8)
         else:
             if not quantizable(granularity, head_dim):
@@ -107,6 +116,8 @@ class PagedKVStore:
                 *(cute.sym_int64(divisibility=unit) for _ in range(4)), 1), assumed_align=16)
 
         scales = None if self.granularity is None else cache(cutlass.Float32, d // self.granularity)
+        if self.tensor_scales:
+            scales = make_fake_compact_tensor(cutlass.Float32, (2,), assumed_align=4)
         tail = (scales, lengths, lut, Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True))
         if self.strided:
             return (rows(), rows() if kvd == 2 else None, offsets, plane(), plane() if kvd == 2 else None, *tail)
@@ -152,6 +163,9 @@ class PagedKVStore:
 
         for kv in cutlass.range_constexpr(self.kv_dim):
             src = k if cutlass.const_expr(kv == 0) else v
+            plane_scale = Float32(1.0)
+            if cutlass.const_expr(self.tensor_scales):
+                plane_scale = Float32(scales[kv])
             frags = [cute.make_rmem_tensor((vec,), self.in_dtype) for _ in range(self.vecs_per_thread)]
             for j in cutlass.range_constexpr(self.vecs_per_thread):
                 i = tidx + j * THREADS  # vector i of the tile: row i // row_vecs, head, vector within the head
@@ -166,7 +180,11 @@ class PagedKVStore:
                 r = i // row_vecs
                 out = frags[j]
                 scale = Float32(0.0)
-                if cutlass.const_expr(self.granularity is not None):
+                if cutlass.const_expr(self.tensor_scales):
+                    vals = cute.make_rmem_tensor((vec,), Float32)
+                    vals.store(frags[j].load().to(Float32))
+                    out = to_e4m3(vals, plane_scale)
+                elif cutlass.const_expr(self.granularity is not None):
                     out, scale = self.quantize(frags[j])
                 if i < rows * row_vecs and first_row + r < num_rows:
                     page = s_page[r]
