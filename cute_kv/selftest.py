@@ -71,6 +71,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, FP8
 MLA_PREFILL_TOLERANCE = 3e-2
 LAYER = 1
 HIDDEN = 256  # fused QKV's K: a multiple of the quantized weights' 64-wide k-tile
+WIDE_HIDDEN = 1024  # the "k1024" variants: 16 k-tiles, so SM100's W4 kernel splits K over the idle SMs
 MLA_V_DIM = 512
 MLA_Q_HEADS = 16
 TOPK = 64
@@ -131,7 +132,7 @@ GRID = [
     ("store_kv", ("fp8",), (16,), (128,), BOTH, ("tensor scales",)),  # vLLM's / FlashInfer's k_scale, v_scale
     ("fused_qkv_matmul_kv_cache", ("bf16", "fp16"), PAGES, (128,), BOTH, ("",)),
     ("fused_qkv_matmul_kv_cache", ("bf16",), (16,), (128,), BOTH,
-     ("bias", "qk-norm", "int4 g32", "int4 g64", "int4 g128", "int4 g128 zp", "fp8 weights")),
+     ("bias", "qk-norm", "int4 g32", "int4 g64", "int4 g128", "int4 g128 zp", "int4 g128 k1024", "fp8 weights")),
     ("fused_qkv_matmul_kv_cache", ("bf16",), (16,), (256,), BOTH, ("qk-norm",)),  # Gemma 3: neox and norm, wide
     ("fused_qkv_matmul_kv_cache", ("mla",), (64,), (576,), BOTH, ("", "latent-norm")),
     ("fused_qkv_matmul_kv_cache", ("mla rope-aware",), (64,), (576,), BOTH, ("latent-norm",)),
@@ -257,8 +258,8 @@ def _qkv_setup(case, pb, g, randn, nan_buffer) -> Setup:
     q_dim = 8 * q_head
     rope = cute_kv.RopeConfig.from_theta(rope_dim, positions, 500000.0, interleaved=interleaved, q_head_dim=q_head,
                                          device=pb.collection.device)
-    hidden = randn(t, HIDDEN)
-    weight = _weight(case.variant, q_dim + kv_columns(c), g, randn, c.device)
+    hidden = randn(t, WIDE_HIDDEN if case.variant.endswith("k1024") else HIDDEN)
+    weight = _weight(case.variant, q_dim + kv_columns(c), hidden.shape[1], g, randn, c.device)
 
     def gamma(n):
         return randn(n, dtype=torch.float32, scale=0.25) + 1.0
@@ -279,18 +280,18 @@ def _qkv_setup(case, pb, g, randn, nan_buffer) -> Setup:
                  TOLERANCE[hidden.dtype], writes=True)
 
 
-def _weight(variant: str, rows: int, g: torch.Generator, randn, dev):
-    """The projection's weight: 16-bit, or ``int4 g<group>[ zp]`` / ``fp8 weights`` (scaled so the output is of
-    unit size, like the 16-bit one's)."""
+def _weight(variant: str, rows: int, cols: int, g: torch.Generator, randn, dev):
+    """The projection's ``[rows, cols]`` weight: 16-bit, or ``int4 g<group>[ zp]`` / ``fp8 weights`` (scaled so the
+    output is of unit size, like the 16-bit one's)."""
     if variant.startswith("int4"):
         group, zero_points = int(variant.split()[1][1:]), variant.endswith("zp")
-        packed = torch.randint(0, 256, (rows, HIDDEN // 2), generator=g, dtype=torch.uint8).to(dev)
-        scales = randn(rows, HIDDEN // group, dtype=torch.float32).abs().mul(1 / 64).add(1 / 256).to(torch.bfloat16)
-        zp = torch.randint(0, 16, (rows, HIDDEN // group), generator=g, dtype=torch.uint8).to(dev)
+        packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8).to(dev)
+        scales = randn(rows, cols // group, dtype=torch.float32).abs().mul(1 / 64).add(1 / 256).to(torch.bfloat16)
+        zp = torch.randint(0, 16, (rows, cols // group), generator=g, dtype=torch.uint8).to(dev)
         return cute_kv.Int4Weight(packed, scales, group, zero_points, zp if zero_points else None)
     if variant == "fp8 weights":
-        return cute_kv.Fp8Weight(randn(rows, HIDDEN, dtype=FP8), randn(rows, dtype=torch.float32).abs() / 16 + 1 / 64)
-    return randn(rows, HIDDEN, scale=1 / 16)
+        return cute_kv.Fp8Weight(randn(rows, cols, dtype=FP8), randn(rows, dtype=torch.float32).abs() / 16 + 1 / 64)
+    return randn(rows, cols, scale=1 / 16)
 
 
 def _attention_setup(case, pb, g, randn, nan_buffer) -> Setup:

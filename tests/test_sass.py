@@ -416,3 +416,22 @@ def test_tcgen05_mmas():
     with pytest.raises(ValueError, match="cannot resolve"):  # a descriptor loaded from memory
         static.tcgen05_mmas("\tld.shared.b32 \t%r1, [%r5];\n\ttcgen05.mma.cta_group::1.kind::f16 [%r2], %rd1, "
                             "%rd2, %r1, p;\n")
+
+
+def _sm103a_twins():
+    """Each sm_103a configuration with its sm_100a twin (same family and case)."""
+    by = {(c.family.name, c.case, c.arch): c for c in catalog.configs()}
+    return [pytest.param(c, by[(c.family.name, c.case, "sm_100a")], id=c.id) for c in catalog.configs()
+            if c.arch == "sm_103a"]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config,twin", _sm103a_twins())
+def test_sm103a_ptx_is_the_sm100a_ptx(config, twin):
+    """The Blackwell kernels compile to the same PTX for sm_103a as for sm_100a but for the ``.target`` line, so what
+    the simulator runs for sm_100a (``selftest --simulate --arch sm_100a``) is what sm_103a gets too."""
+    ptx = {c.arch: artifacts.compiled(c.kernel(), c.arch).ptx for c in (config, twin)}
+    lines = {arch: p.splitlines() for arch, p in ptx.items()}
+    assert len(lines["sm_103a"]) == len(lines["sm_100a"])
+    diff = [(a, b) for a, b in zip(lines["sm_103a"], lines["sm_100a"]) if a != b]
+    assert diff == [(".target sm_103a", ".target sm_100a")], diff[:5]

@@ -86,3 +86,38 @@ def test_sm100_two_q_tiles_rely_on_mma_issue_order():
         row = selftest.run_case(case, "cpu")
     assert not row.ok and "reads them (its A operand)" in row.error and "9.7.16.6.2" in row.error, row.error
     assert not record.launches  # the hazard stopped the only launch
+
+
+def test_sm100_gather4_row_off_by_one_fails(monkeypatch):
+    """Pages of 4 rows reach the SM100 attention's ring by TMA gather4 (four rows a copy, each row index a
+    coordinate). Every gather4's first row index moved on by one row (a block-scoped register, so nothing else
+    changes) must fail the case: the wrong K/V rows reach the MMAs."""
+    import dataclasses
+    import re
+
+    import ptxsim
+
+    (case,) = [c for c in selftest.cases(ops=["paged_attention"], arch="sm_100a")
+               if (c.cache, c.page_size, c.head_size, c.step, c.variant) == ("bf16", 4, 64, "ragged", "")]
+    real, mutated = ptxsim.simulate, []
+
+    def off_by_one(launch, **kw):
+        if "tile::gather4" in launch.ptx:
+            lines = launch.ptx.split("\n")
+            for i, t in enumerate(lines):
+                m = re.search(r"tile::gather4.*\{(%r\d+), (%r\d+),", t)
+                if m:
+                    row = m.group(2)
+                    body = t.replace(m.group(0), m.group(0).replace(f", {row},", ", mut_row,"))
+                    lines[i] = f"{{ .reg .b32 mut_row; add.s32 mut_row, {row}, 1; {body.strip()} }}"
+                    mutated.append(i)
+            launch = dataclasses.replace(launch, ptx="\n".join(lines))
+        return real(launch, **kw)
+
+    monkeypatch.setattr(ptxsim, "simulate", off_by_one)
+    with simulated("sm_100a", seed=0) as record:
+        row = selftest.run_case(case, "cpu")
+    assert mutated and record.launches
+    assert not row.ok, "a gather4 row index off by one went unnoticed"
+    assert row.error is None or "Unsupported" not in row.error, row.error  # wrong values, not PTX left unrun
+    print(f"{len(mutated)} gather4 lines mutated: max err {row.max_err:.3g}, {row.error}")
