@@ -1,5 +1,5 @@
-"""ptxsim: a functional simulator of the PTX that CuTe DSL kernels compile to (sm_90a), for running kernels on a
-machine without a GPU.
+"""ptxsim: a functional simulator of the PTX that CuTe DSL kernels compile to (sm_90a, sm_100a, sm_103a), for running
+kernels on a machine without a GPU.
 
 A launch (``capture.capturing`` records the real ones: the compiled host function's grid, cluster, shared memory and
 parameter bytes, TMA descriptors included) executes over host memory: ``simulate(launch, reads=..., writes=...)``
