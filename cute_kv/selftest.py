@@ -150,8 +150,8 @@ GRID = [
     ("paged_attention", ("bf16", "fp8 f32 scales"), (16,), (128,), ("split",), ("",)),
     ("paged_attention", ("mla", "mla rope-aware"), (16, 64), (576,), (*BOTH, "split"), ("",)),  # MLA decode
     # a 300-token prompt: SM100's two Q tiles per CTA (16-bit, D 64 / 128, pages a TMA tiles the key tile with)
-    ("paged_attention", ("bf16", "fp16"), (64, 128), (64, 128), ("prefill",), ("",), BLACKWELL),
-    ("paged_attention", ("bf16",), (64,), (128,), ("prefill",), ("window", "sinks", "lse"), BLACKWELL),
+    ("paged_attention", ("bf16", "fp16"), (64, 128), (64, 128), ("prefill",), ("",)),
+    ("paged_attention", ("bf16",), (64,), (128,), ("prefill",), ("window", "sinks", "lse")),
     ("mla_prefill", ("mla",), (64,), (576,), ("decode", "prefill"), ("",)),
     ("mla_prefill", ("mla rope-aware",), (64,), (576,), ("prefill",), ("",)),
     ("sparse_mla_attention", ("mla", "mla rope-aware"), (64,), (576,), BOTH, ("",), BLACKWELL),

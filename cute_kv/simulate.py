@@ -98,21 +98,25 @@ def standing_in(arch: str, sms: int, compiled) -> Iterator[None]:
         _reset_memos()
 
 
+# Kernel classes whose MMA warp relies on one thread's tcgen05.mma operations executing in issue order (``simulated``)
+ISSUE_ORDER_KERNELS = ("PagedAttentionSm100",)
+
+
 @contextlib.contextmanager
 def simulated(arch: str = "sm_90a", seed: int = 0, sms: int = 132, **sim_options) -> Iterator[Record]:
     """Ops called inside on CPU tensors run their kernels in the simulator (schedule ``seed``); yields a ``Record``
     of the launches. A simulator error (hazard, deadlock, fault) propagates out of the op call.
 
-    One acceptance is on by default: ``in_order_tcgen05_mma`` (see ``ptxsim.Simulator``). ``PagedAttentionSm100``
-    with two Q tiles issues the QK MMA into an S slot right after the PV MMA that reads that slot's P, as FA4's SM100
-    forward does; the PTX ISA orders the two only through a commit and a wait, which would serialize the tensor
-    core. ``in_order_tcgen05_mma=False`` shows the hazard (tests/test_selftest_simulated.py)."""
+    One acceptance is on for ``ISSUE_ORDER_KERNELS`` unless ``in_order_tcgen05_mma`` is given: one thread's MMAs
+    execute in issue order (see ``ptxsim.Simulator``). ``PagedAttentionSm100`` issues the QK MMA into an S slot right
+    after the PV MMA that reads that slot's P, as FA4's SM100 forward does; the PTX ISA orders the two only through a
+    commit and a wait, which would serialize the tensor core. ``in_order_tcgen05_mma=False`` shows the hazard
+    (tests/test_selftest_simulated.py)."""
     import cutlass.cute as cute
 
     import ptxsim
     from ptxsim.capture import capturing
 
-    sim_options.setdefault("in_order_tcgen05_mma", True)
     record = Record()
     compiled: dict = {}
 
@@ -145,7 +149,8 @@ def simulated(arch: str = "sm_90a", seed: int = 0, sms: int = 132, **sim_options
                 regions[f"{name} ({key[0] if isinstance(key, tuple) else key})"] = torch.empty(
                     0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
             for lau in launches[first:]:
-                stats = ptxsim.simulate(lau, writes=regions, seed=seed, **sim_options)
+                accept = {"in_order_tcgen05_mma": any(name in lau.kernel for name in ISSUE_ORDER_KERNELS)}
+                stats = ptxsim.simulate(lau, writes=regions, seed=seed, **{**accept, **sim_options})
                 record.launches.append((lau.kernel, lau.grid, lau.block, stats))
         return launch
 

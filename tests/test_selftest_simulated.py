@@ -74,19 +74,17 @@ def test_row_gathered_pages_run_in_the_simulator():
         assert record.launches and row.ok, (row.error, row.max_err)
 
 
-def test_sm100_two_q_tiles_rely_on_mma_issue_order():
-    """A 300-token prompt gives ``PagedAttentionSm100`` two Q tiles per CTA, whose MMA warp issues the QK MMA into an
-    S slot right after the PV MMA that reads that slot's P, as FA4's SM100 forward does. The PTX ISA orders two MMAs
-    of a thread only as a pipelined pair (same accumulator and shape, 9.7.16.6.2), so the simulated selftest accepts
-    issue order (``cute_kv.simulate.simulated``); without the acceptance the simulator reports the pair. Should the
-    kernel stop relying on it, this test fails: then drop the acceptance."""
-    (case,) = [c for c in selftest.cases(ops=["paged_attention"], arch="sm_100a")
-               if (c.cache, c.page_size, c.head_size, c.step, c.variant) == ("bf16", 128, 128, "prefill", "")]
-    with simulated("sm_100a", seed=0, in_order_tcgen05_mma=False) as record:
+def test_sm100_attention_relies_on_mma_issue_order():
+    """``PagedAttentionSm100``'s MMA warp issues the QK MMA into an S slot right after the PV MMA that reads that
+    slot's P, as FA4's SM100 forward does. The PTX ISA orders two MMAs of a thread only as a pipelined pair (same
+    accumulator and shape, 9.7.16.6.2), so the simulated selftest accepts issue order for this kernel
+    (``cute_kv.simulate.ISSUE_ORDER_KERNELS``); without the acceptance the simulator reports the pair when the PV
+    lands late (seed 1). Should the kernel stop relying on it, this test fails: then drop the acceptance."""
+    case = next(c for c in QUICK if c.op == "paged_attention" and c.step == "split")
+    with simulated("sm_100a", seed=1, in_order_tcgen05_mma=False) as record:
         row = selftest.run_case(case, "cpu")
     assert not row.ok and "reads them (its A operand)" in row.error and "9.7.16.6.2" in row.error, row.error
-    assert not record.launches  # the hazard stopped the only launch
-
+    assert not record.launches  # the hazard stopped the attention launch
 
 def test_sm100_gather4_row_off_by_one_fails(monkeypatch):
     """Pages of 4 rows reach the SM100 attention's ring by TMA gather4 (four rows a copy, each row index a

@@ -17,10 +17,10 @@ over S, O rescaled in place), which the ISA orders only through ``tcgen05.wait::
 the simulator's explicit acceptance ``scoreboarded_tcgen05_ld=True`` (``ptxsim.machine.Simulator``); without it the
 simulator reports the overwrite (``test_fa4_sm100_without_wait_ld_acceptance``).
 
-With two Q tiles, FA4 issues the QK MMA into an S slot right after the PV MMA that reads that slot's P (A operand in
-Tensor Memory), with no commit and wait between; the ISA orders two MMAs of a thread only as a pipelined pair, with
-the same accumulator and shape (PTX ISA 9.7.16.6.2). The runs also set ``in_order_tcgen05_mma=True``; without it the
-simulator reports the pair (``test_fa4_sm100_two_q_tiles_rely_on_mma_issue_order``).
+FA4 issues the QK MMA into an S slot right after the PV MMA that reads that slot's P (A operand in Tensor Memory),
+with no commit and wait between; the ISA orders two MMAs of a thread only as a pipelined pair, with the same
+accumulator and shape (PTX ISA 9.7.16.6.2). The runs also set ``in_order_tcgen05_mma=True``; without it the simulator
+reports the pair (``test_fa4_sm100_relies_on_mma_issue_order``).
 """
 
 from __future__ import annotations
@@ -136,9 +136,7 @@ def test_fa4_sm100_forward_matches_float64(name):
     for seed in (0, 1):
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-        # one Q tile needs no acceptance of MMA issue order
-        opts = ACCEPT if launch.grid != (1, 1, 1) else {"scoreboarded_tcgen05_ld": True}
-        stats = ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=seed, **opts)
+        stats = ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=seed, **ACCEPT)
         err, ratio, lerr = _check(out, lse, ref_out, ref_lse, ref_abs_pv)
         print(f"{name} seed {seed}: O max err {err:.3g} (err/bound {ratio:.3g}), lse err {lerr:.3g}, {stats}")
 
@@ -180,12 +178,11 @@ def test_fa4_sm100_missing_wait_st_is_a_hazard():
 
 
 
-@pytest.mark.parametrize("name", ["causal_two_q_tiles", "pair_dense"])
-def test_fa4_sm100_two_q_tiles_rely_on_mma_issue_order(name):
-    """Without ``in_order_tcgen05_mma`` the QK MMA into a slot whose P an earlier PV MMA still reads is reported (with
-    one Q tile FA4 needs no such acceptance: ``test_fa4_sm100_forward_matches_float64`` runs those cases without
-    it)."""
+@pytest.mark.parametrize("name,seed", [("dense", 1), ("pair_dense", 0)])
+def test_fa4_sm100_relies_on_mma_issue_order(name, seed):
+    """Without ``in_order_tcgen05_mma`` the QK MMA into a slot whose P an earlier PV MMA still reads is reported, with
+    one Q tile (seed 1: the PV lands late) and with two over a CTA pair."""
     launch, out, lse, _, reads = _case(name)
     with pytest.raises(ptxsim.Hazard, match=r"tcgen05\.mma D at TMEM columns .* reads them \(its A operand\)") as e:
-        ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=0, scoreboarded_tcgen05_ld=True)
+        ptxsim.simulate(launch, reads=reads, writes={"out": out, "lse": lse}, seed=seed, scoreboarded_tcgen05_ld=True)
     print(e.value)
