@@ -144,6 +144,8 @@ GRID = [
     ("paged_attention", ("bf16",), (16,), (80,), ("split",), ("",)),  # the combine's rows of 20 threads
     ("paged_attention", ("bf16",), (16,), (128,), BOTH, ("window", "softcap", "sinks", "lse")),
     ("paged_attention", ("fp8",), (16,), (128,), BOTH, ("tensor scales",)),
+    # FlashInfer's HND page order taken in place (from_kv): the kernels' strided path
+    ("paged_attention", ("bf16",), (16, 64), (128,), BOTH, ("HND",)),
     # pages under 16 rows (SGLang's 1): SM90 gathers rows by cp.async, SM100 by gather4
     ("paged_attention", ("bf16",), SMALL_PAGES, (64, 128, 256), BOTH, ("",)),
     ("paged_attention", ("bf16",), (1,), (128,), ("split",), ("",)),
@@ -302,20 +304,32 @@ def _attention_setup(case, pb, g, randn, nan_buffer) -> Setup:
     q = randn(t, hq, c.latent_dim)
     mla_v_dim = MLA_V_DIM if c.is_mla else None
     features = {}
-    if case.variant:
+    if case.variant and case.variant != "HND":
         features = {"window": lambda: {"window": 24}, "softcap": lambda: {"softcap": 2.0},
                     "sinks": lambda: {"sinks": randn(hq, dtype=torch.float32)},
                     "lse": lambda: {"return_lse": True},
                     "tensor scales": lambda: _tensor_scales(case, g, c.device)}[case.variant]()
 
     def call(fn, col):
+        layer = LAYER
+        if case.variant == "HND":
+            col, layer = _hnd(col), 0
         out = nan_buffer(col, (t, hq, mla_v_dim or c.head_size))
-        return fn(q, pb.input_row_offsets, col, LAYER, causal=True, mla_v_dim=mla_v_dim, out=out, **features)
+        return fn(q, pb.input_row_offsets, col, layer, causal=True, mla_v_dim=mla_v_dim, out=out, **features)
 
     peer = None
     if c.dtype in (torch.bfloat16, torch.float16) and not c.is_mla and not features:
         peer = functools.partial(flashinfer_attention, pb=pb, q=q, decode=set(pb.new_lengths) == {1})
     return Setup(cute_kv.paged_attention, reference.paged_attention, call, TOLERANCE[q.dtype], peer=peer)
+
+
+def _hnd(col):
+    """Layer ``LAYER`` of ``col`` copied into FlashInfer's HND cache (``[N, 2, H, P, D]``, contiguous) and taken in
+    place by ``from_kv``: one layer, whose K and V are strided ``[N, P, H, D]`` views."""
+    kv = col.blocks[:, :, LAYER].permute(0, 1, 3, 2, 4).contiguous()  # [N, 2, P, H, D] -> [N, 2, H, P, D]
+    return cute_kv.PagedKVCacheCollection.from_kv(
+        kv[:, 0].permute(0, 2, 1, 3), kv[:, 1].permute(0, 2, 1, 3), col.cache_lengths, col.lookup_table,
+        col.max_seq_length, col.max_cache_length, layout="HND", page_size=col.page_size, num_kv_heads=col.num_heads)
 
 
 def _mla_prefill_setup(case, pb, g, randn, nan_buffer) -> Setup:
