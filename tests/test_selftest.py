@@ -74,7 +74,10 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     small = {(c.page_size, c.head_size, c.step) for c in attention if c.page_size < 16}
     assert small >= {(p, d, step) for p in (1, 2, 4, 8) for d in (64, 128, 256) for step in selftest.BOTH} | {
         (1, 128, "split")}
-    assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse", "tensor scales"}
+    assert {c.variant for c in attention} == {"", "window", "softcap", "sinks", "lse", "tensor scales", "HND"}
+    # two Q tiles per CTA on SM100 (a 300-token prompt, 16-bit, D 64 / 128) and SM90's 112- / 80-key tiles
+    assert {(c.cache, c.head_size) for c in attention if c.step == "prefill"} >= {
+        (dt, d) for dt in ("bf16", "fp16") for d in (64, 128)} | {("bf16", 192), ("bf16", 256)}
     assert {c.cache for c in attention if c.step == "split"} == {"bf16", "fp8 f32 scales", "mla", "mla rope-aware"}
     assert {c.cache for c in all_cases if c.op == "store_kv"} == {"bf16", "fp16", "fp32", "fp8 f32 scales", "mla",
                                                                   "mla rope-aware", "fp8"}
@@ -83,7 +86,7 @@ def test_cases_cover_every_op_dtype_page_size_and_ragged_step():
     assert "tensor scales" in {c.variant for c in attention if c.cache == "fp8"}
     qkv = [c for c in all_cases if c.op == "fused_qkv_matmul_kv_cache"]
     assert {c.variant for c in qkv} == {"", "bias", "qk-norm", "int4 g32", "int4 g64", "int4 g128", "int4 g128 zp",
-                                        "fp8 weights", "latent-norm"}
+                                        "int4 g128 k1024", "fp8 weights", "latent-norm"}
     assert {(c.cache, c.head_size) for c in qkv} >= {("bf16", 256), ("mla", 576), ("mla rope-aware", 576)}
     assert {c.archs for c in all_cases if c.op == "sparse_mla_attention"} == {("sm_100a", "sm_103a")}
     cached, new = selftest.RAGGED
