@@ -236,8 +236,8 @@ class Simulator:
     the option an MMA issued over Tensor Memory that an earlier, not yet completed MMA of the thread reads (its A
     operand) or writes as another accumulator is a hazard, whatever the landing order. FA4's SM100 forward (known
     good on B200) issues the QK MMA into an S slot right after the PV MMA that reads that slot's P, with no wait
-    between (with one Q tile and with two); so does ``PagedAttentionSm100``. The simulator lands one thread's MMAs in issue order either way (an
-    order the ISA allows)."""
+    between (with one Q tile and with two); so does ``PagedAttentionSm100``. The simulator lands one thread's MMAs
+    in issue order either way (an order the ISA allows)."""
 
     # Schedules by seed: (chance an async op lands between two warp quanta, longest quantum). Seed 0 interleaves
     # finely with prompt landings; seed 1 lands late (copies and MMAs stay in flight across many instructions, so a
