@@ -23,15 +23,17 @@ deadlock if none comes).
 
 MMAs (single-thread semantics, 9.7.16.10.9.1): each issuing thread's MMAs run in issue order (9.7.16.6.2 "Pipelined
 tcgen05 Instructions": mma -> mma with the same accumulator; we order all MMAs of a thread, which the ISA allows) and
-land at times the seed picks. Shared operands are checked at issue (landed and observed by the issuing warp,
+land at times the seed picks. Since the ISA orders only those pairs, an MMA issued over Tensor Memory that an earlier
+MMA of the thread, not landed yet, reads or writes as another accumulator is a hazard unless the simulator option
+``in_order_tcgen05_mma`` accepts issue order (``_check_unordered``). Shared operands are checked at issue (landed and observed by the issuing warp,
 fenced if written by the generic proxy) and locked against writes until the MMA lands. Numerics: exact products
 summed in float64, rounded once to the f32/f16 accumulator (the ISA does not specify the order or intermediate
 precision of the sums).
 
 ``.cta_group::2`` (CTA pairs, 9.7.16.3): alloc/dealloc by a warp of each CTA of the pair (the same columns in both
 TMEMs), M = 256 MMAs split across the pair (see ``_mma``), commits (see ``_commit``); M = 128 with .cta_group::2
-(datapath Layout B) raises ``Unsupported``. ``.ws``, sparse, block-scaled, ``.kind::i8``/mxf*, sub-byte types, tcgen05.cp,
-tcgen05.shift, M = 64 (datapath Layout F) and the .16x* ld/st shapes raise ``Unsupported``.
+(datapath Layout B) raises ``Unsupported``. ``.ws``, sparse, block-scaled, ``.kind::i8``/mxf*, sub-byte types,
+tcgen05.cp, tcgen05.shift, M = 64 (datapath Layout F) and the .16x* ld/st shapes raise ``Unsupported``.
 """
 
 from __future__ import annotations
