@@ -447,7 +447,7 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
         code = [i for n in longest for i in cfg[n].instrs]
         order = mma_order(code)
         nested = set().union(*(b for h, b in bodies.items() if h != header and b < body))
-        (hi, steady), (quiet, _) = _steady_paths(cfg, dom, body - nested, header, set(latches))
+        steady, quiet = _steady_paths(cfg, dom, body - nested, header, set(latches))
         out.append(Loop(header, max(cfg[n].instrs[-1].address for n in latches), len(code),
                         sum(is_mma(i.opcode) for i in code), sum(hgmma_flops(i.opcode) for i in code),
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
@@ -455,8 +455,9 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
                         sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
                         sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code),
                         order, p_barriers(cfg, body, code) if "PV" in order else 0,
-                        sum(map(ex2_emulated, code)), sum(i.opcode.startswith("STTM") for i in code), (max(hi, 0), max(quiet, 0)),
-                        sum(tmem_load_columns(i.opcode) for n in steady for i in cfg[n].instrs)))
+                        sum(map(ex2_emulated, code)), sum(i.opcode.startswith("STTM") for i in code),
+                        (steady[0] if steady else 0, quiet[0] if quiet else 0),
+                        sum(tmem_load_columns(i.opcode) for n in (steady or (0, ()))[1] for i in cfg[n].instrs)))
     return out
 
 
@@ -478,22 +479,21 @@ def tmem_load_columns(op: str) -> int:
 
 def _steady_paths(cfg: dict[int, Block], dom: dict[int, set], body: set, header: int, latches: set) -> tuple:
     """The longest way of a steady iteration and the longest that stores nothing to tensor memory (``STTM``: the
-    correction warpgroup skipping the O rescale), each ``(instructions, blocks)``: fast paths (no failed wait)
+    correction warpgroup skipping the O rescale), each ``(instructions, blocks)`` or None: fast paths (no failed wait)
     through ``body``, a loop less its nested loops' blocks (a pass that runs an inner loop, such as the zero fill of
     a tail tile, is no steady iteration)."""
-    none = (float("-inf"), ())
     memo: dict[int, tuple] = {}
 
-    def walk(n: int) -> tuple:  # (longest, longest storing nothing) from n on
+    def walk(n: int) -> tuple:  # (longest, longest storing nothing) from n on, None where no iteration ends
         if n not in memo:
             size = len(cfg[n].instrs)
             stores = any(i.opcode.startswith("STTM") for i in cfg[n].instrs)
             tails = [walk(succ) for succ, failed in cfg[n].succs
                      if succ in body and not failed and succ not in dom[n]]
             tails += [((0, ()), (0, ()))] if n in latches else []
-            hi = max((t[0] for t in tails), default=none)
-            quiet = none if stores else max((t[1] for t in tails), default=none)
-            memo[n] = tuple((size + w[0], (n,) + w[1]) if w is not none else none for w in (hi, quiet))
+            hi = max((t[0] for t in tails if t[0]), key=lambda w: w[0], default=None)
+            quiet = None if stores else max((t[1] for t in tails if t[1]), key=lambda w: w[0], default=None)
+            memo[n] = tuple(w and (size + w[0], (n,) + w[1]) for w in (hi, quiet))
         return memo[n]
 
     return walk(header)
@@ -747,8 +747,9 @@ def occupancy(registers: int, threads: int, smem: int) -> dict:
 
 
 def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Optional[int] = None,
-            keep_dir: Optional[str] = None) -> dict:
-    """One flat record: ptxas resources, launch, occupancy, SASS counts and the main / softmax loops."""
+            keep_dir: Optional[str] = None, v_dim: Optional[int] = None) -> dict:
+    """One flat record: ptxas resources, launch, occupancy, SASS counts and the main / softmax loops. ``v_dim``: the
+    width of O, where it is not ``head_dim`` (the correction loop's S tiles are its O columns over it)."""
     with tempfile.TemporaryDirectory() as work:
         res, cubin = assemble(ptx, arch, work)
         sass = disassemble(cubin)
@@ -795,9 +796,10 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
             rec.update(masked_loop_instructions=masked.instructions, masked_loop_ex2=masked.ex2,
                        masked_loop_ex2_emulated=masked.ex2_emulated)
     lp = correction_loop(all_loops)
-    if lp is not None and head_dim and lp.steady_columns % head_dim == 0:
+    o_cols = v_dim or head_dim
+    if lp is not None and o_cols and lp.steady_columns and lp.steady_columns % o_cols == 0:
         # per S tile: FA4 rescales both Q tiles' O in one iteration (its q_stage), ours one Q tile's
-        tiles = lp.steady_columns // head_dim
+        tiles = lp.steady_columns // o_cols
         rec.update(correction_loop_s_tiles=tiles, correction_loop_instructions=lp.steady[0] / tiles,
                    correction_loop_instructions_skip=lp.steady[1] / tiles)
     lp = load_loop(all_loops)
@@ -820,7 +822,8 @@ def analyze_config(config, keep_dir: Optional[str] = None, compiled: Optional[Ca
         ptx, host_ir = compiled(kernel, config.arch)
     head_dim = config.family.head_dim(kernel) if config.family.head_dim else None
     rec = {"kernel": config.family.name, "config": config.label, "impl": "cute-kv"}
-    rec.update(analyze(ptx, config.arch, launch_from_host_ir(host_ir), head_dim, keep_dir))
+    rec.update(analyze(ptx, config.arch, launch_from_host_ir(host_ir), head_dim, keep_dir,
+                       getattr(kernel, "v_dim", None)))
     plan = config.family.plan(kernel)
     rec.update(plan_threads=plan.threads, plan_smem=plan.smem, plan_ctas_per_sm=plan.ctas_per_sm,
                register_budget=plan.register_budget)
