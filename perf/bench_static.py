@@ -11,7 +11,9 @@ named + mbarrier) and LDS/STS in the whole kernel; instructions, waits and MMAs 
 per key tile of one Q tile (a QK group and its PV) and the MMA in flight (``static.mma_in_flight``: QK groups issued
 between two waits for P), its instructions per 64x64 block of S (attention), instructions of the softmax loop
 (longest and shortest way through one iteration: one S tile of one softmax warpgroup on SM100, the O rescale or mask
-skipped on the short way) and its MUFU.EX2 (the rest of the tile's exponentials on the FMA pipe), tensor-memory
+skipped on the short way), its MUFU.EX2 and the exponentials it emulates on the FMA pipe (``static.ex2_emulated``),
+the masked softmax loop's instructions (its longest way: a row of the warp cut by the mask), the SM100 correction
+loop's instructions per S tile (``static.correction_loop``: rescaling O / skipping the rescale), tensor-memory
 columns (tcgen05) and the warp roles' register targets (setmaxnreg).
 """
 
@@ -41,6 +43,9 @@ COLUMNS = [  # (header, record key or function, width)
     ("inflight", "mma_in_flight", 8), ("/S64", "instructions_per_s_block", 6),
     ("/S64min", "instructions_per_s_block_shortest", 7), ("softmax", "softmax_loop_instructions", 7),
     ("smxmin", "softmax_loop_instructions_shortest", 6), ("smxEX2", "softmax_loop_ex2", 6),
+    ("smxEmu", "softmax_loop_ex2_emulated", 6), ("masked", "masked_loop_instructions", 6),
+    ("corr/skip", lambda r: "correction_loop_instructions" in r and f"{r['correction_loop_instructions']:g}/"
+     f"{r['correction_loop_instructions_skip']:g}" or None, 9),
     ("load", "load_loop_instructions", 5), ("copies", "load_loop_copies", 6),
     ("TMEM", "tmem_columns", 4), ("setmaxnreg", lambda r: ",".join(map(str, r["setmaxnreg"])) or None, 10),
 ]

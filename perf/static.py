@@ -26,7 +26,13 @@ configuration the host code passes, and the CTAs per SM these allow.
   the 64x64 blocks of S its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are
   in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
   loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
-  runs in other warps, so the two loops differ.
+  runs in other warps, so the two loops differ. Its exponentials are counted by pipe: ``MUFU.EX2`` and those emulated
+  with FMAs (``ex2_emulated``); a causal kernel's masked twin of it (``masked_loop``) by its longest way, a
+  warp with a row the mask cuts.
+* The SM100 correction loop (``correction_loop``: the innermost loop storing to tensor memory with no MMA and no
+  ``MUFU.EX2``, O rescaled in place) by one steady iteration (``_steady_paths``: no nested loop, such as a tail
+  tile's zero fill): its longest way (O rescaled) and its longest way storing nothing (the rescale skipped), per S
+  tile (the O columns it loads over the value dim: FA4 rescales both Q tiles in one iteration).
 * The load loop (the innermost loop without MMAs that issues the most global-to-shared copies: TMA ``UTMALDG``,
   bulk ``UBLKCP`` or ``LDGSTS``, the cp.async of a row gather) is a producer's walk over key tiles: its fast-path
   instructions (``load_loop_instructions``, ``_shortest``) and copies (``load_loop_copies``) per iteration, those
@@ -296,6 +302,10 @@ class Loop:
     copies_in: int = 0  # global-to-shared copies issued (``is_copy_in``)
     mma_order: str = ""  # the longest fast path's mbarrier waits and tcgen05 MMA groups in issue order (``mma_order``)
     p_barriers: int = 0  # mbarriers the loop waits on for P, at least (``p_barriers``)
+    ex2_emulated: int = 0  # exponentials computed on the FMA pipe (``ex2_emulated``)
+    tmem_stores: int = 0  # tcgen05.st (``STTM``)
+    steady: tuple = (0, 0)  # instructions of a steady iteration: longest, longest without STTM (``_steady_paths``)
+    steady_columns: int = 0  # tensor-memory columns loaded (``LDTM``) on the steady longest way
 
 
 _ENDS_BLOCK = ("BRA", "EXIT", "RET", "BRX", "JMP", "JMX", "KILL")
@@ -421,7 +431,7 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
             preds[succ].append(n)
             if succ in dom[n]:
                 back.setdefault(succ, []).append(n)
-    out = []
+    bodies = {}
     for header, latches in sorted(back.items()):
         body, work = {header}, list(latches)
         while work:
@@ -429,17 +439,64 @@ def loops(instrs: list[Instruction], labels: dict[str, int]) -> list[Loop]:
             if n not in body:
                 body.add(n)
                 work.extend(preds[n])
+        bodies[header] = body
+    out = []
+    for header, latches in sorted(back.items()):
+        body = bodies[header]
         longest, shortest = _paths(cfg, dom, body, header, set(latches))
         code = [i for n in longest for i in cfg[n].instrs]
         order = mma_order(code)
+        nested = set().union(*(b for h, b in bodies.items() if h != header and b < body))
+        steady, quiet = _steady_paths(cfg, dom, body - nested, header, set(latches))
         out.append(Loop(header, max(cfg[n].instrs[-1].address for n in latches), len(code),
                         sum(is_mma(i.opcode) for i in code), sum(hgmma_flops(i.opcode) for i in code),
                         sum(i.opcode.startswith("MUFU.EX2") for i in code), sum(is_lds(i.opcode) for i in code),
                         sum(is_sts(i.opcode) for i in code), sum(is_barrier_wait(i.opcode) for i in code),
                         sum(map(is_cta_barrier, code)), sum(map(is_named_barrier, code)), frozenset(body),
                         sum(len(cfg[n].instrs) for n in shortest), sum(is_copy_in(i.opcode) for i in code),
-                        order, p_barriers(cfg, body, code) if "PV" in order else 0))
+                        order, p_barriers(cfg, body, code) if "PV" in order else 0,
+                        sum(map(ex2_emulated, code)), sum(i.opcode.startswith("STTM") for i in code),
+                        (steady[0] if steady else 0, quiet[0] if quiet else 0),
+                        sum(tmem_load_columns(i.opcode) for n in (steady or (0, ()))[1] for i in cfg[n].instrs)))
     return out
+
+
+def ex2_emulated(ins: Instruction) -> int:
+    """Exponentials an instruction starts on the FMA pipe: our ``exp2_fma`` and FA4's ``ex2_emulation`` (its
+    ``ex2_emu_freq``) both take ``floor(x)`` by adding 2^23 + 2^22 rounded down (``add.rm``), then a polynomial in
+    FMAs. A rounded-down add is that floor step, and nothing else in a softmax rounds down: ``FADD2.RM`` starts two
+    (f32x2), ``FADD.RM`` one."""
+    if not re.match(r"FADD2?\.(\w+\.)*RM\b", ins.opcode):
+        return 0
+    return 2 if ins.opcode.startswith("FADD2") else 1
+
+
+def tmem_load_columns(op: str) -> int:
+    """Columns of a row a ``tcgen05.ld`` of the 32x32b shape reads (``LDTM.x32``: 32)."""
+    m = re.match(r"LDTM\.(?:\w+\.)*x(\d+)$", op)
+    return int(m[1]) if m else 0
+
+
+def _steady_paths(cfg: dict[int, Block], dom: dict[int, set], body: set, header: int, latches: set) -> tuple:
+    """The longest way of a steady iteration and the longest that stores nothing to tensor memory (``STTM``: the
+    correction warpgroup skipping the O rescale), each ``(instructions, blocks)`` or None: fast paths (no failed wait)
+    through ``body``, a loop less its nested loops' blocks (a pass that runs an inner loop, such as the zero fill of
+    a tail tile, is no steady iteration)."""
+    memo: dict[int, tuple] = {}
+
+    def walk(n: int) -> tuple:  # (longest, longest storing nothing) from n on, None where no iteration ends
+        if n not in memo:
+            size = len(cfg[n].instrs)
+            stores = any(i.opcode.startswith("STTM") for i in cfg[n].instrs)
+            tails = [walk(succ) for succ, failed in cfg[n].succs
+                     if succ in body and not failed and succ not in dom[n]]
+            tails += [((0, ()), (0, ()))] if n in latches else []
+            hi = max((t[0] for t in tails if t[0]), key=lambda w: w[0], default=None)
+            quiet = None if stores else max((t[1] for t in tails if t[1]), key=lambda w: w[0], default=None)
+            memo[n] = tuple(w and (size + w[0], (n,) + w[1]) for w in (hi, quiet))
+        return memo[n]
+
+    return walk(header)
 
 
 def _starts_group(ins: Instruction) -> bool:
@@ -605,6 +662,22 @@ def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
     return max(with_exp, key=lambda lp: (lp.ex2, -lp.instructions)) if with_exp else None
 
 
+def masked_loop(all_loops: list[Loop]) -> Optional[Loop]:
+    """The softmax loop's masked twin: of the other innermost loops with as many ``MUFU.EX2``, the longest (its
+    longest way: a warp with a row cut by the mask). None where the mask is applied outside a loop (FA4's decode)."""
+    steady = softmax_loop(all_loops)
+    twins = [lp for lp in _innermost([lp for lp in all_loops if lp.ex2])
+             if lp is not steady and lp.ex2 == steady.ex2]
+    return max(twins, key=lambda lp: lp.instructions) if twins else None
+
+
+def correction_loop(all_loops: list[Loop]) -> Optional[Loop]:
+    """The SM100 correction warpgroup's walk over key tiles: the innermost loop that stores to tensor memory (O
+    rescaled in place) with no MMA and no ``MUFU.EX2`` (the softmax's loops store P), the most columns rescaled."""
+    rescaling = _innermost([lp for lp in all_loops if lp.tmem_stores and not lp.mma and not lp.ex2])
+    return max(rescaling, key=lambda lp: (lp.steady_columns, -lp.instructions)) if rescaling else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     threads: int
@@ -674,8 +747,9 @@ def occupancy(registers: int, threads: int, smem: int) -> dict:
 
 
 def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Optional[int] = None,
-            keep_dir: Optional[str] = None) -> dict:
-    """One flat record: ptxas resources, launch, occupancy, SASS counts and the main / softmax loops."""
+            keep_dir: Optional[str] = None, v_dim: Optional[int] = None) -> dict:
+    """One flat record: ptxas resources, launch, occupancy, SASS counts and the main / softmax loops. ``v_dim``: the
+    width of O, where it is not ``head_dim`` (the correction loop's S tiles are its O columns over it)."""
     with tempfile.TemporaryDirectory() as work:
         res, cubin = assemble(ptx, arch, work)
         sass = disassemble(cubin)
@@ -714,6 +788,20 @@ def analyze(ptx: str, arch: str, launch: Optional[Launch] = None, head_dim: Opti
             rec["loop_s_blocks"] = lp.mma_flops / (4 * 64 * 64 * head_dim)
             rec["instructions_per_s_block"] = round(lp.instructions / rec["loop_s_blocks"], 1)
             rec["instructions_per_s_block_shortest"] = round(lp.shortest / rec["loop_s_blocks"], 1)
+    lp = softmax_loop(all_loops)
+    if lp is not None:
+        rec["softmax_loop_ex2_emulated"] = lp.ex2_emulated
+        masked = masked_loop(all_loops)
+        if masked is not None:
+            rec.update(masked_loop_instructions=masked.instructions, masked_loop_ex2=masked.ex2,
+                       masked_loop_ex2_emulated=masked.ex2_emulated)
+    lp = correction_loop(all_loops)
+    o_cols = v_dim or head_dim
+    if lp is not None and o_cols and lp.steady_columns and lp.steady_columns % o_cols == 0:
+        # per S tile: FA4 rescales both Q tiles' O in one iteration (its q_stage), ours one Q tile's
+        tiles = lp.steady_columns // o_cols
+        rec.update(correction_loop_s_tiles=tiles, correction_loop_instructions=lp.steady[0] / tiles,
+                   correction_loop_instructions_skip=lp.steady[1] / tiles)
     lp = load_loop(all_loops)
     if lp is not None:
         rec.update(load_loop_instructions=lp.instructions, load_loop_instructions_shortest=lp.shortest,
@@ -734,7 +822,8 @@ def analyze_config(config, keep_dir: Optional[str] = None, compiled: Optional[Ca
         ptx, host_ir = compiled(kernel, config.arch)
     head_dim = config.family.head_dim(kernel) if config.family.head_dim else None
     rec = {"kernel": config.family.name, "config": config.label, "impl": "cute-kv"}
-    rec.update(analyze(ptx, config.arch, launch_from_host_ir(host_ir), head_dim, keep_dir))
+    rec.update(analyze(ptx, config.arch, launch_from_host_ir(host_ir), head_dim, keep_dir,
+                       getattr(kernel, "v_dim", None)))
     plan = config.family.plan(kernel)
     rec.update(plan_threads=plan.threads, plan_smem=plan.smem, plan_ctas_per_sm=plan.ctas_per_sm,
                register_budget=plan.register_budget)
