@@ -71,7 +71,7 @@ def _captured_launch():
     if envar.arch not in BLACKWELL:
         envar.arch = "sm_100a"
     os.environ["QUACK_ARCH"] = "sm_100"
-    qutils._get_device_capacity_cached.cache_clear()
+    _clear_memos(qutils)
     try:
         yield launches
     finally:
@@ -81,7 +81,14 @@ def _captured_launch():
             os.environ.pop("QUACK_ARCH", None)
         else:
             os.environ["QUACK_ARCH"] = quack_arch
-        qutils._get_device_capacity_cached.cache_clear()
+        _clear_memos(qutils)
+
+
+def _clear_memos(qutils):
+    """quack's memos of the device: its capability, and the clusters that fit (keyed by cluster size only, so an
+    answer for one SM count would outlive it)."""
+    qutils._get_device_capacity_cached.cache_clear()
+    qutils.get_max_active_clusters.cache_clear()
 
 
 def build_gemm(A, B, tile_M=256, tile_N=256, cluster_M=2, cluster_N=1, clc=True, D=None):
