@@ -97,6 +97,8 @@ DEVICES = {
     "sm_100a": {**_COMMON_ATTRS, **{16: 148, 75: 10, 76: 0, 97: 232448, 81: 233472, 13: 1965000,
                                     36: 3996000, 37: 8192, 38: 132120576}},
 }
+# B300 (sm_103a): the B200's answers but compute capability 10.3 (its kernels are the sm_100a ones, retargeted)
+DEVICES["sm_103a"] = {**DEVICES["sm_100a"], 76: 3}
 
 # cudaLaunchAttributeID
 _LAUNCH_ATTR_NAMES = {

@@ -119,3 +119,12 @@ def test_sm100_gather4_row_off_by_one_fails(monkeypatch):
     assert not row.ok, "a gather4 row index off by one went unnoticed"
     assert row.error is None or "Unsupported" not in row.error, row.error  # wrong values, not PTX left unrun
     print(f"{len(mutated)} gather4 lines mutated: max err {row.max_err:.3g}, {row.error}")
+
+
+def test_sm103a_kernels_run_in_the_simulator():
+    """``--arch sm_103a``: the launches are captured against a B300 stand-in (compute capability 10.3) and run; the
+    gather kernel as the witness (the sm_103a PTX is the sm_100a PTX but for its target: tests/test_sass.py)."""
+    case = next(c for c in selftest.cases(quick=True, arch="sm_103a") if c.op == "gather_kv")
+    with simulated("sm_103a", seed=0) as record:
+        row = selftest.run_case(case, "cpu")
+    assert record.launches and row.ok, (row.error, row.max_err)
