@@ -55,6 +55,11 @@ def resolve_generic(space, addrs, ctx):
     return {0: "global", 1: "shared", 2: "local", 3: "param"}[t], (addrs & WINDOW_MASK if t else addrs)
 
 
+def _is_local(space, addrs) -> bool:
+    """A local access: the local space, or generic addresses in the local window (``ptxsim.memory``)."""
+    return space == "local" or (space == "generic" and bool((addrs.astype(np.uint64) >> np.uint64(56) == 2).any()))
+
+
 def read(sim, w, space, addrs, nbytes, ctx, generic_proxy=True, atomic=False):
     """``(n, nbytes)`` uint8 for the addresses ``addrs`` of the lanes (in order)."""
     space, addrs = resolve_generic(space, addrs, ctx)
@@ -129,7 +134,7 @@ def compile_ld(sim, ins):
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
         a = ag(w)[m]
-        if space == "local" or (space == "generic" and (a.astype(np.uint64) >> np.uint64(56) == 2).any()):
+        if _is_local(space, a):
             loc = _local(sim, w)
             off = (a & WINDOW_MASK) if space == "generic" else a
             lanes = np.flatnonzero(m)
@@ -160,7 +165,7 @@ def _ld_b128(sim, ins, space):
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
         a = ag(w)[m]
-        if space == "generic" and (a.astype(np.uint64) >> np.uint64(56) == 2).any():
+        if _is_local(space, a):
             raise Unsupported(f"ld.b128 from local memory{ctx()}")
         raw = read(sim, w, space, a, 16, ctx)
         full = np.zeros((32, 2), np.uint64)
@@ -177,7 +182,7 @@ def _st_b128(sim, ins, space):
     def body(w, m, pc):
         ctx = sim.ctx(w, ins, m)
         a = ag(w)[m]
-        if space == "generic" and (a.astype(np.uint64) >> np.uint64(56) == 2).any():
+        if _is_local(space, a):
             raise Unsupported(f"st.b128 to local memory{ctx()}")
         data = np.ascontiguousarray(g(w)[m]).view(np.uint8).reshape(len(a), 16)
         write(sim, w, space, a, data, ctx, ins.line)
@@ -205,7 +210,7 @@ def compile_st(sim, ins):
         a = ag(w)[m]
         vals = np.stack([g(w)[m].astype(edt) for g in gets], axis=1)
         data = np.ascontiguousarray(vals).view(np.uint8).reshape(len(a), eb * len(gets))
-        if space == "local" or (space == "generic" and (a.astype(np.uint64) >> np.uint64(56) == 2).any()):
+        if _is_local(space, a):
             loc = _local(sim, w)
             off = (a & WINDOW_MASK) if space == "generic" else a
             lanes = np.flatnonzero(m)

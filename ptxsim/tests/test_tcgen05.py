@@ -292,6 +292,29 @@ def _canonical(mat_bits: np.ndarray) -> np.ndarray:
     return img
 
 
+def _copy_to_tile(nwords, first=None):
+    """PTX: the 128 threads copy ``nwords`` 32-bit words of the global operand image (``%rd2``; from word register
+    ``first`` on, if given) into ``tile``, fence them for the async proxy, and set ``%p1`` (warp 0) / ``%p2`` (thread
+    0)."""
+    index, offset = ("%r41", "") if first is None else ("%r45", f"\tadd.u32 %r45, %r41, {first};\n")
+    return f"""\tmov.u32 %r40, tile;
+\tmov.u32 %r41, %r1;
+COPY:
+{offset}\tmul.wide.u32 %rd3, {index}, 4;
+\tadd.s64 %rd4, %rd2, %rd3;
+\tld.global.u32 %r42, [%rd4];
+\tshl.b32 %r43, %r41, 2;
+\tadd.u32 %r44, %r40, %r43;
+\tst.shared.u32 [%r44], %r42;
+\tadd.u32 %r41, %r41, 128;
+\tsetp.lt.u32 %p4, %r41, {nwords};
+\t@%p4 bra COPY;
+\tfence.proxy.async.shared::cta;
+\tsetp.eq.u32 %p1, %r2, 0;
+\tsetp.eq.u32 %p2, %r1, 0;
+"""
+
+
 def _mma_kernel(wait=True, dealloc_early=False, idesc=None):
     idesc = L.umma_instr_desc_encode(128, N_MMA, 1, 1, 1) if idesc is None else idesc
     hi = (LBO >> 4) << 16 | (SBO >> 4) << 32 | (1 << 46)
@@ -309,22 +332,7 @@ WAIT:
 \tld.param.u64 %rd2, [k_param_1];
 \tmov.u32 %r1, %tid.x;
 \tshr.u32 %r2, %r1, 5;
-\tmov.u32 %r40, tile;
-\tmov.u32 %r41, %r1;
-COPY:
-\tmul.wide.u32 %rd3, %r41, 4;
-\tadd.s64 %rd4, %rd2, %rd3;
-\tld.global.u32 %r42, [%rd4];
-\tshl.b32 %r43, %r41, 2;
-\tadd.u32 %r44, %r40, %r43;
-\tst.shared.u32 [%r44], %r42;
-\tadd.u32 %r41, %r41, 128;
-\tsetp.lt.u32 %p4, %r41, {nwords};
-\t@%p4 bra COPY;
-\tfence.proxy.async.shared::cta;
-\tsetp.eq.u32 %p1, %r2, 0;
-\tsetp.eq.u32 %p2, %r1, 0;
-\t@%p1 tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [tslot], 64;
+{_copy_to_tile(nwords)}\t@%p1 tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [tslot], 64;
 \t@%p2 mbarrier.init.shared::cta.b64 [mbar], 1;
 \tbar.sync 0;
 \tld.shared.u32 %r3, [tslot];
@@ -433,23 +441,7 @@ def _pair_kernel(mask=3, m=256):
 \tshr.u32 %r2, %r1, 5;
 \tmov.u32 %r7, %cluster_ctarank;
 \tmul.lo.u32 %r8, %r7, {nwords};
-\tmov.u32 %r40, tile;
-\tmov.u32 %r41, %r1;
-COPY:
-\tadd.u32 %r45, %r41, %r8;
-\tmul.wide.u32 %rd3, %r45, 4;
-\tadd.s64 %rd4, %rd2, %rd3;
-\tld.global.u32 %r42, [%rd4];
-\tshl.b32 %r43, %r41, 2;
-\tadd.u32 %r44, %r40, %r43;
-\tst.shared.u32 [%r44], %r42;
-\tadd.u32 %r41, %r41, 128;
-\tsetp.lt.u32 %p4, %r41, {nwords};
-\t@%p4 bra COPY;
-\tfence.proxy.async.shared::cta;
-\tsetp.eq.u32 %p1, %r2, 0;
-\tsetp.eq.u32 %p2, %r1, 0;
-\t@%p1 tcgen05.alloc.cta_group::2.sync.aligned.shared::cta.b32 [tslot], 64;
+{_copy_to_tile(nwords, "%r8")}\t@%p1 tcgen05.alloc.cta_group::2.sync.aligned.shared::cta.b32 [tslot], 64;
 \t@%p2 mbarrier.init.shared::cta.b64 [mbar], 1;
 \tbarrier.cluster.arrive.release.aligned;
 \tbarrier.cluster.wait.acquire.aligned;
