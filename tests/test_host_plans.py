@@ -313,3 +313,19 @@ def test_row_gather_copies_no_row_outside_the_cache():
     rows = torch.zeros((4, 32), dtype=torch.int32)
     host_plans.GatherRows(gather).fill(from_dlpack(lut), from_dlpack(rows), 7, pitch, num_rows)
     assert rows[0, :8].tolist() == [0, 2, 4, -1, -1, -1, 6, -1]  # key 7 is past num_keys
+
+
+@pytest.mark.parametrize("d,page_size,want", [(256, 20, 64), (256, 60, 64), (256, 40, 64), (192, 28, None),
+                                              (192, 56, None), (192, 64, 112), (256, 48, 80)])
+def test_wide_key_tiles_only_over_slots_of_16_rows(d, page_size, want):
+    """80- and 112-key tiles over pages whose slot (gcd(P, tile)) is not a multiple of 16 rows: 20 or 28 rows are not
+    whole 8-row swizzle atoms, so no TMA box matches the staged tile. Such pages gather rows at 64 keys where the
+    gather takes the head dim (256), and are refused at 192, before anything is compiled."""
+    from cute_kv.kernels.attention.config import gathers, key_tile, supported
+
+    if want is None:
+        assert "must be a multiple of 16" in supported(8, 1, d, page_size, "bfloat16")
+        return
+    assert supported(8, 1, d, page_size, "bfloat16") is None
+    assert key_tile(d, page_size=page_size) == want
+    assert gathers(page_size, want) == (page_size % 16 != 0)

@@ -69,10 +69,12 @@ def page_slot(page_size: int, bn: int) -> int:
 
 
 def gathers(page_size, bn: int) -> bool:
-    """Whether a paged cache's K/V rows are gathered by ``cp.async`` (``row_gather``): page slots under 16 rows (one
-    TMA per slot would be 8 or more TMAs of one thread per tile, 128 at page 1). Every key tile is a multiple of 16,
-    so these are the pages of a size not a multiple of 16."""
-    return page_size is not None and page_slot(page_size, bn) < 16
+    """Whether a paged cache's K/V rows are gathered by ``cp.async`` (``row_gather``): page slots that are not a
+    multiple of 16 rows. Under 16, one TMA per slot would be 8 or more TMAs of one thread per tile (128 at page 1);
+    slots of 20 or 28 rows (80- and 112-key tiles over pages of 20, 28, 60, ...) are not whole 8-row swizzle atoms,
+    so no TMA box matches the staged tile. Every key tile is a multiple of 16, so these are the pages of a size not
+    a multiple of 16."""
+    return page_size is not None and page_slot(page_size, bn) % 16 != 0
 
 
 def tiling(head_dim: int, kv_fp8: bool = False, v_dim: Optional[int] = None,
