@@ -25,7 +25,7 @@ configuration the host code passes, and the CTAs per SM these allow.
   skipped). A loop body may cover several tiles; ``instructions_per_s_block`` divides by
   the 64x64 blocks of S its MMAs compute (attention: QK^T and PV cost 4*64*64*D flops per block; HGMMA shapes are
   in the SASS opcode, tcgen05's are not, so SM100 gives the loop's count alone). The softmax loop (the innermost
-  loop with the most ``MUFU.EX2``) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
+  loop with the most exponentials, ties: the fewest instructions) is reported beside it: on SM100 the MMAs are issued by one warp and the softmax
   runs in other warps, so the two loops differ. Its exponentials are counted by pipe: ``MUFU.EX2`` and those emulated
   with FMAs (``ex2_emulated``); a causal kernel's masked twin of it (``masked_loop``) by its longest way, a
   warp with a row the mask cuts.
@@ -657,17 +657,23 @@ def load_loop(all_loops: list[Loop]) -> Optional[Loop]:
     return max(loading, key=lambda lp: (lp.copies_in, -lp.instructions)) if loading else None
 
 
+def exponentials(lp: Loop) -> int:
+    """Exponentials a loop computes, on either pipe."""
+    return lp.ex2 + lp.ex2_emulated
+
+
 def softmax_loop(all_loops: list[Loop]) -> Optional[Loop]:
     with_exp = _innermost([lp for lp in all_loops if lp.ex2])
-    return max(with_exp, key=lambda lp: (lp.ex2, -lp.instructions)) if with_exp else None
+    return max(with_exp, key=lambda lp: (exponentials(lp), -lp.instructions)) if with_exp else None
 
 
 def masked_loop(all_loops: list[Loop]) -> Optional[Loop]:
-    """The softmax loop's masked twin: of the other innermost loops with as many ``MUFU.EX2``, the longest (its
-    longest way: a warp with a row cut by the mask). None where the mask is applied outside a loop (FA4's decode)."""
+    """The softmax loop's masked twin: of the other innermost loops with as many exponentials (whichever pipe: a
+    masked tile may emulate fewer), the longest (its longest way: a warp with a row cut by the mask). None where the
+    mask is applied outside a loop (FA4's decode)."""
     steady = softmax_loop(all_loops)
     twins = [lp for lp in _innermost([lp for lp in all_loops if lp.ex2])
-             if lp is not steady and lp.ex2 == steady.ex2]
+             if lp is not steady and exponentials(lp) == exponentials(steady)]
     return max(twins, key=lambda lp: lp.instructions) if twins else None
 
 

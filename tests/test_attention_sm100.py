@@ -23,8 +23,8 @@ import artifacts
 
 from cute_kv import reference as ref
 from cute_kv.kernels.attention.config import FP8_HEAD_DIMS
-from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, EXP2_POLY, RESCALE_THRESHOLD, TMEM_COLUMNS,
-                                                    key_tile, q_tiles, supported, tiling)
+from cute_kv.kernels.attention.sm100_config import (BM, EXP2_POLY, RESCALE_THRESHOLD, TMEM_COLUMNS, exp2_emulation,
+                                                    exp2_pairs, key_tile, q_tiles, supported, tiling)
 from cute_kv.ops.paged_attention import plan
 from cute_kv.ops.kernel_args import score_args, window_arg
 from cute_kv.ops.paged_attention_sm100 import launch_shape_sm100, step_q_tiles
@@ -127,12 +127,14 @@ def test_sm100_tiling_fits_one_cta_per_sm(head_dim, page_size, kv_fp8):
 
 
 def test_sm100_q_tiles_where_registers_allow():
-    """Two Q tiles at D = 128 with up to 8 TMAs per K tile (pages of 32+ rows; 16+ at D = 64), groups of 2-128
-    dividing 128; one with soft-cap, a group of 1 or one not dividing 128 (``q_tiles``: measured spills)."""
-    assert q_tiles(128, page_size=32, group=4) == q_tiles(64, page_size=16, group=4) == 2
+    """Two Q tiles at D = 128 with up to 8 TMAs per K tile and 4 page slots (pages of 32+ rows, at D = 64 too),
+    groups of 2-128 dividing 128; one with soft-cap, a group of 1 or one not dividing 128 (``q_tiles``: measured
+    spills)."""
+    assert q_tiles(128, page_size=32, group=4) == q_tiles(64, page_size=32, group=4) == 2
+    assert q_tiles(64, page_size=16, group=4) == 1  # 8 page slots: the load warp's 48 registers spilled
     assert q_tiles(128, page_size=16, group=4) == q_tiles(128, page_size=32, softcap=True) == 1
     assert q_tiles(128, page_size=32, group=1) == q_tiles(128, page_size=32, group=6) == 1
-    # Pages that tile the key tile (gather4 keeps one) and, at D = 64, 16+ rows (pages of 8 are 16 TMAs); groups to 128.
+    # Pages that tile the key tile (gather4 keeps one) of 32+ rows; groups to 128.
     assert q_tiles(128, page_size=48, group=4) == q_tiles(64, page_size=8, group=4) == 1
     assert q_tiles(128, page_size=256, group=4) == q_tiles(128, page_size=32, group=128) == 2
     assert tiling(128, 32, softcap=True).q_tiles == 1 and tiling(128, 32, group=4).q_tiles == 2
@@ -223,18 +225,35 @@ def test_sm100_fma_exp2_bits():
 
 def emulated_columns(bn, emulate):
     """Key columns of a tile whose exp2 the kernel computes by ``exp2_fma``: in 32-score pieces other than the first
-    and last, the last two of every ``emulate`` pairs."""
+    and last, the pairs ``exp2_pairs(emulate)``."""
     cols = torch.zeros(bn, dtype=torch.bool)
     pieces = bn // 32
     for c in range(0, bn, 2):
-        if emulate and 0 < c // 32 < pieces - 1 and (c % 32) // 2 % emulate >= emulate - 2:
+        if 0 < c // 32 < pieces - 1 and (c % 32) // 2 in exp2_pairs(emulate):
             cols[c:c + 2] = True
     return cols
 
 
+def masked_tiles(m0, group, seq_len, cache_len, causal, window, bn, first_tile, n_tiles, softcap):
+    """Which of its split's key tiles the softmax warpgroup of packed rows ``m0 + [0, 128)`` takes through its masked
+    loops (``sm100.softmax``: the tiles before the first that every live row of the warpgroup sees whole, and from
+    the first a causal row cuts; all of them with the soft-cap)."""
+    if softcap:
+        return [True] * n_tiles
+    num_keys = cache_len + seq_len
+    tok_lo = m0 // group
+    tok_hi = min((min(m0 + BM, seq_len * group) - 1) // group, seq_len - 1)
+    whole_end = min(cache_len + tok_lo + 1, num_keys) if causal else num_keys
+    whole_begin = max(cache_len + tok_hi - window + 1, 0) if window > 0 else 0
+    first_whole = min(max(-(-whole_begin // bn) - first_tile, 0), n_tiles)
+    end_whole = min(max(whole_end // bn - first_tile, first_whole), n_tiles)
+    return [not first_whole <= j < end_whole for j in range(n_tiles)]
+
+
 def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, splits, group, causal, window,
-              score_scale, cap_log2, softcap, sinks, bn, rows, emulate):
-    """One CTA of ``rows`` packed rows: ``(rows, live, O/l [rows, D], lse (log2) [rows])``."""
+              score_scale, cap_log2, softcap, sinks, bn, rows, kv_fp8=False):
+    """One CTA of ``rows`` packed rows (``rows // BM`` Q tiles): ``(rows, live, O/l [rows, D], lse (log2) [rows])``.
+    Each Q tile's softmax emulates the exponentials ``exp2_emulation`` names, by its own masked tiles."""
     num_keys = cache_len + seq_len
     m0 = m_block * rows
     tok_first, tok_last, first_tile, n_tiles = cta_tiles(m0, rows, group, seq_len, cache_len, causal, window, bn,
@@ -252,7 +271,9 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
     row_max = torch.full((rows,), NEG_INF, dtype=torch.float64)
     row_sum = torch.zeros(rows, dtype=torch.float64)
     acc = torch.zeros(rows, q.shape[-1], dtype=torch.float64)
-    fma_cols = emulated_columns(bn, emulate)
+    tiles = rows // BM
+    masked = [masked_tiles(m0 + t * BM, group, seq_len, cache_len, causal, window, bn, first_tile, n_tiles, softcap)
+              for t in range(tiles)]
     for j, t in enumerate(range(first_tile, first_tile + n_tiles)):
         keys = torch.arange(t * bn, (t + 1) * bn)
         kt = torch.zeros(bn, q.shape[-1], dtype=torch.float64)
@@ -269,7 +290,10 @@ def model_cta(q, k, v, q_start, seq_len, cache_len, m_block, kv_head, split, spl
         ref_max = torch.where(new_max == NEG_INF, 0.0, new_max)
         corr = torch.exp2(row_max - ref_max)
         p = torch.exp2(x - ref_max[:, None])
-        p[:, fma_cols] = exp2_fma(x[:, fma_cols] - ref_max[:, None])
+        for t in range(tiles):
+            fma_cols = emulated_columns(bn, exp2_emulation(q.shape[-1], tiles, masked[t][j], kv_fp8))
+            rows_t = slice(t * BM, (t + 1) * BM)
+            p[rows_t, fma_cols] = exp2_fma(x[rows_t][:, fma_cols] - ref_max[rows_t, None])
         row_sum = row_sum * corr + p.sum(dim=1)
         if j > 0:
             acc = acc * corr[:, None]  # O rescaled in TMEM before the PV MMA adds this tile
@@ -296,7 +320,6 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
     bn = key_tile(d)
     tiles = step_q_tiles(c, hq, t, bool(softcap))
     block = tiles * BM
-    emulate = EXP2_EMULATION if d <= 128 and block == BM else 0
     score_scale, cap_log2 = score_args(d, scale, softcap)
     win = window_arg(window)
     m_blocks, splits = launch_shape_sm100(c, hq, slots, causal, window, num_tokens=t, tiles=tiles)
@@ -313,7 +336,7 @@ def model_attention(q, pb, layer, *, causal=True, window=None, scale=None, softc
                 for split in range(splits):
                     toks, heads, live, o, lse = model_cta(q, k, v, offsets[b], n, cache_len, m_block, kv_head, split,
                                                           splits, group, causal, win, score_scale, cap_log2,
-                                                          bool(softcap), sinks, bn, block, emulate)
+                                                          bool(softcap), sinks, bn, block, c.dtype == FP8)
                     rows = offsets[b] + toks[live]
                     o_part[split, rows, heads[live]] = o[live]
                     lse_part[split, rows, heads[live]] = lse[live]
@@ -442,12 +465,13 @@ COMPILE_CASES = [  # (dtype, Hq, H, D, page[, flags])
 
 @pytest.mark.compile
 def test_sm100_head_dim_80_moves_all_of_o():
-    """At D = 80 O leaves tensor memory in 16-column pieces, 5 a pass (the rescale's and the epilogue's: pieces of 32
-    would drop columns 64-79), and shared memory by 5 TMA stores of a 32-byte swizzle row (16 columns) each."""
+    """At D = 80 O leaves tensor memory in 16-column pieces, 5 a pass (the rescale's, in the correction's loop and its
+    peeled last key tile, and the epilogue's: pieces of 32 would drop columns 64-79), and shared memory by 5 TMA
+    stores of a 32-byte swizzle row (16 columns) each."""
     from cute_kv.kernels.attention.sm100 import PagedAttentionSm100
 
     ptx = artifacts.compiled(PagedAttentionSm100("bfloat16", 32, 8, 80, 16, 2, True), "sm_100a").ptx
-    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 2 * 5
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x16.b32") == 3 * 5
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.5d\.global\.shared::cta", ptx)) == 5
 
 
@@ -466,13 +490,14 @@ def test_sm100_ptx(case, tmp_path):
     assert len(re.findall(mma + r"\[%r\d+\],\s*%rd\d+,", ptx)) == bn // 16
     assert ptx.count("tcgen05.mma") == d // 16 + bn // 16
     # S read as BN/32 loads of 32 columns; P written back as BN/32 stores of 16 columns (two 16-bit values each), in
-    # each of the softmax's three loops (masked, whole, masked tiles); O rescaled and stored back (D/32 each), then
-    # read by the epilogue.
+    # each of the softmax's three loops (masked, whole, masked tiles); O rescaled and stored back (D/32 each: in the
+    # correction's loop and its peeled last key tile, per Q tile), then read by the epilogue.
     flags = case[5] if case[5:] else {}
     loops = 1 if flags.get("softcap") else 3  # (soft-cap: one loop, every tile through the mask code)
-    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == loops * bn // 32 + 2 * d // 32
+    rescales = 2 * kernel.q_tiles
+    assert ptx.count("tcgen05.ld.sync.aligned.32x32b.x32.b32") == loops * bn // 32 + (rescales + 1) * d // 32
     assert ptx.count("tcgen05.st.sync.aligned.32x32b.x16.b32") == loops * bn // 32
-    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == d // 32
+    assert ptx.count("tcgen05.st.sync.aligned.32x32b.x32.b32") == rescales * d // 32
     # P never goes through shared memory: the only shared stores are Q's staging, V rows zeroed past the keys (16-bit
     # rings), the dequantized tiles (fp8), gather4's row numbers, O's rows staged for the TMA store (D/8 each), and
     # the float32 row values the softmax hands the correction warpgroup (O's factor, in each of its three loops; the
@@ -493,8 +518,8 @@ def test_sm100_ptx(case, tmp_path):
     # TMEM handed between threads is fenced on both sides of the sync: before the allocation's barrier, the
     # softmax's hand-over of P (in each of its three loops) and the correction's of O, and the dealloc's barrier;
     # after those barriers, the S wait (three loops), the O waits (rescale, epilogue) and the MMA's wait for P and O.
-    assert ptx.count("tcgen05.fence::before_thread_sync") == 3 + loops
-    assert ptx.count("tcgen05.fence::after_thread_sync") == 5 + loops
+    assert ptx.count("tcgen05.fence::before_thread_sync") == 2 + rescales + loops
+    assert ptx.count("tcgen05.fence::after_thread_sync") == 4 + rescales + loops
     assert ptx.count("tcgen05.wait::ld") >= 1 and ptx.count("tcgen05.wait::st") >= 1
     # TMEM allocated once (512 columns), relinquished, freed once.
     assert len(re.findall(r"tcgen05\.alloc\.cta_group::1", ptx)) == 1
@@ -558,12 +583,15 @@ def test_sm100_ptx(case, tmp_path):
         assert len(re.findall(r"cp\.async\.bulk\.tensor\.[23]d\.shared::cta\.global\.tile\.", ptx)) == 2 * slots * boxes
         assert "gather4" not in ptx
     # Softmax (three loops): one ex2 per score, or the FMA exp2 (one rounded-down f32x2 add a pair) where emulated
-    # (one Q tile, D <= 128: two Q tiles leave the softmax no registers for it); tanh only with the soft-cap.
+    # (D <= 128: 16 of a tile's exponentials at two Q tiles, 24 at one, 4 in the masked loops and with fp8 caches); tanh
+    # only with the soft-cap.
     assert ptx.count("tanh.approx.f32") == (bn if flags.get("softcap") else 0)
-    emulated = int(emulated_columns(bn, kernel.exp2_emulation).sum())
-    assert emulated == (8 if d <= 128 and kernel.q_tiles == 1 else 0)
-    assert ptx.count("add.rm.f32x2") == loops * emulated // 2
-    assert ptx.count("ex2.approx.ftz.f32") >= loops * (bn - emulated)
+    whole, cut = (int(emulated_columns(bn, kernel.exp2_emulation[m]).sum()) for m in (False, True))
+    assert (whole, cut) == (0, 0) if d > 128 else (4, 4) if kernel.kv_fp8 else ({2: 16, 1: 24}[kernel.q_tiles], 4)
+    masked = loops if loops == 1 else 2
+    emulated = (loops - masked) * whole + masked * cut
+    assert ptx.count("add.rm.f32x2") == emulated // 2
+    assert ptx.count("ex2.approx.ftz.f32") >= loops * bn - emulated
     assert not re.search(r"wgmma|mma\.sync", ptx)
     ptx_file = tmp_path / "k.ptx"
     ptx_file.write_text(ptx)

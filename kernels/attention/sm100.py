@@ -9,17 +9,19 @@ other's. Warp roles:
 
 * a softmax warpgroup per Q tile (warps 0-3, 4-7): thread ``t`` owns packed row ``t % 128`` of its tile (TMEM lane
   ``t % 128``). Per key tile it reads its row of S from TMEM (``tcgen05.ld``), masks it (causal / window / past the
-  keys: only in the loops over the tiles the mask cuts for some row, the middle loop has no mask code), optionally
-  soft-caps it, takes the row max in base 2 with no cross-thread reduction and hands O's factor to the correction
-  warpgroup at once (a max that rose by at most ``RESCALE_THRESHOLD`` is not taken: the factor is exactly 1), then
-  per 32 scores: ``2^(scale s - max)`` (with one Q tile and D <= 128, 2 of the 16 pairs of each middle piece by a
-  polynomial on the FMA pipe, 1/16 of a 128-key row; the rest on the MUFU), the row sum, and P (16-bit) written
+  keys: only in the loops over the tiles the mask cuts for some row, branchless: a bit mask per 32 keys and a select
+  per score; the middle loop has no mask code), optionally soft-caps it, takes the row max in base 2 with no
+  cross-thread reduction and hands O's factor to the correction warpgroup at once (a max that rose by at most
+  ``RESCALE_THRESHOLD`` is not taken: the factor is exactly 1), then per 32 scores: ``2^(scale s - max)`` (at D <=
+  128 some pairs of each middle piece by a polynomial on the FMA pipe, ``sm100_config.EXP2_EMULATION``: 16 of a
+  128-key row at two Q tiles, 24 at one; the rest on the MUFU), the row sum, and P (16-bit) written
   back to TMEM over the upper half of its S tile (``tcgen05.st``; the PV MMA takes A from TMEM, so P never goes
   through shared memory). At the end it hands its row's max and sum over.
-* the correction warpgroup: per (key tile, Q tile) it rescales the row of O in TMEM by the softmax's factor once the
-  previous PV is done (a warp skips it when none of its rows moved), zeroes V rows past the request's keys, and
-  hands O to the MMA warp with the softmax's P; at the end it divides O by the row sum (adding the sink's term) and
-  writes the output (by TMA, see below), or a split's partial.
+* the correction warpgroup: per key tile, both Q tiles unrolled, it rescales the row of O in TMEM by the softmax's
+  factor once the previous PV is done (a warp skips it when none of its rows moved; the first key tile has nothing to
+  rescale and is peeled, as is the last, the only one that zeroes V rows past the request's keys), and hands O to the
+  MMA warp with the softmax's P; at the end it divides O by the row sum (adding the sink's term) and writes the
+  output (by TMA, see below), or a split's partial.
 * the MMA warp: per (key tile j, Q tile t) ``S = Q_t K_j^T`` as soon as K/V tile j lands, and ``O_t += P V`` two
   pairs later (``tcgen05.mma`` with A in TMEM): with two Q tiles ``PV(j-1, 0), QK(j, 0), PV(j-1, 1), QK(j, 1)``, so
   the tensor core works on one Q tile while the other's softmax runs; with one ``PV(j-2), QK(j)`` into two S slots,
@@ -40,11 +42,13 @@ while an MMA may still read it), S full per slot (MMA -> softmax; a slot is free
 because the PV MMA that reads its P is issued before it and the tensor core runs one thread's MMAs in issue order:
 S has full barriers only, no "empty" side. FA4 relies on the same; the PTX ISA promises that order only between
 MMAs of the same accumulator and shape, which PV and QK are not, so an ISA-strict schedule would wait for the PV's
-commit before the next QK into its slot), O's factor per slot (softmax -> correction, a float32 per row in shared
-memory; reused two pairs later, after the PV that waited for the correction's read), P and O ready per slot
-(softmax and correction -> MMA, 256 arrivals), PV done per Q tile (MMA commit -> correction: O stable for the next
-rescale and, after the last tile, for the epilogue), and the final row statistics per Q tile (softmax ->
-correction, one phase).
+commit before the next QK into its slot), P and O ready per slot (softmax and correction -> MMA, 256 arrivals), PV
+done per slot (MMA commit -> correction: O stable for the epilogue and, with one Q tile, for a rescale: with two,
+PV(j-1, t) is issued before QK(j, t), whose commit the softmax waited for before handing over the factor of (j, t),
+so O is stable by then, FA4's plan), and the final row statistics per Q tile (softmax -> correction, one phase).
+O's factor per slot goes from a softmax warp to the correction warp of the same rows by a named barrier of the two
+warps (``SCALE_BARRIER_ID``: an arrive releases the float32 per row it stored in shared memory, a sync acquires it;
+no phase to track; reused two pairs later, after the PV that waited for the correction's read).
 TMEM accesses handed from one thread to another by an mbarrier or a barrier are fenced on both sides
 (``tcgen05.fence::before_thread_sync`` before the arrival, ``::after_thread_sync`` after the wait), as the PTX memory
 model asks: TMEM allocation, S (QK commit -> softmax loads), P and O (softmax and correction stores -> PV MMA), O
@@ -94,10 +98,10 @@ from cute_kv.kernels.attention.operand import KVCacheMHAOperand
 from cute_kv.kernels.attention.softmax import to_16bit
 from cute_kv.kernels.attention.config import ring_swizzle
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, dequantize_row, exp2_scores, o_chunk, o_copies,
-                                                      rescale_o, row_add, row_normalizer, scale_scores, update_max,
-                                                      write_lse)
-from cute_kv.kernels.attention.sm100_config import (BM, EXP2_EMULATION, FP8, RESCALE_THRESHOLD, SLOTS, TMEM_COLUMNS,
-                                                      VEC, supported, tiling)
+                                                      rescale_o, row_add, row_normalizer, scale_scores,
+                                                      update_max, visible_bits, write_lse)
+from cute_kv.kernels.attention.sm100_config import (BM, FP8, RESCALE_THRESHOLD, SLOTS, TMEM_COLUMNS,
+                                                      VEC, exp2_emulation, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles
 from cute_kv.kernels.paged.ragged_rows import request_rows
 from cute_kv.kernels.quant import granule_scale, tensor_scale_views
@@ -119,13 +123,16 @@ def launch_registers(threads: int) -> int:
     return min(255, 65536 // threads) // 8 * 8
 
 
-REGS = {(2, False, False): {"softmax": 184, "correction": 80, "other": 64},
-        (1, False, False): {"softmax": 224, "correction": 96, "other": 184},
+REGS = {(2, False, False): {"softmax": 192, "correction": 80, "other": 48},
+        (1, False, False): {"softmax": 232, "correction": 88, "other": 184},
         (1, False, True): {"softmax": 240, "correction": 136, "other": 128},
         (1, True, False): {"softmax": 200, "correction": 80, "other": 120, "convert": 112},
         (1, True, True): {"softmax": 184, "correction": 96, "other": 120, "convert": 112}}
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
+# Named barriers 3-10: O's factors of an S slot handed from a softmax warp to the correction warp of the same 32 rows
+# (``scale_barrier``): a bar.arrive and a bar.sync of 64 threads, no phase to track (FA4's ``sm_stats_barrier``).
+SCALE_BARRIER_ID = 3
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st (32 scores): a piece's scores die once it is stored
 
@@ -201,7 +208,8 @@ class PagedAttentionSm100:
         self.correction_warp = 4 * self.q_tiles  # the first of its warpgroup
         self.mma_warp, self.load_warp = self.correction_warp + 4, self.correction_warp + 5
         self.threads = 32 * (max(CONVERT_WARPS) + 1 if self.kv_fp8 else self.correction_warp + 8)  # 512 or 384
-        self.exp2_emulation = EXP2_EMULATION if head_dim <= 128 and self.q_tiles == 1 else 0
+        self.exp2_emulation = {masked: exp2_emulation(head_dim, self.q_tiles, masked, self.kv_fp8)
+                               for masked in (False, True)}
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.page_size, self.kv_dim = page_size, kv_dim
@@ -301,6 +309,14 @@ class PagedAttentionSm100:
                     k_rows.shape[0], num_splits, causal, window, score_scale, cap_log2).launch(
             grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
+    def slot_use(self, j: Int32, tile) -> tuple:
+        """``(slot, parity)``: the S/P slot of the pair (key tile ``j`` of the split, Q tile ``tile``) and the parity of
+        its barriers' phase. Two Q tiles: slot ``tile``, a phase per key tile; one: the slots alternate, a phase per
+        two key tiles. Bit operations (``j >= 0``): signed ``%`` and ``//`` would add sign fix-ups to every loop."""
+        if self.q_tiles == 2:
+            return tile, j & 1
+        return j & 1, (j >> 1) & 1
+
     def p_col(self, buf: Int32) -> Int32:
         """First TMEM column of P in S buffer ``buf``: the buffer's upper half, read into registers before."""
         return buf * self.s_cols + self.s_cols - self.p_cols
@@ -338,9 +354,8 @@ class PagedAttentionSm100:
             smem = SmemAllocator()
             kv_bars = smem.allocate_array(cutlass.Int64, 2 * stages)
             s_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # S full: nothing releases S (see the module)
-            scale_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # O's factors of a slot's tile handed over
             p_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # P written and O rescaled: the PV MMA may run
-            o_bars = smem.allocate_array(cutlass.Int64, tiles)  # a Q tile's PV done: O stable
+            o_bars = smem.allocate_array(cutlass.Int64, SLOTS)  # a PV done, per P slot: O stable
             stats_bars = smem.allocate_array(cutlass.Int64, tiles)  # a Q tile's final max and sum handed over
             k_bars = smem.allocate_array(cutlass.Int64, 2)  # fp8: dequantized K and V tiles
             v_bars = smem.allocate_array(cutlass.Int64, 2)
@@ -389,9 +404,8 @@ class PagedAttentionSm100:
             # (S full, PV done), the softmax's arrivals (factors, P; final statistics), the correction's (O).
             mma_agent = (pipeline.PipelineOp.TCGen05Mma, pipeline.CooperativeGroup(thread))
             s_full = pipeline.MbarrierArray(barrier_storage=s_bars, num_stages=SLOTS, agent=mma_agent)
-            o_done = pipeline.MbarrierArray(barrier_storage=o_bars, num_stages=tiles, agent=mma_agent)
+            o_done = pipeline.MbarrierArray(barrier_storage=o_bars, num_stages=SLOTS, agent=mma_agent)
             rows_agent = (pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(thread, BM))
-            scale_full = pipeline.MbarrierArray(barrier_storage=scale_bars, num_stages=SLOTS, agent=rows_agent)
             stats_full = pipeline.MbarrierArray(barrier_storage=stats_bars, num_stages=tiles, agent=rows_agent)
             p_ready = pipeline.MbarrierArray(barrier_storage=p_bars, num_stages=SLOTS, agent=(
                 pipeline.PipelineOp.AsyncThread, pipeline.CooperativeGroup(thread, 2 * BM)))  # softmax + correction
@@ -445,13 +459,14 @@ class PagedAttentionSm100:
                 self.set_registers("correction")
                 row0, _, kv_head_, split_, _, num_keys, first_tile, n_tiles = self.keys(*keys)
                 t_o = self.tmem_tensors(tmem, thr_qk, thr_pv)[1]
-                self.correction(t_o, s_v, s_scale, scale_full, p_ready, o_done, first_tile, n_tiles, num_keys)
+                self.correction(t_o, s_v, s_scale, p_ready, o_done, first_tile, n_tiles, num_keys,
+                                SCALE_BARRIER_ID + warp_idx % 4)
                 for t in cutlass.range(tiles, unroll=1):  # one copy of the epilogue's code
                     stats_full.wait(t, 0)
                     row_max = s_stats[cute.arch.thread_idx()[0] % BM, 0, t]
                     row_sum = s_stats[cute.arch.thread_idx()[0] % BM, 1, t]
-                    if n_tiles > 0:
-                        o_done.wait(t, (n_tiles - 1) % 2)  # the last PV MMA of the tile is done: O is final
+                    if n_tiles > 0:  # the last PV MMA of the tile is done (its commit: every earlier one too)
+                        o_done.wait(*self.slot_use(n_tiles - 1, t))
                         tmem_fence_after_sync()
                     self.epilogue(self.o_tile(t_o, t), n_tiles > 0, row_max, row_sum, sinks, out, o_part, lse_part,
                                   lse, tma_o, g_out, s_q[None, None, t], q_start, seq_len, row0 + t * BM, kv_head_,
@@ -460,7 +475,8 @@ class PagedAttentionSm100:
                 self.set_registers("softmax")
                 row0, _, _, _, cache_len, num_keys, first_tile, n_tiles = self.keys(*keys)
                 t_s = self.tmem_tensors(tmem, thr_qk, thr_pv)[0]
-                self.softmax(warp_idx // 4, t_s, s_scale, s_stats, s_full, scale_full, p_ready, stats_full,
+                self.softmax(warp_idx // 4, SCALE_BARRIER_ID + warp_idx % 4, t_s, s_scale, s_stats, s_full, p_ready,
+                             stats_full,
                              first_tile, n_tiles, row0 + warp_idx // 4 * BM, seq_len, cache_len, num_keys, causal,
                              window, score_scale, cap_log2)
             tmem_fence_before_sync()  # every thread's TMEM accesses (waited on) before the barrier...
@@ -589,14 +605,14 @@ class PagedAttentionSm100:
         v_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         for j in cutlass.range(n_tiles + lag, unroll=1):
             for t in cutlass.range(tiles, unroll=1):  # a loop, not unrolled: one set of live descriptors
-                if j >= lag:  # PV of (j - lag, t): P in slot t + (j - lag) % lag, its barrier's use (j - lag) // lag
+                if j >= lag:  # PV of (j - lag, t)
                     jp = j - lag
-                    slot = t + jp % lag
+                    slot, parity = self.slot_use(jp, t)
                     v_stage = kv_done.index
                     if cutlass.const_expr(self.kv_fp8):  # (one Q tile)
                         v_stage = Int32(0)
                         v_pipe.consumer_wait(v_read)
-                    p_ready.wait(slot, jp // lag % 2)  # P of the pair written, O rescaled
+                    p_ready.wait(slot, parity)  # P of the pair written, O rescaled
                     tmem_fence_after_sync()  # ... by the softmax's and correction's tcgen05.st, before the MMA
                     t_rp_j = cute.make_tensor(t_rp.iterator + self.p_col(slot) * (32 // self.dtype.width),
                                               t_rp.layout)  # (the A fragment counts 16-bit elements)
@@ -605,7 +621,7 @@ class PagedAttentionSm100:
                     for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
                         cute.gemm(tiled_mma_pv, acc_o, t_rp_j[None, None, kb], t_rv[None, None, kb, v_stage], acc_o)
                         tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-                    o_done.arrive(t, None, tcgen05.CtaGroup.ONE)  # on completion: O stable (rescale, epilogue)
+                    o_done.arrive(slot, None, tcgen05.CtaGroup.ONE)  # on completion: O stable (rescale, epilogue)
                     if t == tiles - 1:  # the key tile's last PV: its V (and K) free
                         if cutlass.const_expr(self.kv_fp8):
                             v_pipe.consumer_release(v_read)
@@ -613,7 +629,7 @@ class PagedAttentionSm100:
                         else:
                             kv_pipe.consumer_release(kv_done)
                         kv_done.advance()
-                if j < n_tiles:  # QK of (j, t) into slot t + j % lag
+                if j < n_tiles:  # QK of (j, t)
                     k_stage = kv_read.index
                     if cutlass.const_expr(self.kv_fp8):  # (one Q tile)
                         k_stage = Int32(0)
@@ -623,7 +639,7 @@ class PagedAttentionSm100:
                     # The slot last held P of the pair two before, read by the PV MMA issued before this one: the
                     # MMAs run in issue order (beyond the ISA's same-accumulator pairs: see the module), so S has
                     # no empty barrier (the softmax read that S before handing its P over).
-                    slot = t + j % lag
+                    slot = self.slot_use(j, t)[0]
                     acc_s = t_s[None, None, None, slot]
                     for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
                         tiled_mma_qk.set(tcgen05.Field.ACCUMULATE, kb != 0)
@@ -636,14 +652,15 @@ class PagedAttentionSm100:
                         kv_read.advance()
 
     @cute.jit
-    def softmax(self, tile: Int32, t_s: cute.Tensor, s_scale: cute.Tensor, s_stats: cute.Tensor,
-                s_full: pipeline.MbarrierArray, scale_full: pipeline.MbarrierArray, p_ready: pipeline.MbarrierArray,
+    def softmax(self, tile: Int32, scale_bar: Int32, t_s: cute.Tensor, s_scale: cute.Tensor, s_stats: cute.Tensor,
+                s_full: pipeline.MbarrierArray, p_ready: pipeline.MbarrierArray,
                 stats_full: pipeline.MbarrierArray, first_tile: Int32, n_tiles: Int32, m0: Int32, seq_len: Int32,
                 cache_len: Int32, num_keys: Int32, causal: Int32, window: Int32, score_scale: Float32,
                 cap_log2: Float32):
         """Softmax warpgroup of Q tile ``tile`` (packed rows from ``m0``): row ``tidx % 128`` of each of its S tiles
-        -> P, in place in TMEM; O's factor of the tile to the correction warpgroup (``s_scale``) as soon as the row
-        max is known; the final ``(row_max, row_sum)`` (base 2) to ``s_stats``."""
+        -> P, in place in TMEM; O's factor of the tile to the correction warpgroup (``s_scale``, then named barrier
+        ``scale_bar + 4 * slot``: ``SCALE_BARRIER_ID``) as soon as the row max is known; the final ``(row_max,
+        row_sum)`` (base 2) to ``s_stats``."""
         bn = self.bn
         row = cute.arch.thread_idx()[0] % BM
         tok = (m0 + row) // self.group
@@ -692,7 +709,7 @@ class PagedAttentionSm100:
         row_max = NEG_INF
         row_sum = Float32(0.0)
         copies = (load_s, t_s_src, scores, cols, flat, store_p, packed, probs, t_p_dst)
-        bars = (s_scale, s_full, scale_full, p_ready)
+        bars = (s_scale, s_full, p_ready, scale_bar)
         if cutlass.const_expr(self.softcap):  # one loop: tanh's registers leave none for three copies (ptxas)
             for j in cutlass.range(n_tiles, unroll=1):
                 row_max, row_sum = self.softmax_tile(True, j, row_max, row_sum, tile, first_tile, row_begin,
@@ -718,13 +735,13 @@ class PagedAttentionSm100:
         """One S tile (``j`` of the split) of the softmax warpgroup's row: returns the running ``(row_max, row_sum)``.
         ``mask``: the row's ``[row_begin, row_end)`` cuts the tile for some row (else no mask code)."""
         load_s, t_s_src, scores, cols, flat, store_p, packed, probs, t_p_dst = copies
-        s_scale, s_full, scale_full, p_ready = bars
-        bn, lag = self.bn, SLOTS // self.q_tiles
+        s_scale, s_full, p_ready, scale_bar = bars
+        bn = self.bn
         row = cute.arch.thread_idx()[0] % BM
         piece = 2 * P_STORE_COLUMNS
         tile_base = (first_tile + j) * bn
-        slot = tile + j % lag
-        s_full.wait(slot, j // lag % 2)
+        slot, parity = self.slot_use(j, tile)
+        s_full.wait(slot, parity)
         tmem_fence_after_sync()  # the QK MMA's write of S (its tcgen05.commit arrival) before reading S
         cute.copy(load_s, cute.make_tensor(t_s_src.iterator + slot * self.s_cols, t_s_src.layout), scores)
         cute.arch.fence_view_async_tmem_load()  # S is in registers before P overwrites half of it
@@ -733,21 +750,17 @@ class PagedAttentionSm100:
         if cutlass.const_expr(self.softcap):
             scale_scores(scores, score_scale, True, cap_log2)
             exp_scale = Float32(1.0)
-        if cutlass.const_expr(mask):
-            masked = Int32(0)  # the row's window cuts this tile (its other rows' may, this one's not)
-            if tile_base < row_begin:
-                masked = Int32(1)
-            if tile_base + bn > row_end:
-                masked = Int32(1)
-            if masked != 0:
-                lo = row_begin - tile_base  # visible columns of the tile: [lo, hi)
-                hi = row_end - tile_base
-                for c in cutlass.range(cute.size(scores), unroll_full=True):
-                    if (cols[c][1] < lo) | (cols[c][1] >= hi):  # a constant column against the row's bounds
-                        scores[c] = NEG_INF
+        if cutlass.const_expr(mask):  # branchless: a bit per key of the row's visible columns [lo, hi)
+            keep = [visible_bits(row_begin - tile_base - 32 * k, 32 * (k + 1) - (row_end - tile_base))
+                    for k in range(bn // 32)]
+            for k in cutlass.range_constexpr(bn // 32):  # (unrolled in Python: a constant bit a score makes R2P)
+                for i in cutlass.range_constexpr(32):
+                    key = cols[32 * k + i][1]  # a constant column
+                    bit = keep[key // 32] & (Uint32(1) << (key % 32))
+                    scores[32 * k + i] = scores[32 * k + i] if cutlass.Boolean(bit) else NEG_INF
         new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD, exp_scale)
         s_scale[row, slot] = corr  # the correction warpgroup rescales O meanwhile
-        scale_full.arrive(slot, None)
+        cute.arch.barrier_arrive(barrier_id=scale_bar + 4 * slot, number_of_threads=64)
         # Piece by piece: 2^(s - ref) (FMA-emulated in part of the middle pieces, whose MUFU latency the others
         # fill), the row sum, P rounded and stored: a piece's float32 scores die once its P is in TMEM. The
         # slot's P columns are free (the PV of the pair two before precedes this QK): no wait.
@@ -755,7 +768,7 @@ class PagedAttentionSm100:
         pieces = bn // piece
         for i in cutlass.range_constexpr(pieces):
             vals = cute.local_tile(flat, (piece,), (i,))
-            exp2_scores(vals, ref, self.exp2_emulation if 0 < i < pieces - 1 else 0, exp_scale)
+            exp2_scores(vals, ref, self.exp2_emulation[mask] if 0 < i < pieces - 1 else 0, exp_scale)
             row_sum = row_add(vals, row_sum)
             to_16bit(vals, probs)  # one cvt per pair
             cute.copy(store_p, packed, cute.make_tensor(
@@ -768,36 +781,58 @@ class PagedAttentionSm100:
 
     @cute.jit
     def correction(self, t_o: cute.Tensor, s_v: cute.Tensor, s_scale: cute.Tensor,
-                   scale_full: pipeline.MbarrierArray, p_ready: pipeline.MbarrierArray,
-                   o_done: pipeline.MbarrierArray, first_tile: Int32, n_tiles: Int32, num_keys: Int32):
+                   p_ready: pipeline.MbarrierArray,
+                   o_done: pipeline.MbarrierArray, first_tile: Int32, n_tiles: Int32, num_keys: Int32,
+                   scale_bar: Int32):
         """Correction warpgroup: per (key tile, Q tile) pair, O's row ``tidx % 128`` *= the softmax's factor once
         the previous PV is done, skipped by a warp none of whose rows moved (the factor is exactly 1: the softmax's
         threshold makes that the common case); with a 16-bit ring it also zeroes the key tile's V rows past the
         request's keys before the first PV reads them. Then hands the pair to the MMA (``p_ready``, with the
         softmax's P)."""
-        lag = SLOTS // self.q_tiles
+        # The first key tile has nothing to rescale (O is not written yet) and only the last can hold V rows past
+        # the keys: both are peeled, so the loop between checks neither (one copy of the zero fill: the last).
+        args = (t_o, s_v, s_scale, p_ready, o_done, first_tile, num_keys, scale_bar)
+        if n_tiles > 1:
+            self.correction_tile(Int32(0), False, False, *args)
+        for j in cutlass.range(1, n_tiles - 1, unroll=1):
+            self.correction_tile(j, True, False, *args)
+        if n_tiles > 0:
+            self.correction_tile(n_tiles - 1, n_tiles > 1, True, *args)
+
+    @cute.jit
+    def correction_tile(self, j: Int32, rescale, last: cutlass.Constexpr[bool], t_o: cute.Tensor, s_v: cute.Tensor,
+                        s_scale: cute.Tensor, p_ready: pipeline.MbarrierArray,
+                        o_done: pipeline.MbarrierArray, first_tile: Int32, num_keys: Int32, scale_bar: Int32):
+        """Key tile ``j`` of the correction warpgroup's split, both Q tiles: ``rescale`` (a bool, or a traced one)
+        false for the first (O not written yet), ``last`` for the last, which may hold V rows past the keys."""
         row = cute.arch.thread_idx()[0] % BM
-        for j in cutlass.range(n_tiles, unroll=1):
-            tile_base = (first_tile + j) * self.bn
-            for t in cutlass.range(self.q_tiles, unroll=1):  # one copy of the rescale's code
-                slot = t + j % lag
-                scale_full.wait(slot, j // lag % 2)
+        for t in cutlass.range_constexpr(self.q_tiles):
+            slot = self.slot_use(j, t)[0]
+            cute.arch.barrier(barrier_id=scale_bar + 4 * slot, number_of_threads=64)
+            if cutlass.const_expr(t == 0 and not self.kv_fp8 and last):
+                # (fp8: the converter writes those rows as zeros.) The stage's TMA has landed: the S of the same
+                # tile, which the softmax read, came from it.
+                tile_base = (first_tile + j) * self.bn
+                if tile_base + self.bn > num_keys:
+                    self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
+                    # The zeroed rows are generic-proxy stores the MMA reads through the async proxy
+                    # (fence.proxy.async, PTX ISA 9.7.13.4). Rows the TMA wrote need no fence: the MMA reads
+                    # them through the same proxy, after the stage's full barrier.
+                    cute.arch.fence_view_async_shared()
+            if cutlass.const_expr(rescale is not False):
                 corr = s_scale[row, slot]
-                if cutlass.const_expr(not self.kv_fp8):  # (the converter writes those rows as zeros)
-                    # The stage's TMA has landed: the S of the same tile, which the softmax read, came from it.
-                    if t == 0:
-                        if tile_base + self.bn > num_keys:
-                            self.zero_stale_rows(s_v, j % self.stages, num_keys - tile_base)
-                        cute.arch.fence_view_async_shared()  # the zeroed V rows before the MMA reads them
-                if j > 0:
-                    o_done.wait(t, (j - 1) % 2)  # the previous PV of this Q tile is done: O stable
+                # The TMEM copies are warp-wide: a warp skips the rescale when none of its rows moved.
+                if cute.arch.vote_any_sync(corr != 1.0) & rescale:
+                    if cutlass.const_expr(self.q_tiles == 1):
+                        # PV(j-1) follows QK(j) (``mma``): wait for it. With two Q tiles it precedes QK(j, t),
+                        # whose commit (all of the MMA warp's earlier MMAs: PTX ISA 9.7.16.12.1) the softmax
+                        # waited for before handing this factor over, so O is already stable (FA4's plan).
+                        o_done.wait(*self.slot_use(j - 1, 0))
                     tmem_fence_after_sync()
-                    # The TMEM copies are warp-wide: a warp skips the rescale only when none of its rows moved.
-                    if cute.arch.vote_any_sync(corr != 1.0):
-                        rescale_o(self.o_tile(t_o, t), corr, self.v_dim)
+                    rescale_o(self.o_tile(t_o, t), corr, self.v_dim)
                     cute.arch.fence_view_async_tmem_store()
-                tmem_fence_before_sync()
-                p_ready.arrive(slot, None)
+                    tmem_fence_before_sync()  # the TMEM stores before the hand-off (none when skipped)
+            p_ready.arrive(slot, None)
 
     @cute.jit
     def convert(self, kv_pipe: pipeline.PipelineTmaAsync, k_pipe: pipeline.PipelineAsyncUmma,

@@ -10,13 +10,13 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kv.kernels.attention.config import BM, VEC
-from cute_kv.kernels.attention.sm100_config import EXP2_POLY
+from cute_kv.kernels.attention.sm100_config import EXP2_POLY, exp2_pairs
 
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
@@ -129,20 +129,35 @@ def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constex
 @cute.jit
 def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[int], scale):
     """``p = 2^(scale * s - ref)`` over the row in place (``scale`` None: ``2^(s - ref)``), one f32x2 FMA (or
-    subtraction) for two scores. With ``emulate`` n > 0, the last two of every ``n`` pairs (n = 10 over a 32-score
-    piece: pairs 8 and 9 of its 16) go to ``exp2_fma`` on the FMA pipe instead of the MUFU (4 results a cycle per
-    SM sub-partition, against 64 FMA lanes' worth; FA4's ``ex2_emu_freq``)."""
+    subtraction) for two scores. With ``emulate`` n > 0, n of the row's pairs (``sm100_config.exp2_pairs``) go to
+    ``exp2_fma`` on the FMA pipe instead of the MUFU (16 results a clock per SM, against 128 FMA lanes; FA4's
+    ``ex2_emu_freq``)."""
+    emulated = exp2_pairs(emulate)
     for c in cutlass.range_constexpr(0, cute.size(scores), 2):
         if cutlass.const_expr(scale is None):
             scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
         else:
             scores[c], scores[c + 1] = cute.arch.fma_packed_f32x2((scores[c], scores[c + 1]), (scale, scale),
                                                                   (-ref, -ref))
-        if cutlass.const_expr(emulate > 0 and c // 2 % emulate >= emulate - 2):
+        if cutlass.const_expr(c // 2 in emulated):
             scores[c], scores[c + 1] = exp2_fma(scores[c], scores[c + 1])
         else:
             scores[c] = cute.math.exp2(scores[c], fastmath=True)
             scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
+
+
+@dsl_user_op
+def visible_bits(first: Int32, past_end: Int32, *, loc=None, ip=None) -> Uint32:
+    """The 32-bit mask of a 32-key chunk's visible keys: bit i set for ``first <= i`` and ``i < 32 - past_end``
+    (``first``: the row's first visible key less the chunk's, ``past_end``: the chunk's end less the row's end).
+    Negative amounts shift by 0; amounts of 32 or more give 0 (PTX clamps ``shl`` / ``shr`` amounts to the width,
+    ISA 9.7.8.7-8), so any bounds give the right mask with no branch; a select per score then applies it (R2P
+    and FSEL in SASS: FA4's ``mask_r2p``)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Int32(first).ir_value(loc=loc, ip=ip), Int32(past_end).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 ones, lo, hi;\nmov.b32 ones, -1;\nmax.s32 lo, $1, 0;\nmax.s32 hi, $2, 0;\n"
+        "shl.b32 lo, ones, lo;\nshr.b32 hi, ones, hi;\nand.b32 $0, lo, hi;\n}", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 ROUND_SHIFT = float(2**23 + 2**22)  # x + this, rounded down, holds floor(x) in its low mantissa bits

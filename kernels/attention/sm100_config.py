@@ -31,15 +31,35 @@ SMEM_PER_CTA = 227 * 1024
 MAX_STAGES = 4
 RESERVED_BYTES = 64  # the TMEM address slot and what else the DSL reserves ahead of the kernel's buffers
 SLOTS = 2  # S / P tiles in TMEM
-# Barriers besides the K/V ring's full/empty pairs: S full, O's correction factors handed over and P / O ready per S
-# slot; PV done and the final row statistics per Q tile; fp8's dequantized K and V tiles (full, empty each).
-BARRIERS = 3 * SLOTS + 2 * 2 + 4
+# mbarriers besides the K/V ring's full/empty pairs: S full, P / O ready and PV done per S slot; the final row
+# statistics per Q tile; fp8's dequantized K and V tiles (full, empty each). (O's correction factors go by named
+# barriers.)
+BARRIERS = 3 * SLOTS + 2 + 4
 RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
-# The last 2 of every 10 pairs of a middle 32-score piece by exp2 on the FMA pipe (one Q tile, D <= 128): of its 16
-# pairs that is pairs 8 and 9, 1/8 of the middle pieces' exponentials, 1/16 of a 128-key row's.
-EXP2_EMULATION = 10
+# Exponentials of a middle 32-score piece (neither a row's first nor its last; ``exp2_pairs``) taken by exp2 on the
+# FMA pipe, in pairs of the piece's 16, by Q tiles a CTA holds: 4 at two Q tiles (16 of a 128-key row's 128), 6 at one
+# (24), FA4's shares (its ``ex2_emu_freq`` 16 and 10), so the MUFU issues no more than FA4's per key tile. Masked tiles
+# (a row block's causal diagonal or window edge, the keys' end; every tile with the soft-cap) and fp8 caches (whose
+# converter warpgroup leaves the softmax 200 or 184 registers) take ``EXP2_EMULATION_TIGHT``: ptxas spilled the
+# softmax with more (the mask's bits and selects at two Q tiles, for sm_103a from 2 pairs; fp8 from 2).
+EXP2_EMULATION = {2: 4, 1: 6}
+EXP2_EMULATION_TIGHT = 1
 # 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
 EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625, 0.077119089663028717041015625)
+
+
+def exp2_emulation(head_dim: int, q_tiles: int, masked: bool, kv_fp8: bool = False) -> int:
+    """Pairs of each middle piece emulated (``EXP2_EMULATION``), at head dims up to 128 (beyond, the softmax's
+    registers hold a row of S and O's wider pieces and nothing is emulated)."""
+    if head_dim > 128:
+        return 0
+    return EXP2_EMULATION_TIGHT if masked or kv_fp8 else EXP2_EMULATION[q_tiles]
+
+
+def exp2_pairs(emulate: int) -> tuple:
+    """Which pairs of a piece's scores are emulated: its first ``emulate`` (ptxas measured: at two Q tiles, pairs
+    spread over the piece or at its end kept more MUFU results live and spilled the softmax)."""
+    return tuple(range(emulate))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +114,9 @@ def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, pa
             softcap: bool = False, group: Optional[int] = None, rows: Optional[int] = None) -> int:
     """Q tiles a CTA takes (see the module): two where their O accumulators fit tensor memory beside the two S tiles
     and two K/V stages fit shared memory beside them, with a 16-bit cache; else one. Two Q tiles leave 512
-    registers per thread-slot across the four warpgroups (the softmax's 184 twice, ``sm100.REGS``), and ptxas
-    measured spills there with soft-cap's tanh (softmax), gather4 or over 8 TMAs per K tile (load warp), and O by
-    the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile. ``rows``, a step's most
+    registers per thread-slot across the four warpgroups (the softmax's 192 twice, ``sm100.REGS``), and ptxas
+    measured spills there with soft-cap's tanh (softmax), gather4, over 4 page slots or 8 TMAs per K tile (load
+    warp), and O by the threads' stores or a group of 1 (correction warpgroup): those keep one Q tile. ``rows``, a step's most
     packed rows per (request, KV head), keeps one Q tile where they fit it (a decode step: ``group <= 128`` rows),
     so no CTA runs a second tile of padding (FA4: ``q_stage = 2 if seqlen_q_packgqa > tile_m else 1``) and D = 128
     keeps its third K/V stage; None: any step."""
@@ -105,9 +125,11 @@ def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, pa
     # Registers were measured for two Q tiles at D = 64 and 128 only (80 and 96: other swizzles and O pieces).
     if kv_fp8 or softcap or head_dim not in (64, 128) or v_dim != head_dim or (rows is not None and rows <= BM):
         return 1
-    # The load warp's TMAs per K tile: page slots x swizzle-row boxes of a row (``ring_swizzle``).
+    # The load warp's TMAs per K tile: page slots x swizzle-row boxes of a row (``ring_swizzle``). Its 48 registers
+    # hold up to 4 page slots' rows and TMA addresses (ptxas spilled it at 8: D = 64 in pages of 16).
     boxes = head_dim * 2 // ring_swizzle(head_dim, False)
-    if page_size is not None and (uses_gather4(page_size, bn) or max(bn // page_size, 1) * boxes > 8):
+    slots = max(bn // page_size, 1) if page_size is not None else 1
+    if page_size is not None and (uses_gather4(page_size, bn) or slots * boxes > 8 or slots > 4):
         return 1
     if group is not None and (group == 1 or BM % group):
         return 1
