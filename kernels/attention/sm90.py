@@ -91,6 +91,14 @@ def _opaque_b64(x: Int64, *, loc=None, ip=None) -> Int64:
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def _mul_wide_u32(x: Int32, c: int, *, loc=None, ip=None) -> Int64:
+    """``x * c`` in 64 bits, ``x`` unsigned: one ``mul.wide.u32`` (LLVM writes a widened index product as
+    ``mul.wide.s32``, or folds a zero-extension into it)."""
+    return Int64(llvm.inline_asm(T.i64(), [Int32(x).ir_value(loc=loc, ip=ip)], f"mul.wide.u32 $0, $1, {c};", "=l,r",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def pinned_descriptors(frag: cute.Tensor) -> cute.Tensor:
     """A wgmma operand's shared-memory descriptor fragment, its 64-bit descriptor built once here (outside the key
     loops) and then opaque: each wgmma's descriptor is that base plus the k block's (and stage's) offset. Left to
@@ -98,6 +106,18 @@ def pinned_descriptors(frag: cute.Tensor) -> cute.Tensor:
     the loop, and each k block re-pairs a low-word add with a high-word move: ~2x the uniform instructions."""
     desc = _opaque_b64(tcgen05.smem_descriptor_to_int(frag.iterator))
     return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), frag.layout)
+
+
+def descriptors_at(frag: cute.Tensor, index: Int32) -> cute.Tensor:
+    """``frag`` at ``index`` of its last mode (a ring's stage, a warpgroup's Q tile), the index's offset added to the
+    whole 64-bit descriptor (``mul.wide.u32`` and a 64-bit add), so each k block's is two uniform instructions from
+    it. Indexed as a tensor, the offset goes into the low word only and ptxas re-sets the constant high word at every
+    wgmma: a third instruction for each Q descriptor rebuilt in the loop, and at head dim 256 vector adds moved to
+    uniform registers (``R2UR``) besides."""
+    last = cute.rank(frag) - 1
+    mode = cute.coalesce(cute.make_layout(frag.shape[last], stride=frag.stride[last]))  # stages:stride
+    desc = tcgen05.smem_descriptor_to_int(frag.iterator) + _mul_wide_u32(index, mode.stride)
+    return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), cute.select(frag.layout, list(range(last))))
 
 
 class Barrier(enum.IntEnum):
@@ -553,9 +573,11 @@ class PagedAttention:
         thr_pv = tiled_mma_pv.get_slice(tidx)
         # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: ptxas then keeps every
         # k block's Q descriptor in uniform registers across the loop (9 fewer instructions a tile at head dim 128
-        # than the warpgroup's own tile). At head dim 256 the warpgroup's own tile: with 16 k blocks the other
-        # spills the page-16 and fp8 producers.
-        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q if cutlass.const_expr(d <= 128) else s_q_wg))
+        # than the warpgroup's own tile). Past 128 the warpgroup's own tile, picked once here: at 256, with 16 k
+        # blocks, both tiles spill the page-16 and fp8 producers.
+        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
+        if cutlass.const_expr(d > 128):
+            t_rq = descriptors_at(t_rq, wg)
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
@@ -676,9 +698,14 @@ class PagedAttention:
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, False)
+        if cutlass.const_expr(cute.rank(t_rq) == 3):  # this warpgroup's Q tile: K's stage from a 64-bit base
+            t_rk = descriptors_at(t_rk, stage)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
-            q_kb = t_rq[None, None, kb, wg] if cutlass.const_expr(cute.rank(t_rq) == 4) else t_rq[None, None, kb]
-            cute.gemm(atom, acc, q_kb, t_rk[None, None, kb, stage], acc)
+            if cutlass.const_expr(cute.rank(t_rq) == 4):  # both Q tiles, each wgmma's Q and K indexed together (1
+                # or 2 fewer instructions a tile at head dim <= 128 than ``descriptors_at``)
+                cute.gemm(atom, acc, t_rq[None, None, kb, wg], t_rk[None, None, kb, stage], acc)
+            else:
+                cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
