@@ -587,7 +587,7 @@ def test_sm100_ptx(case, tmp_path):
     # only with the soft-cap.
     assert ptx.count("tanh.approx.f32") == (bn if flags.get("softcap") else 0)
     whole, cut = (int(emulated_columns(bn, kernel.exp2_emulation[m]).sum()) for m in (False, True))
-    assert (whole, cut) == (0, 0) if d > 128 else (4, 4) if kernel.kv_fp8 else ({2: 16, 1: 24}[kernel.q_tiles], 4)
+    assert (whole, cut) == ((0, 0) if d > 128 else (4, 4) if kernel.kv_fp8 else ({2: 16, 1: 24}[kernel.q_tiles], 4))
     masked = loops if loops == 1 else 2
     emulated = (loops - masked) * whole + masked * cut
     assert ptx.count("add.rm.f32x2") == emulated // 2

@@ -43,9 +43,10 @@ because the PV MMA that reads its P is issued before it and the tensor core runs
 S has full barriers only, no "empty" side. FA4 relies on the same; the PTX ISA promises that order only between
 MMAs of the same accumulator and shape, which PV and QK are not, so an ISA-strict schedule would wait for the PV's
 commit before the next QK into its slot), P and O ready per slot (softmax and correction -> MMA, 256 arrivals), PV
-done per slot (MMA commit -> correction: O stable for the epilogue and, with one Q tile, for a rescale: with two,
-PV(j-1, t) is issued before QK(j, t), whose commit the softmax waited for before handing over the factor of (j, t),
-so O is stable by then, FA4's plan), and the final row statistics per Q tile (softmax -> correction, one phase).
+done per slot (MMA commit -> correction: O stable for a rescale with one Q tile, each PV; with two only the last PV
+commits, for the epilogue: PV(j-1, t) is issued before QK(j, t), whose commit the softmax waited for before handing
+over the factor of (j, t), so O is stable by then, FA4's plan), and the final row statistics per Q tile (softmax ->
+correction, one phase).
 O's factor per slot goes from a softmax warp to the correction warp of the same rows by a named barrier of the two
 warps (``SCALE_BARRIER_ID``: an arrive releases the float32 per row it stored in shared memory, a sync acquires it;
 no phase to track; reused two pairs later, after the PV that waited for the correction's read).
@@ -116,8 +117,7 @@ CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 # of that launch count, so a warpgroup's targets may sum to (warpgroups x launch count) at most (more leaves the
 # softmax's inc waiting forever). The softmax holds a row of S (BN floats) and a piece of P; the correction a
 # 32-column piece of O; the MMA / load warps little, but 80 TMAs a key tile (D = 80: five 32-byte boxes a row, pages of
-# 16) spilled the load warp under 184. The splits ptxas measured without spills; at two Q tiles the
-# softmax has no registers left for the FMA exp2's constants (``exp2_emulation`` 0 there).
+# 16) spilled the load warp under 184. The splits ptxas measured without spills (two Q tiles: FA4's 192 / 80 / 48).
 def launch_registers(threads: int) -> int:
     """Registers a thread launches with in a CTA of ``threads`` (one CTA per SM): ptxas's 128 at 512, 168 at 384."""
     return min(255, 65536 // threads) // 8 * 8
@@ -466,7 +466,10 @@ class PagedAttentionSm100:
                     row_max = s_stats[cute.arch.thread_idx()[0] % BM, 0, t]
                     row_sum = s_stats[cute.arch.thread_idx()[0] % BM, 1, t]
                     if n_tiles > 0:  # the last PV MMA of the tile is done (its commit: every earlier one too)
-                        o_done.wait(*self.slot_use(n_tiles - 1, t))
+                        if cutlass.const_expr(tiles == 2):
+                            o_done.wait(t, 0)  # (its only commit: ``mma``)
+                        else:
+                            o_done.wait(*self.slot_use(n_tiles - 1, t))
                         tmem_fence_after_sync()
                     self.epilogue(self.o_tile(t_o, t), n_tiles > 0, row_max, row_sum, sinks, out, o_part, lse_part,
                                   lse, tma_o, g_out, s_q[None, None, t], q_start, seq_len, row0 + t * BM, kv_head_,
@@ -621,7 +624,12 @@ class PagedAttentionSm100:
                     for kb in cutlass.range_constexpr(cute.size(t_rp, mode=[2])):
                         cute.gemm(tiled_mma_pv, acc_o, t_rp_j[None, None, kb], t_rv[None, None, kb, v_stage], acc_o)
                         tiled_mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-                    o_done.arrive(slot, None, tcgen05.CtaGroup.ONE)  # on completion: O stable (rescale, epilogue)
+                    # On completion: O stable for the epilogue and, with one Q tile, a rescale; with two nothing
+                    # waits for the others (``correction``), so only the last PV commits, one phase (FA4's).
+                    if cutlass.const_expr(tiles == 1):
+                        o_done.arrive(slot, None, tcgen05.CtaGroup.ONE)
+                    elif jp == n_tiles - 1:
+                        o_done.arrive(slot, None, tcgen05.CtaGroup.ONE)
                     if t == tiles - 1:  # the key tile's last PV: its V (and K) free
                         if cutlass.const_expr(self.kv_fp8):
                             v_pipe.consumer_release(v_read)
@@ -670,7 +678,7 @@ class PagedAttentionSm100:
             row_end = cutlass.min(pos + 1, num_keys)
         row_begin = Int32(0)
         if window > 0:
-            row_begin = pos - window + 1
+            row_begin = cutlass.max(pos - window + 1, 0)  # (so the mask's bounds less a tile's keys stay in int32)
         if tok >= seq_len:
             row_end = Int32(0)  # a padding row: everything masked
 

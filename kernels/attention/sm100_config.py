@@ -38,10 +38,12 @@ BARRIERS = 3 * SLOTS + 2 + 4
 RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
 # Exponentials of a middle 32-score piece (neither a row's first nor its last; ``exp2_pairs``) taken by exp2 on the
 # FMA pipe, in pairs of the piece's 16, by Q tiles a CTA holds: 4 at two Q tiles (16 of a 128-key row's 128), 6 at one
-# (24), FA4's shares (its ``ex2_emu_freq`` 16 and 10), so the MUFU issues no more than FA4's per key tile. Masked tiles
+# (24), FA4's shares (its ``ex2_emu_freq`` 16 and 10, which it picks by 2-CTA and causal rather than Q tiles), so
+# the MUFU issues no more than FA4's per key tile. Masked tiles
 # (a row block's causal diagonal or window edge, the keys' end; every tile with the soft-cap) and fp8 caches (whose
 # converter warpgroup leaves the softmax 200 or 184 registers) take ``EXP2_EMULATION_TIGHT``: ptxas spilled the
-# softmax with more (the mask's bits and selects at two Q tiles, for sm_103a from 2 pairs; fp8 from 2).
+# softmax with more (the mask's bits and selects at two Q tiles, for sm_103a from 2 pairs; fp8 from 2). FA4 keeps its
+# rate in masked tiles: their MUFU.EX2 is 125 here against its 113.
 EXP2_EMULATION = {2: 4, 1: 6}
 EXP2_EMULATION_TIGHT = 1
 # 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
