@@ -31,8 +31,8 @@ is initialized with, and a replay of each producer/consumer ring's phases. No GP
   differs from the init, or an array nothing arrives on or waits for, is a finding naming the barrier, the count
   and the arrivers.
 * Order (``Analysis.ordering``): sites the count takes as one arrival (the same arrivers) must not follow one
-  another on the same barrier with no mbarrier wait between (a ring's index advancing between them makes it the
-  next stage); and an arrive by some lanes of a warp (lane 0, an elected lane) must come after a ``bar.warp.sync``
+  another on the same barrier with no wait between (an mbarrier's, or a named barrier's sync; a ring's index
+  advancing between them makes it the next stage); and an arrive by some lanes of a warp (lane 0, an elected lane) must come after a ``bar.warp.sync``
   when other lanes of the warp accessed shared memory since the last one: the arrival's release orders only its own
   thread's accesses (CUTLASS's one-lane-per-warp ``consumer_release``). Not seen: an arrive that a loop repeats
   within one phase (the count takes a site once), a per-thread condition that skips a wait and its arrive together.
@@ -728,6 +728,11 @@ def _kind(op: str) -> Optional[str]:
     return None
 
 
+def _named_sync(op: str) -> bool:
+    """A named barrier's wait (``bar.sync``, ``barrier{.cta}.sync``; not ``.arrive``)."""
+    return op.startswith(("bar.sync", "bar.cta.sync", "barrier.sync", "barrier.cta.sync"))
+
+
 def _barrier_operand(ins: Instr) -> str:
     """The ``[address]`` operand naming the mbarrier."""
     kind = _kind(ins.op)
@@ -919,19 +924,21 @@ class Analysis:
         return rows, findings
 
     def _same_step(self, one: Site, two: Site) -> bool:
-        """Whether a thread that reaches ``one`` can reach ``two`` with no mbarrier wait between and find the same
-        barrier there: the same constant address, or a ring's address from the same registers, on a path that does
-        not redefine them (a release lagging its wait by a stage advances its index in between)."""
+        """Whether a thread that reaches ``one`` can reach ``two`` with no wait between (an mbarrier's, or a named
+        barrier's sync: both hold the thread until another side moves on) and find the same barrier there: the same
+        constant address, or a ring's address from the same registers, on a path that does not redefine them (a
+        release lagging its wait by a stage advances its index in between)."""
         form = lambda a: (a.const, sorted((leaf.split("@")[0], c) for leaf, c in a.terms))  # noqa: E731
         if form(one.address) != form(two.address):
             return False
         regs = {leaf.split("@")[0] for leaf, _ in one.address.terms if leaf != SMEM}
-        stop = lambda i: _kind(i.op) == "wait" or bool(regs.intersection(_defined(i)))  # noqa: E731
+        stop = lambda i: (_kind(i.op) == "wait" or _named_sync(i.op)  # noqa: E731
+                          or bool(regs.intersection(_defined(i))))
         return two.index in self.prog.scan(one.index, 1, stop)
 
     def ordering(self) -> list["Finding"]:
         """What the per-phase count cannot see: an arrive whose arrivers data decides per thread (``mixed``), two
-        arrive sites that the same thread can reach one after the other with no mbarrier wait between (``twice``:
+        arrive sites that the same thread can reach one after the other with no wait between (``twice``:
         one phase would get both), and an arrive by some lanes of a warp after other lanes of it accessed shared
         memory with no warp-wide barrier since (``sync``: the arrival orders only its own lanes' accesses, so the
         waiter may overwrite what those lanes still read)."""
@@ -957,7 +964,7 @@ class Analysis:
                     if one is not two and self._same_step(one, two):
                         findings.append(Finding("twice", f"line {one.line} and line {two.line}: the same arrivals "
                                                          f"on {self.array_at(one.arrivals[0].offset).name} follow "
-                                                         "one another with no mbarrier wait between: one phase "
+                                                         "one another with no wait between: one phase "
                                                          "gets both"))
         for site in arriving:
             if site.kind != "arrive":

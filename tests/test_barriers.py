@@ -160,19 +160,22 @@ NEXT_STAGE = """\tadd.s32 %r23, %r20, 1;
 """
 
 
-@pytest.mark.parametrize("between, twice", [("", True), (NEXT_STAGE, False)], ids=["same stage", "next stage"])
+@pytest.mark.parametrize("between, twice", [("", True), (NEXT_STAGE, False), ("\tbar.sync \t%r4, 64;\n", False),
+                                            ("\tbar.arrive \t%r4, 64;\n", True)],
+                         ids=["same stage", "next stage", "named sync", "named arrive"])
 def test_barrier_arrivals_in_one_phase(between, twice):
     """Two sites with the same arrivers count once (a loop's copies); one right after the other on the same stage,
     with no wait between, gives a phase both (a release repeated): a finding. A release of the next stage (the index
-    advanced between, as a release lagging its wait) is not."""
+    advanced between, as a release lagging its wait) is not, nor one after a named barrier's sync (a wait, as the SM100
+    attention's correction warps' for the softmax's factors); a named barrier's arrive does not wait."""
     ptx = _kernel(RING.replace(RING_ARRIVE, RING_ARRIVE + between + RING_ARRIVE), [(0, 1), (8, 4), (16, 4), (24, 4)],
                   tail=WAIT.format(offset=0))
     report = barriers.analyze(ptx, ALL)
     assert _rows(report)["smem+8[3]"] == (4, 4)  # what the count sees either way
     lines = [n for n, text in enumerate(ptx.splitlines(), 1) if RING_ARRIVE.strip() in text]
     assert [f.message for f in report.findings if f.kind == "twice"] == [
-        f"line {lines[0]} and line {lines[1]}: the same arrivals on smem+8[3] follow one another with no mbarrier "
-        "wait between: one phase gets both"] * twice
+        f"line {lines[0]} and line {lines[1]}: the same arrivals on smem+8[3] follow one another with no wait "
+        "between: one phase gets both"] * twice
 
 
 N_LOADED = "\tld.global.b32 %r11, [%rd2];\n"
