@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_kv.kernels.attention.config import BM, VEC
-from cute_kv.kernels.attention.sm100_config import EXP2_POLY, exp2_pairs
+from cute_kv.kernels.attention.sm100_config import EXP2_POLY
 
 NEG_INF = Float32(float("-inf"))
 LN2 = math.log(2.0)
@@ -129,17 +129,16 @@ def update_max(scores: cute.Tensor, row_max: Float32, threshold: cutlass.Constex
 @cute.jit
 def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[int], scale):
     """``p = 2^(scale * s - ref)`` over the row in place (``scale`` None: ``2^(s - ref)``), one f32x2 FMA (or
-    subtraction) for two scores. With ``emulate`` n > 0, n of the row's pairs (``sm100_config.exp2_pairs``) go to
+    subtraction) for two scores. With ``emulate`` n > 0, the row's first n pairs (``sm100_config.EXP2_EMULATION``) go to
     ``exp2_fma`` on the FMA pipe instead of the MUFU (16 results a clock per SM, against 128 FMA lanes; FA4's
     ``ex2_emu_freq``)."""
-    emulated = exp2_pairs(emulate)
     for c in cutlass.range_constexpr(0, cute.size(scores), 2):
         if cutlass.const_expr(scale is None):
             scores[c], scores[c + 1] = cute.arch.sub_packed_f32x2((scores[c], scores[c + 1]), (ref, ref))
         else:
             scores[c], scores[c + 1] = cute.arch.fma_packed_f32x2((scores[c], scores[c + 1]), (scale, scale),
                                                                   (-ref, -ref))
-        if cutlass.const_expr(c // 2 in emulated):
+        if cutlass.const_expr(c // 2 < emulate):
             scores[c], scores[c + 1] = exp2_fma(scores[c], scores[c + 1])
         else:
             scores[c] = cute.math.exp2(scores[c], fastmath=True)

@@ -36,14 +36,15 @@ SLOTS = 2  # S / P tiles in TMEM
 # barriers.)
 BARRIERS = 3 * SLOTS + 2 + 4
 RESCALE_THRESHOLD = 8.0  # log2 units a row max may rise by and not be taken (P <= 2^8: far inside 16 bits' range)
-# Exponentials of a middle 32-score piece (neither a row's first nor its last; ``exp2_pairs``) taken by exp2 on the
-# FMA pipe, in pairs of the piece's 16, by Q tiles a CTA holds: 4 at two Q tiles (16 of a 128-key row's 128), 6 at one
-# (24), FA4's shares (its ``ex2_emu_freq`` 16 and 10, which it picks by 2-CTA and causal rather than Q tiles), so
-# the MUFU issues no more than FA4's per key tile. Masked tiles
-# (a row block's causal diagonal or window edge, the keys' end; every tile with the soft-cap) and fp8 caches (whose
-# converter warpgroup leaves the softmax 200 or 184 registers) take ``EXP2_EMULATION_TIGHT``: ptxas spilled the
-# softmax with more (the mask's bits and selects at two Q tiles, for sm_103a from 2 pairs; fp8 from 2). FA4 keeps its
-# rate in masked tiles: their MUFU.EX2 is 125 here against its 113.
+# Exponentials of a middle 32-score piece (neither a row's first nor its last) taken by exp2 on the FMA pipe, in
+# pairs of the piece's 16 (its first pairs: with pairs spread over the piece or at its end ptxas kept more MUFU
+# results live and spilled the softmax at two Q tiles), by Q tiles a CTA holds: 4 at two Q tiles (16 of a 128-key
+# row's 128), 6 at one (24), FA4's shares (its ``ex2_emu_freq`` 16 and 10, which it picks by 2-CTA and causal rather
+# than Q tiles), so the MUFU issues no more than FA4's per key tile. Masked tiles (a row block's causal diagonal or
+# window edge, the keys' end; every tile with the soft-cap) and fp8 caches (whose converter warpgroup leaves the
+# softmax 200 or 184 registers) take ``EXP2_EMULATION_TIGHT``: ptxas spilled the softmax with more (the mask's bits
+# and selects at two Q tiles, for sm_103a from 2 pairs; fp8 from 2). FA4 keeps its rate in masked tiles: their
+# MUFU.EX2 is 125 here against its 113.
 EXP2_EMULATION = {2: 4, 1: 6}
 EXP2_EMULATION_TIGHT = 1
 # 2^f on [0, 1) to 8.8e-5 relative (a degree-3 minimax fit, FA4's): below the 16-bit P's rounding.
@@ -56,12 +57,6 @@ def exp2_emulation(head_dim: int, q_tiles: int, masked: bool, kv_fp8: bool = Fal
     if head_dim > 128:
         return 0
     return EXP2_EMULATION_TIGHT if masked or kv_fp8 else EXP2_EMULATION[q_tiles]
-
-
-def exp2_pairs(emulate: int) -> tuple:
-    """Which pairs of a piece's scores are emulated: its first ``emulate`` (ptxas measured: at two Q tiles, pairs
-    spread over the piece or at its end kept more MUFU results live and spilled the softmax)."""
-    return tuple(range(emulate))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +125,10 @@ def q_tiles(head_dim: int, v_dim: Optional[int] = None, kv_fp8: bool = False, pa
     # The load warp's TMAs per K tile: page slots x swizzle-row boxes of a row (``ring_swizzle``). Its 48 registers
     # hold up to 4 page slots' rows and TMA addresses (ptxas spilled it at 8: D = 64 in pages of 16).
     boxes = head_dim * 2 // ring_swizzle(head_dim, False)
-    slots = max(bn // page_size, 1) if page_size is not None else 1
-    if page_size is not None and (uses_gather4(page_size, bn) or slots * boxes > 8 or slots > 4):
-        return 1
+    if page_size is not None:
+        slots = max(bn // page_size, 1)
+        if uses_gather4(page_size, bn) or slots * boxes > 8 or slots > 4:
+            return 1
     if group is not None and (group == 1 or BM % group):
         return 1
     smem = fixed_bytes(bn, 2, False, 2) + 2 * BM * head_dim * 2 + 2 * bn * (head_dim + v_dim) * 2
