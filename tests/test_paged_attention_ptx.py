@@ -144,13 +144,14 @@ def test_o_scale_exactly_one_when_no_max_moved(compiled):
 
 def test_no_cta_wide_barrier_past_the_prologue(compiled):
     """The only CTA-wide barrier publishes the pipelines' barrier init, before the warpgroups part (setmaxnreg);
-    the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong) only."""
-    _, ptx, _ = compiled
+    the loop synchronizes through mbarriers and named barriers of 256 threads (ping-pong, up to head dim 128) only."""
+    kernel, ptx, _ = compiled
     cta_wide = [m.start() for m in re.finditer(r"\b(?:bar|barrier)(?:\.cta)?\.sync(?:\.aligned)?\s+0;", ptx)]
     assert len(cta_wide) == 1 and cta_wide[0] < ptx.index("setmaxnreg.dec")
     named = re.findall(r"\bbar\.(sync|arrive)\s+[^,;]+,\s*(\d+);", ptx)
     assert {n for _, n in named} <= {str(WG_THREADS), str(2 * WG_THREADS)}
-    assert ("arrive", str(2 * WG_THREADS)) in named  # a warpgroup lets the other issue its wgmmas
+    # a warpgroup lets the other issue its wgmmas
+    assert (("arrive", str(2 * WG_THREADS)) in named) == kernel.pingpong == (kernel.head_dim <= 128)
 
 
 def test_register_split(compiled):
@@ -210,13 +211,21 @@ def test_fp8_dequantized_in_the_producer(compiled):
 
 def test_one_tma_per_page_slot(compiled):
     """K and V of a tile: one TMA per page slot and swizzle row of the row (128 bytes; an fp8 row of 64: one 64-byte
-    box; rows of 160 bytes: five of 32), at one site each (the producer's loop)."""
+    box; rows of 160 bytes: five of 32), at one site each (the producer's loop); the lean producer's (head dims 192
+    and 256) in a loop over the swizzle rows, one site per page slot for K's and V's."""
     kernel, ptx, _ = compiled
     width = kernel.kv_dtype.width // 8
     boxes = sum(dim * width // sw for dim, sw in zip((kernel.head_dim, kernel.v_dim), kernel.load_swizzles))
     loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     sites = 2 if kernel.kv_fp8 else 1  # fp8: the ring's first fill, then one tile per dequantized tile
     q_loads = 2 * kernel.head_dim * 2 // kernel.swizzle if kernel.q_tma else 0  # per warpgroup, a box a swizzle row
+    if kernel.box_loop:
+        boxes = 2
+        # each tile's K and V still land whole: the bytes its full barriers expect
+        producer = ptx[ptx.index("setmaxnreg.dec"):]
+        regs = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[[^]]+\], (%r\d+);", producer)
+        expected = {int(re.search(rf"mov\.b32\s+{r}, (\d+);", ptx).group(1)) for r in regs}
+        assert {kernel.bn * kernel.head_dim * 2, kernel.bn * kernel.v_dim * 2} <= expected
     kv_loads = 0 if kernel.gather else kernel.k_op.copies_per_tile * boxes * sites  # (gathered: cp.async)
     assert len(loads) == kv_loads + q_loads
 
@@ -367,10 +376,10 @@ def test_o_rescale_skipped_when_no_max_moved(steady_loop):
 
 def test_ring_waits_and_releases_lean(steady_loop):
     """A tile's fast path checks each of its K and V stages once (its retry and sleep lie where only a failed check
-    leads) beside the ping-pong barrier, and releases each by a predicated arrive without an ``elect.sync``: over an
-    fp8 cache's dequantized rings as over the TMA ones."""
+    leads) beside the ping-pong barrier (none past head dim 128), and releases each by a predicated arrive without an
+    ``elect.sync``: over an fp8 cache's dequantized rings as over the TMA ones."""
     kernel, lp, code = steady_loop
-    assert lp.barrier_waits == 3
+    assert lp.barrier_waits == 2 + kernel.pingpong
     assert sum(i.opcode.startswith("SYNCS.ARRIVE") for i in code) == 2
     assert not any(i.opcode.startswith(("ELECT", "VOTEU")) for i in code)
 

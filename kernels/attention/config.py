@@ -2,7 +2,7 @@
 
 A CTA is 128 packed query rows (two consumer warpgroups of 64, one wgmma M each) and walks the keys in tiles of
 ``bn``; one CTA fills an SM (its K/V rings take most of the shared memory), so its producer warp and the two
-consumer warpgroups' ping-pong are what overlap loads, MMAs and softmax.
+consumer warpgroups (in ping-pong up to head dim 128) are what overlap loads, MMAs and softmax.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def key_tile(head_dim: int, v_dim: Optional[int] = None, page_size: Optional[int
              kv_fp8: bool = False) -> int:
     """128 keys a tile while O is at most 128 wide (S and O 64 registers a thread each). Wider O (192 or 256: 96 or
     128 registers) takes FA4's SM90 tiles, 112 keys at 192 and 80 at 256 (two stages beside Q; a loop's fixed work,
-    the ping-pong, waits and O rescale, spread over 1.75 and 1.25 S blocks of 64 x 64), where page slots of 16 rows
+    waits, descriptors and O rescale, spread over 1.75 and 1.25 S blocks of 64 x 64), where page slots of 16 rows
     or more tile them (``page_slot``); else 64: a gathered or an fp8 cache (at 256 an fp8 ring would not fit beside
     two 80-key stages)."""
     if (v_dim or head_dim) <= 128:

@@ -18,7 +18,9 @@ A CTA is (block of ``BM = 128`` packed query rows, KV head, split, request); pac
   operand (RS wgmma). Within a warpgroup the PV of tile ``j`` runs while the softmax of tile ``j + 1`` starts (QK
   of ``j + 1`` and PV of ``j`` are issued back to back, then only the QK is waited for); between the two
   warpgroups two named barriers alternate who issues its wgmmas (ping-pong), so one's softmax overlaps the other's
-  MMAs. No CTA-wide barrier runs past the prologue.
+  MMAs. Past head dim 128 the warpgroups issue freely (FA3's and FA4's choice there): a tile's MMAs then outlast the
+  other warpgroup's softmax, which the PV of the same warpgroup already overlaps. No CTA-wide barrier runs past the
+  prologue.
 
 Tiles are walked from the last to the first: the tile that holds the request's last key (and any slot past it) comes
 first; its V rows past the keys are zeroed in shared memory once (P is exactly 0 there, but 0 * NaN is not; an fp8
@@ -172,8 +174,11 @@ class PagedAttention:
         self.consumer_regs = CONSUMER_REGS
         if bn * 3 // 4 + (v_dim or head_dim) // 2 > CONSUMER_ACC_REGS:  # (only TMA producers take such tiles)
             self.producer_regs, self.consumer_regs = PRODUCER_REGS_LEAN, CONSUMER_REGS_WIDE
+        # the lean producer issues a tile's TMA boxes a column of them at a time (``copy_page_slots``)
+        self.box_loop = self.producer_regs == PRODUCER_REGS_LEAN
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.v_dim = v_dim or head_dim
+        self.pingpong = head_dim <= 128  # the two warpgroups' turns at issuing wgmmas (module docstring)
         self.group = num_q_heads // num_kv_heads
         # Q by TMA when the group divides a warpgroup's 64 rows (power-of-two groups up to 64); else thread copies
         self.q_tma = WG_ROWS % self.group == 0
@@ -462,7 +467,7 @@ class PagedAttention:
                   rows: cute.Tensor, stage: Int32, kv_head: Int32, bar):
         """One TMA per page slot of the tile (one in all when a page holds the tile): rows ``rows[p]`` onward."""
         tma_tiles.copy_page_slots(atom, g_rows, ring[None, None, stage], s_slot, rows, self.k_op.rows_per_copy,
-                                  kv_head, bar)
+                                  kv_head, bar, self.box_loop)
 
     @cute.jit
     def produce_fp8(self, pipe_8: pipeline.PipelineTmaAsync, pipe_k: pipeline.PipelineAsync,
@@ -573,10 +578,10 @@ class PagedAttention:
         thr_pv = tiled_mma_pv.get_slice(tidx)
         # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: ptxas then keeps every
         # k block's Q descriptor in uniform registers across the loop (9 fewer instructions a tile at head dim 128
-        # than the warpgroup's own tile). Past 128 the warpgroup's own tile, picked once here: at 256, with 16 k
-        # blocks, both tiles spill the page-16 and fp8 producers.
+        # than the warpgroup's own tile; at 192 up to 15, K's k blocks then taking one 64-bit add each). Past 192 the
+        # warpgroup's own tile, picked once here: at 256, with 16 k blocks, both tiles spill.
         t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
-        if cutlass.const_expr(d > 128):
+        if cutlass.const_expr(d > 192):
             t_rq = descriptors_at(t_rq, wg)
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
@@ -599,7 +604,7 @@ class PagedAttention:
         row_max.fill(softmax.NEG_INF)
         row_sum.fill(0.0)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        if wg == 0:  # ping-pong: the first warpgroup may issue first
+        if cutlass.const_expr(self.pingpong) and wg == 0:  # the first warpgroup may issue first
             cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG1), number_of_threads=2 * WG_THREADS)
         if n_tiles > 0:
             # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
@@ -644,9 +649,9 @@ class PagedAttention:
              t_rv: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor,
              row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, last_tile: Int32, wg: Int32,
              score_scale: Float32, softmax_scale_log2: Float32) -> pipeline.PipelineState:
-        """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn), wait
-        for the QK only, run the softmax while the PV runs, then rescale O (skipped when no row max of the warp
-        moved). Returns the read state."""
+        """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn, if
+        any), wait for the QK only, run the softmax while the PV runs, then rescale O (skipped when no row max of the
+        warp moved). Returns the read state."""
         prev = read.clone()
         read.advance()
         self.wait(pipe_k, read)
@@ -702,7 +707,7 @@ class PagedAttention:
             t_rk = descriptors_at(t_rk, stage)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
             if cutlass.const_expr(cute.rank(t_rq) == 4):  # both Q tiles, each wgmma's Q and K indexed together (1
-                # or 2 fewer instructions a tile at head dim <= 128 than ``descriptors_at``)
+                # or 2 fewer instructions a tile at head dim <= 128 than ``descriptors_at``, up to 15 at 192)
                 cute.gemm(atom, acc, t_rq[None, None, kb, wg], t_rk[None, None, kb, stage], acc)
             else:
                 cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb], acc)
@@ -725,12 +730,15 @@ class PagedAttention:
 
     @cute.jit
     def sched_wait(self):
-        cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + self.thread_wg(), number_of_threads=2 * WG_THREADS)
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=int(Barrier.SCHED_WG1) + self.thread_wg(),
+                              number_of_threads=2 * WG_THREADS)
 
     @cute.jit
     def sched_release(self):
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - self.thread_wg(),
-                                 number_of_threads=2 * WG_THREADS)
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.SCHED_WG2) - self.thread_wg(),
+                                     number_of_threads=2 * WG_THREADS)
 
     def thread_wg(self) -> Int32:
         """The consumer warpgroup (0, 1) from the thread index: a barrier id taken from the warp-uniform ``wg``

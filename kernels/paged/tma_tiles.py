@@ -125,16 +125,36 @@ def create_tma_tile(row_view: cute.Tensor, rows_per_copy: int, depth: int, swizz
 
 @cute.jit
 def copy_page_slots(atom: cute.CopyAtom, g_rows: cute.Tensor, dst: cute.Tensor, s_slot: cute.ComposedLayout,
-                    rows: cute.Tensor, rows_per_copy: cutlass.Constexpr[int], head: Int32, bar):
+                    rows: cute.Tensor, rows_per_copy: cutlass.Constexpr[int], head: Int32, bar,
+                    box_loop: cutlass.Constexpr[bool] = False):
     """One ``create_tma_tile`` copy per page slot of a key tile: slot ``p`` is rows ``rows[p]`` onward (a
-    ``populate`` result) into rows ``[p * rows_per_copy, ...)`` of the ``(rows, depth)`` tile ``dst``."""
-    box = (rows_per_copy, cute.size(s_slot, mode=[1]))
-    for p in cutlass.range_constexpr(cute.size(rows)):
-        src = cute.local_tile(cute.domain_offset((rows[p], 0, 0), g_rows), box, (0, 0, head))
-        slot = cute.local_tile(dst, box, (p, 0))
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(slot, 0, 2),
-                                         cute.group_modes(src, 0, 2))
-        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+    ``populate`` result) into rows ``[p * rows_per_copy, ...)`` of the ``(rows, depth)`` tile ``dst``.
+
+    A row wider than its swizzle (256 bf16 under 128-byte swizzle) is several TMA boxes across. ``box_loop`` issues
+    them by a loop over those columns, each pass one box per slot: unrolled, every box's operands (a tuple of uniform
+    registers each) are built at once, which spilled a 24-register producer (head dims 192 and 256, partial pages)."""
+    width = cute.size(s_slot, mode=[1])
+    if cutlass.const_expr(box_loop):
+        whole, _ = _slot_copy(atom, g_rows, dst, rows[0], (rows_per_copy, width), 0, 0, head)
+        boxes = cute.size(whole, mode=[0, 1]) if cute.rank(whole.shape[0]) > 1 else 1
+        assert width % boxes == 0, (width, whole)
+        box = (rows_per_copy, width // boxes)
+        for c in cutlass.range(boxes, unroll=1):
+            for p in cutlass.range_constexpr(cute.size(rows)):
+                t_s, t_g = _slot_copy(atom, g_rows, dst, rows[p], box, p, c, head)
+                cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+    else:
+        for p in cutlass.range_constexpr(cute.size(rows)):
+            t_s, t_g = _slot_copy(atom, g_rows, dst, rows[p], (rows_per_copy, width), p, 0, head)
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+
+def _slot_copy(atom: cute.CopyAtom, g_rows: cute.Tensor, dst: cute.Tensor, row, box: tuple, p: int, c, head):
+    """The TMA partition of box ``(p, c)`` of a tile: rows ``row`` onward, columns ``c * box[1]`` onward."""
+    src = cute.local_tile(cute.domain_offset((row, 0, 0), g_rows), box, (0, c, head))
+    slot = cute.local_tile(dst, box, (p, c))
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(slot, 0, 2),
+                                 cute.group_modes(src, 0, 2))
 
 
 def ragged_view(rows: cute.Tensor) -> cute.Tensor:
