@@ -96,11 +96,11 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import layout_problem
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
-from cute_kv.kernels.attention.softmax import to_16bit
+from cute_kv.kernels.attention.softmax import to_16bit, visible_bits
 from cute_kv.kernels.attention.config import ring_swizzle
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, dequantize_row, exp2_scores, o_chunk, o_copies,
                                                       rescale_o, row_add, row_normalizer, scale_scores,
-                                                      update_max, visible_bits, write_lse)
+                                                      update_max, write_lse)
 from cute_kv.kernels.attention.sm100_config import (BM, FP8, RESCALE_THRESHOLD, SLOTS, TMEM_COLUMNS,
                                                       VEC, exp2_emulation, supported, tiling)
 from cute_kv.kernels.paged import populate, tma_tiles

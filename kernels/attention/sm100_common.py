@@ -10,7 +10,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -143,20 +143,6 @@ def exp2_scores(scores: cute.Tensor, ref: Float32, emulate: cutlass.Constexpr[in
         else:
             scores[c] = cute.math.exp2(scores[c], fastmath=True)
             scores[c + 1] = cute.math.exp2(scores[c + 1], fastmath=True)
-
-
-@dsl_user_op
-def visible_bits(first: Int32, past_end: Int32, *, loc=None, ip=None) -> Uint32:
-    """The 32-bit mask of a 32-key chunk's visible keys: bit i set for ``first <= i`` and ``i < 32 - past_end``
-    (``first``: the row's first visible key less the chunk's, ``past_end``: the chunk's end less the row's end).
-    Negative amounts shift by 0; amounts of 32 or more give 0 (PTX clamps ``shl`` / ``shr`` amounts to the width,
-    ISA 9.7.8.7-8), so any bounds give the right mask with no branch; a select per score then applies it (R2P
-    and FSEL in SASS: FA4's ``mask_r2p``)."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [Int32(first).ir_value(loc=loc, ip=ip), Int32(past_end).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 ones, lo, hi;\nmov.b32 ones, -1;\nmax.s32 lo, $1, 0;\nmax.s32 hi, $2, 0;\n"
-        "shl.b32 lo, ones, lo;\nshr.b32 hi, ones, hi;\nand.b32 $0, lo, hi;\n}", "=r,r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 ROUND_SHIFT = float(2**23 + 2**22)  # x + this, rounded down, holds floor(x) in its low mantissa bits

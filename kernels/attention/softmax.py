@@ -14,7 +14,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -124,23 +124,48 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
 
 
+@dsl_user_op
+def visible_bits(first: Int32, past_end: Int32, *, loc=None, ip=None) -> Uint32:
+    """The 32-bit mask of a chunk's 32 visible positions (a row's keys on SM100, a thread's registers of a row on
+    SM90): bit i set for ``first <= i`` and ``i < 32 - past_end`` (``first``: the row's first visible position less
+    the chunk's, ``past_end``: the chunk's end less the row's end).
+    Negative amounts shift by 0; amounts of 32 or more give 0 (PTX clamps ``shl`` / ``shr`` amounts to the width,
+    ISA 9.7.8.7-8), so any bounds give the right mask with no branch; a select per score then applies it (R2P
+    and FSEL in SASS: FA4's ``mask_r2p``)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Int32(first).ir_value(loc=loc, ip=ip), Int32(past_end).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 ones, lo, hi;\nmov.b32 ones, -1;\nmax.s32 lo, $1, 0;\nmax.s32 hi, $2, 0;\n"
+        "shl.b32 lo, ones, lo;\nshr.b32 hi, ones, hi;\nand.b32 $0, lo, hi;\n}", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def scores(acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor, key_base: Int32,
            score_scale: Float32, softcap: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool]):
     """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, each
-    row's key range (``coords``: ``(row, key)`` of the registers; ``key_base``: the key of column 0)."""
+    row's key range (``coords``: ``(row, key)`` of the registers; ``key_base``: the key of column 0).
+
+    The mask is branchless (FA4's R2P form): a thread's columns are keys ``first + 8 j + e`` (``e`` 0 or 1, the
+    accumulator's pairs), so a row's range ``[lo, hi)`` of keys is a range of its registers, ``2 (x / 8) +
+    min(x % 8, 2)`` registers lying below key ``first + x``; ``visible_bits`` makes it a bit mask and each score
+    takes one select (a compare pair per score before)."""
     if cutlass.const_expr(softcap):
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
     if cutlass.const_expr(masked):
         s_mn = mn_view(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            lo = row_begin[r] - key_base
-            hi = row_end[r] - key_base
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                key = coords[0, c][1]
-                if key < lo or key >= hi:
-                    s_mn[r, c] = NEG_INF
+        n = cute.size(s_mn, mode=[1])
+        first = coords[0, 0][1]
+        span = coords[0, n - 1][1] + 1 - first
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):  # bounds clamped to the thread's keys
+            lo = cutlass.min(cutlass.max(row_begin[r] - key_base - first, 0), span)
+            hi = cutlass.min(cutlass.max(row_end[r] - key_base - first, 0), span)
+            lo_e = (lo >> 3) * 2 + cutlass.min(lo & 7, 2)
+            hi_e = (hi >> 3) * 2 + cutlass.min(hi & 7, 2)
+            keep = [visible_bits(lo_e - 32 * k, 32 * (k + 1) - hi_e) for k in range((n + 31) // 32)]
+            for c in cutlass.range_constexpr(n):
+                bit = keep[c // 32] & (Uint32(1) << (c % 32))
+                s_mn[r, c] = s_mn[r, c] if cutlass.Boolean(bit) else NEG_INF
 
 
 @cute.jit
