@@ -96,7 +96,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cute_kv.kernels.attention.block_info import copy_q_chunk, split_tiles
 from cute_kv.kernels.attention.config import layout_problem
 from cute_kv.kernels.attention.operand import KVCacheMHAOperand
-from cute_kv.kernels.attention.softmax import to_16bit, visible_bits
+from cute_kv.kernels.attention.softmax import keep_range, to_16bit
 from cute_kv.kernels.attention.config import ring_swizzle
 from cute_kv.kernels.attention.sm100_common import (NEG_INF, dequantize_row, exp2_scores, o_chunk, o_copies,
                                                       rescale_o, row_add, row_normalizer, scale_scores,
@@ -758,14 +758,8 @@ class PagedAttentionSm100:
         if cutlass.const_expr(self.softcap):
             scale_scores(scores, score_scale, True, cap_log2)
             exp_scale = Float32(1.0)
-        if cutlass.const_expr(mask):  # branchless: a bit per key of the row's visible columns [lo, hi)
-            keep = [visible_bits(row_begin - tile_base - 32 * k, 32 * (k + 1) - (row_end - tile_base))
-                    for k in range(bn // 32)]
-            for k in cutlass.range_constexpr(bn // 32):  # (unrolled in Python: a constant bit a score makes R2P)
-                for i in cutlass.range_constexpr(32):
-                    key = cols[32 * k + i][1]  # a constant column
-                    bit = keep[key // 32] & (Uint32(1) << (key % 32))
-                    scores[32 * k + i] = scores[32 * k + i] if cutlass.Boolean(bit) else NEG_INF
+        if cutlass.const_expr(mask):  # branchless: the row's visible keys [lo, hi), a constant column a score
+            keep_range(scores, [cols[j][1] for j in range(bn)], row_begin - tile_base, row_end - tile_base)
         new_max, ref, corr = update_max(scores, row_max, RESCALE_THRESHOLD, exp_scale)
         s_scale[row, slot] = corr  # the correction warpgroup rescales O meanwhile
         cute.arch.barrier_arrive(barrier_id=scale_bar + 4 * slot, number_of_threads=64)

@@ -140,6 +140,16 @@ def visible_bits(first: Int32, past_end: Int32, *, loc=None, ip=None) -> Uint32:
 
 
 @cute.jit
+def keep_range(values: cute.Tensor, positions: cutlass.Constexpr, lo: Int32, hi: Int32):
+    """-inf to each of ``values`` whose position (``positions``: a constant each) lies outside ``[lo, hi)``, with no
+    branch: a bit mask per 32 positions (``visible_bits``), then a select per value (a constant bit: R2P + FSEL)."""
+    keep = [visible_bits(lo - 32 * k, 32 * (k + 1) - hi) for k in range(max(positions) // 32 + 1)]
+    for i in cutlass.range_constexpr(len(positions)):
+        bit = keep[positions[i] // 32] & (Uint32(1) << (positions[i] % 32))
+        values[i] = values[i] if cutlass.Boolean(bit) else NEG_INF
+
+
+@cute.jit
 def scores(acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_end: cute.Tensor, key_base: Int32,
            score_scale: Float32, softcap: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool]):
     """Soft-cap (``tanh(s * scale / c)``; ``c * log2(e)`` is the softmax's scale) then, on a ``masked`` tile, each
@@ -147,8 +157,7 @@ def scores(acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_
 
     The mask is branchless (FA4's R2P form): a thread's columns are keys ``first + 8 j + e`` (``e`` 0 or 1, the
     accumulator's pairs), so a row's range ``[lo, hi)`` of keys is a range of its registers, ``2 (x / 8) +
-    min(x % 8, 2)`` registers lying below key ``first + x``; ``visible_bits`` makes it a bit mask and each score
-    takes one select (a compare pair per score before)."""
+    min(x % 8, 2)`` registers lying below key ``first + x`` (``keep_range``: one select per score)."""
     if cutlass.const_expr(softcap):
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             acc_s[i] = cute.math.tanh(acc_s[i] * score_scale, fastmath=True)
@@ -160,12 +169,8 @@ def scores(acc_s: cute.Tensor, coords: cute.Tensor, row_begin: cute.Tensor, row_
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):  # bounds clamped to the thread's keys
             lo = cutlass.min(cutlass.max(row_begin[r] - key_base - first, 0), span)
             hi = cutlass.min(cutlass.max(row_end[r] - key_base - first, 0), span)
-            lo_e = (lo >> 3) * 2 + cutlass.min(lo & 7, 2)
-            hi_e = (hi >> 3) * 2 + cutlass.min(hi & 7, 2)
-            keep = [visible_bits(lo_e - 32 * k, 32 * (k + 1) - hi_e) for k in range((n + 31) // 32)]
-            for c in cutlass.range_constexpr(n):
-                bit = keep[c // 32] & (Uint32(1) << (c % 32))
-                s_mn[r, c] = s_mn[r, c] if cutlass.Boolean(bit) else NEG_INF
+            keep_range(s_mn[r, None], list(range(n)), (lo >> 3) * 2 + cutlass.min(lo & 7, 2),
+                       (hi >> 3) * 2 + cutlass.min(hi & 7, 2))
 
 
 @cute.jit
