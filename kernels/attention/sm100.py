@@ -131,7 +131,8 @@ REGS = {(2, False, False): {"softmax": 192, "correction": 80, "other": 48},
 TMEM_BARRIER_ID = 1  # named barrier of all threads: barriers initialized, Q staged, TMEM address published
 EPILOGUE_BARRIER_ID = 2  # named barrier of the correction warpgroup: O staged in shared memory for the TMA store
 # Named barriers 3-10: O's factors of an S slot handed from a softmax warp to the correction warp of the same 32 rows
-# (ids ``SCALE_BARRIER_ID + warp % 4 + 4 * slot``): a bar.arrive and a bar.sync of 64 threads, no phase to track (FA4's ``sm_stats_barrier``).
+# (ids ``SCALE_BARRIER_ID + warp % 4 + 4 * slot``): a bar.arrive and a bar.sync of 64 threads, no phase to track
+# (FA4's ``sm_stats_barrier``).
 SCALE_BARRIER_ID = 3
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 P_STORE_COLUMNS = 16  # P columns per tcgen05.st (32 scores): a piece's scores die once it is stored
