@@ -128,3 +128,32 @@ def test_sm103a_kernels_run_in_the_simulator():
     with simulated("sm_103a", seed=0) as record:
         row = selftest.run_case(case, "cpu")
     assert record.launches and row.ok, (row.error, row.max_err)
+
+
+def test_sm90_attention_sees_every_key_under_the_widest_window():
+    """A window wider than int32 reaches the kernel as 2^31 - 1 (``kernel_args.window_arg``), and every key is then
+    in it. A row's first visible key used to be ``position - window + 1`` unclamped, near -2^31: less a masked
+    tile's first key past the row's position it wrapped to a large positive bound, and the row lost that tile's
+    keys. The checked API pairs a window with ``causal=True``, where such a tile is past the row's causal end
+    anyway; the launcher below it takes a non-causal window. Prefill of 300 new tokens from an empty cache, against
+    the reference with no window."""
+    import math
+
+    import torch
+
+    from cute_kv import reference
+    from cute_kv.ops import paged_attention
+
+    case = selftest.Case("paged_attention", "bf16", 64, 64, "prefill")
+    pb = selftest._batch(case, "cpu")
+    c = pb.collection
+    assert int(c.cache_lengths[0]) == 0 and pb.new_lengths[0] > 2 * 64  # early tokens' masked tile starts past them
+    q = torch.randn(pb.total_rows, 4 * c.num_heads, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16)
+    with simulated(ARCH, seed=1) as record:
+        paged_attention.dispatch(q, pb.input_row_offsets, c, selftest.LAYER, False, 2**40, None, None, None, None,
+                                 out, None)
+    want = reference.paged_attention(q, pb.input_row_offsets, c, selftest.LAYER, causal=False)
+    assert record.launches and all("PagedAttention" in str(kernel) for kernel, *_ in record.launches)
+    assert not out.isnan().any()
+    assert selftest.rel_err(out, want) <= selftest.TOLERANCE[torch.bfloat16]

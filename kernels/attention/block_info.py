@@ -58,8 +58,8 @@ def row_key_ranges(row_begin: cute.Tensor, row_end: cute.Tensor, coords: cute.Te
         if causal != 0:
             row_end[r] = cutlass.min(cache_len + tok + 1, num_keys)
         row_begin[r] = 0
-        if window > 0:
-            row_begin[r] = cache_len + tok - window + 1
+        if window > 0:  # clamped: the mask's bounds less a tile's first key then stay in int32 for any window
+            row_begin[r] = cutlass.max(cache_len + tok - window + 1, 0)
         if tok >= seq_len:
             row_end[r] = 0  # a padding row: everything masked
 
