@@ -74,13 +74,13 @@ def test_pv_runs_under_the_next_softmax(compiled):
         assert not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
 
 
-def test_q_descriptors_advance_in_32_bits(compiled):
-    """In the loops each QK wgmma's Q descriptor is the low word of the warpgroup's Q tile plus the k block's offset
-    over a constant high word (Q indexed like the K ring, by warpgroup), not a 64-bit add on a descriptor rebuilt
-    from the tile's address, which ptxas splits into a carry chain and high-word moves per wgmma. Head dim 256
-    keeps the sliced tile (measured shorter there)."""
+def test_qk_descriptors_advance_in_32_bits(compiled):
+    """In the loops no QK wgmma's descriptor takes a 64-bit add: Q's k blocks' are built once before them
+    (``sm90.invariant_descriptors_at``), K's are the stage's low word plus the k block's offset over a constant high
+    word. A 64-bit add on a descriptor rebuilt from the tile's address is split by ptxas into a carry chain and
+    high-word moves per wgmma. Head dim 256 adds K's stage to its whole descriptor once (measured shorter there)."""
     kernel, ptx, _ = compiled
-    if kernel.head_dim > 128:
+    if kernel.head_dim > 192:
         return
     per_tile = kernel.head_dim // 16
     qk = [m.start() for m in SS.finditer(ptx)]
@@ -92,14 +92,19 @@ def test_q_descriptors_advance_in_32_bits(compiled):
 def test_descriptors_built_once(compiled):
     """The Q, K and V wgmma descriptors are built from their shared-memory addresses once each (the layout bits
     or'ed onto the address field), in the consumers' prologue: between their setmaxnreg and the first wgmma, not
-    at each wgmma site of the loops. (Past head dim 128 a descriptor the warpgroup's Q tile or K's stage is then added
-    to, ``sm90.descriptors_at``, may take the bits by an add: LLVM's choice where the address's low bits are clear.)"""
-    _, ptx, _ = compiled
+    at each wgmma site of the loops. Q's k blocks' descriptors are then built once each, from the warpgroup's low
+    word (``sm90.invariant_descriptors_at``) plus a constant holding the layout bits and the k block's offset, and
+    every QK reuses them."""
+    kernel, ptx, _ = compiled
     # (the swizzle mode in bits 62-63: 1 for 128 bytes, 2 for 64, 3 for 32; PTX prints the constant signed)
-    builds = [m.start() for m in re.finditer(r"(?:or\.b64|add\.s64)\s+%rd\d+, %rd\d+, (-?\d+);", ptx)
-              if int(m[1]) % 2**64 >> 62]
-    assert len(builds) == 3
-    assert all(ptx.index("setmaxnreg.inc") < pos < ptx.index("wgmma.mma_async") for pos in builds)
+    builds = [(m.start(), m[1], int(m[2])) for m in re.finditer(r"(?:or\.b64|add\.s64)\s+%rd\d+, (%rd\d+), (-?\d+);", ptx)
+              if int(m[2]) % 2**64 >> 62]
+    (low,) = re.findall(r"cvt\.u64\.u32 (%rd\d+), lo;", ptx)  # Q's low word, opaque to LLVM
+    from_address = [pos for pos, src, _ in builds if src != low]
+    assert len(from_address) == 3
+    assert all(ptx.index("setmaxnreg.inc") < pos < ptx.index("wgmma.mma_async") for pos in from_address)
+    q_blocks = [c for _, src, c in builds if src == low]
+    assert len(q_blocks) == len(set(q_blocks)) == kernel.head_dim // 16
 
 
 def test_v_descriptors_advance_from_the_stage(compiled):
@@ -377,11 +382,13 @@ def test_o_rescale_skipped_when_no_max_moved(steady_loop):
 def test_ring_waits_and_releases_lean(steady_loop):
     """A tile's fast path checks each of its K and V stages once (its retry and sleep lie where only a failed check
     leads) beside the ping-pong barrier (none past head dim 128), and releases each by a predicated arrive without an
-    ``elect.sync``: over an fp8 cache's dequantized rings as over the TMA ones."""
+    ``elect.sync``: over an fp8 cache's dequantized rings as over the TMA ones. (ptxas may guard a release's address
+    by a vote of the arrive's predicate, ``VOTEU.ALL``: at head dim 256 it does.)"""
     kernel, lp, code = steady_loop
     assert lp.barrier_waits == 2 + kernel.pingpong
     assert sum(i.opcode.startswith("SYNCS.ARRIVE") for i in code) == 2
-    assert not any(i.opcode.startswith(("ELECT", "VOTEU")) for i in code)
+    assert not any(i.opcode.startswith("ELECT") for i in code)
+    assert sum(i.opcode.startswith("VOTEU") for i in code) <= 1
 
 
 def test_exp2_before_the_pv_wait(steady_loop):

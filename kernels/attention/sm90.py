@@ -111,14 +111,38 @@ def pinned_descriptors(frag: cute.Tensor) -> cute.Tensor:
 
 
 def descriptors_at(frag: cute.Tensor, index: Int32) -> cute.Tensor:
-    """``frag`` at ``index`` of its last mode (a ring's stage, a warpgroup's Q tile), the index's offset added to the
-    whole 64-bit descriptor (``mul.wide.u32`` and a 64-bit add), so each k block's is two uniform instructions from
-    it. Indexed as a tensor, the offset goes into the low word only and ptxas re-sets the constant high word at every
-    wgmma: a third instruction for each Q descriptor rebuilt in the loop, and at head dim 256 vector adds moved to
-    uniform registers (``R2UR``) besides."""
+    """``frag`` at ``index`` of its last mode (a ring's stage), the index's offset added to the whole 64-bit
+    descriptor (``mul.wide.u32`` and a 64-bit add), so each k block's is two uniform instructions from it. Indexed as
+    a tensor at each k block instead, the offset goes into the low word only and ptxas re-sets the constant high
+    word at every wgmma, which past 16 k blocks (head dim 256) costs more than it saves."""
     last = cute.rank(frag) - 1
     mode = cute.coalesce(cute.make_layout(frag.shape[last], stride=frag.stride[last]))  # stages:stride
     desc = tcgen05.smem_descriptor_to_int(frag.iterator) + _mul_wide_u32(index, mode.stride)
+    return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), cute.select(frag.layout, list(range(last))))
+
+
+@dsl_user_op
+def _low_word_at(desc: Int64, index: Int32, c: int, *, loc=None, ip=None) -> Int64:
+    """``desc``'s low word plus ``index * c``, zero-extended, opaque to LLVM (so that it is not re-derived from the
+    shared-memory address at each use)."""
+    args = [Int64(desc).ir_value(loc=loc, ip=ip), Int32(index).ir_value(loc=loc, ip=ip)]
+    asm = f"{{\n.reg .b32 lo, hi;\nmov.b64 {{lo, hi}}, $1;\nmad.lo.s32 lo, $2, {c}, lo;\ncvt.u64.u32 $0, lo;\n}}"
+    return Int64(llvm.inline_asm(T.i64(), args, asm, "=l,l,r", has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def invariant_descriptors_at(frag: cute.Tensor, index: Int32) -> cute.Tensor:
+    """``frag`` at ``index`` of its last mode, for an operand that stays put across the key loop (a warpgroup's Q
+    tile): the index moves the low word only, and the constant high word stays in sight of ptxas. Its k blocks'
+    descriptors are then held in uniform registers across the loop, or built in one 64-bit add of a constant
+    (``UIADD3.64``) where ``descriptors_at``'s take two (a low add and its carry): at head dim 256, 3-8
+    instructions a tile fewer. For K's ring stage ptxas splits the same form into a low add and a re-materialized
+    high constant (18 more than ``descriptors_at``)."""
+    last = cute.rank(frag) - 1
+    mode = cute.coalesce(cute.make_layout(frag.shape[last], stride=frag.stride[last]))
+    desc = tcgen05.smem_descriptor_to_int(frag.iterator)
+    high = (desc >> 32) << 32  # the descriptor's constant high word (LLVM folds it from the descriptor's form)
+    desc = _low_word_at(desc, index, mode.stride) + high
     return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), cute.select(frag.layout, list(range(last))))
 
 
@@ -565,7 +589,7 @@ class PagedAttention:
                 causal: Int32, window: Int32, first_tile: Int32, last_tile: Int32, n_tiles: Int32, score_scale: Float32,
                 softmax_scale_log2: Float32):
         """One consumer warpgroup: rows ``m0 + 64*wg ..`` of the block."""
-        d, dv, bn, group = self.head_dim, self.v_dim, self.bn, self.group
+        dv, bn, group = self.v_dim, self.bn, self.group
         tidx = cute.arch.thread_idx()[0] % WG_THREADS
         rows0 = m0 + wg * WG_ROWS
         s_q_wg = s_q[None, None, wg]
@@ -576,18 +600,16 @@ class PagedAttention:
 
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        # Both warpgroups' Q tiles, indexed by warpgroup in each QK like the K ring by stage: ptxas then keeps every
-        # k block's Q descriptor in uniform registers across the loop (9 fewer instructions a tile at head dim 128
-        # than the warpgroup's own tile; at 192 up to 15, K's k blocks then taking one 64-bit add each). Past 192 the
-        # warpgroup's own tile, picked once here: at 256, with 16 k blocks, both tiles spill.
-        t_rq = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q))
-        if cutlass.const_expr(d > 192):
-            t_rq = descriptors_at(t_rq, wg)
+        # This warpgroup's Q tile, picked once here in its descriptors' low word (``invariant_descriptors_at``).
+        # Indexing both warpgroups' tiles by warpgroup at each wgmma instead takes as many instructions a tile up to
+        # head dim 128, 0-11 more at 192 (ptxas keeping the ring's stage in vector registers on some shapes), and
+        # spills at 256.
+        t_rq = invariant_descriptors_at(tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q)), wg)
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
         t_rp = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((WG_ROWS, bn)))
-        t_rq, t_rk, t_rv = (pinned_descriptors(t) for t in (t_rq, t_rk, t_rv))
+        t_rk, t_rv = (pinned_descriptors(t) for t in (t_rk, t_rv))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, dv)), Float32)
         acc_o.fill(0.0)
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, bn)), Float32)
@@ -609,7 +631,7 @@ class PagedAttention:
         if n_tiles > 0:
             # First tile: QK alone, then its softmax; its V rows past the keys are zeroed before any PV reads them.
             self.wait(pipe_k, read)
-            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
+            self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
             warpgroup.wait_group(0)
             self.release(pipe_k, read)
             softmax.scores(acc_s, coords, row_begin, row_end, last_tile * bn, score_scale, self.softcap, True)
@@ -656,7 +678,7 @@ class PagedAttention:
         read.advance()
         self.wait(pipe_k, read)
         self.sched_wait()
-        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index, wg)
+        self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
         self.wait(pipe_v, prev)
         self.gemm_pv(tiled_mma_pv, acc_o, t_rp, t_rv, prev.index)
         self.sched_release()
@@ -696,21 +718,19 @@ class PagedAttention:
 
     @cute.jit
     def gemm_qk(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, t_rq: cute.Tensor, t_rk: cute.Tensor,
-                stage: Int32, wg: Int32):
-        """Issue ``S = Q K^T`` for one K stage (no wait); ``t_rq`` holds both warpgroups' Q tiles (``wg`` picks) or
-        this one's. A fresh atom per call: its accumulate flag is set here, and an atom shared across the loop's
-        regions would carry the flag out of them."""
+                stage: Int32):
+        """Issue ``S = Q K^T`` for one K stage (no wait). A fresh atom per call: its accumulate flag is set here, and
+        an atom shared across the loop's regions would carry the flag out of them."""
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, False)
-        if cutlass.const_expr(cute.rank(t_rq) == 3):  # this warpgroup's Q tile: K's stage from a 64-bit base
+        whole = self.head_dim > 192  # K's stage added to the whole 64-bit descriptor once: at 256 (16 k blocks) 8-16
+        # fewer instructions a tile than each k block indexed with the stage, the shorter form at 192 on most shapes
+        if cutlass.const_expr(whole):
             t_rk = descriptors_at(t_rk, stage)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
-            if cutlass.const_expr(cute.rank(t_rq) == 4):  # both Q tiles, each wgmma's Q and K indexed together (1
-                # or 2 fewer instructions a tile at head dim <= 128 than ``descriptors_at``, up to 15 at 192)
-                cute.gemm(atom, acc, t_rq[None, None, kb, wg], t_rk[None, None, kb, stage], acc)
-            else:
-                cute.gemm(atom, acc, t_rq[None, None, kb], t_rk[None, None, kb], acc)
+            k_block = t_rk[None, None, kb] if cutlass.const_expr(whole) else t_rk[None, None, kb, stage]
+            cute.gemm(atom, acc, t_rq[None, None, kb], k_block, acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
