@@ -76,8 +76,8 @@ def test_pv_runs_under_the_next_softmax(compiled):
 
 def test_qk_descriptors_advance_in_32_bits(compiled):
     """In the loops no QK wgmma's descriptor takes a 64-bit add: Q's k blocks' are built once before them
-    (``sm90.invariant_descriptors_at``), K's are the stage's low word plus the k block's offset over a constant high
-    word. A 64-bit add on a descriptor rebuilt from the tile's address is split by ptxas into a carry chain and
+    (``sm90.descriptors_at``, invariant), K's are the stage's low word plus the k block's offset over a constant
+    high word. A 64-bit add on a descriptor rebuilt from the tile's address is split by ptxas into a carry chain and
     high-word moves per wgmma. Head dim 256 adds K's stage to its whole descriptor once (measured shorter there)."""
     kernel, ptx, _ = compiled
     if kernel.head_dim > 192:
@@ -93,12 +93,12 @@ def test_descriptors_built_once(compiled):
     """The Q, K and V wgmma descriptors are built from their shared-memory addresses once each (the layout bits
     or'ed onto the address field), in the consumers' prologue: between their setmaxnreg and the first wgmma, not
     at each wgmma site of the loops. Q's k blocks' descriptors are then built once each, from the warpgroup's low
-    word (``sm90.invariant_descriptors_at``) plus a constant holding the layout bits and the k block's offset, and
+    word (``sm90.descriptors_at``, invariant) plus a constant holding the layout bits and the k block's offset, and
     every QK reuses them."""
     kernel, ptx, _ = compiled
     # (the swizzle mode in bits 62-63: 1 for 128 bytes, 2 for 64, 3 for 32; PTX prints the constant signed)
-    builds = [(m.start(), m[1], int(m[2])) for m in re.finditer(r"(?:or\.b64|add\.s64)\s+%rd\d+, (%rd\d+), (-?\d+);", ptx)
-              if int(m[2]) % 2**64 >> 62]
+    ops = re.finditer(r"(?:or\.b64|add\.s64)\s+%rd\d+, (%rd\d+), (-?\d+);", ptx)
+    builds = [(m.start(), m[1], int(m[2])) for m in ops if int(m[2]) % 2**64 >> 62]
     (low,) = re.findall(r"cvt\.u64\.u32 (%rd\d+), lo;", ptx)  # Q's low word, opaque to LLVM
     from_address = [pos for pos, src, _ in builds if src != low]
     assert len(from_address) == 3

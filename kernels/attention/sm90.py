@@ -110,17 +110,6 @@ def pinned_descriptors(frag: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), frag.layout)
 
 
-def descriptors_at(frag: cute.Tensor, index: Int32) -> cute.Tensor:
-    """``frag`` at ``index`` of its last mode (a ring's stage), the index's offset added to the whole 64-bit
-    descriptor (``mul.wide.u32`` and a 64-bit add), so each k block's is two uniform instructions from it. Indexed as
-    a tensor at each k block instead, the offset goes into the low word only and ptxas re-sets the constant high
-    word at every wgmma, which past 16 k blocks (head dim 256) costs more than it saves."""
-    last = cute.rank(frag) - 1
-    mode = cute.coalesce(cute.make_layout(frag.shape[last], stride=frag.stride[last]))  # stages:stride
-    desc = tcgen05.smem_descriptor_to_int(frag.iterator) + _mul_wide_u32(index, mode.stride)
-    return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), cute.select(frag.layout, list(range(last))))
-
-
 @dsl_user_op
 def _low_word_at(desc: Int64, index: Int32, c: int, *, loc=None, ip=None) -> Int64:
     """``desc``'s low word plus ``index * c``, zero-extended, opaque to LLVM (so that it is not re-derived from the
@@ -131,18 +120,26 @@ def _low_word_at(desc: Int64, index: Int32, c: int, *, loc=None, ip=None) -> Int
                                  asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-def invariant_descriptors_at(frag: cute.Tensor, index: Int32) -> cute.Tensor:
-    """``frag`` at ``index`` of its last mode, for an operand that stays put across the key loop (a warpgroup's Q
-    tile): the index moves the low word only, and the constant high word stays in sight of ptxas. Its k blocks'
-    descriptors are then held in uniform registers across the loop, or built in one 64-bit add of a constant
-    (``UIADD3.64``) where ``descriptors_at``'s take two (a low add and its carry): at head dim 256, 3-8
-    instructions a tile fewer. For K's ring stage ptxas splits the same form into a low add and a re-materialized
-    high constant (18 more than ``descriptors_at``)."""
+def descriptors_at(frag: cute.Tensor, index: Int32, *, invariant: bool = False) -> cute.Tensor:
+    """``frag`` at ``index`` of its last mode (a ring's stage, a warpgroup's Q tile).
+
+    By default the index's offset is added to the whole 64-bit descriptor (``mul.wide.u32`` and a 64-bit add), so
+    each k block's is two uniform instructions from it (K's ring stage at head dim 256). Indexed as a tensor at each
+    k block instead, the offset goes into the low word only and ptxas re-sets the constant high word at every wgmma,
+    which past 16 k blocks costs more than it saves.
+
+    ``invariant``: an operand that stays put across the key loop (a warpgroup's Q tile). The index moves the low word
+    only and the constant high word stays in sight of ptxas: its k blocks' descriptors are then held in uniform
+    registers across the loop, or built in one 64-bit add of a constant (``UIADD3.64``) where the default's take two
+    (a low add and its carry): at head dim 256, 3-8 instructions a tile fewer. For K's ring stage ptxas splits this
+    form into a low add and a re-materialized high constant (18 more than the default)."""
     last = cute.rank(frag) - 1
-    mode = cute.coalesce(cute.make_layout(frag.shape[last], stride=frag.stride[last]))
+    mode = cute.coalesce(cute.make_layout(frag.shape[last], stride=frag.stride[last]))  # stages:stride
     desc = tcgen05.smem_descriptor_to_int(frag.iterator)
-    high = (desc >> 32) << 32  # the descriptor's constant high word (LLVM folds it from the descriptor's form)
-    desc = _low_word_at(desc, index, mode.stride) + high
+    if invariant:  # (LLVM folds the constant high word from the descriptor's form)
+        desc = _low_word_at(desc, index, mode.stride) + ((desc >> 32) << 32)
+    else:
+        desc = desc + _mul_wide_u32(index, mode.stride)
     return cute.make_tensor(tcgen05.int_to_smem_descriptor(desc), cute.select(frag.layout, list(range(last))))
 
 
@@ -600,11 +597,11 @@ class PagedAttention:
 
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        # This warpgroup's Q tile, picked once here in its descriptors' low word (``invariant_descriptors_at``).
+        # This warpgroup's Q tile, picked once here in its descriptors' low word (``descriptors_at``, invariant).
         # Indexing both warpgroups' tiles by warpgroup at each wgmma instead takes as many instructions a tile up to
         # head dim 128, 0-11 more at 192 (ptxas keeping the ring's stage in vector registers on some shapes), and
         # spills at 256.
-        t_rq = invariant_descriptors_at(tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q)), wg)
+        t_rq = descriptors_at(tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q)), wg, invariant=True)
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
         t_rv = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(s_vt))
