@@ -74,19 +74,28 @@ def test_pv_runs_under_the_next_softmax(compiled):
         assert not [pos for pos, n in waits if loop_qk < pos < softmax and n == 0]
 
 
-def test_qk_descriptors_advance_in_32_bits(compiled):
-    """In the loops no QK wgmma's descriptor takes a 64-bit add: Q's k blocks' are built once before them
-    (``sm90.descriptors_at``, invariant), K's are the stage's low word plus the k block's offset over a constant
-    high word. A 64-bit add on a descriptor rebuilt from the tile's address is split by ptxas into a carry chain and
-    high-word moves per wgmma. Head dim 256 adds K's stage to its whole descriptor once (measured shorter there)."""
+def test_qk_descriptors_one_add_each(compiled):
+    """In the loops each QK's K descriptors take one add each; Q's k blocks' are built once before them
+    (``sm90.descriptors_at``, invariant). Up to head dim 128 K's are the stage's low word plus the k block's offset
+    over a constant high word: no 64-bit add in the QK (a 64-bit add on a descriptor rebuilt from the tile's address
+    is split by ptxas into a carry chain and high-word moves per wgmma). Past 128 (``k_stage_whole``) the stage is
+    added to the whole descriptor once, and each other k block's is that plus its constant offset, one ``add.s64``
+    (ptxas: one ``UIADD3.64``, the stage computed from the tile's count)."""
     kernel, ptx, _ = compiled
-    if kernel.head_dim > 192:
-        return
     per_tile = kernel.head_dim // 16
-    qk = [m.start() for m in SS.finditer(ptx)]
+    qk = list(re.finditer(MMA + r"%rd\d+, (%rd\d+)", ptx))
     for site in range(1, 1 + LOOPS):  # the loops' QK (the first tile's is outside them)
         group = qk[site * per_tile:(site + 1) * per_tile]
-        assert "add.s64" not in ptx[group[0]:group[-1]]
+        if not kernel.k_stage_whole:
+            assert "add.s64" not in ptx[group[0].start():group[-1].start()]
+            continue
+        first = group[0][2]
+        offsets = []
+        for m in group[1:]:
+            op, args = _definition(ptx, m[2], m.start())
+            assert op == "add.s64" and args[0] == first, (site, op, args)
+            offsets.append(int(args[1]))
+        assert len(set(offsets)) == per_tile - 1 and 0 not in offsets
 
 
 def test_descriptors_built_once(compiled):

@@ -157,3 +157,35 @@ def test_sm90_attention_sees_every_key_under_the_widest_window():
     assert record.launches and all("PagedAttention" in str(kernel) for kernel, *_ in record.launches)
     assert not out.isnan().any()
     assert selftest.rel_err(out, want) <= selftest.TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("cache,head_dim,page_size", [("bf16", 256, 128), ("bf16", 192, 16),
+                                                       ("fp8 f32 scales", 256, 16)])
+def test_wide_sm90_attention_walks_many_tiles(cache, head_dim, page_size):
+    """Past head dim 128 a tile's ring stage and phase are computed from its count in the walk
+    (``PagedAttention.read_state``), not carried: a causal step over 600 keys (6-10 tiles of 112, 80 or 64 keys, the
+    rings' phases flipping every two), two query blocks on the long request so that it does not split, beside a
+    3-token request from an empty cache. A 16-bit cache in page slots of 128 and 16 rows, and an fp8 one
+    dequantized into the rings. Unread slots and the output NaN-poisoned, against the float64 reference."""
+    import math
+
+    import torch
+
+    from cute_kv import reference
+    from cute_kv.ops import paged_attention
+    from cute_kv.reference.batch import random_paged_batch
+
+    pb = random_paged_batch((560, 0), (40, 3), num_heads=2, head_size=head_dim, page_size=page_size,
+                            generator=torch.Generator().manual_seed(head_dim + page_size), **selftest.CACHES[cache])
+    pb.poison_unread(selftest.LAYER)
+    c = pb.collection
+    q = torch.randn(pb.total_rows, 8, head_dim, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16)
+    with simulated(ARCH, seed=2) as record:
+        paged_attention.dispatch(q, pb.input_row_offsets, c, selftest.LAYER, True, None, None, None, None, None, out,
+                                 None)
+    want = reference.paged_attention(q, pb.input_row_offsets, c, selftest.LAYER)
+    assert [str(kernel) for kernel, *_ in record.launches] and all(
+        "PagedAttention" in str(kernel) for kernel, *_ in record.launches)
+    assert not out.isnan().any()
+    assert selftest.rel_err(out, want) <= selftest.TOLERANCE[torch.bfloat16]

@@ -124,9 +124,10 @@ def descriptors_at(frag: cute.Tensor, index: Int32, *, invariant: bool = False) 
     """``frag`` at ``index`` of its last mode (a ring's stage, a warpgroup's Q tile).
 
     By default the index's offset is added to the whole 64-bit descriptor (``mul.wide.u32`` and a 64-bit add), so
-    each k block's is two uniform instructions from it (K's ring stage at head dim 256). Indexed as a tensor at each
-    k block instead, the offset goes into the low word only and ptxas re-sets the constant high word at every wgmma,
-    which past 16 k blocks costs more than it saves.
+    each k block's is one 64-bit add from it (K's ring stage past head dim 128, the stage computed from the tile's
+    count: ``PagedAttention.read_state``). Indexed as a tensor at each k block instead, the offset goes into the low
+    word only and ptxas re-sets the constant high word at every wgmma, which past 8 k blocks costs more than it
+    saves.
 
     ``invariant``: an operand that stays put across the key loop (a warpgroup's Q tile). The index moves the low word
     only and the constant high word stays in sight of ptxas: its k blocks' descriptors are then held in uniform
@@ -207,6 +208,10 @@ class PagedAttention:
         self.softcap, self.sinks, self.return_lse = softcap, sinks, return_lse
         self.plan = tiling(head_dim, self.kv_fp8, self.v_dim, page_size)
         self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
+        # Past head dim 128 (12-16 k blocks a QK): K's ring stage added to the whole descriptor once (``gemm_qk``),
+        # and a tile's read state computed from its count where the rings' depth is a power of two (``read_state``)
+        self.k_stage_whole = head_dim > 128
+        self.count_read = self.k_stage_whole and self.stages & (self.stages - 1) == 0
         self.swizzle = ring_swizzle(head_dim, False)  # of Q (and O staged in it) and the K ring
         self.v_swizzle = ring_swizzle(self.v_dim, False)
         # of the tiles TMA writes: K's and V's (an fp8 cache has V as wide as K)
@@ -671,8 +676,8 @@ class PagedAttention:
         """Tile ``last_tile - i``: issue its QK and the previous tile's PV (in this warpgroup's ping-pong turn, if
         any), wait for the QK only, run the softmax while the PV runs, then rescale O (skipped when no row max of the
         warp moved). Returns the read state."""
-        prev = read.clone()
-        read.advance()
+        prev = read
+        read = self.read_state(i, prev)
         self.wait(pipe_k, read)
         self.sched_wait()
         self.gemm_qk(tiled_mma_qk, acc_s, t_rq, t_rk, read.index)
@@ -687,6 +692,21 @@ class PagedAttention:
         self.release(pipe_v, prev)
         softmax.to_16bit(softmax.a_fragment_view(acc_s), t_rp)
         softmax.rescale_rows_if_moved(acc_o, row_scale)
+        return read
+
+    @cute.jit
+    def read_state(self, i: Int32, prev: pipeline.PipelineState) -> pipeline.PipelineState:
+        """The read state of the walk's tile ``i``, the rings' fill ``i`` (the first tile is fill 0): ``prev``
+        advanced, or with ``count_read`` the stage and phase from ``i``, none of them carried through the loop. With K's
+        stage added to the whole descriptor, ptxas then keeps the stage uniform (no ``R2UR`` / ``IMAD.U32`` round trips
+        through vector registers) and forms each k block's K descriptor in one ``UIADD3.64``, where the carried stage
+        took two (a low add and its carry): 6-16 instructions a tile fewer at head dims 192 and 256. At 128 and below
+        (8 k blocks or fewer, K indexed per k block) either form of the state is within 2 instructions."""
+        if cutlass.const_expr(self.count_read):
+            s = self.stages
+            return pipeline.PipelineState(s, i, i & (s - 1), (i >> (s.bit_length() - 1)) & 1)
+        read = prev.clone()
+        read.advance()
         return read
 
     @cute.jit
@@ -721,8 +741,7 @@ class PagedAttention:
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, False)
-        whole = self.head_dim > 192  # K's stage added to the whole 64-bit descriptor once: at 256 (16 k blocks) 8-16
-        # fewer instructions a tile than each k block indexed with the stage, the shorter form at 192 on most shapes
+        whole = self.k_stage_whole  # (with ``read_state``'s count: each k block's K descriptor one 64-bit add)
         if cutlass.const_expr(whole):
             t_rk = descriptors_at(t_rk, stage)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
