@@ -613,6 +613,8 @@ class Program:
         elected = False
         checks = []
         for p, want, at in facts:
+            if self._leaves_wait_loop(p, want, at):
+                continue
             e = self._elect_polarity(p, at)
             if e is None:
                 checks.append((p, want, at))
@@ -648,6 +650,20 @@ class Program:
                         seen.add(t)
                         todo.append((t, t if step > 0 else self.cfg[t].end - 1))
         return out
+
+    def _leaves_wait_loop(self, pred: str, want: bool, at: int) -> bool:
+        """Whether ``pred == want`` is the way out of a wait's retry loop: ``pred`` (or its negation) is an
+        mbarrier wait's result and the branch at ``at`` otherwise goes back to the block of that wait. Every thread
+        leaves such a loop the same way, once the phase completes: it decides when a thread goes on, not whether (as
+        a retry loop inside an inline-asm wait, which ``blocks`` takes as straight-line code)."""
+        ins = self.def_of(pred, at)
+        while ins is not None and ins.op == "not.pred":
+            ins = self.def_of(ins.args[1], ins.index)
+        if ins is None or _kind(ins.op) != "wait":
+            return False
+        block = self.cfg[self.block_of[at]]
+        return any(cond is not None and cond[2] == at and cond[1] != want and t == self.block_of[ins.index]
+                   for t, cond in block.succs)
 
     def _elect_polarity(self, pred: str, at: int) -> Optional[bool]:
         """True: ``pred`` is an ``elect.sync`` result; False: its negation; None: neither."""

@@ -3,6 +3,7 @@ from the PTX, on fixed PTX for each kind of arriver and on every catalog configu
 phases (the SM100 W4 kernel's load ring deadlocked: initialized for 128 arrivals, released by 4)."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -179,6 +180,9 @@ def test_barrier_arrivals_in_one_phase(between, twice):
 
 
 N_LOADED = "\tld.global.b32 %r11, [%rd2];\n"
+MIXED_PHASE = "\tadd.s32 %r12, %r2, %r11;\n\tand.b32 %r12, %r12, 1;\n"  # the thread's index and data decide it
+RETRY = ("$L__retry:\n\tmbarrier.try_wait.parity.shared.b64 %p4, [%r1], %r12;\n\tnot.pred %p5, %p4;\n"
+         "\t@%p5 bra {target};\n")
 LANE0_ARRIVE = "\tsetp.ne.b32 %p1, %r4, 0;\n\t@%p1 bra $L__end;\n\tmbarrier.arrive.shared.b64 %rd1, [%r1];"
 
 
@@ -187,15 +191,19 @@ LANE0_ARRIVE = "\tsetp.ne.b32 %p1, %r4, 0;\n\t@%p1 bra $L__end;\n\tmbarrier.arri
     (N_LOADED + "\tsetp.eq.b32 %p3, %r11, 0;\n\t@%p3 bra $L__end;\n" + LANE0_ARRIVE, False),  # n != 0: whether
     (N_LOADED + "\tsetp.ge.u32 %p3, %r2, %r11;\n\t@%p3 bra $L__end;\n" + WAIT.format(offset=0) + "\n" + LANE0_ARRIVE,
      False),  # tid < n before the wait: which loop copy runs
-], ids=["tid < n", "n != 0", "tid < n, then a wait"])
+    (N_LOADED + MIXED_PHASE + RETRY.format(target="$L__retry") + LANE0_ARRIVE, False),  # the wait's retry loop
+    (N_LOADED + MIXED_PHASE + RETRY.format(target="$L__end") + LANE0_ARRIVE, True),  # a failed test skips the arrive
+], ids=["tid < n", "n != 0", "tid < n, then a wait", "retried wait", "tested once"])
 def test_barrier_data_decides_arrivers(code, mixed):
     """A condition that data decides per thread (``tid < n``, n loaded) on the way to an arrive since the last wait
     decides who arrives, which the count cannot know (it takes the condition as true): a finding. A condition on
-    data alone decides whether the phase happens, not who arrives."""
+    data alone decides whether the phase happens, not who arrives. A wait retried in plain PTX (not an inline-asm
+    loop) until its phase completes, on a phase the thread computed from its index and data, decides when the
+    thread arrives, not whether; the same test branching past the arrive does decide who."""
     ptx = _kernel(code, [(0, 4)], tail=WAIT.format(offset=0))
     report = barriers.analyze(ptx, ALL)
     assert _rows(report) == {"smem+0": (4, 4)}
-    branch = next(n for n, text in enumerate(ptx.splitlines(), 1) if "@%p3 bra" in text)
+    branch = next(n for n, text in enumerate(ptx.splitlines(), 1) if re.search(r"@%p[35] bra", text))
     assert [f.message.split(": ", 2)[-1] for f in report.findings] == [
         f"who arrives depends on data that differs between threads (the condition at line {branch})"] * mixed
 
