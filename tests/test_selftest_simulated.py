@@ -159,14 +159,15 @@ def test_sm90_attention_sees_every_key_under_the_widest_window():
     assert selftest.rel_err(out, want) <= selftest.TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("cache,head_dim,page_size", [("bf16", 256, 128), ("bf16", 192, 16),
+@pytest.mark.parametrize("cache,head_dim,page_size", [("bf16", 256, 128), ("bf16", 192, 16), ("bf16", 256, 8),
                                                        ("fp8 f32 scales", 256, 16)])
 def test_wide_sm90_attention_walks_many_tiles(cache, head_dim, page_size):
     """Past head dim 128 a tile's ring stage and phase are computed from its count in the walk
     (``PagedAttention.read_state``), not carried: a causal step over 600 keys (6-10 tiles of 112, 80 or 64 keys, the
     rings' phases flipping every two), two query blocks on the long request so that it does not split, beside a
-    3-token request from an empty cache. A 16-bit cache in page slots of 128 and 16 rows, and an fp8 one
-    dequantized into the rings. Unread slots and the output NaN-poisoned, against the float64 reference."""
+    3-token request from an empty cache. A 16-bit cache in page slots of 128 and 16 rows and in gathered pages of
+    8, and an fp8 one dequantized into the rings. Unread slots and the output NaN-poisoned, against the float64
+    reference."""
     import math
 
     import torch

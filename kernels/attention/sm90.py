@@ -209,7 +209,8 @@ class PagedAttention:
         self.plan = tiling(head_dim, self.kv_fp8, self.v_dim, page_size)
         self.bn, self.stages, self.fp8_stages = self.plan.bn, self.plan.stages, self.plan.fp8_stages
         # Past head dim 128 (12-16 k blocks a QK): K's ring stage added to the whole descriptor once (``gemm_qk``),
-        # and a tile's read state computed from its count where the rings' depth is a power of two (``read_state``)
+        # and a tile's read state computed from its count (``read_state``; every ring there is two deep, the power
+        # of two its bit form needs)
         self.k_stage_whole = head_dim > 128
         self.count_read = self.k_stage_whole and self.stages & (self.stages - 1) == 0
         self.swizzle = ring_swizzle(head_dim, False)  # of Q (and O staged in it) and the K ring
@@ -603,9 +604,8 @@ class PagedAttention:
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         # This warpgroup's Q tile, picked once here in its descriptors' low word (``descriptors_at``, invariant).
-        # Indexing both warpgroups' tiles by warpgroup at each wgmma instead takes as many instructions a tile up to
-        # head dim 128, 0-11 more at 192 (ptxas keeping the ring's stage in vector registers on some shapes), and
-        # spills at 256.
+        # Indexing both warpgroups' tiles by warpgroup at each wgmma instead took as many instructions a tile up to
+        # head dim 128, more at 192, and spilled at 256.
         t_rq = descriptors_at(tiled_mma_qk.make_fragment_A(thr_qk.partition_A(s_q)), wg, invariant=True)
         t_rk = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(s_k))
         s_vt = cute.composition(s_v, cute.make_ordered_layout((dv, bn, self.stages), order=(1, 0, 2)))
@@ -697,11 +697,12 @@ class PagedAttention:
     @cute.jit
     def read_state(self, i: Int32, prev: pipeline.PipelineState) -> pipeline.PipelineState:
         """The read state of the walk's tile ``i``, the rings' fill ``i`` (the first tile is fill 0): ``prev``
-        advanced, or with ``count_read`` the stage and phase from ``i``, none of them carried through the loop. With K's
-        stage added to the whole descriptor, ptxas then keeps the stage uniform (no ``R2UR`` / ``IMAD.U32`` round trips
-        through vector registers) and forms each k block's K descriptor in one ``UIADD3.64``, where the carried stage
-        took two (a low add and its carry): 6-16 instructions a tile fewer at head dims 192 and 256. At 128 and below
-        (8 k blocks or fewer, K indexed per k block) either form of the state is within 2 instructions."""
+        advanced, or with ``count_read`` the stage and phase computed from ``i`` (the previous tile's state, which its
+        V wait and PV take, is then this one of the step before). With K's stage added to the whole descriptor, ptxas
+        then forms each k block's K descriptor in one ``UIADD3.64`` where the advanced stage took two (a low add and
+        its carry), and at head dim 192 keeps the stage out of vector registers (no ``R2UR`` round trips): 6-23
+        instructions a tile fewer at head dims 192 and 256. Up to head dim 128 (K indexed per k block) the two forms
+        measured within 2 instructions of each other."""
         if cutlass.const_expr(self.count_read):
             s = self.stages
             return pipeline.PipelineState(s, i, i & (s - 1), (i >> (s.bit_length() - 1)) & 1)
@@ -741,11 +742,10 @@ class PagedAttention:
         atom = cute.make_mma_atom(tiled_mma.op)
         warpgroup.fence()
         atom.set(warpgroup.Field.ACCUMULATE, False)
-        whole = self.k_stage_whole  # (with ``read_state``'s count: each k block's K descriptor one 64-bit add)
-        if cutlass.const_expr(whole):
+        if cutlass.const_expr(self.k_stage_whole):  # (with ``read_state``: each k block's K descriptor one add)
             t_rk = descriptors_at(t_rk, stage)
         for kb in cutlass.range_constexpr(cute.size(t_rq, mode=[2])):
-            k_block = t_rk[None, None, kb] if cutlass.const_expr(whole) else t_rk[None, None, kb, stage]
+            k_block = t_rk[None, None, kb] if cutlass.const_expr(self.k_stage_whole) else t_rk[None, None, kb, stage]
             cute.gemm(atom, acc, t_rq[None, None, kb], k_block, acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
