@@ -656,26 +656,26 @@ class Program:
         mbarrier wait's result and the branch at ``at`` otherwise goes back to the block of that wait. Every thread
         leaves such a loop the same way, once the phase completes: it decides when a thread goes on, not whether (as
         a retry loop inside an inline-asm wait, which ``blocks`` takes as straight-line code)."""
-        ins = self.def_of(pred, at)
-        while ins is not None and ins.op == "not.pred":
-            ins = self.def_of(ins.args[1], ins.index)
+        ins, _ = self._negations_of(pred, at)
         if ins is None or _kind(ins.op) != "wait":
             return False
         block = self.cfg[self.block_of[at]]
         return any(cond is not None and cond[2] == at and cond[1] != want and t == self.block_of[ins.index]
                    for t, cond in block.succs)
 
+    def _negations_of(self, pred: str, at: int) -> tuple[Optional[Instr], bool]:
+        """The instruction that defines ``pred`` through any ``not.pred``s, and whether they negate it."""
+        ins, negated = self.def_of(pred, at), False
+        while ins is not None and ins.op == "not.pred":
+            ins, negated = self.def_of(ins.args[1], ins.index), not negated
+        return ins, negated
+
     def _elect_polarity(self, pred: str, at: int) -> Optional[bool]:
         """True: ``pred`` is an ``elect.sync`` result; False: its negation; None: neither."""
-        ins = self.def_of(pred, at)
-        if ins is None:
+        ins, negated = self._negations_of(pred, at)
+        if ins is None or not ins.op.startswith("elect.sync"):
             return None
-        if ins.op.startswith("elect.sync"):
-            return True
-        if ins.op == "not.pred":
-            inner = self._elect_polarity(ins.args[1], ins.index)
-            return None if inner is None else not inner
-        return None
+        return not negated
 
 
 # -- barriers and arrivals -------------------------------------------------------------------------------------
